@@ -1,0 +1,3 @@
+from coordlfs.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Benchmarks: each runs its baselines and coordlfs side by side and prints ratios."""

@@ -1,0 +1,221 @@
+"""The ``coordlfs`` command. Every user-facing failure is one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, NoReturn
+
+from coordlfs import __version__
+from coordlfs.config import (
+    DEFAULT_MAX_FILE_SHARE,
+    MountConfig,
+    default_cache_dir,
+    default_cache_size,
+    default_log_file,
+)
+from coordlfs.control import Control, ControlError
+from coordlfs.errors import UserError
+from coordlfs.mounting import (
+    check_directory,
+    check_mountpoint_free,
+    free_space,
+    mount_at,
+    spawn_daemon,
+    unmount,
+)
+from coordlfs.sizes import format_size, parse_size
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="coordlfs", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"coordlfs {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    m = sub.add_parser("mount", help="mount SOURCE read-only on MOUNTPOINT with the MinIO cache")
+    m.add_argument("source")
+    m.add_argument("mountpoint")
+    m.add_argument("--cache-size", metavar="SIZE",
+                   help="cache capacity: bytes with K/M/G/T suffix, or N%% of RAM (default 50%%)")
+    m.add_argument("--max-file-size", metavar="SIZE",
+                   help="files larger than this are streamed, never cached (default: a quarter "
+                        "of the cache)")
+    m.add_argument("--cache-dir", metavar="DIR",
+                   help="directory for cached bytes, on tmpfs (default under /dev/shm/coordlfs)")
+    m.add_argument("--keep-cache", action="store_true",
+                   help="keep the cached bytes after unmount, for the next mount of this source")
+    m.add_argument("-f", "--foreground", action="store_true", help="do not detach")
+    m.add_argument("--allow-other", action="store_true", help="let other users read the mount")
+    m.add_argument("--log", metavar="FILE", help="log file (default: stderr in the foreground)")
+    m.add_argument("--debug", action="store_true", help="log at debug level")
+    m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+
+    u = sub.add_parser("umount", help="unmount and wait for the daemon to exit")
+    u.add_argument("mountpoint")
+    u.add_argument("--lazy", action="store_true", help="detach now even if files are open")
+
+    s = sub.add_parser("stats", help="cache and read statistics of a mount")
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true", help="print the status as JSON")
+    s.add_argument("--since", metavar="MARK", help="only reads after this mark")
+
+    k = sub.add_parser("mark", help="record a named point (an epoch boundary) in the statistics")
+    k.add_argument("mountpoint")
+    k.add_argument("name")
+
+    b = sub.add_parser("bench", help="benchmarks against the page cache and baselines")
+    bench_sub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    from coordlfs.bench import hits
+
+    hits.add_arguments(bench_sub.add_parser("hits", help=hits.__doc__.splitlines()[0]))
+    return parser
+
+
+def resolve_mount(args: argparse.Namespace) -> MountConfig:
+    source = check_directory(args.source, "source")
+    mountpoint = check_directory(args.mountpoint, "mountpoint")
+    check_mountpoint_free(mountpoint)
+    cache_dir = os.path.abspath(args.cache_dir) if args.cache_dir else default_cache_dir(source)
+    if args.cache_size is None:
+        cache_size = default_cache_size()
+    else:
+        cache_size = parse_size(args.cache_size, "--cache-size")
+    room = free_space(cache_dir)
+    if cache_size > room and not os.path.isdir(cache_dir):
+        print(f"coordlfs: warning: --cache-size {format_size(cache_size)} is more than the "
+              f"{format_size(room)} free for {cache_dir}; using {format_size(room)}",
+              file=sys.stderr)
+        cache_size = room
+    if args.max_file_size is None:
+        max_file = int(cache_size * DEFAULT_MAX_FILE_SHARE)
+    else:
+        max_file = parse_size(args.max_file_size, "--max-file-size")
+    log_file = args.log or (None if args.foreground else default_log_file(mountpoint))
+    return MountConfig(source, mountpoint, cache_size, max_file, cache_dir,
+                       keep_cache=args.keep_cache, allow_other=args.allow_other,
+                       log_file=log_file and os.path.abspath(log_file), debug=args.debug)
+
+
+def _daemon_argv(config: MountConfig) -> list[str]:
+    argv = ["mount", config.source, config.mountpoint, "--cache-size", str(config.cache_size),
+            "--max-file-size", str(config.max_file_size), "--cache-dir", config.cache_dir]
+    if config.log_file:
+        argv += ["--log", config.log_file]
+    for flag, on in (("--keep-cache", config.keep_cache), ("--allow-other", config.allow_other),
+                     ("--debug", config.debug)):
+        if on:
+            argv.append(flag)
+    return argv
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    config = resolve_mount(args)
+    summary = (f"{config.source} on {config.mountpoint}, cache {format_size(config.cache_size)}"
+               f"{' (default: 50% of RAM)' if args.cache_size is None else ''} in "
+               f"{config.cache_dir}")
+    if not args.foreground:
+        spawn_daemon(_daemon_argv(config), config.log_file or "")
+        print(f"coordlfs: mounted {summary}; log {config.log_file}")
+        return 0
+    return _run_foreground(config, args.ready_fd, summary)
+
+
+def _run_foreground(config: MountConfig, ready_fd: int | None, summary: str) -> int:
+    from coordlfs.daemon import Daemon, setup_logging
+
+    def report(line: str) -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, line.encode() + b"\n")
+            os.close(ready_fd)
+        elif line.startswith("ok"):
+            print(f"coordlfs: mounted {summary}", flush=True)
+
+    setup_logging(config.log_file, config.debug)
+    try:
+        daemon = Daemon(config)
+        daemon.run(lambda: report("ok"))
+    except UserError as e:
+        if ready_fd is None:
+            raise
+        report(f"error {e}")
+        return 1
+    return 0
+
+
+def _control(mountpoint: str) -> Control:
+    entry = mount_at(mountpoint)
+    if entry is None or entry.fstype != "fuse.coordlfs":
+        raise UserError(f"{mountpoint} is not a coordlfs mount")
+    return Control(mountpoint)
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    control = _control(args.mountpoint)
+    try:
+        pid = control.status()["pid"]
+    except (ControlError, OSError, ValueError, KeyError):
+        pid = None  # a dead daemon: unmount anyway
+    unmount(os.path.realpath(args.mountpoint), pid, args.lazy)
+    return 0
+
+
+def _table(status: dict[str, Any], window: dict[str, Any] | None) -> str:
+    cache, reads = status["cache"], (window or status)["reads"]
+    served = reads["cache_hits"] + reads["misses"]
+    rate = f"{100 * reads['cache_hits'] / served:.1f}%" if served else "-"
+    lines = [
+        f"coordlfs {status['version']} on {status['mountpoint']} "
+        f"(source {status['source']}, pid {status['pid']})",
+        f"cache    {format_size(cache['used_bytes'])} of {format_size(cache['capacity_bytes'])} "
+        f"used, {cache['files']} files ({cache['filling']} filling)",
+    ]
+    if window:
+        lines.append(f"window   {window['since']} .. {window['until']} "
+                     f"({window['seconds']:.1f} s)")
+    lines += [
+        f"reads    {reads['cache_hits']} hits, {reads['misses']} misses, hit rate {rate}",
+        f"bytes    {format_size(reads['bytes_from_cache'])} from cache, "
+        f"{format_size(reads['bytes_from_source'])} from source",
+        f"files    {reads['files_from_source']} from source",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    control = _control(args.mountpoint)
+    status = control.status()
+    window = control.stats(since=args.since) if args.since else None
+    if args.json:
+        print(json.dumps({**status, "window": window} if window else status, indent=2))
+    else:
+        print(_table(status, window))
+    return 0
+
+
+def cmd_mark(args: argparse.Namespace) -> int:
+    _control(args.mountpoint).mark(args.name)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    commands = {"mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats, "mark": cmd_mark}
+    try:
+        if args.command == "bench":
+            from coordlfs.bench import hits
+
+            return {"hits": hits.run}[args.bench](args)
+        return commands[args.command](args)
+    except (UserError, ControlError) as e:
+        print(f"coordlfs: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("coordlfs: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,47 @@
+"""Everything a mount is started with, resolved to concrete values before the daemon starts."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import xxhash
+
+from coordlfs.sizes import physical_memory
+
+#: Where cached bytes live by default: shared memory, like CoorDL's /dev/shm cache.
+SHM_ROOT = "/dev/shm/coordlfs"
+DEFAULT_CACHE_SHARE = 0.5
+#: A single file may take at most this share of the cache unless --max-file-size says else,
+#: so one huge shard cannot starve the many files of a training set.
+DEFAULT_MAX_FILE_SHARE = 0.25
+
+
+@dataclass(slots=True)
+class MountConfig:
+    source: str
+    mountpoint: str
+    cache_size: int
+    max_file_size: int
+    cache_dir: str
+    keep_cache: bool = False
+    allow_other: bool = False
+    log_file: str | None = None
+    debug: bool = False
+
+
+def default_cache_dir(source: str) -> str:
+    """One directory per source, so a restarted daemon over the same source finds it warm."""
+    real = os.path.realpath(source)
+    name = os.path.basename(real.rstrip("/")) or "root"
+    return os.path.join(SHM_ROOT, f"{name}-{xxhash.xxh64_hexdigest(os.fsencode(real))}")
+
+
+def default_cache_size() -> int:
+    return int(physical_memory() * DEFAULT_CACHE_SHARE)
+
+
+def default_log_file(mountpoint: str) -> str:
+    state = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    escaped = os.path.realpath(mountpoint).strip("/").replace("/", "-") or "root"
+    return os.path.join(state, "coordlfs", f"{escaped}.log")

@@ -1,0 +1,74 @@
+"""Python client for a mount's control file (protocol in ``coordlfs.control_server``).
+
+    from coordlfs.control import Control
+    ctl = Control("/mnt/data")
+    ctl.mark("epoch-1")
+    print(ctl.stats(since="epoch-1")["reads"]["bytes_from_source"])
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from typing import Any
+
+from coordlfs import CONTROL_NAME
+
+
+class ControlError(Exception):
+    """The mount refused a request, or the path is no coordlfs mount."""
+
+
+class Control:
+    def __init__(self, mountpoint: str | os.PathLike[str]) -> None:
+        self.mountpoint = os.fspath(mountpoint)
+        self.path = os.path.join(self.mountpoint, CONTROL_NAME)
+
+    def _open(self, flags: int) -> int:
+        try:
+            return os.open(self.path, flags)
+        except FileNotFoundError:
+            raise ControlError(f"{self.mountpoint} is not a coordlfs mount") from None
+        except OSError as e:
+            raise ControlError(f"{self.mountpoint}: {e.strerror}") from None
+
+    def status(self) -> dict[str, Any]:
+        fd = self._open(os.O_RDONLY)
+        try:
+            return json.loads(_read_all(fd))
+        finally:
+            os.close(fd)
+
+    def request(self, cmd: str, **args: Any) -> dict[str, Any]:
+        """Send one command and return its reply; ControlError carries the mount's message."""
+        line = json.dumps({"cmd": cmd, **args}).encode() + b"\n"
+        fd = self._open(os.O_RDWR)
+        try:
+            try:
+                os.write(fd, line)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: refused, the reply says why
+                    raise ControlError(f"{self.mountpoint}: {e.strerror}") from None
+            reply = json.loads(_read_all(fd))
+        finally:
+            os.close(fd)
+        if not reply.get("ok"):
+            raise ControlError(reply.get("error", "request failed"))
+        return reply
+
+    def stats(self, since: str | None = None, until: str | None = None) -> dict[str, Any]:
+        return self.request("stats", since=since, until=until)["stats"]
+
+    def mark(self, name: str) -> dict[str, Any]:
+        return self.request("mark", name=name)["mark"]
+
+    def marks(self) -> list[dict[str, Any]]:
+        return self.request("marks")["marks"]
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,106 @@
+"""The mount's process: assemble source, cache and control, mount, serve until unmounted."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pyfuse3
+import trio
+
+from coordlfs import PROTOCOL_VERSION, __version__
+from coordlfs.cache import MinioCache
+from coordlfs.config import MountConfig
+from coordlfs.control_server import ControlServer
+from coordlfs.errors import UserError
+from coordlfs.fs import Operations
+from coordlfs.source import Source
+from coordlfs.stats import Stats, register_commands
+
+log = logging.getLogger("coordlfs")
+
+
+def setup_logging(log_file: str | None, debug: bool) -> None:
+    if log_file:
+        os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+        handler: logging.Handler = logging.FileHandler(log_file)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+
+
+class Daemon:
+    def __init__(self, config: MountConfig) -> None:
+        self.config = config
+        self.stats = Stats()
+        self.source = Source(config.source)
+        self.cache = MinioCache(config.cache_dir, config.cache_size, config.max_file_size,
+                                self.stats.reads)
+        self.control = ControlServer(self.status)
+        register_commands(self.control, self.stats)
+        self.ops = Operations(self.source, self.cache, self.stats.reads, self.control)
+
+    def status(self) -> dict[str, Any]:
+        cache = self.cache
+        return {
+            "version": __version__,
+            "protocol": PROTOCOL_VERSION,
+            "source": self.source.path,
+            "mountpoint": self.config.mountpoint,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.stats.started, 3),
+            "cache": {
+                "capacity_bytes": cache.capacity,
+                "used_bytes": cache.used,
+                "files": sum(1 for e in cache.entries.values() if e.complete),
+                "filling": sum(1 for e in cache.entries.values() if not e.complete),
+                "max_file_bytes": cache.max_file_size,
+                "directory": cache.directory,
+            },
+            "reads": self.stats.reads.snapshot(),
+            "inodes": len(self.ops.inodes),
+            "marks": [m.name for m in self.stats.marks],
+        }
+
+    def run(self, ready: Callable[[], None]) -> None:
+        warm = self.cache.load(self.source)
+        log.info("source %s, cache %s: %d bytes of %d in %d warm entries", self.source.path,
+                 self.cache.directory, self.cache.used, self.cache.capacity, warm)
+        options = {"fsname=" + self.source.path, "subtype=coordlfs", "default_permissions"}
+        if self.config.allow_other:
+            options.add("allow_other")
+        try:
+            pyfuse3.init(self.ops, self.config.mountpoint, options)
+        except RuntimeError as e:
+            raise UserError(f"cannot mount on {self.config.mountpoint}: {e}") from None
+        log.info("mounted on %s", self.config.mountpoint)
+        try:
+            trio.run(self._serve, ready)
+        finally:
+            pyfuse3.close(unmount=True)
+            self.cache.close(keep=self.config.keep_cache)
+            self.source.close()
+            log.info("unmounted %s", self.config.mountpoint)
+
+    async def _serve(self, ready: Callable[[], None]) -> None:
+        async with trio.open_nursery() as nursery:
+            self.ops.nursery = nursery
+            nursery.start_soon(self._terminate_on_signal)
+            ready()
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+
+    async def _terminate_on_signal(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                log.info("%s: unmounting", signal.Signals(signum).name)
+                pyfuse3.terminate()
+                return

@@ -1,0 +1,339 @@
+"""The pyfuse3 ``Operations``: a thin layer over the source, inode table, cache and control.
+
+pyfuse3 runs every handler on one trio thread, and any exception other than FUSEError kills
+the whole filesystem; ``guarded`` turns such an exception into EIO for that one request and a
+log line. Nothing here blocks on data: source reads run in worker threads (see cache.py), and
+only metadata calls, which the source's dentry and inode caches answer, run inline.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pyfuse3
+import trio
+
+from coordlfs import CONTROL_NAME
+from coordlfs.cache import Entry, MinioCache
+from coordlfs.control_server import ControlHandle, ControlServer
+from coordlfs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable
+from coordlfs.source import Source, SourceReader
+from coordlfs.stats import ReadCounters
+
+log = logging.getLogger(__name__)
+
+#: Seconds the kernel may keep entries and attributes (positive and negative). A dataset is
+#: read-mostly; a file changed in place is still noticed on open (see ``open``).
+TIMEOUT = 3600.0
+
+_CONTROL_NAME = os.fsencode(CONTROL_NAME)
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def guarded(handler: F) -> F:
+    """Map OSError to its errno and any other exception to EIO, so the mount stays up."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await handler(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        except Exception:
+            log.exception("%s failed; answering EIO", handler.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@dataclass(slots=True, eq=False)
+class FileHandle:
+    inode: int
+    path: bytes
+    st: os.stat_result
+    entry: Entry | None = None
+    cache_fd: int = -1
+    reader: SourceReader | None = None
+
+    def close(self) -> None:
+        if self.cache_fd >= 0:
+            os.close(self.cache_fd)
+        if self.reader is not None:
+            self.reader.close()
+
+
+@dataclass(slots=True, eq=False)
+class DirHandle:
+    path: bytes
+    entries: list[tuple[bytes, os.stat_result]]
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, source: Source, cache: MinioCache, counters: ReadCounters,
+                 control: ControlServer) -> None:
+        super().__init__()
+        self.source = source
+        self.cache = cache
+        self.counters = counters
+        self.control = control
+        root = source.lstat(b"")
+        self.inodes = InodeTable((root.st_dev, root.st_ino))
+        self._handles: dict[int, FileHandle | DirHandle | ControlHandle] = {}
+        self._next_fh = 1
+        #: Fills outlive the read that started them; set by the daemon before serving.
+        self.nursery: trio.Nursery | None = None
+
+    # -- attributes ---------------------------------------------------------------
+
+    def _attr(self, inode: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        for name in ("st_mode", "st_nlink", "st_uid", "st_gid", "st_rdev", "st_size",
+                     "st_blksize", "st_blocks", "st_atime_ns", "st_mtime_ns", "st_ctime_ns"):
+            setattr(attr, name, getattr(st, name))
+        attr.st_ino = inode
+        attr.entry_timeout = TIMEOUT
+        attr.attr_timeout = TIMEOUT
+        return attr
+
+    def _control_attr(self) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = CONTROL_INODE
+        attr.st_mode = stat.S_IFREG | 0o666
+        attr.st_nlink = 1
+        attr.st_blksize = 4096
+        attr.entry_timeout = TIMEOUT
+        attr.attr_timeout = TIMEOUT
+        return attr
+
+    def _child(self, parent: int, name: bytes) -> bytes:
+        base = self.inodes[parent].path
+        return base + b"/" + name if base else name
+
+    def _known(self, st: os.stat_result, path: bytes) -> int:
+        """The inode for a source stat result, noting the version the kernel now sees."""
+        inode = self.inodes.inode_for((st.st_dev, st.st_ino), path)
+        self.inodes[inode].version = (st.st_size, st.st_mtime_ns)
+        return inode
+
+    def _node_path(self, inode: int) -> bytes:
+        try:
+            return self.inodes[inode].path
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.ESTALE) from None
+
+    @guarded
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> Any:
+        if parent_inode == ROOT_INODE and name == _CONTROL_NAME:
+            return self._control_attr()
+        if name == b".":
+            path = self._node_path(parent_inode)
+        elif name == b"..":
+            path = self._node_path(parent_inode).rpartition(b"/")[0]
+        else:
+            self._node_path(parent_inode)
+            path = self._child(parent_inode, name)
+        try:
+            st = self.source.lstat(path)
+        except FileNotFoundError:
+            negative = pyfuse3.EntryAttributes()
+            negative.st_ino = 0
+            negative.entry_timeout = TIMEOUT
+            return negative
+        inode = self._known(st, path)
+        self.inodes.ref(inode)
+        return self._attr(inode, st)
+
+    @guarded
+    async def getattr(self, inode: int, ctx: Any = None) -> Any:
+        if inode == CONTROL_INODE:
+            return self._control_attr()
+        st = self.source.lstat(self._node_path(inode))
+        return self._attr(self._known(st, self.inodes[inode].path), st)
+
+    @guarded
+    async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any) -> Any:
+        # Shell redirection (`echo ... > .coordlfs`) truncates first: accept it, change nothing.
+        if inode == CONTROL_INODE:
+            return self._control_attr()
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for inode, count in inode_list:
+            if inode != CONTROL_INODE:
+                self.inodes.forget(inode, count)
+
+    @guarded
+    async def readlink(self, inode: int, ctx: Any) -> bytes:
+        return self.source.readlink(self._node_path(inode))
+
+    @guarded
+    async def access(self, inode: int, mode: int, ctx: Any) -> bool:
+        if mode & os.W_OK and inode != CONTROL_INODE:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        return True
+
+    @guarded
+    async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
+        st = self.source.statvfs()
+        data = pyfuse3.StatvfsData()
+        for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
+                     "f_ffree", "f_favail", "f_namemax"):
+            setattr(data, name, getattr(st, name))
+        return data
+
+    @guarded
+    async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        if inode == CONTROL_INODE:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return self.source.getxattr(self._node_path(inode), name)
+
+    @guarded
+    async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
+        if inode == CONTROL_INODE:
+            return []
+        return self.source.listxattr(self._node_path(inode))
+
+    # -- directories -----------------------------------------------------------------
+
+    def _new_handle(self, handle: FileHandle | DirHandle | ControlHandle) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = handle
+        return fh
+
+    @guarded
+    async def opendir(self, inode: int, ctx: Any) -> int:
+        path = self._node_path(inode)
+        entries = await trio.to_thread.run_sync(self.source.scan, path)
+        return self._new_handle(DirHandle(path, entries))
+
+    @guarded
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        handle = self._handles[fh]
+        assert isinstance(handle, DirHandle)
+        base = handle.path
+        for index in range(start_id, len(handle.entries)):
+            name, st = handle.entries[index]
+            inode = self._known(st, base + b"/" + name if base else name)
+            if not pyfuse3.readdir_reply(token, name, self._attr(inode, st), index + 1):
+                self.inodes.drop_if_unreferenced(inode)
+                break
+            self.inodes.ref(inode)
+
+    @guarded
+    async def releasedir(self, fh: int) -> None:
+        del self._handles[fh]
+
+    # -- files ---------------------------------------------------------------------
+
+    @guarded
+    async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
+        if inode == CONTROL_INODE:
+            # direct_io: replies are produced per request, never cached, whatever st_size says.
+            return pyfuse3.FileInfo(fh=self._new_handle(ControlHandle(self.control)),
+                                    direct_io=True, keep_cache=False)
+        if flags & _WRITE_FLAGS:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        st = self.source.lstat(self._node_path(inode))
+        node = self.inodes[inode]
+        if not stat.S_ISREG(st.st_mode):
+            raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
+        changed = node.version != (st.st_size, st.st_mtime_ns)
+        if changed:
+            # The kernel holds old attributes and maybe old pages: drop both before the reader
+            # sees this open succeed (attributes only here; keep_cache=False drops the pages).
+            log.info("source file %s changed; invalidating", os.fsdecode(node.path))
+            node.version = (st.st_size, st.st_mtime_ns)
+            pyfuse3.invalidate_inode(inode, attr_only=True)
+        handle = FileHandle(inode, node.path, st, self.cache.lookup((st.st_dev, st.st_ino), st))
+        return pyfuse3.FileInfo(fh=self._new_handle(handle), keep_cache=not changed)
+
+    @guarded
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        handle = self._handles[fh]
+        if isinstance(handle, ControlHandle):
+            return handle.read(size)
+        assert isinstance(handle, FileHandle)
+        size = max(0, min(size, handle.st.st_size - off))
+        if size == 0:
+            return b""
+        entry = handle.entry
+        if entry is not None and entry.complete:
+            data = self._read_complete(handle, entry, off, size)
+            self.counters.cache_hits += 1
+            self.counters.bytes_from_cache += len(data)
+            return data
+        self.counters.misses += 1
+        if entry is None:
+            entry = handle.entry = self._start_fill(handle)
+        if entry is not None and await self.cache.wait_for(entry, off + size):
+            if entry.complete:
+                return self._read_complete(handle, entry, off, size)
+            return os.pread(entry.fd, size, off)
+        return await self._stream(handle, off, size)
+
+    def _read_complete(self, handle: FileHandle, entry: Entry, off: int, size: int) -> bytes:
+        if handle.cache_fd < 0:
+            handle.cache_fd = self.cache.open_entry(entry)
+        return os.pread(handle.cache_fd, size, off)
+
+    def _start_fill(self, handle: FileHandle) -> Entry | None:
+        """The entry for this file, reserving and filling it if MinIO has room."""
+        key = (handle.st.st_dev, handle.st.st_ino)
+        entry = self.cache.lookup(key, handle.st)
+        if entry is None:
+            entry = self.cache.reserve(key, handle.path, handle.st)
+            if entry is not None:
+                assert self.nursery is not None
+                self.counters.files_from_source += 1
+                self.nursery.start_soon(self.cache.fill, key, entry, self.source)
+        return entry
+
+    async def _stream(self, handle: FileHandle, off: int, size: int) -> bytes:
+        """Serve a range straight from the source: the file is not (or cannot be) cached."""
+        handle.entry = None
+        if handle.reader is None:
+            handle.reader = await trio.to_thread.run_sync(self.source.open_reader, handle.path)
+            self.counters.files_from_source += 1
+        data = await trio.to_thread.run_sync(handle.reader.pread, off, size)
+        self.counters.bytes_from_source += len(data)
+        return data
+
+    @guarded
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        handle = self._handles.get(fh)
+        if not isinstance(handle, ControlHandle):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if not handle.write(bytes(buf)):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return len(buf)
+
+    @guarded
+    async def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh)
+        if isinstance(handle, FileHandle):
+            handle.close()
+
+
+async def _read_only(self: Operations, *args: Any) -> None:
+    raise pyfuse3.FUSEError(errno.EROFS)
+
+
+for _name in ("mknod", "mkdir", "unlink", "rmdir", "symlink", "rename", "link", "create",
+              "setxattr", "removexattr"):
+    setattr(Operations, _name, _read_only)

@@ -1,0 +1,143 @@
+"""Starting and stopping mounts from the command line: checks, the daemon process, unmount."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from coordlfs.errors import UserError
+
+#: Seconds ``umount`` waits for the daemon to exit after the kernel let go of the mount.
+EXIT_WAIT = 30.0
+
+
+@dataclass(slots=True)
+class MountEntry:
+    mountpoint: str
+    fstype: str
+    source: str
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as octal (\040 ...).
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mounts() -> list[MountEntry]:
+    entries = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rest = left.split(), right.split()
+            entries.append(MountEntry(_unescape(fields[4]), rest[0], _unescape(rest[1])))
+    return entries
+
+
+def mount_at(path: str) -> MountEntry | None:
+    """The topmost mount whose mountpoint is exactly ``path``."""
+    real = os.path.realpath(path)
+    found = None
+    for entry in mounts():
+        if entry.mountpoint == real:
+            found = entry
+    return found
+
+
+def check_directory(path: str, role: str) -> str:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise UserError(f"{role} {path} does not exist") from None
+    except OSError as e:
+        if e.errno == 107:  # ENOTCONN: a FUSE mount whose daemon died
+            raise UserError(f"{role} {path} is a dead FUSE mount; run: coordlfs umount {path}") \
+                from None
+        raise UserError(f"{role} {path}: {e.strerror}") from None
+    if not os.path.isdir(path) or not (st.st_mode & 0o040000):
+        raise UserError(f"{role} {path} is not a directory")
+    return os.path.realpath(path)
+
+
+def check_mountpoint_free(mountpoint: str) -> None:
+    entry = mount_at(mountpoint)
+    if entry is not None and entry.fstype.startswith("fuse"):
+        raise UserError(f"mountpoint {mountpoint} is in use: {entry.fstype} from {entry.source} "
+                        "is mounted there")
+
+
+def free_space(directory: str) -> int:
+    """Bytes free on the filesystem that holds (or will hold) ``directory``."""
+    path = directory
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def spawn_daemon(argv: list[str], log_file: str) -> str:
+    """Start ``coordlfs mount --foreground`` in the background; return its ready message.
+
+    The daemon reports on a pipe once the mount is live, or why it failed, so that
+    ``coordlfs mount`` returns only when the mount can be used and reports every failure.
+    """
+    read_end, write_end = os.pipe()
+    os.makedirs(os.path.dirname(log_file), exist_ok=True)
+    with open(log_file, "ab") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "coordlfs", *argv, "--foreground", "--ready-fd",
+             str(write_end)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(write_end,),
+            start_new_session=True)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        message = b""
+        while not message.endswith(b"\n"):
+            select.select([pipe], [], [], 1.0)
+            chunk = os.read(pipe.fileno(), 4096)
+            if not chunk:
+                break
+            message += chunk
+    text = message.decode(errors="replace").strip()
+    if text.startswith("ok"):
+        return text[2:].strip()
+    if text.startswith("error"):
+        raise UserError(text[5:].strip())
+    code = child.wait()
+    raise UserError(f"the daemon exited (status {code}) before the mount was ready; "
+                    f"see {log_file}")
+
+
+def unmount(mountpoint: str, pid: int | None, lazy: bool) -> None:
+    """Unmount and wait for the daemon (if its pid is known) to exit."""
+    tool = shutil.which("fusermount3") or shutil.which("fusermount")
+    if tool is None:
+        raise UserError("fusermount3 not found (install the fuse3 package)")
+    result = subprocess.run([tool, "-u", *(["-z"] if lazy else []), mountpoint],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"
+        if "busy" in reason.lower():
+            raise UserError(f"{mountpoint} is busy (files or directories on it are open); "
+                            "close them, or use --lazy")
+        raise UserError(f"cannot unmount {mountpoint}: {reason}")
+    if pid is not None:
+        deadline = time.monotonic() + EXIT_WAIT
+        while _alive(pid):
+            if time.monotonic() > deadline:
+                raise UserError(f"unmounted {mountpoint}, but daemon {pid} has not exited after "
+                                f"{EXIT_WAIT:.0f}s")
+            time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

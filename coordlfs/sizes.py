@@ -1,0 +1,45 @@
+"""Byte sizes as users write them: ``40G``, ``512M``, ``1073741824`` or ``50%`` of RAM."""
+
+import os
+import re
+
+from coordlfs.errors import UserError
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+_PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """Parse ``text`` into bytes; K/M/G/T are powers of 1024, ``N%`` is a share of RAM.
+
+    Raises UserError with a one-line message for anything else (negative, empty, junk).
+    """
+    match = _PERCENT_RE.match(text)
+    if match:
+        percent = float(match.group(1))
+        if percent > 100:
+            raise UserError(f"bad {what} {text!r}: a percentage of memory must be at most 100%")
+        return int(physical_memory() * percent / 100)
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise UserError(
+            f"bad {what} {text!r}: expected bytes with an optional K/M/G/T suffix "
+            "(powers of 1024) or a percentage of memory such as 50%"
+        )
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[unit.upper()])
+
+
+def format_size(n: float) -> str:
+    """Short human form with binary units, for tables and messages."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

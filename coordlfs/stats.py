@@ -1,0 +1,89 @@
+"""Read counters and named marks (epoch boundaries) to read statistics between."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, fields
+
+from coordlfs.control_server import ControlServer, RequestError, require
+
+
+@dataclass(slots=True)
+class ReadCounters:
+    #: read requests answered from a complete cache entry
+    cache_hits: int = 0
+    #: read requests that had to wait for the source (filling or streaming)
+    misses: int = 0
+    bytes_from_cache: int = 0
+    bytes_from_source: int = 0
+    #: files whose bytes were fetched from the source (one per fill, one per streaming open)
+    files_from_source: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def difference(later: dict[str, int], earlier: dict[str, int]) -> dict[str, int]:
+    return {f.name: later[f.name] - earlier[f.name] for f in fields(ReadCounters)}
+
+
+@dataclass(slots=True)
+class Mark:
+    name: str
+    time: float
+    reads: dict[str, int]
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.reads = ReadCounters()
+        self.started = time.time()
+        self.marks: list[Mark] = []
+
+    def mark(self, name: str) -> Mark:
+        mark = Mark(name, time.time(), self.reads.snapshot())
+        self.marks.append(mark)
+        return mark
+
+    def find(self, name: str) -> Mark:
+        """The latest mark called ``name``; KeyError if there is none."""
+        for mark in reversed(self.marks):
+            if mark.name == name:
+                return mark
+        raise KeyError(name)
+
+    def between(self, since: str | None, until: str | None) -> dict:
+        """Counters between two marks (None: mount time / now)."""
+        start = self.find(since) if since is not None else Mark("mount", self.started,
+                                                                 ReadCounters().snapshot())
+        end = self.find(until) if until is not None else Mark("now", time.time(),
+                                                              self.reads.snapshot())
+        return {
+            "since": start.name,
+            "until": end.name,
+            "seconds": end.time - start.time,
+            "reads": difference(end.reads, start.reads),
+        }
+
+
+def register_commands(server: ControlServer, stats: Stats) -> None:
+    """``stats`` (optionally between marks), ``mark`` and ``marks`` on the control file."""
+
+    def stats_cmd(request: dict) -> dict:
+        since = require(request, "since", str, optional=True)
+        until = require(request, "until", str, optional=True)
+        try:
+            return {"stats": stats.between(since, until)}
+        except KeyError as e:
+            raise RequestError(f"no mark named {e.args[0]!r}") from None
+
+    def mark_cmd(request: dict) -> dict:
+        mark = stats.mark(require(request, "name", str))
+        return {"mark": asdict(mark)}
+
+    def marks_cmd(_request: dict) -> dict:
+        return {"marks": [asdict(m) for m in stats.marks]}
+
+    server.register("stats", stats_cmd, 'read counters; "since"/"until" name marks')
+    server.register("mark", mark_cmd, 'record a named point such as an epoch boundary: "name"')
+    server.register("marks", marks_cmd, "every mark with the counters at that point")
