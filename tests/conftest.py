@@ -1,0 +1,138 @@
+"""Shared test fixtures: real mounts in subprocesses, always unmounted, and sample datasets."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import xxhash
+
+COORDLFS = [sys.executable, "-m", "coordlfs"]
+
+
+def run_cli(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([*COORDLFS, *args], capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def make_dataset(root: Path, files: int, mean: int = 110_000, seed: int = 0,
+                 dirs: int = 4) -> dict[str, int]:
+    """Random files of image-like sizes in a few subdirectories; returns relative path -> size."""
+    rng = random.Random(seed)
+    sizes = {}
+    for i in range(files):
+        rel = f"class{i % dirs}/item{i:05d}.bin"
+        size = max(1, int(rng.lognormvariate(0, 0.5) * mean))
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rng.randbytes(size))
+        sizes[rel] = size
+    return sizes
+
+
+def digests(root: Path) -> dict[str, str]:
+    """xxhash of every regular file under ``root``, by relative path."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            out[str(path.relative_to(root))] = xxhash.xxh64_hexdigest(path.read_bytes())
+    return out
+
+
+@dataclass
+class Mount:
+    source: Path
+    mountpoint: Path
+    cache_dir: Path
+    log: Path
+    pid: int
+
+    def status(self) -> dict:
+        return json.loads((self.mountpoint / ".coordlfs").read_bytes())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pid: int, timeout: float = 15.0) -> bool:
+    """Wait for a process to exit (a zombie counts as gone: its parent may not reap it)."""
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def force_unmount(mountpoint: Path, pid: int | None) -> None:
+    """Lazy unmount, then SIGTERM, then SIGKILL: whatever state the test left the mount in."""
+    subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
+    if pid is None:
+        return
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        if not _alive(pid):
+            return
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def mount(tmp_path: Path) -> Iterator:
+    """Factory: ``mount(source, *options)`` mounts coordlfs for real and returns a Mount."""
+    made: list[Mount] = []
+    cache_dirs: list[Path] = []
+
+    def _mount(source: Path, *options: str, mountpoint: Path | None = None,
+               cache_dir: Path | None = None) -> Mount:
+        n = len(made)
+        mp = mountpoint or tmp_path / f"mnt{n}"
+        mp.mkdir(exist_ok=True)
+        cache = cache_dir or Path("/dev/shm") / f"coordlfs-test-{uuid.uuid4().hex[:12]}"
+        cache_dirs.append(cache)
+        log = tmp_path / f"mount{n}.log"
+        result = run_cli("mount", str(source), str(mp), "--cache-dir", str(cache),
+                         "--log", str(log), *options)
+        assert result.returncode == 0, result.stderr + (log.read_text() if log.exists() else "")
+        status = json.loads((mp / ".coordlfs").read_bytes())
+        m = Mount(source, mp, cache, log, status["pid"])
+        made.append(m)
+        return m
+
+    yield _mount
+    for m in made:
+        force_unmount(m.mountpoint, m.pid)
+    for cache in cache_dirs:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> tuple[Path, dict[str, int]]:
+    root = tmp_path / "data"
+    root.mkdir()
+    return root, make_dataset(root, 200)

@@ -1,0 +1,117 @@
+"""Unit tests of the MinIO cache and the source reader, on real files (no FUSE)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trio
+
+from coordlfs.cache import MinioCache
+from coordlfs.errors import UserError
+from coordlfs.source import Source
+from coordlfs.stats import ReadCounters
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, size in enumerate((1000, 5000, 7000, 10_000_001)):
+        (src / f"f{i}").write_bytes(os.urandom(size))
+    return src
+
+
+def _cache(tmp_path: Path, capacity: int, max_file: int = 1 << 30) -> MinioCache:
+    return MinioCache(str(tmp_path / "cache"), capacity, max_file, ReadCounters())
+
+
+def _fill_all(cache: MinioCache, source: Source, names: list[str]) -> list[bool]:
+    async def go() -> list[bool]:
+        done = []
+        async with trio.open_nursery() as nursery:
+            for name in names:
+                st = source.lstat(name.encode())
+                key = (st.st_dev, st.st_ino)
+                entry = cache.reserve(key, name.encode(), st)
+                done.append(entry is not None)
+                if entry is not None:
+                    nursery.start_soon(cache.fill, key, entry, source)
+        return done
+
+    return trio.run(go)
+
+
+def test_source_reader_reads_every_range(files: Path) -> None:
+    source = Source(str(files))
+    data = (files / "f3").read_bytes()
+    reader = source.open_reader(b"f3")
+    for off, size in ((0, 10), (4095, 2), (4096, 4096), (12345, 100_000), (len(data) - 3, 100)):
+        assert reader.pread(off, size) == data[off:off + size]
+    assert reader.pread(len(data) + 10, 10) == b""
+    reader.close()
+
+
+def test_minio_fills_until_capacity_and_never_evicts(files: Path, tmp_path: Path) -> None:
+    source = Source(str(files))
+    cache = _cache(tmp_path, capacity=9000)
+    assert _fill_all(cache, source, ["f0", "f1", "f2"]) == [True, True, False]
+    assert cache.used == 6000 and cache.counters.bytes_from_source == 6000
+    for entry in cache.entries.values():
+        assert entry.complete
+        fd = cache.open_entry(entry)
+        assert os.read(fd, 1 << 20) == (files / os.fsdecode(entry.path)).read_bytes()
+        os.close(fd)
+    assert _fill_all(cache, source, ["f2"]) == [False]  # full: nothing is replaced
+    cache.close(keep=False)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_per_file_limit(files: Path, tmp_path: Path) -> None:
+    source = Source(str(files))
+    cache = _cache(tmp_path, capacity=1 << 30, max_file=6000)
+    assert _fill_all(cache, source, ["f1", "f2", "f3"]) == [True, False, False]
+    cache.close(keep=False)
+
+
+def test_restart_finds_cache_warm_and_drops_changed(files: Path, tmp_path: Path) -> None:
+    source = Source(str(files))
+    cache = _cache(tmp_path, capacity=1 << 30)
+    _fill_all(cache, source, ["f0", "f1", "f2", "f3"])
+    cache.close(keep=True)
+    (files / "f1").write_bytes(b"changed")  # new size and mtime: must not be served
+    (tmp_path / "cache" / "stray.part").write_bytes(b"x")
+    again = _cache(tmp_path, capacity=1 << 30)
+    assert again.load(source) == 3
+    assert {os.fsdecode(e.path) for e in again.entries.values()} == {"f0", "f2", "f3"}
+    assert again.used == 1000 + 7000 + 10_000_001
+    assert sorted(os.listdir(tmp_path / "cache")) == sorted(
+        [e.name for e in again.entries.values()] + ["index.jsonl"])
+    again.close(keep=False)
+
+
+def test_lookup_drops_entry_of_changed_file(files: Path, tmp_path: Path) -> None:
+    source = Source(str(files))
+    cache = _cache(tmp_path, capacity=1 << 30)
+    _fill_all(cache, source, ["f0"])
+    (files / "f0").write_bytes(b"new")
+    st = source.lstat(b"f0")
+    assert cache.lookup((st.st_dev, st.st_ino), st) is None
+    assert cache.used == 0 and not cache.entries
+    cache.close(keep=False)
+
+
+def test_cache_directory_is_locked(tmp_path: Path) -> None:
+    first = _cache(tmp_path, capacity=1)
+    with pytest.raises(UserError, match="in use by another coordlfs mount"):
+        _cache(tmp_path, capacity=1)
+    first.close(keep=False)
+
+
+def test_missing_source_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="does not exist"):
+        Source(str(tmp_path / "nope"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="not a directory"):
+        Source(str(tmp_path / "file"))

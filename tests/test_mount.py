@@ -1,0 +1,392 @@
+"""Integration tests: a real coordlfs mount in a subprocess, read through the kernel."""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import random
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import xxhash
+from conftest import digests, drop_caches, force_unmount, make_dataset, run_cli, wait_gone
+
+from coordlfs.control import Control, ControlError
+
+
+def read_file(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def test_every_byte_matches_the_source(mount, dataset) -> None:
+    source, _sizes = dataset
+    m = mount(source, "--cache-size", "10M")
+    assert digests(m.mountpoint) == digests(source)
+    drop_caches()  # second pass: cached files from the cache, the rest streamed again
+    assert digests(m.mountpoint) == digests(source)
+    status = m.status()
+    assert 0 < status["cache"]["used_bytes"] <= 10 << 20
+    assert status["reads"]["cache_hits"] > 0 and status["reads"]["misses"] > 0
+
+
+def test_three_shuffled_epochs_read_only_the_uncached_rest(mount, dataset) -> None:
+    source, sizes = dataset
+    total = sum(sizes.values())
+    capacity = total // 2
+    m = mount(source, "--cache-size", str(capacity))
+    ctl = Control(m.mountpoint)
+    rng = random.Random(1)
+    names = sorted(sizes)
+    for epoch in range(3):
+        drop_caches()
+        used_before = m.status()["cache"]["used_bytes"]
+        ctl.mark(f"start{epoch}")
+        rng.shuffle(names)
+        for name in names:
+            assert len(read_file(m.mountpoint / name)) == sizes[name]
+        window = ctl.stats(since=f"start{epoch}")["reads"]
+        used = m.status()["cache"]["used_bytes"]
+        assert used <= capacity
+        if epoch == 0:
+            assert window["bytes_from_source"] == total
+        else:
+            assert window["bytes_from_source"] == total - used_before
+            assert window["bytes_from_cache"] == used_before
+    assert m.status()["cache"]["used_bytes"] > capacity * 0.9
+
+
+def test_names_links_and_attributes(mount, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    deep = src / "a" / "b c" / "dé"
+    deep.mkdir(parents=True)
+    (deep / "naïve file.txt").write_bytes(b"payload")
+    odd = os.fsencode(str(src)) + b"/latin1-\xe9\xff"
+    with open(odd, "wb") as f:
+        f.write(b"bytes name")
+    os.symlink("a/b c/dé/naïve file.txt", src / "rel-link")
+    os.symlink("/etc/hostname", src / "abs-link")
+    os.link(deep / "naïve file.txt", src / "hard")
+    os.setxattr(src / "hard", "user.label", b"cat")
+    m = mount(src)
+    mp = m.mountpoint
+    assert (mp / "a/b c/dé/naïve file.txt").read_bytes() == b"payload"
+    assert open(os.fsencode(str(mp)) + b"/latin1-\xe9\xff", "rb").read() == b"bytes name"
+    assert os.readlink(mp / "rel-link") == "a/b c/dé/naïve file.txt"
+    assert (mp / "rel-link").read_bytes() == b"payload"
+    assert os.readlink(mp / "abs-link") == "/etc/hostname"
+    assert os.lstat(mp / "abs-link").st_mode & 0o170000 == 0o120000
+    hard, orig = os.stat(mp / "hard"), os.stat(mp / "a/b c/dé/naïve file.txt")
+    assert hard.st_ino == orig.st_ino and hard.st_nlink == 2
+    assert os.getxattr(mp / "hard", "user.label") == b"cat"
+    assert "user.label" in os.listxattr(mp / "hard")
+    with pytest.raises(OSError) as info:
+        os.getxattr(mp / "hard", "user.nothing")
+    assert info.value.errno == errno.ENODATA
+    src_st, mnt_st = os.stat(src / "hard"), os.stat(mp / "hard")
+    for field in ("st_size", "st_mode", "st_uid", "st_gid", "st_mtime_ns"):
+        assert getattr(src_st, field) == getattr(mnt_st, field)
+    assert sorted(os.listdir(mp)) == sorted(os.listdir(src))
+    assert os.statvfs(mp).f_blocks == os.statvfs(src).f_blocks
+    assert not (mp / "missing").exists()
+    assert not (mp / "missing").exists()  # negative entry, cached
+
+
+def test_large_directory(mount, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    big = src / "big"
+    big.mkdir(parents=True)
+    for i in range(10_000):
+        (big / f"entry {i:05d}").write_bytes(str(i).encode())
+    m = mount(src)
+    listed = os.listdir(m.mountpoint / "big")
+    assert len(listed) == 10_000 and set(listed) == set(os.listdir(big))
+    with os.scandir(m.mountpoint / "big") as it:
+        sizes = {e.name: e.stat().st_size for e in it}
+    assert sizes["entry 09999"] == 4
+    assert (m.mountpoint / "big" / "entry 04321").read_bytes() == b"4321"
+
+
+def test_control_entry_is_hidden_but_reachable(mount, dataset) -> None:
+    source, _ = dataset
+    m = mount(source, "--cache-size", "4M")
+    assert ".coordlfs" not in os.listdir(m.mountpoint)
+    status = json.loads((m.mountpoint / ".coordlfs").read_bytes())
+    assert status["protocol"] == 1 and status["pid"] == m.pid
+    assert status["source"] == str(source) and status["mountpoint"] == str(m.mountpoint)
+    assert set(status["cache"]) >= {"capacity_bytes", "used_bytes", "files"}
+    assert set(status["reads"]) == {"cache_hits", "misses", "bytes_from_cache",
+                                    "bytes_from_source", "files_from_source"}
+    assert status["cache"]["capacity_bytes"] == 4 << 20
+
+
+def test_control_requests_and_errors(mount, dataset) -> None:
+    source, sizes = dataset
+    m = mount(source)
+    ctl = Control(m.mountpoint)
+    ctl.mark("epoch-1")
+    name = sorted(sizes)[0]
+    read_file(m.mountpoint / name)
+    assert ctl.stats(since="epoch-1")["reads"]["bytes_from_source"] == sizes[name]
+    assert [mk["name"] for mk in ctl.marks()] == ["epoch-1"]
+    with pytest.raises(ControlError, match="unknown command"):
+        ctl.request("explode")
+    with pytest.raises(ControlError, match="no mark named"):
+        ctl.stats(since="never")
+    # Raw protocol: a malformed request fails the write with EINVAL, and the reply says why.
+    fd = os.open(m.mountpoint / ".coordlfs", os.O_RDWR)
+    with pytest.raises(OSError) as info:
+        os.write(fd, b"{not json\n")
+    assert info.value.errno == errno.EINVAL
+    assert "not JSON" in json.loads(os.read(fd, 1 << 16))["error"]
+    os.write(fd, b'{"cmd": "status", "id": "x"}\n')
+    reply = json.loads(os.read(fd, 1 << 16))
+    assert reply["ok"] and reply["id"] == "x"
+    os.close(fd)
+    # Shell style: `echo ... > .coordlfs` truncates then writes.
+    shell = subprocess.run(["sh", "-c", f"echo '{{\"cmd\":\"mark\",\"name\":\"sh\"}}' > "
+                            f"'{m.mountpoint}/.coordlfs'"], capture_output=True, text=True)
+    assert shell.returncode == 0, shell.stderr
+    assert m.status()["marks"] == ["epoch-1", "sh"]
+    assert digests(m.mountpoint) == digests(source)  # the mount stayed up and correct
+
+
+def test_writes_get_erofs_and_source_is_untouched(mount, dataset) -> None:
+    source, sizes = dataset
+    before = digests(source)
+    m = mount(source)
+    name = m.mountpoint / sorted(sizes)[0]
+    attempts = [
+        lambda: open(name, "r+b"),
+        lambda: open(name, "ab"),
+        lambda: open(m.mountpoint / "new", "wb"),
+        lambda: os.truncate(name, 0),
+        lambda: os.unlink(name),
+        lambda: os.mkdir(m.mountpoint / "d"),
+        lambda: os.rename(name, m.mountpoint / "moved"),
+        lambda: os.symlink("x", m.mountpoint / "l"),
+        lambda: os.link(name, m.mountpoint / "l2"),
+        lambda: os.chmod(name, 0o777),
+        lambda: os.setxattr(name, "user.x", b"1"),
+        lambda: os.utime(name),
+    ]
+    for attempt in attempts:
+        with pytest.raises(OSError) as info:
+            attempt()
+        assert info.value.errno == errno.EROFS
+    assert digests(source) == before
+    assert digests(m.mountpoint) == before
+
+
+def test_mmap_and_o_direct_readers(mount, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(3 * 1024 * 1024 + 123)
+    (src / "blob").write_bytes(data)
+    m = mount(src)
+    with open(m.mountpoint / "blob", "rb") as f, \
+            mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        assert xxhash.xxh64_hexdigest(mm[:]) == xxhash.xxh64_hexdigest(data)
+        assert mm[1_000_000:1_000_010] == data[1_000_000:1_000_010]
+    fd = os.open(m.mountpoint / "blob", os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, 1 << 20)
+    got = bytearray()
+    while n := os.readv(fd, [buf]):
+        got += buf[:n]
+    os.close(fd)
+    assert bytes(got) == data
+
+
+def test_changed_source_file_is_served_fresh(mount, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"old contents")
+    m = mount(src)
+    assert (m.mountpoint / "f").read_bytes() == b"old contents"  # now cached, kernel too
+    (src / "f").write_bytes(b"new and longer contents")
+    assert (m.mountpoint / "f").read_bytes() == b"new and longer contents"
+    (src / "f").write_bytes(b"short")
+    assert (m.mountpoint / "f").read_bytes() == b"short"
+    os.utime(src / "f", ns=(1, 1))  # same size, other mtime, other bytes
+    with open(src / "f", "r+b") as f:
+        f.write(b"SHORT")
+    os.utime(src / "f", ns=(2, 2))
+    assert (m.mountpoint / "f").read_bytes() == b"SHORT"
+    assert m.status()["cache"]["used_bytes"] == 5
+
+
+def test_concurrent_misses_fetch_once(mount, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(32 << 20)
+    (src / "shared").write_bytes(data)
+    m = mount(src)
+    drop_caches()
+    readers = [subprocess.Popen(["cat", str(m.mountpoint / "shared")], stdout=subprocess.PIPE)
+               for _ in range(4)]
+    outputs = [r.communicate()[0] for r in readers]
+    assert all(out == data for out in outputs)
+    reads = m.status()["reads"]
+    assert reads["bytes_from_source"] == len(data) and reads["files_from_source"] == 1
+
+
+def test_large_file_streams_without_being_read_whole(mount, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    size = 200 << 20
+    with open(src / "shard", "wb") as f:
+        for _ in range(size >> 20):
+            f.write(os.urandom(1 << 20))
+    m = mount(src, "--cache-size", "64M")
+    drop_caches()
+    with open(m.mountpoint / "shard", "rb") as f:
+        head = f.read(1 << 20)
+    assert head == (src / "shard").read_bytes()[: 1 << 20]
+    reads = m.status()["reads"]
+    assert reads["bytes_from_source"] < 16 << 20  # the head only, plus kernel read-ahead
+    assert m.status()["cache"]["used_bytes"] == 0
+    assert xxhash.xxh64_hexdigest(read_file(m.mountpoint / "shard")) == \
+        xxhash.xxh64_hexdigest((src / "shard").read_bytes())
+
+
+def _resident_bytes(path: Path) -> int:
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.strip())
+
+
+def test_source_reads_do_not_fill_the_source_page_cache(mount, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "cached").write_bytes(os.urandom(8 << 20))
+    (src / "streamed").write_bytes(os.urandom(8 << 20))
+    m = mount(src, "--cache-size", "10M", "--max-file-size", "10M")
+    drop_caches()
+    read_file(m.mountpoint / "cached")
+    read_file(m.mountpoint / "streamed")
+    assert m.status()["cache"]["used_bytes"] == 8 << 20
+    assert _resident_bytes(src / "cached") == 0
+    assert _resident_bytes(src / "streamed") == 0
+    read_file(src / "streamed")  # the check itself works: a direct read is cached by the kernel
+    assert _resident_bytes(src / "streamed") > 0
+
+
+def test_restart_over_same_source_is_warm_and_unmount_removes_cache(mount, dataset) -> None:
+    source, sizes = dataset
+    total = sum(sizes.values())
+    m = mount(source, "--keep-cache")
+    for name in sizes:
+        read_file(m.mountpoint / name)
+    assert run_cli("umount", str(m.mountpoint)).returncode == 0
+    assert (m.cache_dir / "index.jsonl").exists()
+    again = mount(source, mountpoint=m.mountpoint, cache_dir=m.cache_dir)
+    assert again.status()["cache"]["used_bytes"] == total
+    drop_caches()
+    assert digests(again.mountpoint) == digests(source)
+    assert again.status()["reads"]["bytes_from_source"] == 0
+    assert run_cli("umount", str(again.mountpoint)).returncode == 0
+    assert not m.cache_dir.exists()
+
+
+def test_mount_over_the_source_itself(mount, dataset) -> None:
+    source, _ = dataset
+    expected = digests(source)
+    m = mount(source, mountpoint=source)
+    assert m.status()["source"] == str(source)
+    assert digests(source) == expected  # now read through the mount
+    assert run_cli("umount", str(source)).returncode == 0
+    assert digests(source) == expected
+
+
+def test_sigterm_unmounts_cleanly(mount, dataset) -> None:
+    source, _ = dataset
+    m = mount(source)
+    os.kill(m.pid, signal.SIGTERM)
+    assert wait_gone(m.pid)
+    assert str(m.mountpoint) not in Path("/proc/self/mountinfo").read_text()
+    assert not m.cache_dir.exists()
+
+
+def test_umount_waits_for_daemon_and_refuses_busy(mount, dataset) -> None:
+    source, _ = dataset
+    m = mount(source)
+    busy = open(m.mountpoint / sorted(os.listdir(source))[0] / "item00000.bin", "rb")
+    result = run_cli("umount", str(m.mountpoint))
+    assert result.returncode == 1 and "busy" in result.stderr
+    assert result.stderr.count("\n") == 1
+    busy.close()
+    assert run_cli("umount", str(m.mountpoint)).returncode == 0
+    assert wait_gone(m.pid, timeout=0)  # umount returned only after the daemon exited
+
+
+def test_bad_input_gets_one_line_errors(mount, dataset, tmp_path: Path) -> None:
+    source, _ = dataset
+    (tmp_path / "mp").mkdir()
+    (tmp_path / "file").write_text("x")
+    cases = [
+        (["mount", str(tmp_path / "nope"), str(tmp_path / "mp")], "does not exist"),
+        (["mount", str(tmp_path / "file"), str(tmp_path / "mp")], "not a directory"),
+        (["mount", str(source), str(tmp_path / "missing")], "does not exist"),
+        (["mount", str(source), str(tmp_path / "mp"), "--cache-size=-1G"], "bad --cache-size"),
+        (["mount", str(source), str(tmp_path / "mp"), "--cache-size", "lots"], "bad --cache-size"),
+        (["mount", str(source), str(tmp_path / "mp"), "--bogus"], "unrecognized arguments"),
+        (["mount", str(source)], "required"),
+        (["frobnicate"], "invalid choice"),
+        (["stats", str(tmp_path / "mp")], "not a coordlfs mount"),
+        (["umount", str(tmp_path / "mp")], "not a coordlfs mount"),
+    ]
+    for args, message in cases:
+        result = run_cli(*args)
+        assert result.returncode != 0, args
+        assert message in result.stderr, (args, result.stderr)
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    m = mount(source)
+    result = run_cli("mount", str(source), str(m.mountpoint))
+    assert result.returncode == 1 and "in use" in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert m.status()["pid"] == m.pid  # still up
+
+
+def test_stats_command(mount, dataset) -> None:
+    source, sizes = dataset
+    m = mount(source, "--cache-size", "1G")
+    for name in sizes:
+        read_file(m.mountpoint / name)
+    table = run_cli("stats", str(m.mountpoint))
+    assert table.returncode == 0 and "hit rate" in table.stdout
+    data = json.loads(run_cli("stats", str(m.mountpoint), "--json").stdout)
+    assert data["cache"]["used_bytes"] == sum(sizes.values())
+    assert run_cli("mark", str(m.mountpoint), "e2").returncode == 0
+    since = json.loads(run_cli("stats", str(m.mountpoint), "--json", "--since", "e2").stdout)
+    assert since["window"]["reads"]["bytes_from_source"] == 0
+
+
+def test_default_cache_size_is_printed(dataset, tmp_path: Path) -> None:
+    source, _ = dataset
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    result = run_cli("mount", str(source), str(mp), "--cache-dir", str(tmp_path / "cache"))
+    try:
+        assert result.returncode == 0, result.stderr
+        assert "default: 50% of RAM" in result.stdout
+        assert Control(mp).status()["cache"]["capacity_bytes"] > 0
+    finally:
+        force_unmount(mp, Control(mp).status()["pid"] if result.returncode == 0 else None)
+
+
+def test_make_dataset_is_deterministic(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    assert make_dataset(a, 20, seed=3) == make_dataset(b, 20, seed=3)
+    assert digests(a) == digests(b)
