@@ -72,10 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks against the page cache and baselines")
     bench_sub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    from coordlfs.bench import hits
-
-    hits.add_arguments(bench_sub.add_parser("hits", help=hits.__doc__.splitlines()[0]))
+    for name, module in _bench_modules().items():
+        module.add_arguments(bench_sub.add_parser(name, help=module.__doc__.splitlines()[0]))
     return parser
+
+
+def _bench_modules() -> dict:
+    from coordlfs.bench import hits, overhead
+
+    return {"hits": hits, "overhead": overhead}
 
 
 def resolve_mount(args: argparse.Namespace) -> MountConfig:
@@ -209,9 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats, "mark": cmd_mark}
     try:
         if args.command == "bench":
-            from coordlfs.bench import hits
-
-            return {"hits": hits.run}[args.bench](args)
+            return _bench_modules()[args.bench].run(args)
         return commands[args.command](args)
     except (UserError, ControlError) as e:
         print(f"coordlfs: {e}", file=sys.stderr)

@@ -390,3 +390,17 @@ def test_make_dataset_is_deterministic(tmp_path: Path) -> None:
     b.mkdir()
     assert make_dataset(a, 20, seed=3) == make_dataset(b, 20, seed=3)
     assert digests(a) == digests(b)
+
+
+def test_lookup_counts_and_forget(mount, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(2000):
+        (src / "d" / f"f{i}").write_bytes(b"x")
+    m = mount(src)
+    for name in os.listdir(m.mountpoint / "d"):
+        os.stat(m.mountpoint / "d" / name)
+    assert m.status()["inodes"] >= 2001
+    drop_caches()  # the kernel evicts its inodes and sends FORGET for each
+    assert m.status()["inodes"] < 100
+    assert digests(m.mountpoint) == digests(src)  # and looks them up again

@@ -1,0 +1,93 @@
+"""Memory overhead of a mount: daemon bytes per known inode and per cached file.
+
+MinIO promises memory within the capacity plus a bounded overhead; this measures the bound.
+The daemon's resident set (VmRSS) is read after mounting, after every file was looked up
+(inodes) and after every file was read (cache entries). Cached bytes themselves live in
+tmpfs, rounded up to whole pages per file; that rounding is reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from coordlfs.control import Control
+from coordlfs.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--files", type=int, default=20_000, help="files to create (default 20000)")
+    parser.add_argument("--size", type=int, default=4096, help="bytes per file (default 4096)")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise UserError(f"no VmRSS for pid {pid}")
+
+
+def _coordlfs(*args: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "coordlfs", *args], capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        raise UserError(result.stderr.strip() or f"coordlfs {args[0]} failed")
+
+
+def measure(files: int, size: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+        src, mnt = Path(tmp, "src"), Path(tmp, "mnt")
+        mnt.mkdir()
+        for i in range(files):
+            path = src / f"d{i % 100}" / f"f{i}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(os.urandom(size))
+        _coordlfs("mount", str(src), str(mnt), "--cache-size", str(2 * files * size),
+                  "--cache-dir", str(Path("/dev/shm", f"coordlfs-overhead-{os.getpid()}")),
+                  "--log", str(Path(tmp, "log")))
+        try:
+            pid = Control(mnt).status()["pid"]
+            names = [mnt / p.relative_to(src) for p in src.rglob("f*")]
+            start = _rss(pid)
+            for name in names:
+                os.stat(name)
+            looked_up = _rss(pid)
+            for name in names:
+                with open(name, "rb") as f:
+                    f.read()
+            cached = _rss(pid)
+            status = Control(mnt).status()
+        finally:
+            _coordlfs("umount", str(mnt))
+    page = os.sysconf("SC_PAGE_SIZE")
+    return {
+        "files": files,
+        "file_bytes": size,
+        "inodes": status["inodes"],
+        "cached_files": status["cache"]["files"],
+        "rss_start_bytes": start,
+        "bytes_per_inode": (looked_up - start) / files,
+        "bytes_per_cached_file": (cached - looked_up) / files,
+        "tmpfs_rounding_bytes_per_file": -size % page,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.files <= 0 or args.size <= 0:
+        raise UserError("--files and --size must be positive")
+    result = measure(args.files, args.size)
+    print(f"daemon RSS at start      {result['rss_start_bytes'] / 2**20:.1f} MiB")
+    print(f"per inode looked up      {result['bytes_per_inode']:.0f} bytes")
+    print(f"per cached file          {result['bytes_per_cached_file']:.0f} bytes "
+          f"(daemon heap; the data is in tmpfs)")
+    print(f"tmpfs page rounding      {result['tmpfs_rounding_bytes_per_file']} bytes per file "
+          f"of {args.size} bytes")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
