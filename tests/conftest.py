@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -18,6 +17,9 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from coordlfs.bench.counters import drop_caches  # noqa: F401 (tests import it from here)
+from coordlfs.bench.dataset import DatasetSpec, ensure_dataset
+
 COORDLFS = [sys.executable, "-m", "coordlfs"]
 
 
@@ -26,24 +28,9 @@ def run_cli(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedPr
                           **kwargs)
 
 
-def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
-def make_dataset(root: Path, files: int, mean: int = 110_000, seed: int = 0,
-                 dirs: int = 4) -> dict[str, int]:
-    """Random files of image-like sizes in a few subdirectories; returns relative path -> size."""
-    rng = random.Random(seed)
-    sizes = {}
-    for i in range(files):
-        rel = f"class{i % dirs}/item{i:05d}.bin"
-        size = max(1, int(rng.lognormvariate(0, 0.5) * mean))
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(rng.randbytes(size))
-        sizes[rel] = size
-    return sizes
+def make_dataset(root: Path, files: int, seed: int = 0) -> dict[str, int]:
+    """Image-sized files in class folders (coordlfs.bench.dataset); relative path -> size."""
+    return dict(ensure_dataset(root, DatasetSpec(files, classes=4, seed=seed)).files)
 
 
 def digests(root: Path) -> dict[str, str]:

@@ -9,11 +9,12 @@ import os
 import random
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import digests, drop_caches, force_unmount, make_dataset, run_cli, wait_gone
+from conftest import digests, drop_caches, force_unmount, run_cli, wait_gone
 
 from coordlfs.control import Control, ControlError
 
@@ -282,11 +283,10 @@ def test_source_reads_do_not_fill_the_source_page_cache(mount, tmp_path: Path) -
 
 
 def test_restart_over_same_source_is_warm_and_unmount_removes_cache(mount, dataset) -> None:
-    source, sizes = dataset
-    total = sum(sizes.values())
+    source, _sizes = dataset
+    total = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
     m = mount(source, "--keep-cache")
-    for name in sizes:
-        read_file(m.mountpoint / name)
+    assert digests(m.mountpoint) == digests(source)
     assert run_cli("umount", str(m.mountpoint)).returncode == 0
     assert (m.cache_dir / "index.jsonl").exists()
     again = mount(source, mountpoint=m.mountpoint, cache_dir=m.cache_dir)
@@ -318,9 +318,9 @@ def test_sigterm_unmounts_cleanly(mount, dataset) -> None:
 
 
 def test_umount_waits_for_daemon_and_refuses_busy(mount, dataset) -> None:
-    source, _ = dataset
+    source, sizes = dataset
     m = mount(source)
-    busy = open(m.mountpoint / sorted(os.listdir(source))[0] / "item00000.bin", "rb")
+    busy = open(m.mountpoint / sorted(sizes)[0], "rb")
     result = run_cli("umount", str(m.mountpoint))
     assert result.returncode == 1 and "busy" in result.stderr
     assert result.stderr.count("\n") == 1
@@ -384,14 +384,6 @@ def test_default_cache_size_is_printed(dataset, tmp_path: Path) -> None:
         force_unmount(mp, Control(mp).status()["pid"] if result.returncode == 0 else None)
 
 
-def test_make_dataset_is_deterministic(tmp_path: Path) -> None:
-    a, b = tmp_path / "a", tmp_path / "b"
-    a.mkdir()
-    b.mkdir()
-    assert make_dataset(a, 20, seed=3) == make_dataset(b, 20, seed=3)
-    assert digests(a) == digests(b)
-
-
 def test_lookup_counts_and_forget(mount, tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "d").mkdir(parents=True)
@@ -404,3 +396,28 @@ def test_lookup_counts_and_forget(mount, tmp_path: Path) -> None:
     drop_caches()  # the kernel evicts its inodes and sends FORGET for each
     assert m.status()["inodes"] < 100
     assert digests(m.mountpoint) == digests(src)  # and looks them up again
+
+
+def test_hits_are_answered_while_slow_misses_are_pending(mount, tmp_path: Path) -> None:
+    """A real slow disk: the daemon's reads are throttled to 1 MiB/s by a blkio cgroup."""
+    from coordlfs.bench.cgroup import memory_cgroup
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "hot").write_bytes(os.urandom(256 << 10))
+    (src / "slow").write_bytes(os.urandom(6 << 20))
+    m = mount(src, "--cache-size", "64M", "--max-file-size", "64M")
+    read_file(m.mountpoint / "hot")  # cached before the disk becomes slow
+    with memory_cgroup(f"coordlfs-test-{m.pid}", pid=m.pid, read_bps=1 << 20,
+                       throttle_path=src):
+        drop_caches()
+        slow = subprocess.Popen(["cat", str(m.mountpoint / "slow")], stdout=subprocess.PIPE)
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert read_file(m.mountpoint / "hot") == (src / "hot").read_bytes()
+        hit_seconds = time.monotonic() - started
+        assert slow.poll() is None  # the miss (about 6 s at 1 MiB/s) is still pending
+        assert hit_seconds < 1.0, hit_seconds
+        assert m.status()["cache"]["filling"] == 1
+        out, _ = slow.communicate(timeout=60)
+    assert out == (src / "slow").read_bytes()

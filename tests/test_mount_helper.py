@@ -155,7 +155,8 @@ def test_examples_are_accepted(helper: Path) -> None:
     assert len(lines) == 1
     source, mountpoint, fstype, fstab_options, _, _ = lines[0].split()
     assert fstype == "fuse.coordlfs"
-    unit = dict(line.split("=", 1) for line in (MOUNT_DIR / "mnt-data.mount").read_text().splitlines()
+    unit_text = (MOUNT_DIR / "mnt-data.mount").read_text()
+    unit = dict(line.split("=", 1) for line in unit_text.splitlines()
                 if "=" in line and not line.startswith("#"))
     assert unit["Type"] == "fuse.coordlfs"
     assert (unit["What"], unit["Where"]) == (source, mountpoint)

@@ -1,0 +1,188 @@
+"""Temporary cgroup v1 groups: a memory budget (and optionally a disk throttle) for a process.
+
+The page-cache baseline of a benchmark needs "a dataset larger than memory" on a machine with
+plenty of it: ``memory.limit_in_bytes`` caps the page cache charged to the processes in a
+memory cgroup, so the kernel's LRU thrashes as it would on a loaded server.
+``blkio.throttle.read_bps_device`` makes a fast disk behave like a slow one. Both are real
+kernel mechanisms, not mocks.
+
+A group is made under the cgroup the calling process is in (so a harness's own accounting
+still covers it) and is always removed on exit: its processes go back where they came from,
+then the directory is removed.
+
+    with memory_cgroup("coordlfs-bench-1", limit_bytes=256 << 20, pid=reader.pid) as group:
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from coordlfs.bench.counters import block_device
+from coordlfs.errors import UserError
+
+#: Where cgroup v1 hierarchies are mounted, one directory per controller.
+CGROUP_V1 = Path("/sys/fs/cgroup")
+
+#: How long removal waits for exiting processes to leave the group.
+REMOVE_WAIT = 5.0
+
+
+def controller_root(controller: str) -> Path:
+    """The mounted cgroup v1 hierarchy of ``controller``; UserError if there is none."""
+    root = CGROUP_V1 / controller
+    if not (root / "cgroup.procs").is_file():
+        raise UserError(f"the cgroup v1 {controller} controller is not mounted at {root} "
+                        "(a cgroup v2-only system?); benchmarks with a memory budget need it")
+    return root
+
+
+def cgroup_of(pid: int | str, controller: str) -> Path:
+    """The directory of the cgroup that ``pid`` is in for ``controller``."""
+    root = controller_root(controller)
+    with open(f"/proc/{pid}/cgroup") as f:
+        for line in f:
+            _id, controllers, path = line.rstrip("\n").split(":", 2)
+            if controller in controllers.split(","):
+                own = root / path.lstrip("/")
+                return own if own.is_dir() else root  # a cgroup namespace hides the path
+    return root
+
+
+def _write(path: Path, value: str) -> None:
+    # cgroup files take one value per write() call; write_text makes exactly one.
+    path.write_text(value + "\n")
+
+
+def _pids(directory: Path) -> list[int]:
+    return [int(line) for line in (directory / "cgroup.procs").read_text().split()]
+
+
+class Cgroup:
+    """One group, present in one or more controller hierarchies under the same name."""
+
+    def __init__(self, name: str, directories: dict[str, Path]) -> None:
+        self.name = name
+        self.directories = directories
+        self._origins: dict[tuple[str, int], Path] = {}
+
+    @property
+    def memory(self) -> Path:
+        return self.directories["memory"]
+
+    def add(self, pid: int) -> None:
+        """Move process ``pid`` (all its threads) into the group, remembering where it was."""
+        for controller, directory in self.directories.items():
+            self._origins.setdefault((controller, pid), cgroup_of(pid, controller))
+            _write(directory / "cgroup.procs", str(pid))
+
+    def pids(self) -> list[int]:
+        return _pids(self.memory)
+
+    def memory_usage(self) -> int:
+        """Bytes charged to the group: its processes' memory and the page cache they filled."""
+        return int((self.memory / "memory.usage_in_bytes").read_text())
+
+    def memory_limit(self) -> int:
+        return int((self.memory / "memory.limit_in_bytes").read_text())
+
+    def set_memory_limit(self, limit_bytes: int) -> None:
+        _write(self.memory / "memory.limit_in_bytes", str(limit_bytes))
+
+    def throttle_reads(self, path: str | os.PathLike[str], bytes_per_second: int) -> None:
+        """Cap the group's reads from the disk holding ``path`` (needs the blkio controller)."""
+        disk = block_device(path).whole_disk()
+        _write(self.directories["blkio"] / "blkio.throttle.read_bps_device",
+               f"{disk.number} {bytes_per_second}")
+
+    def remove(self) -> None:
+        """Move every process back (to where it came from, else to the parent), then rmdir."""
+        for controller, directory in self.directories.items():
+            if not directory.is_dir():
+                continue
+            deadline = time.monotonic() + REMOVE_WAIT
+            while True:
+                for pid in _pids(directory):
+                    home = self._origins.get((controller, pid), directory.parent)
+                    if not home.is_dir():
+                        home = directory.parent
+                    with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+                        _write(home / "cgroup.procs", str(pid))
+                try:
+                    directory.rmdir()
+                    break
+                except OSError as e:
+                    if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                        raise UserError(f"cannot remove cgroup {directory}: {e.strerror}; "
+                                        f"remove it with: rmdir {directory}") from None
+                    time.sleep(0.05)
+
+
+def remove_stale(prefix: str) -> list[Path]:
+    """Remove empty groups named ``<prefix>-<pid>[-...]`` whose process ``pid`` is gone.
+
+    A run killed with SIGKILL cannot remove its groups; naming them after the creating
+    process lets a later run recognise and remove them. Returns the directories removed.
+    """
+    removed = []
+    for controller in ("memory", "blkio"):
+        if not (CGROUP_V1 / controller / "cgroup.procs").is_file():
+            continue
+        for directory in cgroup_of("self", controller).glob(f"{prefix}-*"):
+            pid = directory.name[len(prefix) + 1:].split("-")[0]
+            if not pid.isdigit() or os.path.exists(f"/proc/{pid}") or _pids(directory):
+                continue
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+                removed.append(directory)
+    return removed
+
+
+def _make(name: str, controllers: list[str]) -> Cgroup:
+    if os.geteuid() != 0:
+        raise UserError("creating a cgroup (a memory budget for the benchmark) needs root")
+    directories = {c: cgroup_of("self", c) / name for c in controllers}
+    group = Cgroup(name, directories)
+    try:
+        for directory in directories.values():
+            if directory.is_dir():
+                if _pids(directory):
+                    raise UserError(f"cgroup {directory} exists and holds processes "
+                                    f"{_pids(directory)}: is another benchmark running?")
+                directory.rmdir()  # left empty by a run that was killed
+            directory.mkdir()
+    except OSError as e:
+        group.remove()
+        raise UserError(f"cannot create cgroup {name}: {e.strerror}") from None
+    return group
+
+
+@contextmanager
+def memory_cgroup(name: str, limit_bytes: int | None = None, pid: int | None = None, *,
+                  read_bps: int | None = None,
+                  throttle_path: str | os.PathLike[str] | None = None) -> Iterator[Cgroup]:
+    """A new memory cgroup ``name`` limited to ``limit_bytes`` (None: no limit), holding ``pid``.
+
+    With ``read_bps`` the group also gets a blkio twin that caps its reads from the disk
+    holding ``throttle_path`` to that many bytes per second. The group is removed on exit,
+    whatever happened inside.
+    """
+    if (read_bps is None) != (throttle_path is None):
+        raise ValueError("read_bps and throttle_path go together")
+    group = _make(name, ["memory"] if read_bps is None else ["memory", "blkio"])
+    try:
+        if limit_bytes is not None:
+            group.set_memory_limit(limit_bytes)
+        if read_bps is not None and throttle_path is not None:
+            group.throttle_reads(throttle_path, read_bps)
+        if pid is not None:
+            group.add(pid)
+        yield group
+    finally:
+        group.remove()

@@ -1,0 +1,314 @@
+"""The pieces of ``scripts/demo``: datasets, read counters, cgroups, and one tiny real run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import force_unmount
+
+from coordlfs.bench import cgroup as cgroup_mod
+from coordlfs.bench import counters
+from coordlfs.bench.cgroup import cgroup_of, memory_cgroup, remove_stale
+from coordlfs.bench.counters import (
+    block_device,
+    measure_reads,
+    parse_stat,
+    process_bytes_read,
+)
+from coordlfs.bench.dataset import MANIFEST, DatasetSpec, ensure_dataset, file_contents
+from coordlfs.errors import UserError
+from coordlfs.mounting import mount_at
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="needs root")
+
+
+def _on_block_device(path: Path) -> bool:
+    try:
+        block_device(path)
+    except UserError:
+        return False
+    return True
+
+
+def _has_cgroup_v1(controller: str) -> bool:
+    return (Path("/sys/fs/cgroup") / controller / "cgroup.procs").is_file()
+
+
+# -- dataset ----------------------------------------------------------------------------------
+
+def test_layout_is_deterministic_with_a_realistic_spread() -> None:
+    spec = DatasetSpec(files=3000, seed=1)
+    layout = spec.layout()
+    assert layout == DatasetSpec(files=3000, seed=1).layout()
+    assert layout != DatasetSpec(files=3000, seed=2).layout()
+    sizes = sorted(size for _rel, size in layout)
+    mean = sum(sizes) / len(sizes)
+    assert 0.9 * spec.mean_bytes < mean < 1.1 * spec.mean_bytes
+    assert sizes[0] < 0.4 * mean and sizes[-1] > 2.5 * mean  # a lognormal's long tail
+    assert sizes[len(sizes) // 2] < mean  # median below mean
+    classes = {rel.split("/")[0] for rel, _size in layout}
+    assert classes == {f"class{i}" for i in range(10)}
+
+
+def test_bad_spec_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError):
+        ensure_dataset(tmp_path / "d", DatasetSpec(files=0))
+
+
+def test_dataset_is_written_then_reused_then_remade(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    spec = DatasetSpec(files=25, mean_bytes=20_000, classes=3)
+    made = ensure_dataset(root, spec)
+    assert not made.reused
+    assert made.total_bytes == sum(size for _rel, size in spec.layout())
+    for rel, size in made.files:
+        assert (root / rel).read_bytes() == file_contents(spec, rel, size)
+    assert json.loads((root / MANIFEST).read_text())["complete"] is True
+
+    first = (root / made.files[0][0]).stat().st_mtime_ns
+    again = ensure_dataset(root, spec)
+    assert again.reused and again.files == made.files
+    assert (root / made.files[0][0]).stat().st_mtime_ns == first
+
+    (root / made.files[3][0]).write_bytes(b"short")  # damaged: remade
+    assert not ensure_dataset(root, spec).reused
+    assert (root / made.files[3][0]).stat().st_size == made.files[3][1]
+
+    other = ensure_dataset(root, DatasetSpec(files=5, mean_bytes=20_000, classes=3, seed=9))
+    assert not other.reused
+    files = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    assert files == {rel for rel, _size in other.files} | {MANIFEST}
+    assert other.paths("/mnt/x")[0] == os.path.join("/mnt/x", other.files[0][0])
+
+
+def test_dataset_never_overwrites_a_foreign_directory(tmp_path: Path) -> None:
+    (tmp_path / "mine.txt").write_text("precious")
+    with pytest.raises(UserError, match="not empty"):
+        ensure_dataset(tmp_path, DatasetSpec(files=3))
+    assert (tmp_path / "mine.txt").read_text() == "precious"
+
+
+# -- counters ---------------------------------------------------------------------------------
+
+def test_parse_stat() -> None:
+    line = "   31868     7428  2025602    10084     4725     9577   657312     1702        0\n"
+    assert parse_stat(line) == 2025602 * 512
+    with pytest.raises(ValueError):
+        parse_stat("1 2")
+
+
+def test_partition_resolves_to_its_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    disk = tmp_path / "devices" / "vdb"
+    part = disk / "vdb1"
+    part.mkdir(parents=True)
+    (disk / "dev").write_text("252:0\n")
+    (disk / "stat").write_text("1 0 100 0 0 0 0 0 0 0 0\n")
+    (part / "dev").write_text("252:1\n")
+    (part / "partition").write_text("1\n")
+    (part / "stat").write_text("1 0 40 0 0 0 0 0 0 0 0\n")
+    links = tmp_path / "dev-block"
+    links.mkdir()
+    (links / "252:1").symlink_to(part)
+    monkeypatch.setattr(counters, "SYS_DEV_BLOCK", links)
+
+    device = counters.device_by_number(252, 1)
+    assert device is not None and device.name == "vdb1" and device.is_partition
+    assert device.bytes_read() == 40 * 512
+    whole = device.whole_disk()
+    assert (whole.name, whole.number, whole.bytes_read()) == ("vdb", "252:0", 100 * 512)
+    assert counters.device_by_number(252, 7) is None
+
+
+def test_tmpfs_is_not_a_block_device() -> None:
+    if not _on_block_device(Path("/")) or _on_block_device(Path("/dev/shm")):
+        pytest.skip("needs / on a disk and /dev/shm on tmpfs")
+    with pytest.raises(UserError, match="not on a block device"):
+        block_device("/dev/shm")
+
+
+def test_reading_an_uncached_file_counts(tmp_path: Path) -> None:
+    if not _on_block_device(tmp_path):
+        pytest.skip("tmp_path is not on a block device")
+    path = tmp_path / "blob"
+    size = 8 << 20
+    with open(path, "wb") as f:
+        f.write(os.urandom(size))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache
+    device = block_device(tmp_path)
+    with measure_reads(device.bytes_read) as disk, \
+            measure_reads(lambda: process_bytes_read(os.getpid())) as mine:
+        assert len(path.read_bytes()) == size
+    assert mine.bytes >= size
+    assert disk.bytes >= size  # other processes may add to it, never subtract
+
+
+# -- cgroups ----------------------------------------------------------------------------------
+
+needs_cgroups = pytest.mark.skipif(
+    not (ROOT and _has_cgroup_v1("memory") and _has_cgroup_v1("blkio")),
+    reason="needs root and cgroup v1 memory and blkio controllers")
+
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+@needs_cgroups
+def test_memory_cgroup_holds_the_pid_and_is_removed(sleeper: subprocess.Popen) -> None:
+    origin = cgroup_of(sleeper.pid, "memory")
+    name = f"coordlfs-test-{os.getpid()}"
+    with memory_cgroup(name, 64 << 20, sleeper.pid) as group:
+        assert group.memory.is_dir() and group.memory.parent == cgroup_of("self", "memory")
+        assert group.memory_limit() == 64 << 20
+        assert group.pids() == [sleeper.pid]
+        assert cgroup_of(sleeper.pid, "memory") == group.memory
+        assert group.memory_usage() >= 0
+    assert not group.memory.exists()
+    assert cgroup_of(sleeper.pid, "memory") == origin
+
+
+@needs_cgroups
+def test_cgroup_is_removed_on_error_and_throttle_is_set(sleeper: subprocess.Popen,
+                                                        tmp_path: Path) -> None:
+    if not _on_block_device(tmp_path):
+        pytest.skip("tmp_path is not on a block device")
+    disk = block_device(tmp_path).whole_disk()
+    with pytest.raises(RuntimeError, match="boom"), \
+            memory_cgroup(f"coordlfs-test-{os.getpid()}", None, sleeper.pid,
+                          read_bps=50 << 20, throttle_path=tmp_path) as group:
+        throttle = (group.directories["blkio"] / "blkio.throttle.read_bps_device").read_text()
+        assert f"{disk.number} {50 << 20}" in throttle
+        assert cgroup_of(sleeper.pid, "blkio") == group.directories["blkio"]
+        raise RuntimeError("boom")
+    assert not any(d.exists() for d in group.directories.values())
+    assert cgroup_of(sleeper.pid, "blkio") != group.directories["blkio"]
+
+
+@needs_cgroups
+def test_stale_groups_of_dead_processes_are_removed() -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    parent = cgroup_of("self", "memory")
+    dead, alive = parent / f"coordlfs-stale-{gone.pid}", parent / f"coordlfs-stale-{os.getpid()}"
+    dead.mkdir()
+    alive.mkdir()
+    try:
+        assert remove_stale("coordlfs-stale") == [dead]
+        assert alive.is_dir() and not dead.exists()
+    finally:
+        for group in (dead, alive):
+            if group.exists():
+                group.rmdir()
+
+
+def test_cgroup_errors_are_user_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cgroup_mod, "CGROUP_V1", tmp_path)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    with pytest.raises(UserError, match="memory controller is not mounted"), \
+            memory_cgroup("x", 1 << 20):
+        pass
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(UserError, match="needs root"), memory_cgroup("x", 1 << 20):
+        pass
+
+
+# -- the demo, for real -----------------------------------------------------------------------
+
+needs_demo = pytest.mark.skipif(
+    not (ROOT and _has_cgroup_v1("memory") and os.path.exists("/dev/fuse")),
+    reason="needs root, cgroup v1 memory and /dev/fuse")
+
+
+def _demo(workdir: Path, *args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "coordlfs.bench.demo", "--dir", str(workdir),
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **kwargs)
+
+
+def _left_behind(workdir: Path, pid: int) -> list[str]:
+    """Mounts and cgroups the demo (process ``pid``) left; cleans them up for the next test."""
+    left = []
+    entry = mount_at(str(workdir / "mnt"))
+    if entry is not None and entry.fstype.startswith("fuse"):
+        left.append(f"mount {entry.mountpoint}")
+        force_unmount(workdir / "mnt", None)
+    own = cgroup_of("self", "memory")
+    for group in own.glob(f"coordlfs-demo-{pid}*"):
+        left.append(f"cgroup {group}")
+        group.rmdir()
+    return left
+
+
+@needs_demo
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    workdir = tmp_path / "demo"
+    if not _on_block_device(tmp_path):
+        pytest.skip("tmp_path is not on a block device")
+    out = tmp_path / "demo.json"
+    proc = _demo(workdir, "--files", "100", "--epochs", "3", "--json", str(out))
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        left = _left_behind(workdir, proc.pid)
+    assert proc.returncode == 0, stderr
+    assert not left
+    assert "epochs 2-3: coordlfs read" in stdout
+
+    report = json.loads(out.read_text())
+    total = report["dataset"]["bytes"]
+    assert report["dataset"]["files"] == 100
+    assert report["memory_budget_bytes"] == total // 2
+    ours, theirs = report["coordlfs"], report["page_cache"]
+    assert [e["epoch"] for e in ours["epochs"]] == [1, 2, 3] == [e["epoch"] for e in
+                                                                 theirs["epochs"]]
+    for e in ours["epochs"] + theirs["epochs"]:
+        assert set(e) == {"epoch", "storage_bytes", "device_bytes", "seconds", "source_bytes",
+                          "cache_used_bytes"}
+        assert e["seconds"] > 0
+    assert ours["cache_capacity_bytes"] == total // 2
+    used = ours["cache_used_bytes"]
+    assert 0 < used <= ours["cache_capacity_bytes"]
+    first, second, third = ours["epochs"]
+    assert first["source_bytes"] == total
+    assert second["source_bytes"] == total - used == third["source_bytes"]
+    assert first["cache_used_bytes"] == used  # full after one epoch, never evicted
+    # What the daemon read from the disk is its source bytes, rounded up to O_DIRECT blocks.
+    assert second["source_bytes"] <= second["storage_bytes"] < second["source_bytes"] + (2 << 20)
+    assert theirs["epochs"][0]["storage_bytes"] >= 0.95 * total
+    assert isinstance(report["later_epochs_ratio"], float)
+
+
+@needs_demo
+def test_demo_cleans_up_when_interrupted(tmp_path: Path) -> None:
+    if not _on_block_device(tmp_path):
+        pytest.skip("tmp_path is not on a block device")
+    workdir = tmp_path / "demo"
+    proc = _demo(workdir, "--files", "400", "--epochs", "4")
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "coordlfs epoch 1/" in line:  # mounted, reader in its cgroup
+                proc.send_signal(signal.SIGINT)
+                break
+        _stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        left = _left_behind(workdir, proc.pid)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert not left
+    assert not list(Path("/dev/shm").glob(f"coordlfs-demo-{proc.pid}"))
