@@ -76,6 +76,7 @@ class MinioCache:
         self.counters = counters
         self.entries: dict[Key, Entry] = {}
         self.used = 0
+        self._journal_fd = -1
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
             self.dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -134,6 +135,8 @@ class MinioCache:
             if entry.fd >= 0:
                 os.close(entry.fd)
                 entry.fd = -1
+        if self._journal_fd >= 0:
+            os.close(self._journal_fd)
         if not keep:
             shutil.rmtree(self.directory, ignore_errors=True)
         os.close(self.dir_fd)
@@ -238,9 +241,10 @@ class MinioCache:
                            "size": entry.size, "mtime_ns": entry.mtime_ns}) + "\n"
 
     def _journal(self, entry: Entry) -> None:
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-        with open(JOURNAL, "a", opener=self._opener(flags)) as journal:
-            journal.write(self._record(entry))
+        if self._journal_fd < 0:
+            self._journal_fd = os.open(JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                                       | os.O_CLOEXEC, 0o600, dir_fd=self.dir_fd)
+        os.write(self._journal_fd, self._record(entry).encode())
 
     def _rewrite_journal(self) -> None:
         tmp = JOURNAL + _PART

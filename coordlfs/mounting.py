@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import select
@@ -55,18 +56,27 @@ def check_directory(path: str, role: str) -> str:
     except FileNotFoundError:
         raise UserError(f"{role} {path} does not exist") from None
     except OSError as e:
-        if e.errno == 107:  # ENOTCONN: a FUSE mount whose daemon died
-            raise UserError(f"{role} {path} is a dead FUSE mount; run: coordlfs umount {path}") \
-                from None
+        if e.errno == errno.ENOTCONN:
+            raise _dead_mount(role, path) from None
         raise UserError(f"{role} {path}: {e.strerror}") from None
     if not os.path.isdir(path) or not (st.st_mode & 0o040000):
         raise UserError(f"{role} {path} is not a directory")
     return os.path.realpath(path)
 
 
+def _dead_mount(role: str, path: str) -> UserError:
+    return UserError(f"{role} {path} is a dead FUSE mount (its daemon exited); "
+                     f"run: coordlfs umount {path}")
+
+
 def check_mountpoint_free(mountpoint: str) -> None:
     entry = mount_at(mountpoint)
     if entry is not None and entry.fstype.startswith("fuse"):
+        try:
+            os.statvfs(mountpoint)  # statfs always reaches the daemon, if there is one
+        except OSError as e:
+            if e.errno == errno.ENOTCONN:
+                raise _dead_mount("mountpoint", mountpoint) from None
         raise UserError(f"mountpoint {mountpoint} is in use: {entry.fstype} from {entry.source} "
                         "is mounted there")
 

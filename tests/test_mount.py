@@ -421,3 +421,17 @@ def test_hits_are_answered_while_slow_misses_are_pending(mount, tmp_path: Path) 
         assert m.status()["cache"]["filling"] == 1
         out, _ = slow.communicate(timeout=60)
     assert out == (src / "slow").read_bytes()
+
+
+def test_dead_daemon_is_reported_and_unmountable(mount, dataset) -> None:
+    source, _ = dataset
+    m = mount(source)
+    os.kill(m.pid, signal.SIGKILL)
+    assert wait_gone(m.pid)
+    result = run_cli("mount", str(source), str(m.mountpoint))
+    assert result.returncode == 1 and "dead FUSE mount" in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert run_cli("umount", str(m.mountpoint)).returncode == 0
+    assert str(m.mountpoint) not in Path("/proc/self/mountinfo").read_text()
+    again = mount(source, mountpoint=m.mountpoint, cache_dir=m.cache_dir)  # the lock was freed
+    assert digests(again.mountpoint) == digests(source)
