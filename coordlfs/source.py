@@ -15,12 +15,31 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+import threading
 
 from coordlfs.errors import UserError
 
 #: O_DIRECT needs offsets, lengths and buffers aligned to the logical block size; 4 KiB
 #: covers every block device we meet.
 DIRECT_ALIGN = 4096
+
+
+_local = threading.local()
+
+
+def _aligned_buffer(size: int) -> mmap.mmap:
+    """This thread's page-aligned buffer for O_DIRECT, grown on demand.
+
+    Mapping and unmapping a buffer per read costs more CPU than the read itself in a
+    multi-threaded daemon (page faults, TLB shootdowns), so each worker thread keeps one;
+    reads are at most a fill chunk, which bounds the buffer.
+    """
+    buf = getattr(_local, "buffer", None)
+    if buf is None or len(buf) < size:
+        if buf is not None:
+            buf.close()
+        buf = _local.buffer = mmap.mmap(-1, max(size, 256 << 10))
+    return buf
 
 
 def _at(path: bytes) -> bytes:
@@ -106,15 +125,21 @@ class SourceReader:
 
     def pread(self, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes at ``offset``, without leaving them in the page cache."""
+        return bytes(self.read_view(offset, size))
+
+    def read_view(self, offset: int, size: int) -> memoryview | bytes:
+        """Like ``pread``, but may return a view of this thread's buffer, valid until the
+        thread's next read: saves a copy when the bytes go straight on (into the cache)."""
         if not self.direct:
             data = os.pread(self.fd, size, offset)
             os.posix_fadvise(self.fd, offset, len(data), os.POSIX_FADV_DONTNEED)
             return data
         start = offset - offset % DIRECT_ALIGN
         end = -(-(offset + size) // DIRECT_ALIGN) * DIRECT_ALIGN
-        with mmap.mmap(-1, end - start) as buf:  # page-aligned, as O_DIRECT wants
-            got = os.preadv(self.fd, [buf], start)
-            return buf[offset - start : max(offset - start, min(got, offset - start + size))]
+        buf = _aligned_buffer(end - start)
+        got = os.preadv(self.fd, [memoryview(buf)[: end - start]], start)
+        skip = offset - start
+        return memoryview(buf)[skip : max(skip, min(got, skip + size))]
 
     def close(self) -> None:
         os.close(self.fd)
