@@ -136,16 +136,23 @@ def unmount(mountpoint: str, pid: int | None, lazy: bool) -> None:
             raise UserError(f"{mountpoint} is busy (files or directories on it are open); "
                             "close them, or use --lazy")
         raise UserError(f"cannot unmount {mountpoint}: {reason}")
-    if pid is not None:
-        deadline = time.monotonic() + EXIT_WAIT
-        while _alive(pid):
-            if time.monotonic() > deadline:
-                raise UserError(f"unmounted {mountpoint}, but daemon {pid} has not exited after "
-                                f"{EXIT_WAIT:.0f}s")
-            time.sleep(0.05)
+    if pid is not None and not wait_exit(pid, EXIT_WAIT):
+        raise UserError(f"unmounted {mountpoint}, but daemon {pid} has not exited after "
+                        f"{EXIT_WAIT:.0f}s")
 
 
-def _alive(pid: int) -> bool:
+def wait_exit(pid: int, timeout: float) -> bool:
+    """Wait until ``pid`` has exited; False on timeout. A zombie counts as exited: the
+    daemon is not our child, so we cannot reap it."""
+    deadline = time.monotonic() + timeout
+    while process_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def process_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"

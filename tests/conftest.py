@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import xxhash
 
 from coordlfs.bench.counters import drop_caches  # noqa: F401 (tests import it from here)
 from coordlfs.bench.dataset import DatasetSpec, ensure_dataset
+from coordlfs.mounting import process_alive, wait_exit
 
 COORDLFS = [sys.executable, "-m", "coordlfs"]
 
@@ -54,39 +54,19 @@ class Mount:
         return json.loads((self.mountpoint / ".coordlfs").read_bytes())
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pid: int, timeout: float = 15.0) -> bool:
-    """Wait for a process to exit (a zombie counts as gone: its parent may not reap it)."""
-    deadline = time.monotonic() + timeout
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def force_unmount(mountpoint: Path, pid: int | None) -> None:
     """Lazy unmount, then SIGTERM, then SIGKILL: whatever state the test left the mount in."""
     subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
     if pid is None:
         return
     for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        if not _alive(pid):
+        if not process_alive(pid):
             return
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             return
-        deadline = time.monotonic() + wait
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_exit(pid, wait)
 
 
 @pytest.fixture

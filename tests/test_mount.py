@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import digests, drop_caches, force_unmount, run_cli, wait_gone
+from conftest import digests, drop_caches, force_unmount, run_cli
 
 from coordlfs.control import Control, ControlError
+from coordlfs.mounting import wait_exit
 
 
 def read_file(path: Path) -> bytes:
@@ -312,7 +313,7 @@ def test_sigterm_unmounts_cleanly(mount, dataset) -> None:
     source, _ = dataset
     m = mount(source)
     os.kill(m.pid, signal.SIGTERM)
-    assert wait_gone(m.pid)
+    assert wait_exit(m.pid, 15)
     assert str(m.mountpoint) not in Path("/proc/self/mountinfo").read_text()
     assert not m.cache_dir.exists()
 
@@ -326,7 +327,7 @@ def test_umount_waits_for_daemon_and_refuses_busy(mount, dataset) -> None:
     assert result.stderr.count("\n") == 1
     busy.close()
     assert run_cli("umount", str(m.mountpoint)).returncode == 0
-    assert wait_gone(m.pid, timeout=0)  # umount returned only after the daemon exited
+    assert wait_exit(m.pid, 0)  # umount returned only after the daemon exited
 
 
 def test_bad_input_gets_one_line_errors(mount, dataset, tmp_path: Path) -> None:
@@ -427,7 +428,7 @@ def test_dead_daemon_is_reported_and_unmountable(mount, dataset) -> None:
     source, _ = dataset
     m = mount(source)
     os.kill(m.pid, signal.SIGKILL)
-    assert wait_gone(m.pid)
+    assert wait_exit(m.pid, 15)
     result = run_cli("mount", str(source), str(m.mountpoint))
     assert result.returncode == 1 and "dead FUSE mount" in result.stderr
     assert result.stderr.count("\n") == 1

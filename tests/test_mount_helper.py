@@ -7,14 +7,15 @@ import json
 import os
 import shutil
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import _alive, digests, force_unmount, make_dataset
+from conftest import digests, force_unmount, make_dataset
+
+from coordlfs.mounting import wait_exit
 
 MOUNT_DIR = Path(__file__).resolve().parents[1] / "mount"
 HELPER = MOUNT_DIR / "mount.fuse.coordlfs"
@@ -81,10 +82,8 @@ class Target:
         result = run("umount", str(self.mountpoint))
         assert result.returncode == 0, result.stderr
         assert fstype_at(self.mountpoint) is None
-        deadline = time.monotonic() + 30
-        while self.pid is not None and _alive(self.pid):
-            assert time.monotonic() < deadline, f"daemon {self.pid} still running after umount"
-            time.sleep(0.05)
+        if self.pid is not None:
+            assert wait_exit(self.pid, 30), f"daemon {self.pid} still running after umount"
 
 
 @pytest.fixture
