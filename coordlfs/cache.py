@@ -20,8 +20,10 @@ import contextlib
 import fcntl
 import json
 import logging
+import mmap
 import os
 import shutil
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,6 +41,9 @@ log = logging.getLogger(__name__)
 #: O_DIRECT buffers and to let a reader of a big file start early.
 FILL_CHUNK = 1 << 20
 JOURNAL = "index.jsonl"
+#: Complete entries kept mapped for zero-copy hits (least recently read dropped first); well
+#: below vm.max_map_count (65530 by default), which counts every mapping of the process.
+MAX_MAPPED = 16384
 _PART = ".part"
 
 
@@ -78,6 +83,7 @@ class MinioCache:
         self.counters = counters
         self.entries: dict[Key, Entry] = {}
         self.used = 0
+        self._views: OrderedDict[str, memoryview] = OrderedDict()
         self._journal_fd = -1
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -133,6 +139,7 @@ class MinioCache:
 
     def close(self, keep: bool) -> None:
         """Remove the cached bytes unless ``keep``; then release the directory lock."""
+        self._views.clear()
         for entry in self.entries.values():
             if entry.fd >= 0:
                 os.close(entry.fd)
@@ -195,9 +202,9 @@ class MinioCache:
         except Exception as e:  # a failed fill must never fail the mount: readers stream
             log.warning("caching %s failed: %s", os.fsdecode(entry.path), e,
                         exc_info=not isinstance(e, OSError))
-            self._give_up(key, entry)
+            self._release(key, entry)
         except BaseException:  # cancelled at unmount
-            self._give_up(key, entry)
+            self._release(key, entry)
             raise
         finally:
             self._wake(entry)
@@ -212,6 +219,31 @@ class MinioCache:
         """A read-only descriptor on a complete entry."""
         return os.open(entry.name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
 
+    def view(self, entry: Entry) -> memoryview:
+        """The bytes of a complete entry, mapped read-only and kept mapped.
+
+        A hit then costs no syscall and no copy in the daemon: pyfuse3 hands a slice of the
+        mapping to the kernel, which copies it once into the reply, as from any buffer.
+        Entries are never truncated (only unlinked), so a mapping stays valid.
+        """
+        view = self._views.get(entry.name)
+        if view is not None:
+            self._views.move_to_end(entry.name)
+            return view
+        if entry.size == 0:
+            return memoryview(b"")  # mmap refuses empty files
+        fd = self.open_entry(entry)
+        try:
+            view = memoryview(mmap.mmap(fd, entry.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                        prot=mmap.PROT_READ))
+        finally:
+            os.close(fd)
+        self._views[entry.name] = view
+        if len(self._views) > MAX_MAPPED:
+            # unmapped when the last slice of it (a reply in flight, if any) is gone
+            self._views.popitem(last=False)
+        return view
+
     # -- internals -----------------------------------------------------------------
 
     @staticmethod
@@ -219,11 +251,11 @@ class MinioCache:
         done, entry.progress = entry.progress, trio.Event()
         done.set()
 
-    def _give_up(self, key: Key, entry: Entry) -> None:
-        entry.failed = True
-        self._release(key, entry)
-
     def _release(self, key: Key, entry: Entry) -> None:
+        # Open handles still holding the entry must not see another version under its name:
+        # a failed entry sends them to the source.
+        entry.complete, entry.failed = False, True
+        self._views.pop(entry.name, None)
         if self.entries.get(key) is entry:
             del self.entries[key]
             self.used -= entry.size

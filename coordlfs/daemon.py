@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -19,10 +20,17 @@ from coordlfs.config import MountConfig
 from coordlfs.control_server import ControlServer
 from coordlfs.errors import UserError
 from coordlfs.fs import Operations
+from coordlfs.mounting import mounts
 from coordlfs.source import Source
 from coordlfs.stats import Stats, register_commands
 
 log = logging.getLogger("coordlfs")
+
+#: Kernel read-ahead of the mount, KiB. FUSE's default of 128 splits a sequential read into
+#: 128 KiB requests, each a round trip to this one-threaded daemon; at 1024 they are 1 MiB
+#: (the most FUSE asks for here) and a GiB read costs the daemon about half the CPU
+#: (docs/benchmarks.md). Small files are read whole either way.
+READ_AHEAD_KB = 1024
 
 
 def setup_logging(log_file: str | None, debug: bool) -> None:
@@ -35,6 +43,22 @@ def setup_logging(log_file: str | None, debug: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if debug else logging.INFO)
+
+
+def set_read_ahead(mountpoint: str, kb: int) -> None:
+    """Set the read-ahead of our FUSE mount; without root it stays at the kernel default.
+
+    Blocking, and only while the daemon serves: the kernel lowers the read-ahead to what
+    FUSE_INIT negotiated (128 KiB) when that handshake completes, and the stat here returns
+    only after it.
+    """
+    try:
+        os.stat(mountpoint)
+        device = next(m.device for m in reversed(mounts()) if m.mountpoint == mountpoint)
+        with open(f"/sys/class/bdi/{device}/read_ahead_kb", "w") as f:
+            f.write(f"{kb}\n")
+    except (OSError, StopIteration) as e:
+        log.info("read-ahead of %s stays at the kernel default: %s", mountpoint, e)
 
 
 class Daemon:
@@ -94,6 +118,9 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             self.ops.nursery = nursery
             nursery.start_soon(self._terminate_on_signal)
+            nursery.start_soon(functools.partial(
+                trio.to_thread.run_sync, set_read_ahead, self.config.mountpoint, READ_AHEAD_KB,
+                abandon_on_cancel=True))
             ready()
             await pyfuse3.main()
             nursery.cancel_scope.cancel()

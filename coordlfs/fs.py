@@ -63,12 +63,9 @@ class FileHandle:
     path: bytes
     st: os.stat_result
     entry: Entry | None = None
-    cache_fd: int = -1
     reader: SourceReader | None = None
 
     def close(self) -> None:
-        if self.cache_fd >= 0:
-            os.close(self.cache_fd)
         if self.reader is not None:
             self.reader.close()
 
@@ -264,7 +261,7 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=self._new_handle(handle), keep_cache=not changed)
 
     @guarded
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         handle = self._handles[fh]
         if isinstance(handle, ControlHandle):
             return handle.read(size)
@@ -274,7 +271,7 @@ class Operations(pyfuse3.Operations):
             return b""
         entry = handle.entry
         if entry is not None and entry.complete:
-            data = self._read_complete(handle, entry, off, size)
+            data = self.cache.view(entry)[off : off + size]
             self.counters.cache_hits += 1
             self.counters.bytes_from_cache += len(data)
             return data
@@ -283,14 +280,9 @@ class Operations(pyfuse3.Operations):
             entry = handle.entry = self._start_fill(handle)
         if entry is not None and await self.cache.wait_for(entry, off + size):
             if entry.complete:
-                return self._read_complete(handle, entry, off, size)
+                return self.cache.view(entry)[off : off + size]
             return os.pread(entry.fd, size, off)
         return await self._stream(handle, off, size)
-
-    def _read_complete(self, handle: FileHandle, entry: Entry, off: int, size: int) -> bytes:
-        if handle.cache_fd < 0:
-            handle.cache_fd = self.cache.open_entry(entry)
-        return os.pread(handle.cache_fd, size, off)
 
     def _start_fill(self, handle: FileHandle) -> Entry | None:
         """The entry for this file, reserving and filling it if MinIO has room."""

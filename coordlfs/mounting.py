@@ -23,6 +23,8 @@ class MountEntry:
     mountpoint: str
     fstype: str
     source: str
+    #: "major:minor" of the mounted filesystem; for FUSE also the name of its bdi in /sys
+    device: str = ""
 
 
 def _unescape(field: str) -> str:
@@ -36,7 +38,8 @@ def mounts() -> list[MountEntry]:
         for line in f:
             left, _, right = line.partition(" - ")
             fields, rest = left.split(), right.split()
-            entries.append(MountEntry(_unescape(fields[4]), rest[0], _unescape(rest[1])))
+            entries.append(MountEntry(_unescape(fields[4]), rest[0], _unescape(rest[1]),
+                                      fields[2]))
     return entries
 
 

@@ -1,11 +1,717 @@
-"""Cache-hit throughput: open+read+close of small files against tmpfs and pyfuse3 baselines."""
+"""Cache-hit throughput: open+read+close of small files against tmpfs and pyfuse3 baselines.
+
+A training epoch over an image dataset is, per item, open + read to EOF + close of a ~112 KB
+file. Once coordlfs holds a file, that is all its daemon does for it, so this benchmark asks
+how close a cache hit gets to the best any pyfuse3 filesystem can do (``memfs``, which
+answers from a dict), next to tmpfs (no FUSE at all) and a naive passthrough (no cache).
+
+Every case reads the same files, shuffled, split among 1 and 4 reader processes (like a
+DataLoader's workers), each doing os.open / os.readv to EOF / os.close. Unless a case is
+"page cache warm", the files' pages are dropped from the kernel page cache first, so every
+byte comes from the daemon (or, for passthrough, from disk). One large file read
+sequentially in 1 MiB reads shows bulk bandwidth. Each figure is the median of ``--repeat``
+runs, the cases interleaved so that a slow moment on the machine does not land on one case
+only.
+"""
+
+from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import platform
+import random
+import select
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from coordlfs.bench.dataset import DatasetSpec, ensure_dataset
+from coordlfs.errors import UserError
+from coordlfs.sizes import format_size, parse_size, physical_memory
+
+#: The goal from the issue: cache-served hits at 90% of the bare pyfuse3 ceiling or better.
+GOAL = 0.9
+#: Bytes per read() call: one call reads a whole small file, as a loader's f.read() does.
+CHUNK = 1 << 20
+#: Seconds a daemon may take to mount (memfs first loads the whole dataset into memory).
+START_TIMEOUT = 300.0
+STOP_TIMEOUT = 30.0
+#: Seconds one measured run may take before the benchmark gives up on a hung mount.
+RUN_TIMEOUT = 600.0
+#: Attempts at a run before one disturbed by someone else's drop_caches is kept anyway.
+TRIES = 5
+#: The big file, relative to the dataset directory.
+BIG = "big/big.bin"
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One row of the table: a system, and whether the kernel page cache is warm.
+
+    A cold case first drops the page cache of the files it reads from the copies named in
+    ``evict`` (the mount, and for passthrough the source on disk as well).
+    """
+
+    key: str
+    label: str
+    system: str
+    warm: bool
+    evict: tuple[str, ...] = ()
+
+
+#: In the order they run, each coordlfs case right after the baseline it is compared with.
+CASES = (
+    # tmpfs pages are the data itself: there is no page cache to drop
+    Case("tmpfs", "tmpfs (the limit)", "tmpfs", False),
+    Case("bare", "bare pyfuse3, from daemon (ceiling)", "memfs", False, ("memfs",)),
+    # coordlfs's cache is in tmpfs, which dropping the page cache leaves alone, as it should
+    Case("coordlfs_cache", "coordlfs, from its cache", "coordlfs", False, ("coordlfs",)),
+    Case("bare_warm", "bare pyfuse3, page cache warm", "memfs", True),
+    Case("coordlfs_warm", "coordlfs, page cache warm", "coordlfs", True),
+    Case("passthrough", "naive passthrough, from disk", "passthrough", False,
+         ("passthrough", "source")),
+)
+#: Each case is compared with the bare pyfuse3 case of the same page-cache state.
+BASELINE = {False: "bare", True: "bare_warm"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("--files", type=int, default=2000,
+                        help="number of small files (default 2000)")
+    parser.add_argument("--size", default="112K", help="size of each small file (default 112K)")
+    parser.add_argument("--big-size", default="1G",
+                        help="size of the file read sequentially; 0 skips it (default 1G)")
+    parser.add_argument("--readers", default="1,4",
+                        help="comma-separated reader process counts (default 1,4)")
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="runs per figure; the median is reported (default 5)")
+    parser.add_argument("--dir", help="dataset directory, on disk; reused when it matches "
+                                      "(default: coordlfs-bench-hits in the temp directory)")
+    parser.add_argument("--read-ahead-kb", type=int, metavar="KB",
+                        help="set each FUSE mount's read_ahead_kb (default: kernel default)")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+
+
+# -- arguments ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    files: int
+    size: int
+    big_size: int
+    readers: tuple[int, ...]
+    repeat: int
+    directory: str
+    read_ahead_kb: int | None
+    json_path: str | None
+
+
+def parse_readers(text: str) -> tuple[int, ...]:
+    """``"1,4"`` -> ``(1, 4)``; anything else that is not positive integers is a UserError."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise UserError(f"bad --readers {text!r}: expected positive integers such as 1,4")
+    return tuple(dict.fromkeys(counts))
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """Validated settings; every problem is a one-line UserError."""
+    if args.files < 1:
+        raise UserError(f"bad --files {args.files}: need at least 1")
+    if args.repeat < 1:
+        raise UserError(f"bad --repeat {args.repeat}: need at least 1")
+    size = parse_size(args.size, "--size")
+    if size < 1:
+        raise UserError(f"bad --size {args.size!r}: need at least 1 byte")
+    if args.read_ahead_kb is not None and args.read_ahead_kb < 0:
+        raise UserError(f"bad --read-ahead-kb {args.read_ahead_kb}: must not be negative")
+    directory = args.dir or os.path.join(tempfile.gettempdir(), "coordlfs-bench-hits")
+    return Settings(args.files, size, parse_size(args.big_size, "--big-size"),
+                    parse_readers(args.readers), args.repeat, os.path.abspath(directory),
+                    args.read_ahead_kb, args.json)
+
+
+def check_can_run() -> None:
+    """The benchmark mounts FUSE and tunes the mounts: that needs root and /dev/fuse."""
+    if os.geteuid() != 0:
+        raise UserError("bench hits must run as root: it mounts FUSE filesystems and sets "
+                        "their read-ahead in /sys/class/bdi")
+    if not os.path.exists("/dev/fuse"):
+        raise UserError("/dev/fuse does not exist: this machine cannot mount FUSE filesystems")
+    if shutil.which("fusermount3") is None:
+        raise UserError("fusermount3 not found (install the fuse3 package)")
+
+
+# -- the dataset --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Dataset:
+    """Equal small files under ``small/`` and, if any, one big file under ``big/``.
+
+    Paths are relative to ``root``, the directory every system serves.
+    """
+
+    root: str
+    small: tuple[str, ...]
+    big: str | None
+    size: int
+    big_size: int
+
+    @property
+    def total_bytes(self) -> int:
+        return len(self.small) * self.size + self.big_size
+
+    def bytes_of(self, rels: list[str]) -> int:
+        return sum(self.big_size if rel == self.big else self.size for rel in rels)
+
+
+def _equal_files(directory: str, files: int, size: int) -> list[str]:
+    """``files`` files of exactly ``size`` bytes (a lognormal with no spread), made or reused."""
+    made = ensure_dataset(directory, DatasetSpec(files, mean_bytes=size, sigma=0.0, classes=1))
+    return [os.path.join(os.path.basename(directory), rel) for rel, _size in made.files]
+
+
+def _big_file(directory: str, size: int) -> str:
+    """One file of ``size`` random bytes, reused if it has that size; written in 64 MiB chunks
+    so that a 1 GiB file needs no 1 GiB buffer."""
+    path = os.path.join(directory, BIG)
+    with contextlib.suppress(FileNotFoundError):
+        if os.path.getsize(path) == size:
+            return BIG
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".part", "wb") as f:
+        for start in range(0, size, 64 << 20):
+            f.write(os.urandom(min(64 << 20, size - start)))
+    os.replace(path + ".part", path)
+    return BIG
+
+
+def prepare_dataset(directory: str, files: int, size: int, big_size: int) -> Dataset:
+    """The benchmark's dataset in ``directory``: reused where intact, else (re)written.
+
+    The whole directory is mounted, so it may hold nothing but what this benchmark wrote.
+    """
+    try:
+        others = set(os.listdir(directory)) - {"small", os.path.dirname(BIG)}
+    except FileNotFoundError:
+        others = set()
+    if others:
+        raise UserError(f"--dir {directory} holds other things than this benchmark's dataset "
+                        f"({', '.join(sorted(others))}); give a new or empty directory")
+    small = _equal_files(os.path.join(directory, "small"), files, size)
+    big = _big_file(directory, big_size) if big_size else None
+    return Dataset(directory, tuple(small), big, size, big_size)
+
+
+# -- mounts and daemons -------------------------------------------------------------------
+
+
+def evict(paths: list[str]) -> None:
+    """Drop these files' pages from the kernel page cache, as memory pressure would.
+
+    POSIX_FADV_DONTNEED on each file rather than the global /proc/sys/vm/drop_caches: the
+    kernel's dentries and inodes stay (as they do under the pressure a cache is for), and
+    other processes on the machine keep their caches.
+    """
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of all threads of a process so far, from the scheduler's own accounting."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError), \
+                open(f"/proc/{pid}/task/{task}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total / 1e9
+
+
+def drop_count() -> int:
+    """How often anyone wrote /proc/sys/vm/drop_caches since boot."""
+    with open("/proc/vmstat") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith("drop_"))
+
+
+def _mount_fields(mountpoint: str) -> list[str] | None:
+    """The /proc/self/mountinfo fields of the topmost mount at ``mountpoint``, if any."""
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == mountpoint:
+                found = fields
+    return found
+
+
+def set_read_ahead(mountpoint: str, kb: int) -> None:
+    """Set the read-ahead of a FUSE mount's backing device (bdi), i.e. its read size.
+
+    Only once the daemon has answered FUSE_INIT, which lowers the read-ahead to what it
+    negotiated (128 KiB): a stat of the mountpoint returns only after that handshake.
+    """
+    os.stat(mountpoint)
+    fields = _mount_fields(mountpoint)
+    if fields is None:
+        raise UserError(f"{mountpoint} is not mounted")
+    with open(f"/sys/class/bdi/{fields[2]}/read_ahead_kb", "w") as f:
+        f.write(f"{kb}\n")
+
+
+def _log_tail(log: str, lines: int = 5) -> str:
+    try:
+        with open(log, errors="replace") as f:
+            return " | ".join(f.read().strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _wait_ready(name: str, process: subprocess.Popen, log: str) -> None:
+    """Wait for the daemon's first line on stdout, which it prints once the mount is live."""
+    assert process.stdout is not None
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select([process.stdout], [], [], 1.0)
+        if readable:
+            if process.stdout.readline():
+                return
+            break  # EOF: it exited
+    raise UserError(f"{name} did not mount: {_log_tail(log)}")
+
+
+def _stop(process: subprocess.Popen, mountpoint: str) -> None:
+    """SIGTERM (the daemon unmounts), then lazy unmount and SIGKILL if it does not."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True)
+            process.kill()
+            process.wait()
+    if _mount_fields(mountpoint) is not None:
+        subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True)
+    if process.stdout is not None:
+        process.stdout.close()
+
+
+@contextlib.contextmanager
+def daemon(name: str, argv: list[str], mountpoint: str, log: str) -> Iterator[subprocess.Popen]:
+    """Run a foreground FUSE daemon until the block ends; it is always stopped and unmounted.
+
+    Its own session keeps a Ctrl-C at the terminal away from it: we stop it, by its pid.
+    """
+    with open(log, "ab") as log_file:
+        process = subprocess.Popen([sys.executable, "-m", *argv], stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.PIPE, stderr=log_file,
+                                   start_new_session=True)
+    try:
+        _wait_ready(name, process, log)
+        yield process
+    finally:
+        _stop(process, mountpoint)
+
+
+# -- measuring ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Run:
+    seconds: float
+    files: int
+    bytes: int
+    #: CPU time the FUSE daemon spent during the run (None for tmpfs): what a hit costs it
+    daemon_cpu_s: float | None = None
+
+    @property
+    def files_per_s(self) -> float:
+        return self.files / self.seconds
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9
+
+
+def _reader(paths: list[bytes], barrier: Any, conn: Connection) -> None:
+    """One reader process: open, read to EOF into one reused buffer, close; report times."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    buf = bytearray(CHUNK)
+    total = 0
+    barrier.wait()
+    start = time.perf_counter()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while got := os.readv(fd, [buf]):
+                total += got
+        finally:
+            os.close(fd)
+    conn.send((start, time.perf_counter(), total))
+    conn.close()
+
+
+def measure(paths: list[str], readers: int) -> Run:
+    """Read ``paths`` split round-robin among ``readers`` processes started together.
+
+    The time is from the first reader's start to the last one's end (perf_counter is
+    system-wide on Linux), so process start-up is not counted.
+    """
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(readers, timeout=START_TIMEOUT)
+    encoded = [os.fsencode(p) for p in paths]
+    workers, pipes = [], []
+    try:
+        for i in range(readers):
+            receive, send = context.Pipe(duplex=False)
+            worker = context.Process(target=_reader, args=(encoded[i::readers], barrier, send))
+            worker.start()
+            send.close()
+            workers.append(worker)
+            pipes.append(receive)
+        reports = [_receive(pipe) for pipe in pipes]
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()
+            worker.join()
+    return Run(max(r[1] for r in reports) - min(r[0] for r in reports), len(paths),
+               sum(r[2] for r in reports))
+
+
+def _receive(pipe: Connection) -> tuple[float, float, int]:
+    if not pipe.poll(RUN_TIMEOUT):
+        raise UserError(f"a reader took more than {RUN_TIMEOUT:.0f}s; is a mount hung?")
+    try:
+        return pipe.recv()
+    except EOFError:
+        raise UserError("a reader process failed (see its traceback above)") from None
+
+
+# -- results ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Result:
+    """The runs of one case with one reader count (readers 0: the sequential big file)."""
+
+    case: str
+    readers: int
+    runs: list[Run] = field(default_factory=list)
+
+    @property
+    def files_per_s(self) -> float:
+        return statistics.median(r.files_per_s for r in self.runs)
+
+    @property
+    def gb_per_s(self) -> float:
+        return statistics.median(r.gb_per_s for r in self.runs)
+
+    @property
+    def daemon_us_per_file(self) -> float | None:
+        costs = [r.daemon_cpu_s / r.files * 1e6 for r in self.runs if r.daemon_cpu_s is not None]
+        return statistics.median(costs) if costs else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"case": self.case, "readers": self.readers, "files_per_s": self.files_per_s,
+                "gb_per_s": self.gb_per_s, "daemon_cpu_us_per_file": self.daemon_us_per_file,
+                "runs": [asdict(r) for r in self.runs]}
+
+
+#: summary key -> (case, the case it is compared with)
+COMPARISONS = {
+    "coordlfs_cache_vs_bare": ("coordlfs_cache", "bare"),
+    "coordlfs_warm_vs_bare_warm": ("coordlfs_warm", "bare_warm"),
+    "coordlfs_cache_vs_tmpfs": ("coordlfs_cache", "tmpfs"),
+    "coordlfs_cache_vs_passthrough": ("coordlfs_cache", "passthrough"),
+}
+
+
+def columns(readers: tuple[int, ...], big: bool) -> list[tuple[str, int]]:
+    """(name, results key) of each measurement: the reader counts, then the big file as 0."""
+    return [(str(n), n) for n in readers] + ([("sequential", 0)] if big else [])
+
+
+def ratio(value: float, baseline: float) -> float | None:
+    return value / baseline if baseline > 0 else None
+
+
+def paired_ratio(result: Result, baseline: Result) -> float | None:
+    """The median of run-by-run ratios.
+
+    Run i of two adjacent cases was taken seconds apart, so their ratio cancels most of the
+    swings in CPU speed a shared virtual machine has; the ratio of medians does not.
+    """
+    pairs = zip(result.runs, baseline.runs, strict=True)
+    ratios = [r.gb_per_s / b.gb_per_s for r, b in pairs if b.gb_per_s > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def summarize(results: dict[tuple[str, int], Result], readers: tuple[int, ...],
+              big: bool) -> dict[str, Any]:
+    """Ratios the issue asks for: coordlfs against bare pyfuse3 (and the others).
+
+    Keyed by reader count (``"1"``, ``"4"``) and ``"sequential"`` for the big file. Files/s
+    and GB/s give the same ratio: every case reads the same files.
+    """
+    cols = columns(readers, big)
+    summary: dict[str, Any] = {"goal": GOAL}
+    for name, (case, base) in COMPARISONS.items():
+        summary[name] = {label: ratio(results[case, key].gb_per_s, results[base, key].gb_per_s)
+                         for label, key in cols}
+    summary["coordlfs_cache_vs_bare_paired"] = {
+        label: paired_ratio(results["coordlfs_cache", key], results["bare", key])
+        for label, key in cols}
+    hits = [summary["coordlfs_cache_vs_bare"][str(n)] for n in readers]
+    summary["goal_met"] = all(r is not None and r >= GOAL for r in hits)
+    return summary
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+_RATE_HEAD = f"{'files/s':>8} "
+
+
+def _cells(result: Result, baseline: Result, files: bool) -> str:
+    share = _percent(ratio(result.gb_per_s, baseline.gb_per_s))
+    rate = f"{result.files_per_s:>8,.0f} " if files else ""
+    return f"{rate}{result.gb_per_s:>6.2f} {share:>7}"
+
+
+def format_table(results: dict[tuple[str, int], Result], readers: tuple[int, ...],
+                 big_size: int) -> str:
+    """One line per case: files/s, GB/s and the share of bare pyfuse3, per reader count.
+
+    "vs bare" compares with bare pyfuse3 in the same page-cache state (dropped or warm).
+    """
+    top, head = f"{'':<36}", f"{'case':<36}"
+    for label, key in columns(readers, big_size > 0):
+        title = (f"{label} reader{'s' if key > 1 else ''}" if key
+                 else f"{format_size(big_size)} sequential")
+        top += f" | {title:^{23 if key else 14}}"
+        head += f" | {_RATE_HEAD if key else ''}{'GB/s':>6} {'vs bare':>7}"
+    lines = [top, head, "-" * len(head)]
+    for case in CASES:
+        line = f"{case.label:<36}"
+        for _, key in columns(readers, big_size > 0):
+            line += " | " + _cells(results[case.key, key], results[BASELINE[case.warm], key],
+                                   files=key > 0)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# -- the benchmark ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Bench:
+    """The systems under test (where each one's copy of the dataset is) and the results."""
+
+    settings: Settings
+    dataset: Dataset
+    roots: dict[str, str]
+    #: the daemon's pid of each FUSE system
+    pids: dict[str, int]
+    results: dict[tuple[str, int], Result] = field(default_factory=dict)
+    #: runs taken again because the kernel's caches were dropped while they ran
+    disturbed: int = 0
+
+    def paths(self, system: str, rels: list[str]) -> list[str]:
+        return [os.path.join(self.roots[system], rel) for rel in rels]
+
+    def control(self) -> str:
+        return os.path.join(self.roots["coordlfs"], ".coordlfs")
+
+    def once(self, case: Case, rels: list[Any], readers: int, key: int) -> None:
+        """One measured run, after dropping the page cache or after warming it.
+
+        A run during which another process dropped the kernel's caches (a test suite, say)
+        measured something else: it is taken again.
+        """
+        paths = self.paths(case.system, rels)
+        for _ in range(TRIES):
+            drops = drop_count()
+            if case.warm:
+                measure(paths, readers)
+            for system in case.evict:
+                evict(self.paths(system, rels))
+            pid = self.pids.get(case.system)
+            cpu = cpu_seconds(pid) if pid else 0.0
+            run = measure(paths, readers)
+            if pid:
+                run.daemon_cpu_s = cpu_seconds(pid) - cpu
+            if drop_count() == drops:
+                break
+            self.disturbed += 1
+            print(f"  {case.label}: another process dropped the caches; again", flush=True)
+        expected = self.dataset.bytes_of(rels)
+        if run.bytes != expected:
+            raise UserError(f"{case.label}: read {run.bytes} bytes, expected {expected}")
+        self.results.setdefault((case.key, key), Result(case.key, key)).runs.append(run)
+
+    def repeat(self, number: int) -> None:
+        """One run of every case; the cases compared with each other run back to back."""
+        rng = random.Random(number)
+        for _, key in columns(self.settings.readers, self.dataset.big is not None):
+            if key:
+                rels = list(self.dataset.small)
+                rng.shuffle(rels)
+            else:
+                rels = [self.dataset.big]
+            for case in CASES:
+                self.once(case, rels, max(key, 1), key)
+
+    def warm_coordlfs(self) -> dict[str, Any]:
+        """Read everything once through coordlfs and wait until its cache holds all of it."""
+        everything = list(self.dataset.small) + ([self.dataset.big] if self.dataset.big else [])
+        measure(self.paths("coordlfs", everything), 1)
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            status = self.status()
+            cache = status["cache"]
+            if cache["filling"] == 0 and cache["files"] >= len(everything):
+                return status
+            if time.monotonic() > deadline:
+                raise UserError(f"coordlfs cached {cache['files']} of {len(everything)} files")
+            time.sleep(0.1)
+
+    def status(self) -> dict[str, Any]:
+        with open(self.control(), "rb") as f:
+            return json.loads(f.read())
+
+
+def _coordlfs_argv(settings: Settings, dataset: Dataset, mountpoint: str, cache_dir: str,
+                   log: str) -> list[str]:
+    # Room for everything with a margin, and no per-file limit: every file must be a hit.
+    room = str(dataset.total_bytes + (64 << 20))
+    return ["coordlfs", "mount", dataset.root, mountpoint, "--foreground", "--cache-size", room,
+            "--max-file-size", room, "--cache-dir", cache_dir, "--log", log]
+
+
+def _check_memory(dataset: Dataset) -> None:
+    # tmpfs copy + memfs's dict + coordlfs's cache + page cache of the warm cases
+    need = 5 * dataset.total_bytes
+    if need > physical_memory():
+        raise UserError(f"the dataset ({format_size(dataset.total_bytes)}) is too large for "
+                        f"this machine's memory ({format_size(physical_memory())}); the "
+                        f"benchmark keeps about 5 copies of it in RAM")
+
+
+def _start_all(stack: contextlib.ExitStack, settings: Settings, dataset: Dataset,
+               work: str) -> tuple[dict[str, str], dict[str, int]]:
+    """Copy the dataset to tmpfs and mount each FUSE system.
+
+    Returns the root path of each system's copy and the pid of each FUSE daemon.
+    """
+    shm = stack.enter_context(tempfile.TemporaryDirectory(prefix="coordlfs-bench-",
+                                                          dir="/dev/shm"))
+    roots = {"source": dataset.root, "tmpfs": os.path.join(shm, "data")}
+    print(f"copying the dataset to tmpfs ({roots['tmpfs']})", flush=True)
+    shutil.copytree(dataset.root, roots["tmpfs"])
+    cache_dir = os.path.join(shm, "cache")
+    pids = {}
+    for system in ("memfs", "passthrough", "coordlfs"):
+        mountpoint = os.path.join(work, system)
+        os.mkdir(mountpoint)
+        stack.callback(os.rmdir, mountpoint)  # runs after the unmount below: an empty dir
+        log = os.path.join(work, f"{system}.log")
+        if system == "coordlfs":
+            argv = _coordlfs_argv(settings, dataset, mountpoint, cache_dir, log)
+        else:
+            argv = ["coordlfs.bench.baselines", system, dataset.root, mountpoint]
+        print(f"mounting {system} on {mountpoint}", flush=True)
+        pids[system] = stack.enter_context(daemon(system, argv, mountpoint, log)).pid
+        if settings.read_ahead_kb is not None:
+            set_read_ahead(mountpoint, settings.read_ahead_kb)
+        roots[system] = mountpoint
+    return roots, pids
+
+
+def _report(bench: Bench, reads: dict[str, int]) -> dict[str, Any]:
+    settings = bench.settings
+    big = bench.dataset.big is not None
+    summary = summarize(bench.results, settings.readers, big)
+    print()
+    print(format_table(bench.results, settings.readers, bench.dataset.big_size))
+    print()
+    for label, key in columns(settings.readers, big):
+        what = f"{label} reader{'s' if key > 1 else ''}" if key else "sequential"
+        print(f"coordlfs from its cache, {what}: "
+              f"{_percent(summary['coordlfs_cache_vs_bare'][label])} of bare pyfuse3 "
+              f"(run by run: {_percent(summary['coordlfs_cache_vs_bare_paired'][label])}; "
+              f"goal {_percent(GOAL)})")
+    return {
+        "machine": {"cpus": os.cpu_count(), "memory_bytes": physical_memory(),
+                    "kernel": platform.release(), "python": platform.python_version()},
+        "settings": {**asdict(settings), "chunk": CHUNK},
+        "cases": [asdict(c) for c in CASES],
+        "results": [r.to_json() for r in bench.results.values()],
+        "coordlfs_reads": reads,
+        "runs_disturbed_and_retaken": bench.disturbed,
+        "summary": summary,
+    }
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    settings = settings_from(args)
+    check_can_run()
+    # SIGTERM unwinds like Ctrl-C, so the mounts and daemons are cleaned up either way.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run(settings)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(settings: Settings) -> int:
+    dataset = prepare_dataset(settings.directory, settings.files, settings.size,
+                              settings.big_size)
+    _check_memory(dataset)
+    print(f"dataset: {settings.files} files of {format_size(settings.size)}"
+          f"{f' and one of {format_size(settings.big_size)}' if dataset.big else ''} in "
+          f"{dataset.root}", flush=True)
+    with contextlib.ExitStack() as stack:
+        work = stack.enter_context(tempfile.TemporaryDirectory(prefix="coordlfs-bench-"))
+        bench = Bench(settings, dataset, *_start_all(stack, settings, dataset, work))
+        print("filling the coordlfs cache", flush=True)
+        before = bench.warm_coordlfs()["reads"]
+        for number in range(settings.repeat):
+            print(f"run {number + 1} of {settings.repeat}", flush=True)
+            bench.repeat(number)
+        after = bench.status()["reads"]
+        reads = {k: after[k] - before[k] for k in after}
+        if reads["bytes_from_source"]:
+            print(f"warning: coordlfs read {reads['bytes_from_source']} bytes from the source "
+                  "during the measured runs; not every read was a cache hit", file=sys.stderr)
+    report = _report(bench, reads)
+    if settings.json_path:
+        with open(settings.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return 0

@@ -1,7 +1,7 @@
 """Memory overhead of a mount: daemon bytes per known inode and per cached file.
 
 MinIO promises memory within the capacity plus a bounded overhead; this measures the bound.
-The daemon's resident set (VmRSS) is read after mounting, after every file was looked up
+The daemon's anonymous resident set (RssAnon) is read after mounting, after every file was looked up
 (inodes) and after every file was read (cache entries). Cached bytes themselves live in
 tmpfs, rounded up to whole pages per file; that rounding is reported too.
 """
@@ -27,10 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _rss(pid: int) -> int:
+    """Anonymous resident bytes: the daemon's own heap, not the tmpfs pages it maps."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
-    raise UserError(f"no VmRSS for pid {pid}")
+    raise UserError(f"no RssAnon for pid {pid}")
 
 
 def _coordlfs(*args: str) -> None:

@@ -1,0 +1,215 @@
+"""``coordlfs bench hits``: its pieces, and one tiny real run (the keys it reports, not timings)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+from coordlfs.bench import hits
+from coordlfs.bench.hits import Result, Run
+from coordlfs.errors import UserError
+
+
+def _args(**overrides: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    hits.add_arguments(parser)
+    args = parser.parse_args([])
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    return args
+
+
+# -- arguments ------------------------------------------------------------------------------
+
+
+def test_readers_parse_and_deduplicate() -> None:
+    assert hits.parse_readers("1,4") == (1, 4)
+    assert hits.parse_readers("4,1,4") == (4, 1)
+
+
+@pytest.mark.parametrize("text", ["", "0", "1,-2", "one", "1,,4"])
+def test_bad_readers_are_one_line_errors(text: str) -> None:
+    with pytest.raises(UserError, match="--readers"):
+        hits.parse_readers(text)
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("files", 0, "--files"),
+    ("repeat", 0, "--repeat"),
+    ("size", "0", "--size"),
+    ("size", "lots", "--size"),
+    ("big_size", "-1G", "--big-size"),
+    ("read_ahead_kb", -1, "--read-ahead-kb"),
+])
+def test_bad_settings_are_one_line_errors(name: str, value: object, message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        hits.settings_from(_args(**{name: value}))
+
+
+def test_defaults_match_the_issue() -> None:
+    settings = hits.settings_from(_args())
+    assert (settings.files, settings.size, settings.readers) == (2000, 112 << 10, (1, 4))
+    assert settings.big_size == 1 << 30
+
+
+def test_needs_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(UserError, match="root"):
+        hits.check_can_run()
+
+
+# -- the dataset ----------------------------------------------------------------------------
+
+
+def test_dataset_is_made_with_exact_sizes_then_reused(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ds")
+    dataset = hits.prepare_dataset(directory, 5, 1000, 3000)
+    assert len(dataset.small) == 5
+    for rel in dataset.small:
+        assert os.path.getsize(os.path.join(directory, rel)) == 1000
+    big = os.path.join(directory, dataset.big)
+    assert os.path.getsize(big) == 3000
+    assert dataset.total_bytes == 5 * 1000 + 3000
+    assert dataset.bytes_of([dataset.big, dataset.small[0]]) == 4000
+
+    before = {rel: os.stat(os.path.join(directory, rel)).st_mtime_ns
+              for rel in (*dataset.small, dataset.big)}
+    again = hits.prepare_dataset(directory, 5, 1000, 3000)
+    assert again == dataset
+    assert before == {rel: os.stat(os.path.join(directory, rel)).st_mtime_ns
+                      for rel in (*dataset.small, dataset.big)}
+
+
+def test_dataset_is_remade_when_the_sizes_change(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ds")
+    hits.prepare_dataset(directory, 3, 1000, 3000)
+    dataset = hits.prepare_dataset(directory, 4, 2000, 5000)
+    assert [os.path.getsize(os.path.join(directory, r)) for r in dataset.small] == [2000] * 4
+    assert os.path.getsize(os.path.join(directory, dataset.big)) == 5000
+
+
+def test_dataset_refuses_a_directory_with_other_things(tmp_path: Path) -> None:
+    (tmp_path / "precious.txt").write_text("keep me")
+    with pytest.raises(UserError, match=r"precious\.txt"):
+        hits.prepare_dataset(str(tmp_path), 2, 100, 0)
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+def test_no_big_file_when_its_size_is_zero(tmp_path: Path) -> None:
+    dataset = hits.prepare_dataset(str(tmp_path / "ds"), 2, 100, 0)
+    assert dataset.big is None
+    assert not (tmp_path / "ds" / "big").exists()
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+
+def test_readers_split_the_files_and_read_every_byte(tmp_path: Path) -> None:
+    paths = []
+    for i in range(7):
+        path = tmp_path / f"f{i}"
+        path.write_bytes(b"x" * (1000 + i))
+        paths.append(str(path))
+    hits.evict(paths)  # harmless on any filesystem
+    run = hits.measure(paths, 3)
+    assert run.files == 7
+    assert run.bytes == sum(1000 + i for i in range(7))
+    assert run.seconds > 0
+
+
+# -- results --------------------------------------------------------------------------------
+
+
+def _result(case: str, readers: int, *files_per_s: float) -> Result:
+    """Runs over 1000 files of 1 MB, so that GB/s is files/s / 1000."""
+    return Result(case, readers, [Run(1000 / f, 1000, 10**9) for f in files_per_s])
+
+
+def _results(bare: tuple[float, ...], cache: tuple[float, ...]) -> dict:
+    results = {}
+    for readers in (1, 4, 0):
+        for case in hits.CASES:
+            speeds = {"bare": bare, "coordlfs_cache": cache}.get(case.key, (1000.0,) * len(bare))
+            results[case.key, readers] = _result(case.key, readers, *speeds)
+    return results
+
+
+def test_summary_ratios_are_medians_over_medians() -> None:
+    summary = hits.summarize(_results((4000, 5000, 3000), (3600, 900, 4500)), (1, 4), True)
+    # medians 4000 and 3600 (not the mean of the ratios)
+    assert summary["coordlfs_cache_vs_bare"] == {"1": pytest.approx(0.9), "4": pytest.approx(0.9),
+                                                 "sequential": pytest.approx(0.9)}
+    # run by run: 0.9, 0.18, 1.5 -> median 0.9
+    assert summary["coordlfs_cache_vs_bare_paired"]["1"] == pytest.approx(0.9)
+    assert summary["coordlfs_cache_vs_tmpfs"]["4"] == pytest.approx(3.6)
+    assert summary["goal"] == hits.GOAL
+    assert summary["goal_met"] is True
+
+
+def test_goal_is_missed_below_ninety_percent() -> None:
+    summary = hits.summarize(_results((4000,), (3500,)), (1, 4), False)
+    assert summary["coordlfs_cache_vs_bare"] == {"1": pytest.approx(0.875),
+                                                 "4": pytest.approx(0.875)}
+    assert "sequential" not in summary["coordlfs_warm_vs_bare_warm"]
+    assert summary["goal_met"] is False
+
+
+def test_ratio_without_a_baseline_is_none() -> None:
+    assert hits.ratio(5.0, 0.0) is None
+
+
+def test_table_has_a_row_per_case_and_shares_of_bare() -> None:
+    table = hits.format_table(_results((4000,), (3600,)), (1, 4), 1 << 30)
+    lines = table.splitlines()
+    assert len(lines) == 3 + len(hits.CASES)
+    assert "1.0 GiB sequential" in lines[0]
+    row = next(line for line in lines if line.startswith("coordlfs, from its cache"))
+    assert "3,600" in row and "90%" in row
+
+
+# -- a real run ------------------------------------------------------------------------------
+
+
+def _leftovers() -> set[str]:
+    """Mounts, tmpfs copies and daemons of hits benchmarks (another may run meanwhile)."""
+    with open("/proc/self/mountinfo") as f:
+        found = {line for line in f if "coordlfs-bench-" in line}
+    found |= {str(p) for p in Path("/dev/shm").glob("coordlfs-bench-*")}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"coordlfs.bench.baselines" in cmdline or b"coordlfs-bench-" in cmdline:
+            found.add(pid)
+    return found
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
+                    reason="needs root and /dev/fuse")
+def test_tiny_run_reports_every_figure_and_cleans_up(tmp_path: Path) -> None:
+    before = _leftovers()
+    out = tmp_path / "hits.json"
+    result = run_cli("bench", "hits", "--files", "50", "--size", "112K", "--big-size", "8M",
+                     "--repeat", "1", "--dir", str(tmp_path / "data"), "--json", str(out),
+                     timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "coordlfs, from its cache" in result.stdout
+    report = json.loads(out.read_text())
+    assert {"machine", "settings", "cases", "results", "coordlfs_reads", "summary"} <= set(report)
+    summary = report["summary"]
+    for key in ("coordlfs_cache_vs_bare", "coordlfs_warm_vs_bare_warm",
+                "coordlfs_cache_vs_bare_paired"):
+        assert set(summary[key]) == {"1", "4", "sequential"}
+    assert isinstance(summary["goal_met"], bool)
+    cases = {(r["case"], r["readers"]) for r in report["results"]}
+    assert cases == {(c.key, n) for c in hits.CASES for n in (1, 4, 0)}
+    assert all(r["files_per_s"] > 0 and len(r["runs"]) == 1 for r in report["results"])
+    # every measured coordlfs read was a hit
+    assert report["coordlfs_reads"]["bytes_from_source"] == 0
+    assert _leftovers() <= before
