@@ -20,16 +20,15 @@ from coordlfs.config import MountConfig
 from coordlfs.control_server import ControlServer
 from coordlfs.errors import UserError
 from coordlfs.fs import Operations
-from coordlfs.mounting import mounts
+from coordlfs.mounting import set_read_ahead
 from coordlfs.source import Source
 from coordlfs.stats import Stats, register_commands
 
 log = logging.getLogger("coordlfs")
 
-#: Kernel read-ahead of the mount, KiB. FUSE's default of 128 splits a sequential read into
-#: 128 KiB requests, each a round trip to this one-threaded daemon; at 1024 they are 1 MiB
-#: (the most FUSE asks for here) and a GiB read costs the daemon about half the CPU
-#: (docs/benchmarks.md). Small files are read whole either way.
+#: Kernel read-ahead of the mount, KiB: at 1024 sequential reads arrive as 1 MiB requests
+#: (the most FUSE asks for here) instead of 128 KiB ones, and a GiB read costs the daemon
+#: about half the CPU (docs/benchmarks.md). Small files are read whole either way.
 READ_AHEAD_KB = 1024
 
 
@@ -45,19 +44,10 @@ def setup_logging(log_file: str | None, debug: bool) -> None:
     root.setLevel(logging.DEBUG if debug else logging.INFO)
 
 
-def set_read_ahead(mountpoint: str, kb: int) -> None:
-    """Set the read-ahead of our FUSE mount; without root it stays at the kernel default.
-
-    Blocking, and only while the daemon serves: the kernel lowers the read-ahead to what
-    FUSE_INIT negotiated (128 KiB) when that handshake completes, and the stat here returns
-    only after it.
-    """
+def _tune_read_ahead(mountpoint: str) -> None:
     try:
-        os.stat(mountpoint)
-        device = next(m.device for m in reversed(mounts()) if m.mountpoint == mountpoint)
-        with open(f"/sys/class/bdi/{device}/read_ahead_kb", "w") as f:
-            f.write(f"{kb}\n")
-    except (OSError, StopIteration) as e:
+        set_read_ahead(mountpoint, READ_AHEAD_KB)
+    except (OSError, UserError) as e:  # not root: the kernel default stays, reads still work
         log.info("read-ahead of %s stays at the kernel default: %s", mountpoint, e)
 
 
@@ -119,7 +109,7 @@ class Daemon:
             self.ops.nursery = nursery
             nursery.start_soon(self._terminate_on_signal)
             nursery.start_soon(functools.partial(
-                trio.to_thread.run_sync, set_read_ahead, self.config.mountpoint, READ_AHEAD_KB,
+                trio.to_thread.run_sync, _tune_read_ahead, self.config.mountpoint,
                 abandon_on_cancel=True))
             ready()
             await pyfuse3.main()

@@ -53,6 +53,21 @@ def mount_at(path: str) -> MountEntry | None:
     return found
 
 
+def set_read_ahead(mountpoint: str, kb: int) -> None:
+    """Set the kernel read-ahead of a FUSE mount (its bdi), which is also its read size.
+
+    FUSE's default of 128 KiB splits a sequential read into 128 KiB requests, each a round
+    trip to a one-threaded daemon. Only valid once the daemon answered FUSE_INIT, which
+    resets the value: a stat of the mountpoint returns only after that handshake. Blocking.
+    """
+    os.stat(mountpoint)
+    entry = mount_at(mountpoint)
+    if entry is None:
+        raise UserError(f"{mountpoint} is not mounted")
+    with open(f"/sys/class/bdi/{entry.device}/read_ahead_kb", "w") as f:
+        f.write(f"{kb}\n")
+
+
 def check_directory(path: str, role: str) -> str:
     try:
         st = os.stat(path)

@@ -37,7 +37,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from coordlfs.bench.dataset import DatasetSpec, ensure_dataset
+from coordlfs.daemon import READ_AHEAD_KB
 from coordlfs.errors import UserError
+from coordlfs.mounting import mount_at, set_read_ahead
 from coordlfs.sizes import format_size, parse_size, physical_memory
 
 #: The goal from the issue: cache-served hits at 90% of the bare pyfuse3 ceiling or better.
@@ -98,8 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="runs per figure; the median is reported (default 5)")
     parser.add_argument("--dir", help="dataset directory, on disk; reused when it matches "
                                       "(default: coordlfs-bench-hits in the temp directory)")
-    parser.add_argument("--read-ahead-kb", type=int, metavar="KB",
-                        help="set each FUSE mount's read_ahead_kb (default: kernel default)")
+    parser.add_argument("--read-ahead-kb", type=int, metavar="KB", default=READ_AHEAD_KB,
+                        help="read_ahead_kb of every FUSE mount, the baselines too (default: "
+                             f"{READ_AHEAD_KB}, what coordlfs sets for itself)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
 
@@ -114,7 +117,7 @@ class Settings:
     readers: tuple[int, ...]
     repeat: int
     directory: str
-    read_ahead_kb: int | None
+    read_ahead_kb: int
     json_path: str | None
 
 
@@ -138,7 +141,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     size = parse_size(args.size, "--size")
     if size < 1:
         raise UserError(f"bad --size {args.size!r}: need at least 1 byte")
-    if args.read_ahead_kb is not None and args.read_ahead_kb < 0:
+    if args.read_ahead_kb < 0:
         raise UserError(f"bad --read-ahead-kb {args.read_ahead_kb}: must not be negative")
     directory = args.dir or os.path.join(tempfile.gettempdir(), "coordlfs-bench-hits")
     return Settings(args.files, size, parse_size(args.big_size, "--big-size"),
@@ -253,31 +256,6 @@ def drop_count() -> int:
         return sum(int(line.split()[1]) for line in f if line.startswith("drop_"))
 
 
-def _mount_fields(mountpoint: str) -> list[str] | None:
-    """The /proc/self/mountinfo fields of the topmost mount at ``mountpoint``, if any."""
-    found = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == mountpoint:
-                found = fields
-    return found
-
-
-def set_read_ahead(mountpoint: str, kb: int) -> None:
-    """Set the read-ahead of a FUSE mount's backing device (bdi), i.e. its read size.
-
-    Only once the daemon has answered FUSE_INIT, which lowers the read-ahead to what it
-    negotiated (128 KiB): a stat of the mountpoint returns only after that handshake.
-    """
-    os.stat(mountpoint)
-    fields = _mount_fields(mountpoint)
-    if fields is None:
-        raise UserError(f"{mountpoint} is not mounted")
-    with open(f"/sys/class/bdi/{fields[2]}/read_ahead_kb", "w") as f:
-        f.write(f"{kb}\n")
-
-
 def _log_tail(log: str, lines: int = 5) -> str:
     try:
         with open(log, errors="replace") as f:
@@ -309,7 +287,7 @@ def _stop(process: subprocess.Popen, mountpoint: str) -> None:
             subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True)
             process.kill()
             process.wait()
-    if _mount_fields(mountpoint) is not None:
+    if mount_at(mountpoint) is not None:
         subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True)
     if process.stdout is not None:
         process.stdout.close()
@@ -643,8 +621,7 @@ def _start_all(stack: contextlib.ExitStack, settings: Settings, dataset: Dataset
             argv = ["coordlfs.bench.baselines", system, dataset.root, mountpoint]
         print(f"mounting {system} on {mountpoint}", flush=True)
         pids[system] = stack.enter_context(daemon(system, argv, mountpoint, log)).pid
-        if settings.read_ahead_kb is not None:
-            set_read_ahead(mountpoint, settings.read_ahead_kb)
+        set_read_ahead(mountpoint, settings.read_ahead_kb)
         roots[system] = mountpoint
     return roots, pids
 
