@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if args.files <= 0 or args.size <= 0:
         raise UserError("--files and --size must be positive")
     result = measure(args.files, args.size)
-    print(f"daemon RSS at start      {result['rss_start_bytes'] / 2**20:.1f} MiB")
+    print(f"daemon heap at start     {result['rss_start_bytes'] / 2**20:.1f} MiB")
     print(f"per inode looked up      {result['bytes_per_inode']:.0f} bytes")
     print(f"per cached file          {result['bytes_per_cached_file']:.0f} bytes "
           f"(daemon heap; the data is in tmpfs)")
