@@ -33,6 +33,17 @@ def make_dataset(root: Path, files: int, seed: int = 0) -> dict[str, int]:
     return dict(ensure_dataset(root, DatasetSpec(files, classes=4, seed=seed)).files)
 
 
+def random_source(tmp_path: Path, **sizes: int) -> Path:
+    """A source directory ``tmp_path/src`` holding one file of random bytes per keyword."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, size in sizes.items():
+        with open(src / name, "wb") as f:
+            for start in range(0, size, 1 << 24):  # in pieces: a 200 MiB file needs no 200 MiB
+                f.write(os.urandom(min(1 << 24, size - start)))
+    return src
+
+
 def digests(root: Path) -> dict[str, str]:
     """xxhash of every regular file under ``root``, by relative path."""
     out = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import digests, drop_caches, force_unmount, run_cli
+from conftest import digests, drop_caches, force_unmount, random_source, run_cli
 
 from coordlfs.control import Control, ControlError
 from coordlfs.mounting import wait_exit
@@ -191,10 +191,8 @@ def test_writes_get_erofs_and_source_is_untouched(mount, dataset) -> None:
 
 
 def test_mmap_and_o_direct_readers(mount, tmp_path: Path) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
-    data = os.urandom(3 * 1024 * 1024 + 123)
-    (src / "blob").write_bytes(data)
+    src = random_source(tmp_path, blob=3 * 1024 * 1024 + 123)
+    data = (src / "blob").read_bytes()
     m = mount(src)
     with open(m.mountpoint / "blob", "rb") as f, \
             mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
@@ -228,10 +226,8 @@ def test_changed_source_file_is_served_fresh(mount, tmp_path: Path) -> None:
 
 
 def test_concurrent_misses_fetch_once(mount, tmp_path: Path) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
-    data = os.urandom(32 << 20)
-    (src / "shared").write_bytes(data)
+    src = random_source(tmp_path, shared=32 << 20)
+    data = (src / "shared").read_bytes()
     m = mount(src)
     drop_caches()
     readers = [subprocess.Popen(["cat", str(m.mountpoint / "shared")], stdout=subprocess.PIPE)
@@ -243,12 +239,7 @@ def test_concurrent_misses_fetch_once(mount, tmp_path: Path) -> None:
 
 
 def test_large_file_streams_without_being_read_whole(mount, tmp_path: Path) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
-    size = 200 << 20
-    with open(src / "shard", "wb") as f:
-        for _ in range(size >> 20):
-            f.write(os.urandom(1 << 20))
+    src = random_source(tmp_path, shard=200 << 20)
     m = mount(src, "--cache-size", "64M")
     drop_caches()
     with open(m.mountpoint / "shard", "rb") as f:
@@ -268,10 +259,7 @@ def _resident_bytes(path: Path) -> int:
 
 
 def test_source_reads_do_not_fill_the_source_page_cache(mount, tmp_path: Path) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "cached").write_bytes(os.urandom(8 << 20))
-    (src / "streamed").write_bytes(os.urandom(8 << 20))
+    src = random_source(tmp_path, cached=8 << 20, streamed=8 << 20)
     m = mount(src, "--cache-size", "10M", "--max-file-size", "10M")
     drop_caches()
     read_file(m.mountpoint / "cached")
@@ -403,10 +391,7 @@ def test_hits_are_answered_while_slow_misses_are_pending(mount, tmp_path: Path) 
     """A real slow disk: the daemon's reads are throttled to 1 MiB/s by a blkio cgroup."""
     from coordlfs.bench.cgroup import memory_cgroup
 
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "hot").write_bytes(os.urandom(256 << 10))
-    (src / "slow").write_bytes(os.urandom(6 << 20))
+    src = random_source(tmp_path, hot=256 << 10, slow=6 << 20)
     m = mount(src, "--cache-size", "64M", "--max-file-size", "64M")
     read_file(m.mountpoint / "hot")  # cached before the disk becomes slow
     with memory_cgroup(f"coordlfs-test-{m.pid}", pid=m.pid, read_bps=1 << 20,

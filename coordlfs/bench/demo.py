@@ -50,6 +50,7 @@ from coordlfs.bench.counters import (
     process_bytes_read,
 )
 from coordlfs.bench.dataset import Dataset, DatasetSpec, ensure_dataset
+from coordlfs.bench.reading import read_files
 from coordlfs.control import Control
 from coordlfs.errors import UserError
 from coordlfs.mounting import free_space, mount_at
@@ -81,15 +82,8 @@ def serve_reader() -> None:
     _reply({"ready": True})
     for line in sys.stdin:
         request = json.loads(line)
-        total, start = 0, time.perf_counter()
-        if not request.get("dry"):
-            for path in request["paths"]:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    while n := os.readv(fd, [buf]):
-                        total += n
-                finally:
-                    os.close(fd)
+        start = time.perf_counter()
+        total = 0 if request.get("dry") else read_files(request["paths"], buf)
         _reply({"seconds": time.perf_counter() - start, "bytes": total})
 
 

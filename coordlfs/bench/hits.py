@@ -37,6 +37,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from coordlfs.bench.dataset import DatasetSpec, ensure_dataset
+from coordlfs.bench.reading import read_files
 from coordlfs.daemon import READ_AHEAD_KB
 from coordlfs.errors import UserError
 from coordlfs.mounting import mount_at, set_read_ahead
@@ -335,16 +336,9 @@ def _reader(paths: list[bytes], barrier: Any, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     buf = bytearray(CHUNK)
-    total = 0
     barrier.wait()
     start = time.perf_counter()
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            while got := os.readv(fd, [buf]):
-                total += got
-        finally:
-            os.close(fd)
+    total = read_files(paths, buf)
     conn.send((start, time.perf_counter(), total))
     conn.close()
 
