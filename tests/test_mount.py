@@ -297,10 +297,12 @@ def test_mount_over_the_source_itself(mount, dataset) -> None:
     assert digests(source) == expected
 
 
-def test_sigterm_unmounts_cleanly(mount, dataset) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_unmounts_cleanly(mount, dataset, signum: int) -> None:
     source, _ = dataset
-    m = mount(source)
-    os.kill(m.pid, signal.SIGTERM)
+    m = mount(source, "--allow-other")
+    assert "allow_other" in Path("/proc/self/mountinfo").read_text()
+    os.kill(m.pid, signum)
     assert wait_exit(m.pid, 15)
     assert str(m.mountpoint) not in Path("/proc/self/mountinfo").read_text()
     assert not m.cache_dir.exists()
