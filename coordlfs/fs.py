@@ -276,7 +276,7 @@ class Operations(pyfuse3.Operations):
             self.counters.bytes_from_cache += len(data)
             return data
         self.counters.misses += 1
-        if entry is None:
+        if entry is None and handle.reader is None:  # once a handle streams, it keeps on
             entry = handle.entry = self._start_fill(handle)
         if entry is not None and await self.cache.wait_for(entry, off + size):
             if entry.complete:
