@@ -89,6 +89,9 @@ class Cgroup:
         """Bytes charged to the group: its processes' memory and the page cache they filled."""
         return int((self.memory / "memory.usage_in_bytes").read_text())
 
+    def peak_memory(self) -> int:
+        return int((self.memory / "memory.max_usage_in_bytes").read_text())
+
     def memory_limit(self) -> int:
         return int((self.memory / "memory.limit_in_bytes").read_text())
 

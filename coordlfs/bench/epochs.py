@@ -1,0 +1,479 @@
+"""Training epochs through coordlfs against the kernel page cache, under one memory budget.
+
+The claim of coordlfs is that a training job reads less from storage and waits less through
+it than through the page cache. Both sides here run the same readers (processes, like
+DataLoader workers) over the same shuffled epochs, in one cgroup v1 memory group limited to
+the budget B, on storage throttled by a blkio limit:
+
+* page cache: the readers read the source directly; the kernel's LRU keeps what fits in B;
+* coordlfs: the readers read the mount and the daemon joins their cgroup, so its cache
+  (B minus the daemon's and the readers' own memory, printed), the daemon and the kernel's
+  pages of the mount all share B.
+
+Bytes from storage are the kernel's per-process counters (``/proc/PID/io`` ``read_bytes`` of
+the readers, or of the daemon), not coordlfs's. A trainer loop consumes the batches in order,
+sleeping ``--compute-ms`` per batch for the GPU step; the time it waits for the next batch
+is the stall time, as DS-Analyzer measures it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from coordlfs.bench.cgroup import Cgroup, memory_cgroup, remove_stale
+from coordlfs.bench.counters import drop_caches, process_bytes_read
+from coordlfs.bench.dataset import Dataset, DatasetSpec, ensure_dataset
+from coordlfs.bench.demo import coordlfs_mount, epoch_orders
+from coordlfs.bench.reading import read_files
+from coordlfs.errors import UserError
+from coordlfs.sizes import format_size, parse_size
+
+CGROUP_PREFIX = "coordlfs-epochs"
+#: Batches each reader works ahead of the trainer (DataLoader's prefetch_factor).
+PREFETCH = 2
+#: Seconds between samples of the storage counters, for the throughput plot.
+SAMPLE_S = 0.25
+#: Daemon memory the cache must leave room for, from ``coordlfs bench overhead``: about 0.5
+#: KiB per inode and 1.1 KiB per cached file, so 2 KiB per file is safe; plus a fixed part.
+DAEMON_BYTES_PER_FILE = 2048
+DAEMON_BASE_BYTES = 8 << 20
+#: Room per reader for the kernel's pages of the mount above the cache. Readers read through
+#: the kernel's page cache of the mount; squeezed below this (16 MiB for 4 readers), its pages
+#: were reclaimed before readers copied them and re-read from storage: 1.07 of the dataset in
+#: the first epoch, 0.65 instead of 0.57 later. At 64 MiB for 4 readers: 1.02 and 0.60.
+PAGE_HEADROOM_PER_READER = 16 << 20
+PAGE = 4096
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", help="an existing dataset directory (default: generate one "
+                                      "with --make in a work directory)")
+    parser.add_argument("--make", default="10000:110K", metavar="N:SIZE",
+                        help="generate N files of mean SIZE (lognormal spread below 1M, equal "
+                             "shard files from 1M up; default 10000:110K)")
+    parser.add_argument("--work", default="/var/tmp/coordlfs-epochs",
+                        help="work directory on disk for generated data and the mount")
+    parser.add_argument("--budget", default="0.5",
+                        help="memory budget: bytes (K/M/G) or a fraction of the dataset "
+                             "(default 0.5)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--readers", type=int, default=4, help="reader processes (default 4)")
+    parser.add_argument("--batch", type=int, default=32, help="files per batch (default 32)")
+    parser.add_argument("--compute-ms", type=float, default=0.0,
+                        help="emulated GPU time per batch (default 0: read as fast as possible)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--throttle", default="50M",
+                        help="storage read limit per second, or none (default 50M)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs; medians are reported")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="plot storage throughput over time and bytes per epoch")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    budget_text: str
+    epochs: int
+    readers: int
+    batch: int
+    compute_ms: float
+    seed: int
+    throttle: int | None
+    repeat: int
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    for name in ("epochs", "readers", "batch", "repeat"):
+        if getattr(args, name) < 1:
+            raise UserError(f"bad --{name} {getattr(args, name)}: need at least 1")
+    if args.compute_ms < 0:
+        raise UserError(f"bad --compute-ms {args.compute_ms}: must not be negative")
+    throttle = None if args.throttle == "none" else parse_size(args.throttle, "--throttle")
+    if throttle == 0:
+        raise UserError("bad --throttle 0: give a rate, or none")
+    return Settings(args.budget, args.epochs, args.readers, args.batch, args.compute_ms,
+                    args.seed, throttle, args.repeat)
+
+
+def budget_bytes(text: str, dataset_bytes: int) -> int:
+    """``0.5`` is half the dataset; anything with a unit (or over 1) is bytes."""
+    try:
+        fraction = float(text)
+    except ValueError:
+        return parse_size(text, "--budget")
+    if not 0 < fraction <= 1:
+        if fraction > 1 and fraction.is_integer():
+            return int(fraction)
+        raise UserError(f"bad --budget {text!r}: a fraction of the dataset is in (0, 1]")
+    return int(dataset_bytes * fraction)
+
+
+def parse_make(text: str) -> DatasetSpec:
+    count, _, size = text.partition(":")
+    try:
+        files = int(count)
+    except ValueError:
+        raise UserError(f"bad --make {text!r}: expected N:SIZE such as 10000:110K") from None
+    mean = parse_size(size or "110K", "--make size")
+    spec = DatasetSpec(files, mean_bytes=mean, sigma=0.6 if mean < (1 << 20) else 0.0)
+    spec.check()
+    return spec
+
+
+def load_dataset(args: argparse.Namespace) -> Dataset:
+    if args.dir:
+        root = Path(args.dir)
+        if not root.is_dir():
+            raise UserError(f"dataset {args.dir} is not a directory")
+        files = tuple(sorted((str(p.relative_to(root)), p.stat().st_size)
+                             for p in root.rglob("*") if p.is_file() and not p.is_symlink()))
+        if not files:
+            raise UserError(f"dataset {args.dir} has no files")
+        return Dataset(root.resolve(), DatasetSpec(len(files)), files, reused=True)
+    return ensure_dataset(Path(args.work) / "dataset", parse_make(args.make))
+
+
+# -- readers and trainer -------------------------------------------------------------------
+
+def _reader_main(conn: Connection) -> None:
+    """A reader process: read each batch of paths it is sent, reply with the bytes read."""
+    buf = bytearray(1 << 20)
+    conn.send("ready")
+    while (batch := conn.recv()) is not None:
+        conn.send(read_files(batch, buf))
+
+
+@dataclass(slots=True)
+class Readers:
+    """``count`` reader processes, fed batch by batch as a DataLoader feeds its workers."""
+
+    count: int
+    procs: list[Any] = field(default_factory=list)
+    conns: list[Connection] = field(default_factory=list)
+
+    def start(self) -> None:
+        context = multiprocessing.get_context("fork")
+        for _ in range(self.count):
+            parent, child = context.Pipe()
+            proc = context.Process(target=_reader_main, args=(child,), daemon=True)
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        for conn in self.conns:
+            if conn.recv() != "ready":
+                raise UserError("a reader process failed to start")
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def epoch(self, batches: list[list[str]], compute_s: float) -> tuple[float, float, int]:
+        """Run one epoch; returns (seconds, seconds the trainer waited for data, bytes)."""
+        start = time.perf_counter()
+        for j in range(min(len(batches), PREFETCH * self.count)):
+            self.conns[j % self.count].send(batches[j])
+        waited, total = 0.0, 0
+        for i in range(len(batches)):
+            before = time.perf_counter()
+            conn = self.conns[i % self.count]
+            if not conn.poll(600):
+                raise UserError("a reader made no progress for 10 minutes")
+            total += conn.recv()
+            waited += time.perf_counter() - before
+            ahead = i + PREFETCH * self.count
+            if ahead < len(batches):
+                conn.send(batches[ahead])
+            if compute_s:
+                time.sleep(compute_s)
+        return time.perf_counter() - start, waited, total
+
+    def stop(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for proc in self.procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+@contextlib.contextmanager
+def readers(count: int) -> Iterator[Readers]:
+    group = Readers(count)
+    try:
+        group.start()
+        yield group
+    finally:
+        group.stop()
+
+
+class Sampler:
+    """Samples the storage bytes of some processes over time, for the throughput plot."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.start = time.monotonic()
+
+    def bytes(self) -> int:
+        return sum(process_bytes_read(pid) for pid in self.pids)
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self.samples.append((round(time.monotonic() - self.start, 3), self.bytes()))
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# -- one configuration ---------------------------------------------------------------------
+
+@dataclass(slots=True)
+class EpochResult:
+    epoch: int
+    seconds: float
+    storage_bytes: int
+    storage_fraction: float
+    files_per_s: float
+    stall_percent: float
+
+
+@dataclass(slots=True)
+class ConfigResult:
+    system: str
+    epochs: list[EpochResult]
+    #: (seconds since start, cumulative storage bytes)
+    samples: list[tuple[float, int]]
+    cache_capacity_bytes: int | None = None
+    readers_memory_bytes: int = 0
+    #: the cgroup's peak memory: everything charged to the budget, page cache included
+    peak_memory_bytes: int = 0
+
+
+def batches_of(order: list[str], base: Path, batch: int) -> list[list[str]]:
+    paths = [os.path.join(base, rel) for rel in order]
+    return [paths[i:i + batch] for i in range(0, len(paths), batch)]
+
+
+def run_epochs(system: str, group: Readers, storage_pids: list[int], dataset: Dataset,
+               base: Path, settings: Settings) -> ConfigResult:
+    orders = epoch_orders(dataset, settings.epochs, settings.seed)
+    results = []
+    with Sampler(storage_pids) as sampler:
+        for number, order in enumerate(orders, 1):
+            before = sampler.bytes()
+            seconds, waited, got = group.epoch(batches_of(order, base, settings.batch),
+                                               settings.compute_ms / 1000)
+            if got != dataset.total_bytes:
+                raise UserError(f"{system}: read {got} bytes in epoch {number}, the dataset "
+                                f"has {dataset.total_bytes}")
+            stored = sampler.bytes() - before
+            results.append(EpochResult(number, round(seconds, 3), stored,
+                                       round(stored / dataset.total_bytes, 4),
+                                       round(len(order) / seconds, 1),
+                                       round(100 * waited / seconds, 1)))
+            print(f"  {system:10} epoch {number}: {seconds:6.1f} s, "
+                  f"{format_size(stored):>10} from storage "
+                  f"({stored / dataset.total_bytes:.2f} of the dataset), "
+                  f"stall {100 * waited / seconds:.0f}%", flush=True)
+    return ConfigResult(system, results, sampler.samples)
+
+
+def _group(name: str, settings: Settings,
+           dataset: Dataset) -> contextlib.AbstractContextManager[Cgroup]:
+    """The budget's cgroup (the limit is set once its processes are in), throttled."""
+    throttle = settings.throttle
+    return memory_cgroup(name, None, None, read_bps=throttle,
+                         throttle_path=dataset.root if throttle else None)
+
+
+def run_page_cache(dataset: Dataset, budget: int, settings: Settings) -> ConfigResult:
+    name = f"{CGROUP_PREFIX}-{os.getpid()}"
+    with readers(settings.readers) as group, _group(name, settings, dataset) as cgroup:
+        for pid in group.pids:
+            cgroup.add(pid)
+        memory = cgroup.memory_usage()
+        cgroup.set_memory_limit(budget)
+        drop_caches()
+        result = run_epochs("page cache", group, group.pids, dataset, dataset.root, settings)
+        result.peak_memory_bytes = cgroup.peak_memory()
+    result.readers_memory_bytes = memory
+    return result
+
+
+def cache_size_for(budget: int, dataset: Dataset, readers_memory: int, readers: int) -> int:
+    """What is left of the budget for cached bytes, counted as MinIO counts them.
+
+    The daemon's own memory grows with the files it knows (DAEMON_BYTES_PER_FILE), tmpfs
+    rounds each cached file up to whole pages, and the kernel needs a little room for pages
+    of reads in flight.
+    """
+    room = (budget - readers_memory - DAEMON_BASE_BYTES - PAGE_HEADROOM_PER_READER * readers
+            - DAEMON_BYTES_PER_FILE * len(dataset.files))
+    mean = dataset.total_bytes / len(dataset.files)
+    return max(0, int(room * mean / (mean + PAGE / 2)))
+
+
+def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path) -> ConfigResult:
+    name = f"{CGROUP_PREFIX}-{os.getpid()}"
+    mountpoint = work / "mnt"
+    with readers(settings.readers) as group, _group(name, settings, dataset) as cgroup:
+        for pid in group.pids:
+            cgroup.add(pid)
+        memory = cgroup.memory_usage()
+        capacity = cache_size_for(budget, dataset, memory, settings.readers)
+        print(f"  coordlfs cache {format_size(capacity)} = budget {format_size(budget)} - "
+              f"readers {format_size(memory)} - daemon and page headroom", flush=True)
+        with coordlfs_mount(dataset.root, mountpoint, capacity, work / "mount.log") as control:
+            daemon = control.status()["pid"]
+            cgroup.add(daemon)
+            cgroup.set_memory_limit(budget)
+            drop_caches()
+            result = run_epochs("coordlfs", group, [daemon], dataset, mountpoint, settings)
+            result.peak_memory_bytes = cgroup.peak_memory()
+    result.cache_capacity_bytes = capacity
+    result.readers_memory_bytes = memory
+    return result
+
+
+# -- summary -------------------------------------------------------------------------------
+
+def later(result: ConfigResult, attribute: str) -> float:
+    """Sum of an epoch attribute over the epochs after the first (the steady state)."""
+    return sum(getattr(e, attribute) for e in result.epochs[1:])
+
+
+def ratio(numerator: float, denominator: float) -> float | None:
+    return round(numerator / denominator, 3) if denominator else None
+
+
+def summarize(runs: list[tuple[ConfigResult, ConfigResult]]) -> dict[str, Any]:
+    """Medians over repeated runs of page cache ÷ coordlfs, epochs after the first."""
+    storage = [ratio(later(pc, "storage_bytes"), later(cl, "storage_bytes")) for pc, cl in runs]
+    times = [ratio(later(pc, "seconds"), later(cl, "seconds")) for pc, cl in runs]
+
+    def median(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return round(statistics.median(known), 3) if known else None
+
+    def fraction(index: int) -> float | None:
+        values = [run[index].epochs[i].storage_fraction for run in runs
+                  for i in range(1, len(run[index].epochs))]
+        return median(values)
+
+    return {
+        "storage_bytes_ratio": median(storage),
+        "epoch_time_ratio": median(times),
+        "storage_bytes_ratio_runs": storage,
+        "epoch_time_ratio_runs": times,
+        "page_cache_storage_fraction": fraction(0),
+        "coordlfs_storage_fraction": fraction(1),
+    }
+
+
+def plot(path: str, runs: list[tuple[ConfigResult, ConfigResult]]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib (pip install 'coordlfs[plot]')") from None
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    for result in runs[0]:
+        times = [t for t, _ in result.samples]
+        rates = [(b1 - b0) / (t1 - t0) / 1e6 for (t0, b0), (t1, b1)
+                 in zip(result.samples, result.samples[1:], strict=False)]
+        left.plot(times[1:], rates, label=result.system)
+    left.set(xlabel="seconds", ylabel="storage reads, MB/s", title="Storage read throughput")
+    left.legend()
+    width = 0.4
+    for k, result in enumerate(runs[0]):
+        xs = [e.epoch + (k - 0.5) * width for e in result.epochs]
+        right.bar(xs, [e.storage_fraction for e in result.epochs], width, label=result.system)
+    right.set(xlabel="epoch", ylabel="fraction of the dataset",
+              title="Bytes from storage per epoch")
+    right.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+# -- the command ---------------------------------------------------------------------------
+
+def check_can_run() -> None:
+    if os.geteuid() != 0:
+        raise UserError("bench epochs needs root: it drops the page cache, makes memory and "
+                        "blkio cgroups and mounts FUSE")
+
+
+def format_table(runs: list[tuple[ConfigResult, ConfigResult]]) -> str:
+    lines = ["system      epoch  seconds  from storage  files/s  stall%"]
+    for result in runs[0] if len(runs) == 1 else ():
+        for e in result.epochs:
+            lines.append(f"{result.system:10} {e.epoch:6} {e.seconds:8.1f} "
+                         f"{e.storage_fraction:12.2f} {e.files_per_s:8.0f} "
+                         f"{e.stall_percent:7.1f}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    check_can_run()
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    remove_stale(CGROUP_PREFIX)
+    dataset = load_dataset(args)
+    budget = budget_bytes(settings.budget_text, dataset.total_bytes)
+    print(f"dataset {dataset.root}: {len(dataset.files)} files, "
+          f"{format_size(dataset.total_bytes)}; budget {format_size(budget)} "
+          f"({budget / dataset.total_bytes:.0%}); throttle "
+          f"{format_size(settings.throttle) + '/s' if settings.throttle else 'none'}",
+          flush=True)
+    runs = []
+    for number in range(1, settings.repeat + 1):
+        print(f"run {number} of {settings.repeat}", flush=True)
+        page_cache = run_page_cache(dataset, budget, settings)
+        ours = run_coordlfs(dataset, budget, settings, work)
+        runs.append((page_cache, ours))
+    summary = summarize(runs)
+    if settings.repeat == 1:
+        print(format_table(runs))
+    print(f"epochs after the first, medians of {settings.repeat} run(s): page cache read "
+          f"{summary['page_cache_storage_fraction']} and coordlfs "
+          f"{summary['coordlfs_storage_fraction']} of the dataset per epoch; "
+          f"storage_bytes_ratio {summary['storage_bytes_ratio']}, "
+          f"epoch_time_ratio {summary['epoch_time_ratio']}")
+    report = {
+        "dataset": {"root": str(dataset.root), "files": len(dataset.files),
+                    "bytes": dataset.total_bytes},
+        "budget_bytes": budget,
+        "settings": asdict(settings),
+        "runs": [{"page_cache": asdict(pc), "coordlfs": asdict(cl)} for pc, cl in runs],
+        "summary": summary,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if args.plot:
+        plot(args.plot, runs)
+    return 0

@@ -1,0 +1,97 @@
+"""coordlfs bench epochs: its arithmetic, and one small real run checked by its counters."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordlfs.bench.dataset import Dataset, DatasetSpec
+from coordlfs.bench.epochs import (
+    ConfigResult,
+    EpochResult,
+    batches_of,
+    budget_bytes,
+    cache_size_for,
+    parse_make,
+    summarize,
+)
+from coordlfs.errors import UserError
+
+
+def test_budget_as_fraction_or_bytes() -> None:
+    assert budget_bytes("0.5", 1000) == 500
+    assert budget_bytes("1", 1000) == 1000
+    assert budget_bytes("64M", 1000) == 64 << 20
+    assert budget_bytes("4096", 1000) == 4096
+    for bad in ("0", "-0.5", "1.5", "lots"):
+        with pytest.raises(UserError):
+            budget_bytes(bad, 1000)
+
+
+def test_parse_make() -> None:
+    assert parse_make("100:110K") == DatasetSpec(100, mean_bytes=110 << 10, sigma=0.6)
+    assert parse_make("8:128M").sigma == 0  # shards: equal sizes
+    for bad in ("x:1K", "0:1K", "5:huge"):
+        with pytest.raises(UserError):
+            parse_make(bad)
+
+
+def test_cache_size_leaves_room_for_the_daemon_and_page_rounding() -> None:
+    files = tuple((f"f{i}", 100_000) for i in range(1000))
+    dataset = Dataset(Path("/x"), DatasetSpec(1000), files, reused=True)
+    budget = 60_000_000
+    size = cache_size_for(budget, dataset, readers_memory=1_000_000, readers=1)
+    assert 0 < size < budget - 1_000_000 - 1000 * 2048
+    assert cache_size_for(budget, dataset, 1_000_000, readers=2) < size
+    assert cache_size_for(1000, dataset, 0, readers=1) == 0
+
+
+def test_batches_follow_the_order() -> None:
+    batches = batches_of(["a", "b", "c"], Path("/m"), 2)
+    assert batches == [["/m/a", "/m/b"], ["/m/c"]]
+
+
+def _result(system: str, seconds: list[float], stored: list[int]) -> ConfigResult:
+    epochs = [EpochResult(i + 1, s, b, b / 100, 1.0, 0.0)
+              for i, (s, b) in enumerate(zip(seconds, stored, strict=True))]
+    return ConfigResult(system, epochs, [])
+
+
+def test_summary_is_page_cache_over_coordlfs_after_the_first_epoch() -> None:
+    runs = [(_result("page cache", [9, 8, 8], [100, 80, 80]),
+             _result("coordlfs", [9, 4, 4], [100, 50, 50])),
+            (_result("page cache", [9, 6, 6], [100, 90, 90]),
+             _result("coordlfs", [9, 4, 4], [100, 50, 50])),
+            (_result("page cache", [9, 10, 10], [100, 70, 70]),
+             _result("coordlfs", [9, 4, 4], [100, 50, 50]))]
+    summary = summarize(runs)
+    assert summary["storage_bytes_ratio"] == 1.6
+    assert summary["epoch_time_ratio"] == 2.0
+    assert summary["storage_bytes_ratio_runs"] == [1.6, 1.8, 1.4]
+    assert summary["coordlfs_storage_fraction"] == 0.5
+
+
+def test_small_run_end_to_end(tmp_path: Path) -> None:
+    """Everything fits in the budget: after the first epoch neither side reads storage."""
+    out = tmp_path / "epochs.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "coordlfs", "bench", "epochs", "--make", "300:64K",
+         "--work", str(tmp_path / "work"), "--budget", "256M", "--throttle", "none",
+         "--epochs", "2", "--readers", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    total = report["dataset"]["bytes"]
+    run = report["runs"][0]
+    for system in ("page_cache", "coordlfs"):
+        first, second = run[system]["epochs"]
+        assert first["storage_bytes"] >= total * 0.99
+        assert second["storage_bytes"] <= total * 0.01
+    assert run["coordlfs"]["cache_capacity_bytes"] >= total
+    assert set(report["summary"]) >= {"storage_bytes_ratio", "epoch_time_ratio"}
+    assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
+    assert not list(Path("/sys/fs/cgroup/memory").rglob("coordlfs-epochs-*"))
