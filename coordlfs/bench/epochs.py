@@ -182,6 +182,13 @@ class Readers:
 
     def epoch(self, batches: list[list[str]], compute_s: float) -> tuple[float, float, int]:
         """Run one epoch; returns (seconds, seconds the trainer waited for data, bytes)."""
+        try:
+            return self._epoch(batches, compute_s)
+        except (EOFError, OSError) as e:
+            raise UserError(f"a reader process died ({e.__class__.__name__}): killed for "
+                            "memory in its cgroup, or a read failed") from None
+
+    def _epoch(self, batches: list[list[str]], compute_s: float) -> tuple[float, float, int]:
         start = time.perf_counter()
         for j in range(min(len(batches), PREFETCH * self.count)):
             self.conns[j % self.count].send(batches[j])
