@@ -78,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench_modules() -> dict:
-    from coordlfs.bench import epochs, hits, overhead
+    from coordlfs.bench import epochs, fio, hits, overhead
 
-    return {"epochs": epochs, "hits": hits, "overhead": overhead}
+    return {"epochs": epochs, "fio": fio, "hits": hits, "overhead": overhead}
 
 
 def resolve_mount(args: argparse.Namespace) -> MountConfig:

@@ -80,7 +80,7 @@ def _manifest(spec: DatasetSpec, complete: bool, total: int) -> dict:
     return {"format": FORMAT, "spec": asdict(spec), "complete": complete, "bytes": total}
 
 
-def _read_manifest(root: Path) -> dict | None:
+def read_manifest(root: Path) -> dict | None:
     try:
         return json.loads((root / MANIFEST).read_text())
     except FileNotFoundError:
@@ -89,13 +89,13 @@ def _read_manifest(root: Path) -> dict | None:
         return {}  # ours (the name says so) but damaged: remake
 
 
-def _write_manifest(root: Path, manifest: dict) -> None:
+def write_manifest(root: Path, manifest: dict) -> None:
     tmp = root / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")
     os.replace(tmp, root / MANIFEST)
 
 
-def _intact(root: Path, layout: list[tuple[str, int]]) -> bool:
+def intact(root: Path, layout: list[tuple[str, int]]) -> bool:
     for rel, size in layout:
         try:
             if (root / rel).stat().st_size != size:
@@ -105,7 +105,7 @@ def _intact(root: Path, layout: list[tuple[str, int]]) -> bool:
     return True
 
 
-def _clear(root: Path) -> None:
+def clear_dataset(root: Path) -> None:
     for entry in root.iterdir():
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
@@ -124,18 +124,18 @@ def ensure_dataset(root: str | os.PathLike[str], spec: DatasetSpec) -> Dataset:
     root = Path(root)
     layout = spec.layout()
     total = sum(size for _rel, size in layout)
-    manifest = _read_manifest(root)
-    if manifest == _manifest(spec, True, total) and _intact(root, layout):
+    manifest = read_manifest(root)
+    if manifest == _manifest(spec, True, total) and intact(root, layout):
         return Dataset(root, spec, tuple(layout), reused=True)
     if manifest is None and root.is_dir() and any(root.iterdir()):
         raise UserError(f"{root} is not empty and holds no coordlfs sample dataset; "
                         "choose another directory")
     root.mkdir(parents=True, exist_ok=True)
-    _clear(root)
-    _write_manifest(root, _manifest(spec, False, total))
+    clear_dataset(root)
+    write_manifest(root, _manifest(spec, False, total))
     for rel, size in layout:
         path = root / rel
         path.parent.mkdir(exist_ok=True)
         path.write_bytes(file_contents(spec, rel, size))
-    _write_manifest(root, _manifest(spec, True, total))
+    write_manifest(root, _manifest(spec, True, total))
     return Dataset(root, spec, tuple(layout), reused=False)

@@ -202,7 +202,7 @@ def _uninterrupted() -> Iterator[None]:
 @contextlib.contextmanager
 def coordlfs_mount(source: Path, mountpoint: Path, cache_size: int, log: Path) -> Iterator[Control]:
     """Mount ``source`` with the ``coordlfs`` command; unmount and drop the cache on exit."""
-    cache_dir = Path("/dev/shm") / f"coordlfs-demo-{os.getpid()}"
+    cache_dir = Path("/dev/shm") / f"coordlfs-bench-{os.getpid()}"
     mountpoint.mkdir(exist_ok=True)
     with tempfile.TemporaryFile("w+") as err:
         # Own session, so an interrupt cannot stop the client while its daemon goes on
