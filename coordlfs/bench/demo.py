@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import random
@@ -50,6 +49,7 @@ from coordlfs.bench.counters import (
     process_bytes_read,
 )
 from coordlfs.bench.dataset import Dataset, DatasetSpec, ensure_dataset
+from coordlfs.bench.locking import exclusive
 from coordlfs.bench.reading import read_files
 from coordlfs.control import Control
 from coordlfs.errors import UserError
@@ -302,20 +302,6 @@ def read_epochs(label: str, reader: Reader, dataset: Dataset, orders: list[list[
 
 # -- the demo ------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _exclusive(workdir: Path) -> Iterator[None]:
-    """One demo at a time per directory; anything mounted there by a killed run is ours."""
-    fd = os.open(workdir / ".demo.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"another demo is running in {workdir}") from None
-        yield
-    finally:
-        os.close(fd)
-
-
 def run_page_cache(dataset: Dataset, orders: list[list[str]], budget: int,
                    device: BlockDevice, read_bps: int | None) -> tuple[list[Epoch], int]:
     """The baseline: read the source directly, the kernel's page cache capped at ``budget``.
@@ -379,7 +365,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.dir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     device = block_device(workdir)
-    with _exclusive(workdir):
+    with exclusive(workdir, "demo"):
         unmount_if_mounted(workdir / "mnt")  # left by a run that was killed
         remove_stale(CGROUP_PREFIX)
         dataset = prepare(args, workdir)

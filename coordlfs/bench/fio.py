@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import platform
@@ -42,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +48,7 @@ from typing import Any
 from coordlfs.bench.counters import drop_caches
 from coordlfs.bench.dataset import clear_dataset, intact, read_manifest, write_manifest
 from coordlfs.bench.demo import coordlfs_mount, unmount_if_mounted
+from coordlfs.bench.locking import exclusive
 from coordlfs.bench.reading import read_files
 from coordlfs.control import Control
 from coordlfs.errors import UserError
@@ -309,20 +308,6 @@ def expected_ios(settings: Settings, job: Job) -> int:
 # -- the files and the mount ----------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _exclusive(workdir: Path) -> Iterator[None]:
-    """One run at a time per work directory: a mount found there then is a killed run's."""
-    fd = os.open(workdir / ".bench-fio.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"another bench-fio is running in {workdir}") from None
-        yield
-    finally:
-        os.close(fd)
-
-
 def prepare_layout(settings: Settings, scratch: Path) -> bool:
     """Have fio lay out the files in ``settings.data``; returns True if they were reused.
 
@@ -388,7 +373,7 @@ def _paths(settings: Settings, base: Path) -> list[str]:
 def measure(settings: Settings) -> dict[str, Any]:
     """Lay out, mount, warm, then run every job against both targets; returns the report."""
     settings.directory.mkdir(parents=True, exist_ok=True)
-    with _exclusive(settings.directory), \
+    with exclusive(settings.directory, "bench-fio"), \
             tempfile.TemporaryDirectory(prefix="coordlfs-fio-") as scratch_dir:
         scratch = Path(scratch_dir)
         unmount_if_mounted(settings.mountpoint)  # left by a run that was killed
