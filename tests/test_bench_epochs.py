@@ -81,7 +81,8 @@ def test_small_run_end_to_end(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "coordlfs", "bench", "epochs", "--make", "300:64K",
          "--work", str(tmp_path / "work"), "--budget", "256M", "--throttle", "none",
-         "--epochs", "2", "--readers", "2", "--json", str(out)],
+         "--epochs", "2", "--readers", "2", "--json", str(out),
+         "--plot", str(tmp_path / "epochs.png")],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
@@ -93,5 +94,6 @@ def test_small_run_end_to_end(tmp_path: Path) -> None:
         assert second["storage_bytes"] <= total * 0.01
     assert run["coordlfs"]["cache_capacity_bytes"] >= total
     assert set(report["summary"]) >= {"storage_bytes_ratio", "epoch_time_ratio"}
+    assert (tmp_path / "epochs.png").read_bytes()[:4] == b"\x89PNG"
     assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
     assert not list(Path("/sys/fs/cgroup/memory").rglob("coordlfs-epochs-*"))
