@@ -45,6 +45,7 @@ CGROUP_PREFIX = "coordlfs-epochs"
 PREFETCH = 2
 #: Seconds between samples of the storage counters, for the throughput plot.
 SAMPLE_S = 0.25
+PLOT_WINDOW_S = 2.0
 #: Daemon memory the cache must leave room for, from ``coordlfs bench overhead``: about 0.5
 #: KiB per inode and 1.1 KiB per cached file, so 2 KiB per file is safe; plus a fixed part.
 DAEMON_BYTES_PER_FILE = 2048
@@ -409,10 +410,12 @@ def plot(path: str, runs: list[tuple[ConfigResult, ConfigResult]]) -> None:
         raise UserError("--plot needs matplotlib (pip install 'coordlfs[plot]')") from None
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     for result in runs[0]:
-        times = [t for t, _ in result.samples]
-        rates = [(b1 - b0) / (t1 - t0) / 1e6 for (t0, b0), (t1, b1)
-                 in zip(result.samples, result.samples[1:], strict=False)]
-        left.plot(times[1:], rates, label=result.system)
+        # Rates over PLOT_WINDOW_S: a throttle releases reads in bursts finer than that.
+        step = max(1, round(PLOT_WINDOW_S / SAMPLE_S))
+        pairs = list(zip(result.samples, result.samples[step:], strict=False))
+        left.plot([t1 for _, (t1, _) in pairs],
+                  [(b1 - b0) / (t1 - t0) / 1e6 for (t0, b0), (t1, b1) in pairs],
+                  label=result.system)
     left.set(xlabel="seconds", ylabel="storage reads, MB/s", title="Storage read throughput")
     left.legend()
     width = 0.4
