@@ -23,6 +23,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import signal
 import statistics
 import threading
 import time
@@ -150,6 +151,7 @@ def load_dataset(args: argparse.Namespace) -> Dataset:
 
 def _reader_main(conn: Connection) -> None:
     """A reader process: read each batch of paths it is sent, reply with the bytes read."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us, without a traceback
     buf = bytearray(1 << 20)
     conn.send("ready")
     while (batch := conn.recv()) is not None:
