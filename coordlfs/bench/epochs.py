@@ -420,6 +420,7 @@ def plot(path: str, runs: list[tuple[ConfigResult, ConfigResult]]) -> None:
                   [(b1 - b0) / (t1 - t0) / 1e6 for (t0, b0), (t1, b1) in pairs],
                   label=result.system)
     left.set(xlabel="seconds", ylabel="storage reads, MB/s", title="Storage read throughput")
+    left.set_ylim(bottom=0)
     left.legend()
     width = 0.4
     for k, result in enumerate(runs[0]):
