@@ -17,7 +17,7 @@ from coordlfs.config import (
     default_log_file,
 )
 from coordlfs.control import Control, ControlError
-from coordlfs.errors import UserError
+from coordlfs.errors import UserError, exit_status
 from coordlfs.mounting import (
     check_directory,
     check_mountpoint_free,
@@ -212,13 +212,6 @@ def cmd_mark(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats, "mark": cmd_mark}
-    try:
-        if args.command == "bench":
-            return _bench_modules()[args.bench].run(args)
-        return commands[args.command](args)
-    except (UserError, ControlError) as e:
-        print(f"coordlfs: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("coordlfs: interrupted", file=sys.stderr)
-        return 130
+    if args.command == "bench":
+        return exit_status("coordlfs", lambda: _bench_modules()[args.bench].run(args))
+    return exit_status("coordlfs", lambda: commands[args.command](args))

@@ -14,9 +14,10 @@ import os
 from typing import Any
 
 from coordlfs import CONTROL_NAME
+from coordlfs.errors import UserError
 
 
-class ControlError(Exception):
+class ControlError(UserError):
     """The mount refused a request, or the path is no coordlfs mount."""
 
 

@@ -52,7 +52,7 @@ from coordlfs.bench.dataset import Dataset, DatasetSpec, ensure_dataset
 from coordlfs.bench.locking import exclusive
 from coordlfs.bench.reading import read_files
 from coordlfs.control import Control
-from coordlfs.errors import UserError
+from coordlfs.errors import UserError, exit_status
 from coordlfs.mounting import free_space, mount_at
 from coordlfs.sizes import format_size, parse_size
 
@@ -460,19 +460,16 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _interrupt)  # clean up as for Ctrl-C
-    try:
+
+    def body() -> int:
         report = run(args)
-    except UserError as e:
-        print(f"coordlfs demo: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("coordlfs demo: interrupted; unmounted and cleaned up", file=sys.stderr)
-        return 130
-    print()
-    print(format_report(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 0
+        print()
+        print(format_report(report))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        return 0
+
+    return exit_status("coordlfs demo", body, "interrupted; unmounted and cleaned up")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ from coordlfs.bench.demo import coordlfs_mount, unmount_if_mounted
 from coordlfs.bench.locking import exclusive
 from coordlfs.bench.reading import read_files
 from coordlfs.control import Control
-from coordlfs.errors import UserError
+from coordlfs.errors import UserError, exit_status
 from coordlfs.mounting import free_space
 from coordlfs.sizes import format_size, parse_size
 
@@ -506,14 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except UserError as e:
-        print(f"bench-fio: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench-fio: interrupted; fio stopped, unmounted and cleaned up", file=sys.stderr)
-        return 130
+    return exit_status("bench-fio", lambda: run(args),
+                       "interrupted; fio stopped, unmounted and cleaned up")
 
 
 if __name__ == "__main__":
