@@ -25,7 +25,7 @@ import os
 import shutil
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
 
@@ -58,8 +58,9 @@ class Entry:
     failed: bool = False
     #: Read/write descriptor of the entry while it is being filled; -1 afterwards.
     fd: int = -1
-    #: Set (and replaced) each time more bytes arrive or the fill ends.
-    progress: trio.Event = field(default_factory=trio.Event)
+    #: Set (and replaced) each time more bytes arrive; None once the fill has ended, so that
+    #: a million cached entries do not each keep an Event.
+    progress: trio.Event | None = None
 
     def matches(self, st: os.stat_result) -> bool:
         return self.size == st.st_size and self.mtime_ns == st.st_mtime_ns
@@ -83,6 +84,9 @@ class MinioCache:
         self.counters = counters
         self.entries: dict[Key, Entry] = {}
         self.used = 0
+        #: entries being filled (the rest of ``entries`` are complete); kept, not counted,
+        #: because the status is read while a million entries may be cached
+        self.filling = 0
         self._views: OrderedDict[str, memoryview] = OrderedDict()
         self._journal_fd = -1
         try:
@@ -171,9 +175,10 @@ class MinioCache:
         name = entry_name(key)
         fd = os.open(name + _PART, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600,
                      dir_fd=self.dir_fd)
-        entry = Entry(name, path, st.st_size, st.st_mtime_ns, fd=fd)
+        entry = Entry(name, path, st.st_size, st.st_mtime_ns, fd=fd, progress=trio.Event())
         self.entries[key] = entry
         self.used += entry.size
+        self.filling += 1
         return entry
 
     async def fill(self, key: Key, entry: Entry, source: Source) -> None:
@@ -207,11 +212,13 @@ class MinioCache:
             self._release(key, entry)
             raise
         finally:
+            self.filling -= 1
             self._wake(entry)
 
     async def wait_for(self, entry: Entry, end: int) -> bool:
         """Wait until bytes up to ``end`` are in the entry; False if the fill failed."""
         while not entry.failed and not entry.complete and entry.filled < end:
+            assert entry.progress is not None  # still filling
             await entry.progress.wait()
         return not entry.failed
 
@@ -248,8 +255,10 @@ class MinioCache:
 
     @staticmethod
     def _wake(entry: Entry) -> None:
-        done, entry.progress = entry.progress, trio.Event()
-        done.set()
+        done = entry.progress
+        entry.progress = None if entry.complete or entry.failed else trio.Event()
+        if done is not None:
+            done.set()
 
     def _release(self, key: Key, entry: Entry) -> None:
         # Open handles still holding the entry must not see another version under its name:

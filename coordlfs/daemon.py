@@ -74,8 +74,8 @@ class Daemon:
             "cache": {
                 "capacity_bytes": cache.capacity,
                 "used_bytes": cache.used,
-                "files": sum(1 for e in cache.entries.values() if e.complete),
-                "filling": sum(1 for e in cache.entries.values() if not e.complete),
+                "files": len(cache.entries) - cache.filling,
+                "filling": cache.filling,
                 "max_file_bytes": cache.max_file_size,
                 "directory": cache.directory,
             },

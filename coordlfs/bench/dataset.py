@@ -139,3 +139,14 @@ def ensure_dataset(root: str | os.PathLike[str], spec: DatasetSpec) -> Dataset:
         path.write_bytes(file_contents(spec, rel, size))
     write_manifest(root, _manifest(spec, True, total))
     return Dataset(root, spec, tuple(layout), reused=False)
+
+
+def epoch_orders(dataset: Dataset, epochs: int, seed: int) -> list[list[str]]:
+    """A new random order of the dataset's files for each epoch, the same for the same seed."""
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(epochs):
+        order = [rel for rel, _size in dataset.files]
+        rng.shuffle(order)
+        orders.append(order)
+    return orders

@@ -28,12 +28,9 @@ import argparse
 import contextlib
 import json
 import os
-import random
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -48,12 +45,13 @@ from coordlfs.bench.counters import (
     measure_reads,
     process_bytes_read,
 )
-from coordlfs.bench.dataset import Dataset, DatasetSpec, ensure_dataset
+from coordlfs.bench.dataset import Dataset, DatasetSpec, ensure_dataset, epoch_orders
 from coordlfs.bench.locking import exclusive
+from coordlfs.bench.mounts import coordlfs_mount, unmount_if_mounted
 from coordlfs.bench.reading import read_files
 from coordlfs.control import Control
 from coordlfs.errors import UserError, exit_status
-from coordlfs.mounting import free_space, mount_at
+from coordlfs.mounting import free_space
 from coordlfs.sizes import format_size, parse_size
 
 DEFAULT_DIR = "/var/tmp/coordlfs-demo"
@@ -62,8 +60,6 @@ CGROUP_PREFIX = "coordlfs-demo"
 #: Reads go into one preallocated buffer, so the reader's memory (charged to its cgroup next to
 #: the page cache under test) stays the same from the measurement of its footprint to the end.
 READ_BUFFER = 1 << 20
-#: Seconds to wait for ``coordlfs mount`` / ``umount``.
-CLI_TIMEOUT = 120
 
 
 # -- the reader process --------------------------------------------------------------------
@@ -168,65 +164,6 @@ def budgeted_reader(name: str, budget: int, sample: list[str], read_bps: int | N
         yield reader, footprint
 
 
-# -- the mount -----------------------------------------------------------------------------
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    # Own session: a Ctrl-C meant for the demo must not kill an unmount half-way.
-    return subprocess.run([sys.executable, "-m", "coordlfs", *args], capture_output=True,
-                          text=True, timeout=CLI_TIMEOUT, start_new_session=True)
-
-
-def unmount_if_mounted(mountpoint: Path) -> None:
-    """``coordlfs umount`` whatever coordlfs mount is at ``mountpoint``, lazily if it is busy."""
-    entry = mount_at(str(mountpoint))
-    if entry is None or entry.fstype != "fuse.coordlfs":
-        return
-    result = _cli("umount", str(mountpoint))
-    if result.returncode != 0:
-        result = _cli("umount", "--lazy", str(mountpoint))
-    if result.returncode != 0:
-        raise UserError(f"cannot unmount {mountpoint}: {result.stderr.strip()}")
-
-
-@contextlib.contextmanager
-def _uninterrupted() -> Iterator[None]:
-    """Ignore Ctrl-C and SIGTERM while cleaning up: a second Ctrl-C must not leave a mount."""
-    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
-
-
-@contextlib.contextmanager
-def coordlfs_mount(source: Path, mountpoint: Path, cache_size: int, log: Path) -> Iterator[Control]:
-    """Mount ``source`` with the ``coordlfs`` command; unmount and drop the cache on exit."""
-    cache_dir = Path("/dev/shm") / f"coordlfs-bench-{os.getpid()}"
-    mountpoint.mkdir(exist_ok=True)
-    with tempfile.TemporaryFile("w+") as err:
-        # Own session, so an interrupt cannot stop the client while its daemon goes on
-        # mounting: on the way out we wait for it, then unmount what it mounted.
-        client = subprocess.Popen(
-            [sys.executable, "-m", "coordlfs", "mount", str(source), str(mountpoint),
-             "--cache-size", str(cache_size), "--cache-dir", str(cache_dir), "--log", str(log)],
-            stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
-        try:
-            if client.wait(timeout=CLI_TIMEOUT) != 0:
-                err.seek(0)
-                raise UserError(f"coordlfs mount failed: {err.read().strip()} (log: {log})")
-            yield Control(mountpoint)
-        finally:
-            with _uninterrupted():
-                try:
-                    client.wait(timeout=CLI_TIMEOUT)
-                except subprocess.TimeoutExpired:
-                    client.kill()
-                    client.wait()
-                unmount_if_mounted(mountpoint)
-                shutil.rmtree(cache_dir, ignore_errors=True)
-
-
 # -- epochs --------------------------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -241,17 +178,6 @@ class Epoch:
     source_bytes: int | None = None
     #: coordlfs only: bytes in its cache at the end of the epoch
     cache_used_bytes: int | None = None
-
-
-def epoch_orders(dataset: Dataset, epochs: int, seed: int) -> list[list[str]]:
-    """A new random order of the dataset's files for each epoch, the same for the same seed."""
-    rng = random.Random(seed)
-    orders = []
-    for _ in range(epochs):
-        order = [rel for rel, _size in dataset.files]
-        rng.shuffle(order)
-        orders.append(order)
-    return orders
 
 
 @dataclass(slots=True)

@@ -35,8 +35,8 @@ from typing import Any
 
 from coordlfs.bench.cgroup import Cgroup, memory_cgroup, remove_stale
 from coordlfs.bench.counters import drop_caches, process_bytes_read
-from coordlfs.bench.dataset import Dataset, DatasetSpec, ensure_dataset
-from coordlfs.bench.demo import coordlfs_mount, epoch_orders
+from coordlfs.bench.dataset import Dataset, DatasetSpec, ensure_dataset, epoch_orders
+from coordlfs.bench.mounts import coordlfs_mount
 from coordlfs.bench.reading import read_files
 from coordlfs.errors import UserError
 from coordlfs.sizes import format_size, parse_size

@@ -47,8 +47,8 @@ from typing import Any
 
 from coordlfs.bench.counters import drop_caches
 from coordlfs.bench.dataset import clear_dataset, intact, read_manifest, write_manifest
-from coordlfs.bench.demo import coordlfs_mount, unmount_if_mounted
 from coordlfs.bench.locking import exclusive
+from coordlfs.bench.mounts import coordlfs_mount, unmount_if_mounted
 from coordlfs.bench.reading import read_files
 from coordlfs.control import Control
 from coordlfs.errors import UserError, exit_status

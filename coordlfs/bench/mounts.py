@@ -1,0 +1,84 @@
+"""A coordlfs mount for a benchmark: mounted with the ``coordlfs`` command, always unmounted.
+
+Benchmarks mount through the CLI, as a user does, so they measure what a user gets. Every
+subprocess runs in its own session: a Ctrl-C meant for the benchmark must not kill a mount
+or an unmount half-way; the benchmark then unmounts what was mounted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from coordlfs.control import Control
+from coordlfs.errors import UserError
+from coordlfs.mounting import mount_at
+
+#: Seconds to wait for ``coordlfs mount`` / ``umount``.
+CLI_TIMEOUT = 120
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "coordlfs", *args], capture_output=True,
+                          text=True, timeout=CLI_TIMEOUT, start_new_session=True)
+
+
+def unmount_if_mounted(mountpoint: Path) -> None:
+    """``coordlfs umount`` whatever coordlfs mount is at ``mountpoint``, lazily if it is busy."""
+    entry = mount_at(str(mountpoint))
+    if entry is None or entry.fstype != "fuse.coordlfs":
+        return
+    result = _cli("umount", str(mountpoint))
+    if result.returncode != 0:
+        result = _cli("umount", "--lazy", str(mountpoint))
+    if result.returncode != 0:
+        raise UserError(f"cannot unmount {mountpoint}: {result.stderr.strip()}")
+
+
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Ignore Ctrl-C and SIGTERM while cleaning up: a second Ctrl-C must not leave a mount."""
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def coordlfs_mount(source: Path, mountpoint: Path, cache_size: int, log: Path) -> Iterator[Control]:
+    """Mount ``source`` with the ``coordlfs`` command; unmount and drop the cache on exit."""
+    cache_dir = Path("/dev/shm") / f"coordlfs-bench-{os.getpid()}"
+    mountpoint.mkdir(exist_ok=True)
+    with tempfile.TemporaryFile("w+") as err:
+        # Own session, so an interrupt cannot stop the client while its daemon goes on
+        # mounting: on the way out we wait for it, then unmount what it mounted.
+        client = subprocess.Popen(
+            [sys.executable, "-m", "coordlfs", "mount", str(source), str(mountpoint),
+             "--cache-size", str(cache_size), "--cache-dir", str(cache_dir), "--log", str(log)],
+            stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
+        try:
+            if client.wait(timeout=CLI_TIMEOUT) != 0:
+                err.seek(0)
+                raise UserError(f"coordlfs mount failed: {err.read().strip()} (log: {log})")
+            yield Control(mountpoint)
+        finally:
+            with _uninterrupted():
+                try:
+                    client.wait(timeout=CLI_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    client.kill()
+                    client.wait()
+                unmount_if_mounted(mountpoint)
+                shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+# -- epochs --------------------------------------------------------------------------------
