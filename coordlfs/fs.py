@@ -271,7 +271,7 @@ class Operations(pyfuse3.Operations):
             return b""
         entry = handle.entry
         if entry is not None and entry.complete:
-            data = self.cache.view(entry)[off : off + size]
+            data = self.cache.data(entry, off, size)
             self.counters.cache_hits += 1
             self.counters.bytes_from_cache += len(data)
             return data
@@ -279,9 +279,7 @@ class Operations(pyfuse3.Operations):
         if entry is None and handle.reader is None:  # once a handle streams, it keeps on
             entry = handle.entry = self._start_fill(handle)
         if entry is not None and await self.cache.wait_for(entry, off + size):
-            if entry.complete:
-                return self.cache.view(entry)[off : off + size]
-            return os.pread(entry.fd, size, off)
+            return self.cache.data(entry, off, size)
         return await self._stream(handle, off, size)
 
     def _start_fill(self, handle: FileHandle) -> Entry | None:

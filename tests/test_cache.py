@@ -60,9 +60,7 @@ def test_minio_fills_until_capacity_and_never_evicts(files: Path, tmp_path: Path
     assert cache.used == 6000 and cache.counters.bytes_from_source == 6000
     for entry in cache.entries.values():
         assert entry.complete
-        fd = cache.open_entry(entry)
-        assert os.read(fd, 1 << 20) == (files / os.fsdecode(entry.path)).read_bytes()
-        os.close(fd)
+        assert cache.data(entry, 0, entry.size) == (files / os.fsdecode(entry.path)).read_bytes()
     assert _fill_all(cache, source, ["f2"]) == [False]  # full: nothing is replaced
     cache.close(keep=False)
     assert not (tmp_path / "cache").exists()
@@ -86,8 +84,11 @@ def test_restart_finds_cache_warm_and_drops_changed(files: Path, tmp_path: Path)
     assert again.load(source) == 3
     assert {os.fsdecode(e.path) for e in again.entries.values()} == {"f0", "f2", "f3"}
     assert again.used == 1000 + 7000 + 10_000_001
-    assert sorted(os.listdir(tmp_path / "cache")) == sorted(
-        [e.name for e in again.entries.values()] + ["index.jsonl"])
+    assert sorted(os.listdir(tmp_path / "cache")) == ["arena", "index.jsonl"]
+    for entry in again.entries.values():
+        assert again.data(entry, 0, entry.size) == (files / os.fsdecode(entry.path)).read_bytes()
+    # f1's bytes, unproven, were punched out: the arena holds only the three entries' pages
+    assert os.stat(tmp_path / "cache" / "arena").st_blocks * 512 < again.used + 4 * 4096
     again.close(keep=False)
 
 
@@ -115,3 +116,54 @@ def test_missing_source_is_a_user_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="not a directory"):
         Source(str(tmp_path / "file"))
+
+
+def test_dropped_entry_is_never_adopted_again(files: Path, tmp_path: Path) -> None:
+    """A file changed and then restored (same size and mtime) must not map to punched pages."""
+    source = Source(str(files))
+    original, st0 = (files / "f0").read_bytes(), os.stat(files / "f0")
+    cache = _cache(tmp_path, capacity=1 << 30)
+    _fill_all(cache, source, ["f0", "f1"])
+    (files / "f0").write_bytes(b"new")
+    st = source.lstat(b"f0")
+    assert cache.lookup((st.st_dev, st.st_ino), st) is None
+    cache.close(keep=True)
+    (files / "f0").write_bytes(original)
+    os.utime(files / "f0", ns=(st0.st_atime_ns, st0.st_mtime_ns))
+    again = _cache(tmp_path, capacity=1 << 30)
+    assert again.load(source) == 1
+    assert [os.fsdecode(e.path) for e in again.entries.values()] == ["f1"]
+    again.close(keep=False)
+
+
+def test_hostile_journal_lines_are_skipped(files: Path, tmp_path: Path) -> None:
+    source = Source(str(files))
+    cache = _cache(tmp_path, capacity=1 << 30)
+    _fill_all(cache, source, ["f0"])
+    cache.close(keep=True)
+    with open(tmp_path / "cache" / "index.jsonl", "a") as journal:
+        journal.write('[1, 2]\n{"key": 5}\n{"key": "1-2", "path": "f1", "size": "x"}\n'
+                      '{"key": "zz", "path": "f1", "size": 1, "mtime_ns": 1, "offset": 0}\n'
+                      '{"dropped": true}\n{"torn": ')
+    again = _cache(tmp_path, capacity=1 << 30)
+    assert again.load(source) == 1
+    entry = next(iter(again.entries.values()))
+    assert again.data(entry, 0, entry.size) == (files / "f0").read_bytes()
+    again.close(keep=False)
+
+
+def test_arena_offsets_bound_new_entries(files: Path, tmp_path: Path) -> None:
+    """Offsets of dropped entries are not reused: once they run out, files are streamed."""
+    source = Source(str(files))
+    cache = _cache(tmp_path, capacity=8192)  # arena of 16 KiB
+    assert _fill_all(cache, source, ["f2"]) == [True]  # 7000 bytes
+    (files / "f2").write_bytes(os.urandom(7001))
+    st = source.lstat(b"f2")
+    assert cache.lookup((st.st_dev, st.st_ino), st) is None and cache.used == 0
+    assert _fill_all(cache, source, ["f2"]) == [True]  # offsets 7000..14001
+    (files / "f2").write_bytes(os.urandom(3000))
+    st = source.lstat(b"f2")
+    assert cache.lookup((st.st_dev, st.st_ino), st) is None and cache.used == 0
+    assert _fill_all(cache, source, ["f2"]) == [False]  # room in capacity, not in the arena
+    assert cache.used == 0 and cache.end == 14001
+    cache.close(keep=False)
