@@ -33,6 +33,13 @@ log = logging.getLogger(__name__)
 #: read-mostly; a file changed in place is still noticed on open (see ``open``).
 TIMEOUT = 3600.0
 
+#: Files up to this size that MinIO does not cache are read from the source whole, on their
+#: first request, and kept by the handle until it is closed: a reader reading in small pieces
+#: costs one storage read, and a request the kernel repeats (its page was reclaimed before
+#: the reader copied it, common when memory is tight) costs none. Larger files stream by
+#: the kernel's own readahead; the handle keeps only the last range.
+STREAM_WHOLE = 1 << 20
+
 _CONTROL_NAME = os.fsencode(CONTROL_NAME)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
@@ -64,6 +71,9 @@ class FileHandle:
     st: os.stat_result
     entry: Entry | None = None
     reader: SourceReader | None = None
+    #: the last bytes streamed from the source, and where they start in the file
+    window: bytes = b""
+    window_offset: int = 0
 
     def close(self) -> None:
         if self.reader is not None:
@@ -294,15 +304,22 @@ class Operations(pyfuse3.Operations):
                 self.nursery.start_soon(self.cache.fill, key, entry, self.source)
         return entry
 
-    async def _stream(self, handle: FileHandle, off: int, size: int) -> bytes:
+    async def _stream(self, handle: FileHandle, off: int, size: int) -> bytes | memoryview:
         """Serve a range straight from the source: the file is not (or cannot be) cached."""
         handle.entry = None
-        if handle.reader is None:
-            handle.reader = await trio.to_thread.run_sync(self.source.open_reader, handle.path)
-            self.counters.files_from_source += 1
-        data = await trio.to_thread.run_sync(handle.reader.pread, off, size)
-        self.counters.bytes_from_source += len(data)
-        return data
+        start = off - handle.window_offset
+        if start < 0 or off + size > handle.window_offset + len(handle.window):
+            if handle.reader is None:
+                handle.reader = await trio.to_thread.run_sync(self.source.open_reader,
+                                                              handle.path)
+                self.counters.files_from_source += 1
+            whole = handle.st.st_size <= STREAM_WHOLE
+            at, wanted = (0, handle.st.st_size) if whole else (off, size)
+            handle.window = await trio.to_thread.run_sync(handle.reader.pread, at, wanted)
+            handle.window_offset = at
+            self.counters.bytes_from_source += len(handle.window)
+            start = off - at
+        return memoryview(handle.window)[start : start + size]
 
     @guarded
     async def write(self, fh: int, off: int, buf: bytes) -> int:

@@ -252,6 +252,29 @@ def test_large_file_streams_without_being_read_whole(mount, tmp_path: Path) -> N
         xxhash.xxh64_hexdigest((src / "shard").read_bytes())
 
 
+def test_small_streamed_file_costs_one_storage_read(mount, tmp_path: Path) -> None:
+    """With no cache room, a small file is read from storage once per open, however it is read
+    and however often the kernel drops its pages and asks again."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(300_000)
+    (src / "image").write_bytes(data)
+    m = mount(src, "--cache-size", "0")
+    fd = os.open(m.mountpoint / "image", os.O_RDONLY)
+    try:
+        pieces = []
+        for off in range(0, len(data), 4096):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # force the kernel to ask again
+            pieces.append(os.pread(fd, 4096, off))
+    finally:
+        os.close(fd)
+    assert b"".join(pieces) == data
+    reads = m.status()["reads"]
+    assert reads["files_from_source"] == 1
+    assert reads["bytes_from_source"] == len(data)
+    assert reads["misses"] > 1
+
+
 def _resident_bytes(path: Path) -> int:
     out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
                          capture_output=True, text=True, check=True).stdout
