@@ -27,11 +27,31 @@ from coordlfs.mounting import (
     unmount,
 )
 from coordlfs.sizes import format_size, parse_size
+from coordlfs.stagger import (
+    JobProfile,
+    catalog_job,
+    default_catalog_path,
+    format_report,
+    load_catalog,
+    parse_job,
+    report,
+)
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+class _InOrder(argparse.Action):
+    """Collects values of several options in one list, in command-line order, tagged with
+    ``const``: which job of ``stagger`` starts first depends on that order."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        items = values if isinstance(values, list) else [values]
+        setattr(namespace, self.dest,
+                [*(getattr(namespace, self.dest) or []), *((self.const, v) for v in items)])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("mark", help="record a named point (an epoch boundary) in the statistics")
     k.add_argument("mountpoint")
     k.add_argument("name")
+
+    g = sub.add_parser("stagger", help="predict when to start the second of two jobs that "
+                                       "read one dataset (makespan for delays 0-100%%)")
+    g.add_argument("--job", dest="jobs", action=_InOrder, const="job",
+                   metavar="NAME:KEY=VALUE,...",
+                   help="a job by hand; keys: I (training s/iteration), Wcold, Wwarm, Wconc "
+                        "(I/O wait s/iteration: alone and cold, cached, both jobs on a cold "
+                        "cache), iters (per epoch), epochs")
+    g.add_argument("--from-catalog", dest="jobs", action=_InOrder, const="catalog", nargs="+",
+                   metavar="NAME[:KEY=VALUE,...]",
+                   help="jobs from the catalog, optionally with some values replaced")
+    g.add_argument("--catalog", metavar="FILE",
+                   help="profile catalog (default ~/.local/state/coordlfs/profiles.json)")
+    g.add_argument("--json", metavar="FILE", help="also write the table and the optimum as JSON")
 
     b = sub.add_parser("bench", help="benchmarks against the page cache and baselines")
     bench_sub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)
@@ -209,9 +243,39 @@ def cmd_mark(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stagger_jobs(args: argparse.Namespace) -> list[JobProfile]:
+    specs = args.jobs or []
+    path = args.catalog or default_catalog_path()
+    catalog = load_catalog(path) if any(kind == "catalog" for kind, _ in specs) else {}
+    jobs = [parse_job(spec) if kind == "job" else catalog_job(spec, catalog, path)
+            for kind, spec in specs]
+    if len(jobs) != 2:
+        raise UserError(f"needs two jobs (--job, --from-catalog); the model covers pairs, "
+                        f"got {len(jobs)}")
+    return jobs
+
+
+def cmd_stagger(args: argparse.Namespace) -> int:
+    try:
+        jobs = _stagger_jobs(args)
+    except UserError as e:  # bad arguments: status 2, like argparse's own errors
+        print(f"coordlfs stagger: {e}", file=sys.stderr)
+        return 2
+    data = report(jobs)
+    print(format_report(data))
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                f.write(json.dumps(data, indent=2) + "\n")
+        except OSError as e:
+            raise UserError(f"cannot write {args.json}: {e.strerror or e}") from None
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats, "mark": cmd_mark}
+    commands = {"mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats, "mark": cmd_mark,
+                "stagger": cmd_stagger}
     if args.command == "bench":
         return exit_status("coordlfs", lambda: _bench_modules()[args.bench].run(args))
     return exit_status("coordlfs", lambda: commands[args.command](args))
