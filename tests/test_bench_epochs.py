@@ -11,6 +11,9 @@ import pytest
 
 from coordlfs.bench.dataset import Dataset, DatasetSpec
 from coordlfs.bench.epochs import (
+    DAEMON_BASE_BYTES,
+    DAEMON_BYTES_PER_FILE,
+    PAGE_HEADROOM_PER_READER,
     ConfigResult,
     EpochResult,
     batches_of,
@@ -40,12 +43,13 @@ def test_parse_make() -> None:
             parse_make(bad)
 
 
-def test_cache_size_leaves_room_for_the_daemon_and_page_rounding() -> None:
+def test_cache_size_leaves_room_for_the_daemon_and_pages_in_flight() -> None:
     files = tuple((f"f{i}", 100_000) for i in range(1000))
     dataset = Dataset(Path("/x"), DatasetSpec(1000), files, reused=True)
     budget = 60_000_000
     size = cache_size_for(budget, dataset, readers_memory=1_000_000, readers=1)
-    assert 0 < size < budget - 1_000_000 - 1000 * 2048
+    assert size == (budget - 1_000_000 - DAEMON_BASE_BYTES - PAGE_HEADROOM_PER_READER
+                    - 1000 * DAEMON_BYTES_PER_FILE)
     assert cache_size_for(budget, dataset, 1_000_000, readers=2) < size
     assert cache_size_for(1000, dataset, 0, readers=1) == 0
 

@@ -51,13 +51,12 @@ PLOT_WINDOW_S = 2.0
 #: KiB per inode and 1.1 KiB per cached file, so 2 KiB per file is safe; plus a fixed part.
 DAEMON_BYTES_PER_FILE = 2048
 DAEMON_BASE_BYTES = 8 << 20
-#: Room per reader for the kernel's pages of the mount above the cache. Readers read through
-#: the kernel's page cache of the mount; squeezed below this, its pages were reclaimed before
-#: readers copied them and re-read from storage. 1.1 GiB, budget 50%, 4 readers: 4 MiB per
-#: reader read 1.07 of the dataset in epoch 1 and 0.67 / 0.63 later (0.57 expected); 8 MiB
-#: read 1.02, then exactly the uncached rest (0.57); 16 MiB the same with a smaller cache.
-PAGE_HEADROOM_PER_READER = 8 << 20
-PAGE = 4096
+#: Room per reader for the kernel's pages of reads in flight, above the cache. Squeezed below
+#: this, the kernel reclaims the source's inode-table pages and re-reads them (ext4 reads 32
+#: blocks ahead for each), and readers' pages before they are copied. 1.1 GiB, budget 50%, 4
+#: readers, arena cache: 4 MiB per reader read 0.61 / 0.59 of the dataset in epochs 2 and 3
+#: (0.55 expected from the capacity); 6 MiB read exactly the uncached rest (0.558), as did 8.
+PAGE_HEADROOM_PER_READER = 6 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -334,16 +333,15 @@ def run_page_cache(dataset: Dataset, budget: int, settings: Settings) -> ConfigR
 
 
 def cache_size_for(budget: int, dataset: Dataset, readers_memory: int, readers: int) -> int:
-    """What is left of the budget for cached bytes, counted as MinIO counts them.
+    """What is left of the budget for cached bytes.
 
-    The daemon's own memory grows with the files it knows (DAEMON_BYTES_PER_FILE), tmpfs
-    rounds each cached file up to whole pages, and the kernel needs a little room for pages
-    of reads in flight.
+    The daemon's own memory grows with the files it knows (DAEMON_BYTES_PER_FILE), and the
+    kernel needs a little room for pages of reads in flight. Cached bytes cost their size:
+    the arena packs them without page rounding.
     """
     room = (budget - readers_memory - DAEMON_BASE_BYTES - PAGE_HEADROOM_PER_READER * readers
             - DAEMON_BYTES_PER_FILE * len(dataset.files))
-    mean = dataset.total_bytes / len(dataset.files)
-    return max(0, int(room * mean / (mean + PAGE / 2)))
+    return max(0, room)
 
 
 def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path) -> ConfigResult:
