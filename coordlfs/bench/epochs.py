@@ -51,11 +51,11 @@ PLOT_WINDOW_S = 2.0
 #: KiB per inode and 1.1 KiB per cached file, so 2 KiB per file is safe; plus a fixed part.
 DAEMON_BYTES_PER_FILE = 2048
 DAEMON_BASE_BYTES = 8 << 20
-#: Room per reader for the kernel's pages of reads in flight, above the cache. Squeezed below
-#: this, the kernel reclaims the source's inode-table pages and re-reads them (ext4 reads 32
-#: blocks ahead for each), and readers' pages before they are copied. 1.1 GiB, budget 50%, 4
-#: readers, arena cache: 4 MiB per reader read 0.61 / 0.59 of the dataset in epochs 2 and 3
-#: (0.55 expected from the capacity); 6 MiB read exactly the uncached rest (0.558), as did 8.
+#: Room per reader for the kernel's pages of reads in flight and the source's metadata, above
+#: the cache. 1.1 GiB, budget 50%, 4 readers, arena cache: with 4 MiB per reader, epochs 2
+#: and 3 read 0.61 / 0.59 of the dataset (0.55 expected from the capacity), and the daemon's
+#: process read 20% more from storage than the file bytes it fetched (the source's metadata,
+#: reclaimed and read again); 6 MiB read exactly the uncached rest (0.558), as did 8.
 PAGE_HEADROOM_PER_READER = 6 << 20
 
 
