@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 from coordlfs import __version__
 from coordlfs.config import (
     DEFAULT_MAX_FILE_SHARE,
+    DEFAULT_WINDOW_SIZE,
     MountConfig,
     default_cache_dir,
     default_cache_size,
@@ -67,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-file-size", metavar="SIZE",
                    help="files larger than this are streamed, never cached (default: a quarter "
                         "of the cache)")
+    m.add_argument("--window-size", metavar="SIZE",
+                   help="memory for items an aligned job read until its group has read them "
+                        "(default 256M; 0 turns the window off)")
     m.add_argument("--cache-dir", metavar="DIR",
                    help="directory for cached bytes, on tmpfs (default under /dev/shm/coordlfs)")
     m.add_argument("--keep-cache", action="store_true",
@@ -136,15 +140,18 @@ def resolve_mount(args: argparse.Namespace) -> MountConfig:
         max_file = int(cache_size * DEFAULT_MAX_FILE_SHARE)
     else:
         max_file = parse_size(args.max_file_size, "--max-file-size")
+    window = (DEFAULT_WINDOW_SIZE if args.window_size is None
+              else parse_size(args.window_size, "--window-size"))
     log_file = args.log or (None if args.foreground else default_log_file(mountpoint))
-    return MountConfig(source, mountpoint, cache_size, max_file, cache_dir,
+    return MountConfig(source, mountpoint, cache_size, max_file, cache_dir, window,
                        keep_cache=args.keep_cache, allow_other=args.allow_other,
                        log_file=log_file and os.path.abspath(log_file), debug=args.debug)
 
 
 def _daemon_argv(config: MountConfig) -> list[str]:
     argv = ["mount", config.source, config.mountpoint, "--cache-size", str(config.cache_size),
-            "--max-file-size", str(config.max_file_size), "--cache-dir", config.cache_dir]
+            "--max-file-size", str(config.max_file_size), "--cache-dir", config.cache_dir,
+            "--window-size", str(config.window_size)]
     if config.log_file:
         argv += ["--log", config.log_file]
     for flag, on in (("--keep-cache", config.keep_cache), ("--allow-other", config.allow_other),
@@ -205,36 +212,49 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
-def _table(status: dict[str, Any], window: dict[str, Any] | None) -> str:
-    cache, reads = status["cache"], (window or status)["reads"]
+def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
+    cache, reads = status["cache"], (interval or status)["reads"]
     served = reads["cache_hits"] + reads["misses"]
     rate = f"{100 * reads['cache_hits'] / served:.1f}%" if served else "-"
+    held = status["read_window"]
     lines = [
         f"coordlfs {status['version']} on {status['mountpoint']} "
         f"(source {status['source']}, pid {status['pid']})",
         f"cache    {format_size(cache['used_bytes'])} of {format_size(cache['capacity_bytes'])} "
         f"used, {cache['files']} files ({cache['filling']} filling)",
+        f"window   {format_size(held['used_bytes'])} of {format_size(held['capacity_bytes'])} "
+        f"held for aligned groups, {held['items']} items, {held['hits']} taken",
     ]
-    if window:
-        lines.append(f"window   {window['since']} .. {window['until']} "
-                     f"({window['seconds']:.1f} s)")
+    if interval:
+        lines.append(f"between  {interval['since']} .. {interval['until']} "
+                     f"({interval['seconds']:.1f} s)")
     lines += [
         f"reads    {reads['cache_hits']} hits, {reads['misses']} misses, hit rate {rate}",
         f"bytes    {format_size(reads['bytes_from_cache'])} from cache, "
         f"{format_size(reads['bytes_from_source'])} from source",
         f"files    {reads['files_from_source']} from source",
     ]
+    for name, group in status["groups"].items():
+        members = ", ".join(f"{m['job']} (pid {m['pid']})" for m in group["members"])
+        lines.append(f"group    {name}: seed {group['seed']}, members {members}")
+    for profile in status["profiles"]:
+        for epoch, p in profile["epochs"].items():
+            total = p["wait_s"] + p["step_s"]
+            stall = f"{100 * p['wait_s'] / total:.1f}%" if total else "-"
+            lines.append(f"profile  {profile['job']} (pid {profile['pid']}) epoch {epoch}: "
+                         f"{p['steps']} steps, waited {p['wait_s']:.2f} s, stepped "
+                         f"{p['step_s']:.2f} s, stall {stall}")
     return "\n".join(lines)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
     control = _control(args.mountpoint)
     status = control.status()
-    window = control.stats(since=args.since) if args.since else None
+    interval = control.stats(since=args.since) if args.since else None
     if args.json:
-        print(json.dumps({**status, "window": window} if window else status, indent=2))
+        print(json.dumps({**status, "window": interval} if interval else status, indent=2))
     else:
-        print(_table(status, window))
+        print(_table(status, interval))
     return 0
 
 

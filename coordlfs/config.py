@@ -15,6 +15,9 @@ DEFAULT_CACHE_SHARE = 0.5
 #: A single file may take at most this share of the cache unless --max-file-size says else,
 #: so one huge shard cannot starve the many files of a training set.
 DEFAULT_MAX_FILE_SHARE = 0.25
+#: Bytes the group read window may hold (daemon memory, used only while aligned groups of two
+#: or more jobs read files MinIO does not hold).
+DEFAULT_WINDOW_SIZE = 256 << 20
 
 
 @dataclass(slots=True)
@@ -24,6 +27,7 @@ class MountConfig:
     cache_size: int
     max_file_size: int
     cache_dir: str
+    window_size: int = DEFAULT_WINDOW_SIZE
     keep_cache: bool = False
     allow_other: bool = False
     log_file: str | None = None

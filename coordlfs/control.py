@@ -15,6 +15,7 @@ from typing import Any
 
 from coordlfs import CONTROL_NAME
 from coordlfs.errors import UserError
+from coordlfs.mounting import mount_at
 
 
 class ControlError(UserError):
@@ -66,6 +67,33 @@ class Control:
 
     def marks(self) -> list[dict[str, Any]]:
         return self.request("marks")["marks"]
+
+    def join_group(self, group: str, job: str | None = None, seed: int | None = None,
+                   pid: int | None = None) -> dict[str, Any]:
+        """Join (or create) an aligned group; the reply has its ``seed`` and our ``member`` id."""
+        return self.request("group.join", group=group, job=job, seed=seed,
+                            pid=os.getpid() if pid is None else pid)
+
+    def leave_group(self, member: int) -> None:
+        self.request("group.leave", member=member)
+
+    def report_profile(self, job: str, epoch: int, steps: int, wait_s: float, step_s: float,
+                       pid: int | None = None) -> dict[str, Any]:
+        return self.request("profile", job=job, epoch=epoch, steps=steps, wait_s=wait_s,
+                            step_s=step_s, pid=os.getpid() if pid is None else pid)["profile"]
+
+
+def find_mount(path: str | os.PathLike[str]) -> str | None:
+    """The coordlfs mount that holds ``path``, or None."""
+    current = os.path.realpath(path)
+    while True:
+        if os.path.ismount(current):
+            entry = mount_at(current)
+            return current if entry is not None and entry.fstype == "fuse.coordlfs" else None
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current = parent
 
 
 def _read_all(fd: int) -> bytes:

@@ -20,9 +20,12 @@ from coordlfs.config import MountConfig
 from coordlfs.control_server import ControlServer
 from coordlfs.errors import UserError
 from coordlfs.fs import Operations
+from coordlfs.groups import Groups
+from coordlfs.groups import register_commands as register_group_commands
 from coordlfs.mounting import set_read_ahead
 from coordlfs.source import Source
 from coordlfs.stats import Stats, register_commands
+from coordlfs.window import ReadWindow
 
 log = logging.getLogger("coordlfs")
 
@@ -30,6 +33,8 @@ log = logging.getLogger("coordlfs")
 #: (the most FUSE asks for here) instead of 128 KiB ones, and a GiB read costs the daemon
 #: about half the CPU (docs/benchmarks.md). Small files are read whole either way.
 READ_AHEAD_KB = 1024
+#: Seconds between checks that group members are still alive.
+REAP_INTERVAL_S = 1.0
 
 
 def setup_logging(log_file: str | None, debug: bool) -> None:
@@ -60,7 +65,12 @@ class Daemon:
                                 self.stats.reads)
         self.control = ControlServer(self.status)
         register_commands(self.control, self.stats)
-        self.ops = Operations(self.source, self.cache, self.stats.reads, self.control)
+        self.groups = Groups()
+        self.window = ReadWindow(config.window_size)
+        self.groups.on_leave.append(lambda member: self.window.forget_member(member.id))
+        register_group_commands(self.control, self.groups)
+        self.ops = Operations(self.source, self.cache, self.stats.reads, self.control,
+                              self.groups, self.window)
 
     def status(self) -> dict[str, Any]:
         cache = self.cache
@@ -80,8 +90,10 @@ class Daemon:
                 "directory": cache.directory,
             },
             "reads": self.stats.reads.snapshot(),
+            "read_window": self.window.status(),
             "inodes": len(self.ops.inodes),
             "marks": [m.name for m in self.stats.marks],
+            **self.groups.status(),
         }
 
     def run(self, ready: Callable[[], None]) -> None:
@@ -108,12 +120,23 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             self.ops.nursery = nursery
             nursery.start_soon(self._terminate_on_signal)
+            nursery.start_soon(self._reap_members)
             nursery.start_soon(functools.partial(
                 trio.to_thread.run_sync, _tune_read_ahead, self.config.mountpoint,
                 abandon_on_cancel=True))
             ready()
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
+
+    async def _reap_members(self) -> None:
+        while True:
+            await trio.sleep(REAP_INTERVAL_S)
+            try:
+                for member in self.groups.reap():
+                    log.info("member %d (%s, pid %d) of group %s is gone", member.id,
+                             member.job, member.pid, member.group)
+            except Exception:  # an uncaught error here would take the mount down
+                log.exception("reaping group members failed")
 
     async def _terminate_on_signal(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:

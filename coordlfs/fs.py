@@ -23,9 +23,11 @@ import trio
 from coordlfs import CONTROL_NAME
 from coordlfs.cache import Entry, MinioCache
 from coordlfs.control_server import ControlHandle, ControlServer
-from coordlfs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable
+from coordlfs.groups import Groups, Member
+from coordlfs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable, Key
 from coordlfs.source import Source, SourceReader
 from coordlfs.stats import ReadCounters
+from coordlfs.window import ReadWindow
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +73,20 @@ class FileHandle:
     st: os.stat_result
     entry: Entry | None = None
     reader: SourceReader | None = None
-    #: the last bytes streamed from the source, and where they start in the file
+    #: the aligned-group member that opened it, if any
+    member: Member | None = None
+    #: the last bytes streamed from the source (or taken from the group's read window), and
+    #: where they start in the file
     window: bytes = b""
     window_offset: int = 0
+
+    @property
+    def key(self) -> Key:
+        return self.st.st_dev, self.st.st_ino
+
+    @property
+    def version(self) -> tuple[int, int]:
+        return self.st.st_size, self.st.st_mtime_ns
 
     def close(self) -> None:
         if self.reader is not None:
@@ -92,12 +105,14 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, source: Source, cache: MinioCache, counters: ReadCounters,
-                 control: ControlServer) -> None:
+                 control: ControlServer, groups: Groups, window: ReadWindow) -> None:
         super().__init__()
         self.source = source
         self.cache = cache
         self.counters = counters
         self.control = control
+        self.groups = groups
+        self.window = window
         root = source.lstat(b"")
         self.inodes = InodeTable((root.st_dev, root.st_ino))
         self._handles: dict[int, FileHandle | DirHandle | ControlHandle] = {}
@@ -268,6 +283,14 @@ class Operations(pyfuse3.Operations):
             node.version = (st.st_size, st.st_mtime_ns)
             pyfuse3.invalidate_inode(inode, attr_only=True)
         handle = FileHandle(inode, node.path, st, self.cache.lookup((st.st_dev, st.st_ino), st))
+        if handle.entry is None and self.window.capacity and self.groups.members:
+            handle.member = self.groups.member_for_reader(ctx.pid)
+            if handle.member is not None:
+                held = self.window.take(handle.key, handle.version, handle.member.id)
+                if held is not None:
+                    handle.window = held
+                else:
+                    self.window.note_open(handle.key, handle.member.id)
         return pyfuse3.FileInfo(fh=self._new_handle(handle), keep_cache=not changed)
 
     @guarded
@@ -286,7 +309,8 @@ class Operations(pyfuse3.Operations):
             self.counters.bytes_from_cache += len(data)
             return data
         self.counters.misses += 1
-        if entry is None and handle.reader is None:  # once a handle streams, it keeps on
+        if entry is None and handle.reader is None and not handle.window:
+            # once a handle streams (or took its bytes from the group's window), it keeps on
             entry = handle.entry = self._start_fill(handle)
         if entry is not None and await self.cache.wait_for(entry, off + size):
             return self.cache.data(entry, off, size)
@@ -309,17 +333,40 @@ class Operations(pyfuse3.Operations):
         handle.entry = None
         start = off - handle.window_offset
         if start < 0 or off + size > handle.window_offset + len(handle.window):
-            if handle.reader is None:
-                handle.reader = await trio.to_thread.run_sync(self.source.open_reader,
-                                                              handle.path)
-                self.counters.files_from_source += 1
-            whole = handle.st.st_size <= STREAM_WHOLE
-            at, wanted = (0, handle.st.st_size) if whole else (off, size)
-            handle.window = await trio.to_thread.run_sync(handle.reader.pread, at, wanted)
-            handle.window_offset = at
-            self.counters.bytes_from_source += len(handle.window)
-            start = off - at
+            if handle.st.st_size <= STREAM_WHOLE:
+                handle.window, handle.window_offset = await self._whole(handle), 0
+            else:
+                handle.window = await self._source_range(handle, off, size)
+                handle.window_offset = off
+            start = off - handle.window_offset
         return memoryview(handle.window)[start : start + size]
+
+    async def _whole(self, handle: FileHandle) -> bytes:
+        """A small file's bytes, shared through the group's read window when aligned jobs
+        read it: the first member fetches, the others wait for it and take it."""
+        member = handle.member
+        others = self.groups.others(member) if member is not None else set()
+        if member is None or not others:
+            return await self._source_range(handle, 0, handle.st.st_size)
+        await self.window.wait_for_fetch(handle.key)
+        held = self.window.take(handle.key, handle.version, member.id)
+        if held is not None:
+            return held
+        self.window.claim(handle.key)
+        data = None
+        try:
+            data = await self._source_range(handle, 0, handle.st.st_size)
+        finally:
+            self.window.publish(handle.key, handle.version, data, member.id, others)
+        return data
+
+    async def _source_range(self, handle: FileHandle, off: int, size: int) -> bytes:
+        if handle.reader is None:
+            handle.reader = await trio.to_thread.run_sync(self.source.open_reader, handle.path)
+            self.counters.files_from_source += 1
+        data = await trio.to_thread.run_sync(handle.reader.pread, off, size)
+        self.counters.bytes_from_source += len(data)
+        return data
 
     @guarded
     async def write(self, fh: int, off: int, buf: bytes) -> int:

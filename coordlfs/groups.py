@@ -1,0 +1,218 @@
+"""Seed-aligned groups of jobs and their step profiles, kept by the daemon.
+
+Co-located jobs that each shuffle one dataset with their own seed read it in unrelated orders
+and thrash any cache. A group hands every member one seed, so members read each epoch in the
+same order (``coordlfs.order``); the mount can then keep an item that one member fetched
+until the others have read it (``coordlfs.window``). A member is a process (the training
+script); its DataLoader workers are its descendants, so a read is attributed to a member by
+walking up the reader's parent processes. A member whose process died is dropped at the next
+reap, so it never pins anything.
+
+Profiles are what the stall profiler (``coordlfs.torch``) reports per job and epoch: steps,
+seconds waiting for data and seconds computing. They feed ``coordlfs stagger``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from coordlfs.control_server import ControlServer, RequestError, require
+from coordlfs.mounting import process_alive
+from coordlfs.order import SEED_LIMIT
+
+MAX_NAME = 128
+#: How far up the process tree a reader is looked for: the job, its DataLoader workers, and
+#: helper processes of those.
+ANCESTRY_DEPTH = 4
+
+
+@dataclass(slots=True)
+class EpochProfile:
+    steps: int = 0
+    wait_s: float = 0.0
+    step_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Member:
+    id: int
+    group: str
+    pid: int
+    job: str
+    joined: float
+
+
+@dataclass(slots=True)
+class Group:
+    name: str
+    seed: int
+    members: dict[int, Member] = field(default_factory=dict)
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _name(request: dict[str, Any], key: str) -> str:
+    value = require(request, key, str)
+    if not 0 < len(value) <= MAX_NAME or not value.isprintable():
+        raise RequestError(f'"{key}" must be 1 to {MAX_NAME} printable characters')
+    return value
+
+
+def _count(request: dict[str, Any], key: str) -> int:
+    value = require(request, key, int)
+    if value < 0:
+        raise RequestError(f'"{key}" must not be negative')
+    return value
+
+
+def _seconds(request: dict[str, Any], key: str) -> float:
+    value = request.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:
+        raise RequestError(f'"{key}" must be a number of seconds >= 0')
+    return float(value)
+
+
+class Groups:
+    def __init__(self, alive: Callable[[int], bool] = process_alive) -> None:
+        self.groups: dict[str, Group] = {}
+        self.members: dict[int, Member] = {}
+        self.profiles: dict[tuple[str, int], dict[int, EpochProfile]] = {}
+        self._alive = alive
+        self._next_id = 1
+        #: reader pid -> member (or None); cleared when membership changes
+        self._readers: dict[int, Member | None] = {}
+        #: called with each member that leaves or dies (the read window drops its claims)
+        self.on_leave: list[Callable[[Member], None]] = []
+
+    # -- membership -------------------------------------------------------------------
+
+    def join(self, name: str, pid: int, job: str, seed: int | None) -> Member:
+        if not self._alive(pid):
+            raise RequestError(f"no process {pid}")
+        group = self.groups.get(name)
+        if group is None:
+            group = self.groups[name] = Group(name, secrets.randbelow(SEED_LIMIT)
+                                              if seed is None else seed)
+        elif seed is not None and seed != group.seed:
+            raise RequestError(f"group {name!r} has seed {group.seed}; join without a seed "
+                               "to take it")
+        member = Member(self._next_id, name, pid, job, time.time())
+        self._next_id += 1
+        group.members[member.id] = member
+        self.members[member.id] = member
+        self._readers.clear()
+        return member
+
+    def leave(self, member_id: int) -> None:
+        member = self.members.pop(member_id, None)
+        if member is None:
+            raise RequestError(f"no member {member_id}")
+        group = self.groups[member.group]
+        del group.members[member_id]
+        if not group.members:
+            del self.groups[member.group]
+        self._readers.clear()
+        for callback in self.on_leave:
+            callback(member)
+
+    def reap(self) -> list[Member]:
+        """Drop members whose process is gone; returns them."""
+        dead = [m for m in self.members.values() if not self._alive(m.pid)]
+        for member in dead:
+            self.leave(member.id)
+        return dead
+
+    def member_for_reader(self, pid: int) -> Member | None:
+        """The member a reading process belongs to: the member itself or a descendant."""
+        if not self.members:
+            return None
+        if pid in self._readers:
+            return self._readers[pid]
+        by_pid = {m.pid: m for m in self.members.values()}
+        found, current = None, pid
+        for _ in range(ANCESTRY_DEPTH):
+            if current in by_pid:
+                found = by_pid[current]
+                break
+            parent = parent_pid(current)
+            if parent is None or parent <= 1:
+                break
+            current = parent
+        self._readers[pid] = found
+        return found
+
+    def others(self, member: Member) -> set[int]:
+        """The ids of the other members of ``member``'s group (none once it has left)."""
+        group = self.groups.get(member.group)
+        if group is None or member.id not in group.members:
+            return set()
+        return {i for i in group.members if i != member.id}
+
+    # -- profiles ---------------------------------------------------------------------
+
+    def record_profile(self, job: str, pid: int, epoch: int, steps: int, wait_s: float,
+                       step_s: float) -> EpochProfile:
+        profile = self.profiles.setdefault((job, pid), {}).setdefault(epoch, EpochProfile())
+        profile.steps += steps
+        profile.wait_s += wait_s
+        profile.step_s += step_s
+        return profile
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "groups": {
+                g.name: {"seed": g.seed,
+                         "members": [asdict(m) for m in g.members.values()]}
+                for g in self.groups.values()
+            },
+            "profiles": [
+                {"job": job, "pid": pid,
+                 "epochs": {str(e): asdict(p) for e, p in sorted(epochs.items())}}
+                for (job, pid), epochs in self.profiles.items()
+            ],
+        }
+
+
+def register_commands(server: ControlServer, groups: Groups) -> None:
+    """``group.join``, ``group.leave``, ``group.list`` and ``profile`` on the control file."""
+
+    def join(request: dict) -> dict:
+        seed = require(request, "seed", int, optional=True)
+        if seed is not None and not 0 <= seed < SEED_LIMIT:
+            raise RequestError('"seed" must be in [0, 2**64)')
+        pid = require(request, "pid", int)
+        if pid <= 0:
+            raise RequestError('"pid" must be a process id')
+        job = _name(request, "job") if request.get("job") is not None else f"pid-{pid}"
+        member = groups.join(_name(request, "group"), pid, job, seed)
+        group = groups.groups[member.group]
+        return {"group": group.name, "seed": group.seed, "member": member.id,
+                "members": [asdict(m) for m in group.members.values()]}
+
+    def leave(request: dict) -> dict:
+        groups.leave(require(request, "member", int))
+        return {}
+
+    def profile(request: dict) -> dict:
+        pid = require(request, "pid", int)
+        record = groups.record_profile(_name(request, "job"), pid, _count(request, "epoch"),
+                                       _count(request, "steps"), _seconds(request, "wait_s"),
+                                       _seconds(request, "step_s"))
+        return {"profile": asdict(record)}
+
+    server.register("group.join", join, 'join (or create) a group: "group", "pid", optional '
+                                        '"job" and "seed"; replies the seed and members')
+    server.register("group.leave", leave, 'leave a group: "member"')
+    server.register("group.list", lambda _r: groups.status(), "groups, members and profiles")
+    server.register("profile", profile, 'add a job\'s step profile: "job", "pid", "epoch", '
+                                        '"steps", "wait_s", "step_s"')
