@@ -1,0 +1,142 @@
+"""coordlfs.torch on a real mount: AlignedSampler's seed and order, its fallback, the profiler."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import drop_caches, make_dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from coordlfs.control import Control
+from coordlfs.order import epoch_order, shard
+from coordlfs.torch import AlignedSampler, profiled
+
+
+class Files(Dataset):
+    """An image-folder-like dataset: item i is the bytes of the i-th file, by sorted path."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = str(root)
+        self.files = sorted(str(p) for p in root.rglob("*") if p.is_file())
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        with open(self.files[i], "rb") as f:
+            return torch.tensor(len(f.read()))
+
+
+def test_members_share_the_seed_and_each_epoch_is_a_new_order(mount, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    make_dataset(src, 50)
+    m = mount(src)
+    data = Files(m.mountpoint)
+    first = AlignedSampler(data, group="g", job="a")
+    second = AlignedSampler(data, group="g", job="b")
+    assert first.aligned and second.aligned and first.seed == second.seed
+    n = len(data)
+    assert list(first) == list(second) == epoch_order(first.seed, 0, n)
+    assert list(first) != epoch_order(first.seed, 0, n)  # the next pass is the next epoch
+    first.set_epoch(5)
+    second.set_epoch(5)
+    assert list(first) == list(second) == epoch_order(first.seed, 5, n)
+    assert len(m.status()["groups"]["g"]["members"]) == 2
+    first.close()
+    second.close()
+    assert m.status()["groups"] == {}
+
+
+def test_distributed_split_matches_distributed_sampler(mount, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    make_dataset(src, 10)
+    m = mount(src)
+    data = Files(m.mountpoint)
+    for drop_last in (False, True):
+        ranks = [AlignedSampler(data, group="g", num_replicas=4, rank=r, drop_last=drop_last)
+                 for r in range(4)]
+        order = epoch_order(ranks[0].seed, 0, len(data))
+        for r, sampler in enumerate(ranks):
+            plain = list(DistributedSampler(data, num_replicas=4, rank=r, shuffle=False,
+                                            drop_last=drop_last))
+            assert list(sampler) == [order[i] for i in plain] == shard(order, r, 4, drop_last)
+            assert len(sampler) == len(plain)
+            sampler.close()
+
+
+def test_without_a_mount_it_shuffles_with_a_warning(tmp_path: Path) -> None:
+    data = Files(tmp_path)  # not on a coordlfs mount: empty, fine for a sampler
+    data.files = [str(i) for i in range(20)]
+    with pytest.warns(UserWarning, match="not on a coordlfs mount"):
+        sampler = AlignedSampler(data, group="g", seed=3)
+    assert not sampler.aligned
+    assert sorted(sampler) == list(range(20))
+    with pytest.warns(UserWarning, match="not on a coordlfs mount"):
+        assert list(AlignedSampler(data, group="g", path=None, seed=3)) == sampler.order(0)
+    with pytest.warns(UserWarning, match="no path given"):
+        AlignedSampler(list(range(5)), group="g")
+
+
+def test_refused_group_falls_back_with_a_warning(mount, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    make_dataset(src, 5)
+    m = mount(src)
+    with pytest.warns(UserWarning, match="cannot join group"):
+        sampler = AlignedSampler(Files(m.mountpoint), group="bad\nname")
+    assert not sampler.aligned and sorted(sampler) == list(range(len(sampler)))
+
+
+def test_loader_workers_count_as_their_job(mount, tmp_path: Path) -> None:
+    """DataLoader workers are children of the job: their reads feed the job's group window."""
+    src = tmp_path / "src"
+    src.mkdir()
+    sizes = make_dataset(src, 40)
+    m = mount(src, "--cache-size", "0")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        Control(m.mountpoint).join_group("g", job="other", pid=other.pid)
+        data = Files(m.mountpoint)
+        sampler = AlignedSampler(data, group="g", job="me")
+        drop_caches()
+        loader = DataLoader(data, batch_size=8, sampler=sampler, num_workers=2)
+        total = sum(int(x) for batch in profiled(loader, job="me", epoch=0,
+                                                 path=m.mountpoint) for x in batch)
+        assert total == sum(os.path.getsize(f) for f in data.files) >= sum(sizes.values())
+        status = m.status()
+        assert status["read_window"]["used_bytes"] == total  # held for the other job
+        profile = status["profiles"][0]
+        assert profile["job"] == "me" and profile["epochs"]["0"]["steps"] == -(-len(data) // 8)
+        sampler.close()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_profiler_times_waits_and_steps(mount, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    m = mount(src)
+
+    def slow_loader():
+        for i in range(3):
+            time.sleep(0.05)
+            yield i
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in profiled(slow_loader(), job="j", epoch=2, path=m.mountpoint):
+            time.sleep(0.02)
+    epoch = m.status()["profiles"][0]["epochs"]["2"]
+    assert epoch["steps"] == 3
+    assert 0.15 <= epoch["wait_s"] < 1.0 and 0.06 <= epoch["step_s"] < 1.0
+    assert m.status()["profiles"][0]["pid"] == os.getpid()
