@@ -7,8 +7,8 @@ gets exactly ``capacity`` bytes of hits, where an LRU cache thrashes.
 Cached files are packed end to end into one sparse file, the arena, in a tmpfs directory
 (``/dev/shm/coordlfs/...`` by default), so the bytes live outside the daemon's heap and a
 restarted daemon finds them warm. One arena instead of a tmpfs file per cached file saves
-what per-file storage costs in a memory budget: page rounding (2 KiB per file on average)
-and a tmpfs inode and dentry (about 1 KiB), together 3% of a cache of 110 KB images. Because
+what per-file storage costs in a memory budget: page rounding (2 KiB per file on average,
+2% of a cache of 110 KB images) and a tmpfs inode and dentry per file. Because
 MinIO never evicts, space is handed out by a bump pointer and never fragments. An entry that
 is dropped (its source file changed) has its pages punched out of the arena, so its memory
 returns at once; its offsets are not reused, so a stale slice can never show another file.

@@ -116,9 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench_modules() -> dict:
-    from coordlfs.bench import epochs, fio, hits, overhead
+    from coordlfs.bench import aligned, epochs, fio, hits, overhead
 
-    return {"epochs": epochs, "fio": fio, "hits": hits, "overhead": overhead}
+    return {"aligned": aligned, "epochs": epochs, "fio": fio, "hits": hits, "overhead": overhead}
 
 
 def resolve_mount(args: argparse.Namespace) -> MountConfig:

@@ -54,8 +54,10 @@ def _uninterrupted() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def coordlfs_mount(source: Path, mountpoint: Path, cache_size: int, log: Path) -> Iterator[Control]:
-    """Mount ``source`` with the ``coordlfs`` command; unmount and drop the cache on exit."""
+def coordlfs_mount(source: Path, mountpoint: Path, cache_size: int, log: Path,
+                   *options: str) -> Iterator[Control]:
+    """Mount ``source`` with the ``coordlfs`` command (and ``options``); unmount and drop the
+    cache on exit."""
     cache_dir = Path("/dev/shm") / f"coordlfs-bench-{os.getpid()}"
     mountpoint.mkdir(exist_ok=True)
     with tempfile.TemporaryFile("w+") as err:
@@ -63,7 +65,8 @@ def coordlfs_mount(source: Path, mountpoint: Path, cache_size: int, log: Path) -
         # mounting: on the way out we wait for it, then unmount what it mounted.
         client = subprocess.Popen(
             [sys.executable, "-m", "coordlfs", "mount", str(source), str(mountpoint),
-             "--cache-size", str(cache_size), "--cache-dir", str(cache_dir), "--log", str(log)],
+             "--cache-size", str(cache_size), "--cache-dir", str(cache_dir), "--log", str(log),
+             *options],
             stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
         try:
             if client.wait(timeout=CLI_TIMEOUT) != 0:

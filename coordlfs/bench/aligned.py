@@ -1,0 +1,330 @@
+"""Co-located jobs on one dataset: independent shuffles against a seed-aligned group.
+
+Each job is a process with its own reader processes (its DataLoader workers) and its own
+epochs, batches and ``--compute-ms`` per batch. Three systems run the same jobs under one
+storage throttle and one memory budget: the page cache with independent seeds, coordlfs with
+independent seeds, and coordlfs with the jobs in one aligned group (shared order, read window).
+Storage bytes come from the kernel's per-process counters of every reader and the daemon;
+an epoch's bytes are those read between the moments the last job finished the epoch before
+and this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from coordlfs.bench.cgroup import memory_cgroup, remove_stale
+from coordlfs.bench.counters import drop_caches
+from coordlfs.bench.dataset import Dataset, epoch_orders
+from coordlfs.bench.epochs import (
+    DAEMON_BASE_BYTES,
+    DAEMON_BYTES_PER_FILE,
+    PAGE_HEADROOM_PER_READER,
+    Sampler,
+    batches_of,
+    check_can_run,
+    load_dataset,
+    readers,
+)
+from coordlfs.bench.mounts import coordlfs_mount
+from coordlfs.control import Control
+from coordlfs.errors import UserError
+from coordlfs.order import epoch_order
+from coordlfs.sizes import format_size, parse_size
+
+CGROUP_PREFIX = "coordlfs-aligned"
+SYSTEMS = ("page cache", "coordlfs", "coordlfs aligned")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", help="an existing dataset directory (default: generate one)")
+    parser.add_argument("--make", default="3000:110K", metavar="N:SIZE",
+                        help="generate N files of mean SIZE (default 3000:110K)")
+    parser.add_argument("--work", default="/var/tmp/coordlfs-aligned",
+                        help="work directory on disk for generated data and the mount")
+    parser.add_argument("--jobs", default="2,4", help="job counts to run (default 2,4)")
+    parser.add_argument("--cache", type=float, default=0.25,
+                        help="MinIO cache as a fraction of the dataset (default 0.25)")
+    parser.add_argument("--window", type=float, default=0.1,
+                        help="read window as a fraction of the dataset (default 0.1)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--readers", type=int, default=2, help="reader processes per job")
+    parser.add_argument("--batch", type=int, default=32, help="files per batch (default 32)")
+    parser.add_argument("--compute-ms", type=float, default=20.0,
+                        help="emulated GPU time per batch (default 20)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--throttle", default="50M",
+                        help="storage read limit per second, or none (default 50M)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs; medians are reported")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    jobs: int
+    epochs: int
+    readers: int
+    batch: int
+    compute_s: float
+    seed: int
+    throttle: int | None
+
+
+# -- one job ---------------------------------------------------------------------------------
+
+def _job_main(conn: Connection, plan: Plan, index: int, dataset: Dataset, base: str,
+              group: str | None) -> None:
+    """A training job: its readers, its order (own seed, or the group's), its epochs."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the bench stops us, without a traceback
+    try:
+        names = [rel for rel, _size in dataset.files]
+        if group is None:
+            orders = epoch_orders(dataset, plan.epochs, plan.seed * 1000 + index)
+        else:
+            seed = Control(base).join_group(group, job=f"job-{index}")["seed"]
+            orders = [[names[i] for i in epoch_order(seed, e, len(names))]
+                      for e in range(plan.epochs)]
+        with readers(plan.readers) as group_of_readers:
+            conn.send(("pids", group_of_readers.pids))
+            conn.recv()  # go
+            for number, order in enumerate(orders, 1):
+                seconds, waited, got = group_of_readers.epoch(
+                    batches_of(order, Path(base), plan.batch), plan.compute_s)
+                conn.send(("epoch", number, time.monotonic(), seconds, waited, got))
+            conn.send(("done",))
+            conn.recv()  # stop: the readers' counters are read until then
+    except Exception as e:  # reported to the bench, which stops the run
+        conn.send(("error", f"{e.__class__.__name__}: {e}"))
+
+
+@dataclass(slots=True)
+class Jobs:
+    plan: Plan
+    dataset: Dataset
+    base: str
+    group: str | None
+    procs: list[Any] = field(default_factory=list)
+    conns: list[Connection] = field(default_factory=list)
+    reader_pids: list[int] = field(default_factory=list)
+
+    def start(self) -> None:
+        context = multiprocessing.get_context("fork")
+        for index in range(self.plan.jobs):
+            parent, child = context.Pipe()
+            # not daemonic: a job has reader processes of its own
+            proc = context.Process(target=_job_main, args=(child, self.plan, index,
+                                                           self.dataset, self.base, self.group))
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        for conn in self.conns:
+            self.reader_pids += self._expect(conn, "pids")[1]
+
+    @staticmethod
+    def _expect(conn: Connection, kind: str) -> tuple:
+        if not conn.poll(600):
+            raise UserError("a job made no progress for 10 minutes")
+        message = conn.recv()
+        if message[0] == "error":
+            raise UserError(f"a job failed: {message[1]}")
+        if message[0] != kind:
+            raise UserError(f"a job sent {message[0]!r}, expected {kind!r}")
+        return message
+
+    def run(self) -> list[list[tuple[float, float, float]]]:
+        """Start every job at once; per job and epoch (finished at, on the monotonic clock;
+        seconds; stall seconds)."""
+        for conn in self.conns:
+            conn.send("go")
+        epochs: list[list[tuple[float, float, float]]] = [[] for _ in self.conns]
+        for j, conn in enumerate(self.conns):
+            for _ in range(self.plan.epochs):
+                _kind, _n, at, seconds, waited, got = self._expect(conn, "epoch")
+                if got != self.dataset.total_bytes:
+                    raise UserError(f"job {j} read {got} bytes in an epoch, the dataset has "
+                                    f"{self.dataset.total_bytes}")
+                epochs[j].append((at, seconds, waited))
+            self._expect(conn, "done")
+        return epochs
+
+    def stop(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send("stop")
+        for proc in self.procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+@contextlib.contextmanager
+def jobs_of(plan: Plan, dataset: Dataset, base: Path, group: str | None) -> Iterator[Jobs]:
+    jobs = Jobs(plan, dataset, str(base), group)
+    try:
+        jobs.start()
+        yield jobs
+    finally:
+        jobs.stop()
+
+
+# -- one configuration ---------------------------------------------------------------------
+
+@dataclass(slots=True)
+class SystemResult:
+    system: str
+    jobs: int
+    #: storage bytes per epoch, all jobs together
+    epoch_storage_bytes: list[int]
+    #: per job: seconds to finish all epochs
+    job_seconds: list[float]
+    makespan_s: float
+    #: per job and epoch: the share of the epoch it waited for data
+    stall_percent: list[list[float]]
+
+    @property
+    def later_storage(self) -> int:
+        return sum(self.epoch_storage_bytes[1:])
+
+
+def _bytes_at(samples: list[tuple[float, int]], t: float) -> int:
+    """Cumulative storage bytes at ``t`` seconds (the first sample at or after it)."""
+    for at, stored in samples:
+        if at >= t:
+            return stored
+    return samples[-1][1] if samples else 0
+
+
+def budget_for(dataset: Dataset, cache: int, window: int, plan: Plan) -> int:
+    """The memory budget both systems get: the cache and window plus coordlfs's overhead."""
+    return (cache + window + DAEMON_BASE_BYTES + DAEMON_BYTES_PER_FILE * len(dataset.files)
+            + PAGE_HEADROOM_PER_READER * plan.readers * plan.jobs)
+
+
+def run_system(system: str, plan: Plan, dataset: Dataset, cache: int, window: int,
+               work: Path) -> SystemResult:
+    name = f"{CGROUP_PREFIX}-{os.getpid()}"
+    budget = budget_for(dataset, cache, window, plan)
+    throttle_path = dataset.root if plan.throttle else None
+    with memory_cgroup(name, None, None, read_bps=plan.throttle,
+                       throttle_path=throttle_path) as cgroup, contextlib.ExitStack() as stack:
+        storage_pids: list[int] = []
+        base, group = dataset.root, None
+        if system != "page cache":
+            base = work / "mnt"
+            control = stack.enter_context(coordlfs_mount(
+                dataset.root, base, cache, work / "mount.log", "--window-size", str(window)))
+            daemon = control.status()["pid"]
+            cgroup.add(daemon)
+            storage_pids.append(daemon)
+            group = f"bench-{os.getpid()}" if system == "coordlfs aligned" else None
+        jobs = stack.enter_context(jobs_of(plan, dataset, base, group))
+        for pid in [p.pid for p in jobs.procs] + jobs.reader_pids:
+            cgroup.add(pid)
+        cgroup.set_memory_limit(budget)
+        drop_caches()
+        with Sampler(storage_pids or jobs.reader_pids) as sampler:
+            before = sampler.bytes()
+            epochs = jobs.run()
+            total = sampler.bytes() - before
+    samples = [(t, b - before) for t, b in sampler.samples]
+    # the moments the last job finished each epoch, on the sampler's clock
+    ends = [max(job[e][0] for job in epochs) - sampler.start for e in range(plan.epochs)]
+    marks = [0, *(_bytes_at(samples, t) for t in ends[:-1]), total]
+    per_epoch = [marks[e + 1] - marks[e] for e in range(plan.epochs)]
+    result = SystemResult(system, plan.jobs, per_epoch,
+                          [round(job[-1][0] - sampler.start, 3) for job in epochs],
+                          round(max(ends), 3),
+                          [[round(100 * w / s, 1) for _at, s, w in job] for job in epochs])
+    print(f"  {system:16} {plan.jobs} jobs: storage per epoch "
+          f"{' '.join(f'{b / dataset.total_bytes:.2f}' for b in per_epoch)} of the dataset; "
+          f"jobs {' '.join(f'{s:.1f}' for s in result.job_seconds)} s, makespan "
+          f"{result.makespan_s:.1f} s", flush=True)
+    return result
+
+
+# -- the command ---------------------------------------------------------------------------
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def summarize(runs: list[dict[int, dict[str, SystemResult]]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for n in runs[0]:
+        storage = [_ratio(r[n]["coordlfs"].later_storage, r[n]["coordlfs aligned"].later_storage)
+                   for r in runs]
+        page = [_ratio(r[n]["page cache"].later_storage, r[n]["coordlfs aligned"].later_storage)
+                for r in runs]
+        makespan = [_ratio(r[n]["coordlfs"].makespan_s, r[n]["coordlfs aligned"].makespan_s)
+                    for r in runs]
+        for key, values in ((f"storage_bytes_ratio_{n}jobs", storage),
+                            (f"page_cache_storage_ratio_{n}jobs", page),
+                            (f"makespan_ratio_{n}jobs", makespan)):
+            known = [v for v in values if v is not None]
+            summary[key] = round(statistics.median(known), 3) if known else None
+            summary[key + "_runs"] = values
+    return summary
+
+
+def run(args: argparse.Namespace) -> int:
+    check_can_run()
+    try:
+        counts = sorted({int(n) for n in args.jobs.split(",")})
+    except ValueError:
+        raise UserError(f"bad --jobs {args.jobs!r}: job counts such as 2,4") from None
+    if not counts or counts[0] < 1 or min(args.epochs, args.readers, args.batch,
+                                          args.repeat) < 1:
+        raise UserError("--jobs, --epochs, --readers, --batch and --repeat must be at least 1")
+    if not 0 < args.cache < 1 or not 0 <= args.window < 1 or args.compute_ms < 0:
+        raise UserError("--cache and --window are fractions of the dataset in [0, 1); "
+                        "--compute-ms must not be negative")
+    throttle = None if args.throttle == "none" else parse_size(args.throttle, "--throttle")
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    remove_stale(CGROUP_PREFIX)
+    dataset = load_dataset(args)
+    cache, window = int(dataset.total_bytes * args.cache), int(dataset.total_bytes * args.window)
+    print(f"dataset {dataset.root}: {len(dataset.files)} files, "
+          f"{format_size(dataset.total_bytes)}; cache {format_size(cache)}, window "
+          f"{format_size(window)}; throttle "
+          f"{format_size(throttle) + '/s' if throttle else 'none'}", flush=True)
+    runs: list[dict[int, dict[str, SystemResult]]] = []
+    for number in range(1, args.repeat + 1):
+        print(f"run {number} of {args.repeat}", flush=True)
+        by_count: dict[int, dict[str, SystemResult]] = {}
+        for n in counts:
+            plan = Plan(n, args.epochs, args.readers, args.batch, args.compute_ms / 1000,
+                        args.seed, throttle)
+            by_count[n] = {s: run_system(s, plan, dataset, cache, window, work)
+                           for s in SYSTEMS}
+        runs.append(by_count)
+    summary = summarize(runs)
+    for key, value in summary.items():
+        if not key.endswith("_runs"):
+            print(f"{key} {value}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "dataset": {"root": str(dataset.root), "files": len(dataset.files),
+                        "bytes": dataset.total_bytes},
+            "cache_bytes": cache, "window_bytes": window,
+            "settings": {k: v for k, v in vars(args).items() if k not in ("func",)
+                         and isinstance(v, int | float | str | type(None))},
+            "runs": [{str(n): {s: asdict(r) for s, r in systems.items()}
+                      for n, systems in run_.items()} for run_ in runs],
+            "summary": summary,
+        }, indent=1) + "\n")
+    return 0
