@@ -4,9 +4,9 @@ Each job is a process with its own reader processes (its DataLoader workers) and
 epochs, batches and ``--compute-ms`` per batch. Three systems run the same jobs under one
 storage throttle and one memory budget: the page cache with independent seeds, coordlfs with
 independent seeds, and coordlfs with the jobs in one aligned group (shared order, read window).
-Storage bytes come from the kernel's per-process counters of every reader and the daemon;
-an epoch's bytes are those read between the moments the last job finished the epoch before
-and this one.
+Storage bytes come from the kernel's per-process counters of every reader (page cache) or
+of the daemon (coordlfs); an epoch's bytes are those read between the moments the last job
+finished the epoch before and this one.
 """
 
 from __future__ import annotations
@@ -19,20 +19,19 @@ import os
 import signal
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
 from coordlfs.bench.cgroup import memory_cgroup, remove_stale
-from coordlfs.bench.counters import drop_caches
+from coordlfs.bench.counters import drop_caches, process_bytes_read
 from coordlfs.bench.dataset import Dataset, epoch_orders
 from coordlfs.bench.epochs import (
     DAEMON_BASE_BYTES,
     DAEMON_BYTES_PER_FILE,
     PAGE_HEADROOM_PER_READER,
-    Sampler,
     batches_of,
     check_can_run,
     load_dataset,
@@ -144,21 +143,34 @@ class Jobs:
             raise UserError(f"a job sent {message[0]!r}, expected {kind!r}")
         return message
 
-    def run(self) -> list[list[tuple[float, float, float]]]:
-        """Start every job at once; per job and epoch (finished at, on the monotonic clock;
-        seconds; stall seconds)."""
+    def run(self, storage: Callable[[], int]
+            ) -> tuple[list[list[tuple[float, float, float]]], list[int]]:
+        """Start every job at once. Returns, per job and epoch, (finished at on the monotonic
+        clock, seconds, stall seconds), and ``storage()`` read as the last job finished each
+        epoch."""
         for conn in self.conns:
             conn.send("go")
         epochs: list[list[tuple[float, float, float]]] = [[] for _ in self.conns]
-        for j, conn in enumerate(self.conns):
-            for _ in range(self.plan.epochs):
+        marks: list[int] = []
+        running = list(self.conns)
+        while running:
+            ready = wait(running, timeout=600)
+            if not ready:
+                raise UserError("no job made progress for 10 minutes")
+            for conn in ready:
+                j = self.conns.index(conn)
+                if len(epochs[j]) == self.plan.epochs:
+                    self._expect(conn, "done")
+                    running.remove(conn)
+                    continue
                 _kind, _n, at, seconds, waited, got = self._expect(conn, "epoch")
                 if got != self.dataset.total_bytes:
                     raise UserError(f"job {j} read {got} bytes in an epoch, the dataset has "
                                     f"{self.dataset.total_bytes}")
                 epochs[j].append((at, seconds, waited))
-            self._expect(conn, "done")
-        return epochs
+                if all(len(e) >= len(epochs[j]) for e in epochs):
+                    marks.append(storage())
+        return epochs, marks
 
     def stop(self) -> None:
         for conn in self.conns:
@@ -200,14 +212,6 @@ class SystemResult:
         return sum(self.epoch_storage_bytes[1:])
 
 
-def _bytes_at(samples: list[tuple[float, int]], t: float) -> int:
-    """Cumulative storage bytes at ``t`` seconds (the first sample at or after it)."""
-    for at, stored in samples:
-        if at >= t:
-            return stored
-    return samples[-1][1] if samples else 0
-
-
 def budget_for(dataset: Dataset, cache: int, window: int, plan: Plan) -> int:
     """The memory budget both systems get: the cache and window plus coordlfs's overhead."""
     return (cache + window + DAEMON_BASE_BYTES + DAEMON_BYTES_PER_FILE * len(dataset.files)
@@ -236,17 +240,14 @@ def run_system(system: str, plan: Plan, dataset: Dataset, cache: int, window: in
             cgroup.add(pid)
         cgroup.set_memory_limit(budget)
         drop_caches()
-        with Sampler(storage_pids or jobs.reader_pids) as sampler:
-            before = sampler.bytes()
-            epochs = jobs.run()
-            total = sampler.bytes() - before
-    samples = [(t, b - before) for t, b in sampler.samples]
-    # the moments the last job finished each epoch, on the sampler's clock
-    ends = [max(job[e][0] for job in epochs) - sampler.start for e in range(plan.epochs)]
-    marks = [0, *(_bytes_at(samples, t) for t in ends[:-1]), total]
-    per_epoch = [marks[e + 1] - marks[e] for e in range(plan.epochs)]
+        pids = storage_pids or jobs.reader_pids
+        before = sum(process_bytes_read(pid) for pid in pids)
+        started = time.monotonic()
+        epochs, marks = jobs.run(lambda: sum(process_bytes_read(pid) for pid in pids) - before)
+    ends = [max(job[e][0] for job in epochs) - started for e in range(plan.epochs)]
+    per_epoch = [b - a for a, b in zip([0, *marks], marks, strict=False)]
     result = SystemResult(system, plan.jobs, per_epoch,
-                          [round(job[-1][0] - sampler.start, 3) for job in epochs],
+                          [round(job[-1][0] - started, 3) for job in epochs],
                           round(max(ends), 3),
                           [[round(100 * w / s, 1) for _at, s, w in job] for job in epochs])
     print(f"  {system:16} {plan.jobs} jobs: storage per epoch "

@@ -1,0 +1,56 @@
+"""coordlfs bench aligned: its arithmetic, and one small real run checked by its counters."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from coordlfs.bench.aligned import SystemResult, summarize
+
+
+def _result(system: str, stored: list[int], makespan: float) -> SystemResult:
+    return SystemResult(system, 2, stored, [makespan, makespan], makespan, [[0.0]])
+
+
+def test_summary_is_independent_over_aligned_after_the_first_epoch() -> None:
+    runs = [{2: {"page cache": _result("page cache", [100, 160, 160], 30),
+                 "coordlfs": _result("coordlfs", [120, 150, 150], 20),
+                 "coordlfs aligned": _result("coordlfs aligned", [100, 75, 75], 10)}}]
+    summary = summarize(runs)
+    assert summary["storage_bytes_ratio_2jobs"] == 2.0
+    assert summary["page_cache_storage_ratio_2jobs"] == round(320 / 150, 3)
+    assert summary["makespan_ratio_2jobs"] == 2.0
+    assert summary["storage_bytes_ratio_2jobs_runs"] == [2.0]
+
+
+def test_small_run_end_to_end(tmp_path: Path) -> None:
+    """Two jobs, no throttle: every system reads the dataset, aligned jobs share their reads."""
+    out = tmp_path / "aligned.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "coordlfs", "bench", "aligned", "--make", "300:64K",
+         "--work", str(tmp_path / "work"), "--jobs", "2", "--throttle", "none",
+         "--epochs", "2", "--readers", "1", "--compute-ms", "0", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    total = report["dataset"]["bytes"]
+    systems = report["runs"][0]["2"]
+    assert set(systems) == {"page cache", "coordlfs", "coordlfs aligned"}
+    for system in systems.values():
+        assert len(system["epoch_storage_bytes"]) == 2 and len(system["job_seconds"]) == 2
+        # Every file is read from storage at least once in the first epoch.
+        assert system["epoch_storage_bytes"][0] >= total * 0.99
+    # Aligned jobs read each uncached file once between them, not once each.
+    assert systems["coordlfs aligned"]["epoch_storage_bytes"][0] < total * 1.3
+    assert "storage_bytes_ratio_2jobs" in report["summary"]
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
+    for args in (["--jobs", "two"], ["--cache", "1.5"], ["--jobs", "0"]):
+        result = subprocess.run([sys.executable, "-m", "coordlfs", "bench", "aligned",
+                                 "--work", str(tmp_path), *args],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode != 0
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
