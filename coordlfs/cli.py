@@ -297,5 +297,6 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats, "mark": cmd_mark,
                 "stagger": cmd_stagger}
     if args.command == "bench":
-        return exit_status("coordlfs", lambda: _bench_modules()[args.bench].run(args))
+        return exit_status("coordlfs", lambda: _bench_modules()[args.bench].run(args),
+                           sigterm_interrupts=True)
     return exit_status("coordlfs", lambda: commands[args.command](args))

@@ -1,7 +1,9 @@
 """Errors that reach a user as one line, never as a traceback."""
 
+import signal
 import sys
 from collections.abc import Callable
+from types import FrameType
 
 
 class UserError(Exception):
@@ -11,8 +13,19 @@ class UserError(Exception):
     """
 
 
-def exit_status(prog: str, action: Callable[[], int], interrupted: str = "interrupted") -> int:
-    """Run a command's body: a UserError becomes ``prog: message`` and status 1, Ctrl-C 130."""
+def _interrupt(_signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def exit_status(prog: str, action: Callable[[], int], interrupted: str = "interrupted",
+                sigterm_interrupts: bool = False) -> int:
+    """Run a command's body: a UserError becomes ``prog: message`` and status 1, Ctrl-C 130.
+
+    With ``sigterm_interrupts`` SIGTERM is handled as Ctrl-C, so a command that holds
+    cgroups, throttles and mounts cleans them up when a scheduler or ``kill`` stops it (a
+    shell starts background jobs with Ctrl-C ignored).
+    """
+    previous = signal.signal(signal.SIGTERM, _interrupt) if sigterm_interrupts else None
     try:
         return action()
     except UserError as e:
@@ -21,3 +34,6 @@ def exit_status(prog: str, action: Callable[[], int], interrupted: str = "interr
     except KeyboardInterrupt:
         print(f"{prog}: {interrupted}", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

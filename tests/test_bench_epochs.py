@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from coordlfs.bench.epochs import (
     summarize,
 )
 from coordlfs.errors import UserError
+from coordlfs.mounting import mount_at
 
 
 def test_budget_as_fraction_or_bytes() -> None:
@@ -101,3 +103,29 @@ def test_small_run_end_to_end(tmp_path: Path) -> None:
     assert (tmp_path / "epochs.png").read_bytes()[:4] == b"\x89PNG"
     assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
     assert not list(Path("/sys/fs/cgroup/memory").rglob("coordlfs-epochs-*"))
+
+
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path: Path) -> None:
+    """Stopped by SIGTERM mid-run (as a scheduler stops it): cgroups, throttle and mount go."""
+    work = tmp_path / "work"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordlfs", "bench", "epochs", "--make", "600:64K",
+         "--work", str(work), "--budget", "48M", "--readers", "2", "--throttle", "20M",
+         "--epochs", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "coordlfs   epoch 1" in line:  # mounted, readers in the throttled cgroup
+                proc.send_signal(signal.SIGTERM)
+                break
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130 and "interrupted" in err, err
+    assert "Traceback" not in err
+    assert mount_at(str(work / "mnt")) is None
+    for controller in ("memory", "blkio"):
+        assert not list(Path("/sys/fs/cgroup", controller).glob(f"coordlfs-epochs-{proc.pid}*"))
+    assert not Path(f"/dev/shm/coordlfs-bench-{proc.pid}").exists()

@@ -395,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         return 0
 
-    return exit_status("coordlfs demo", body, "interrupted; unmounted and cleaned up")
+    return exit_status("coordlfs demo", body, "interrupted; unmounted and cleaned up",
+                       sigterm_interrupts=True)
 
 
 if __name__ == "__main__":

@@ -507,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     return exit_status("bench-fio", lambda: run(args),
-                       "interrupted; fio stopped, unmounted and cleaned up")
+                       "interrupted; fio stopped, unmounted and cleaned up",
+                       sigterm_interrupts=True)
 
 
 if __name__ == "__main__":
