@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 from coordlfs import __version__
 from coordlfs.config import (
     DEFAULT_MAX_FILE_SHARE,
+    DEFAULT_PREFETCH_DEPTH,
     DEFAULT_WINDOW_SIZE,
     MountConfig,
     default_cache_dir,
@@ -71,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--window-size", metavar="SIZE",
                    help="memory for items an aligned job read until its group has read them "
                         "(default 256M; 0 turns the window off)")
+    m.add_argument("--prefetch-depth", metavar="N", type=int,
+                   default=DEFAULT_PREFETCH_DEPTH,
+                   help="storage requests in flight reading ahead of an aligned group "
+                        f"(default {DEFAULT_PREFETCH_DEPTH}; 0 turns read-ahead off)")
     m.add_argument("--cache-dir", metavar="DIR",
                    help="directory for cached bytes, on tmpfs (default under /dev/shm/coordlfs)")
     m.add_argument("--keep-cache", action="store_true",
@@ -143,15 +148,19 @@ def resolve_mount(args: argparse.Namespace) -> MountConfig:
     window = (DEFAULT_WINDOW_SIZE if args.window_size is None
               else parse_size(args.window_size, "--window-size"))
     log_file = args.log or (None if args.foreground else default_log_file(mountpoint))
+    if not 0 <= args.prefetch_depth <= 64:
+        raise UserError(f"bad --prefetch-depth {args.prefetch_depth}: 0 to 64")
     return MountConfig(source, mountpoint, cache_size, max_file, cache_dir, window,
-                       keep_cache=args.keep_cache, allow_other=args.allow_other,
+                       args.prefetch_depth, keep_cache=args.keep_cache,
+                       allow_other=args.allow_other,
                        log_file=log_file and os.path.abspath(log_file), debug=args.debug)
 
 
 def _daemon_argv(config: MountConfig) -> list[str]:
     argv = ["mount", config.source, config.mountpoint, "--cache-size", str(config.cache_size),
             "--max-file-size", str(config.max_file_size), "--cache-dir", config.cache_dir,
-            "--window-size", str(config.window_size)]
+            "--window-size", str(config.window_size),
+            "--prefetch-depth", str(config.prefetch_depth)]
     if config.log_file:
         argv += ["--log", config.log_file]
     for flag, on in (("--keep-cache", config.keep_cache), ("--allow-other", config.allow_other),

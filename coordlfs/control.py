@@ -17,6 +17,9 @@ from coordlfs import CONTROL_NAME
 from coordlfs.errors import UserError
 from coordlfs.mounting import mount_at
 
+#: Paths per ``group.files`` request, well under the 1 MiB request limit for long paths.
+FILES_PER_REQUEST = 2000
+
 
 class ControlError(UserError):
     """The mount refused a request, or the path is no coordlfs mount."""
@@ -76,6 +79,20 @@ class Control:
 
     def leave_group(self, member: int) -> None:
         self.request("group.leave", member=member)
+
+    def register_files(self, member: int, paths: list[str]) -> bool:
+        """Tell the group the dataset's files (relative to the mount) in index order, so the
+        mount can read ahead; returns whether the group now knows the whole list."""
+        reply: dict[str, Any] = {"complete": not paths}
+        for start in range(0, len(paths), FILES_PER_REQUEST):
+            reply = self.request("group.files", member=member, offset=start, total=len(paths),
+                                 paths=paths[start:start + FILES_PER_REQUEST])
+            if reply["complete"]:
+                break  # another member registered the list first
+        return bool(reply["complete"])
+
+    def start_epoch(self, member: int, epoch: int) -> None:
+        self.request("group.epoch", member=member, epoch=epoch)
 
     def report_profile(self, job: str, epoch: int, steps: int, wait_s: float, step_s: float,
                        pid: int | None = None) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from coordlfs.fs import Operations
 from coordlfs.groups import Groups
 from coordlfs.groups import register_commands as register_group_commands
 from coordlfs.mounting import set_read_ahead
+from coordlfs.prefetch import Prefetcher
 from coordlfs.source import Source
 from coordlfs.stats import Stats, register_commands
 from coordlfs.window import ReadWindow
@@ -69,8 +70,10 @@ class Daemon:
         self.window = ReadWindow(config.window_size)
         self.groups.on_leave.append(lambda member: self.window.forget_member(member.id))
         register_group_commands(self.control, self.groups)
+        self.prefetcher = Prefetcher(self.groups, self.window, self.cache, self.source,
+                                     self.stats.reads, config.prefetch_depth)
         self.ops = Operations(self.source, self.cache, self.stats.reads, self.control,
-                              self.groups, self.window)
+                              self.groups, self.window, self.prefetcher)
 
     def status(self) -> dict[str, Any]:
         cache = self.cache
@@ -91,6 +94,7 @@ class Daemon:
             },
             "reads": self.stats.reads.snapshot(),
             "read_window": self.window.status(),
+            "prefetch": self.prefetcher.status(),
             "inodes": len(self.ops.inodes),
             "marks": [m.name for m in self.stats.marks],
             **self.groups.status(),
@@ -121,6 +125,7 @@ class Daemon:
             self.ops.nursery = nursery
             nursery.start_soon(self._terminate_on_signal)
             nursery.start_soon(self._reap_members)
+            nursery.start_soon(self.prefetcher.run)
             nursery.start_soon(functools.partial(
                 trio.to_thread.run_sync, _tune_read_ahead, self.config.mountpoint,
                 abandon_on_cancel=True))

@@ -25,6 +25,7 @@ from coordlfs.cache import Entry, MinioCache
 from coordlfs.control_server import ControlHandle, ControlServer
 from coordlfs.groups import Groups, Member
 from coordlfs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable, Key
+from coordlfs.prefetch import Prefetcher
 from coordlfs.source import Source, SourceReader
 from coordlfs.stats import ReadCounters
 from coordlfs.window import ReadWindow
@@ -105,7 +106,8 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, source: Source, cache: MinioCache, counters: ReadCounters,
-                 control: ControlServer, groups: Groups, window: ReadWindow) -> None:
+                 control: ControlServer, groups: Groups, window: ReadWindow,
+                 prefetcher: Prefetcher) -> None:
         super().__init__()
         self.source = source
         self.cache = cache
@@ -113,6 +115,7 @@ class Operations(pyfuse3.Operations):
         self.control = control
         self.groups = groups
         self.window = window
+        self.prefetcher = prefetcher
         root = source.lstat(b"")
         self.inodes = InodeTable((root.st_dev, root.st_ino))
         self._handles: dict[int, FileHandle | DirHandle | ControlHandle] = {}
@@ -283,14 +286,14 @@ class Operations(pyfuse3.Operations):
             node.version = (st.st_size, st.st_mtime_ns)
             pyfuse3.invalidate_inode(inode, attr_only=True)
         handle = FileHandle(inode, node.path, st, self.cache.lookup((st.st_dev, st.st_ino), st))
-        if handle.entry is None and self.window.capacity and self.groups.members:
-            handle.member = self.groups.member_for_reader(ctx.pid)
-            if handle.member is not None:
-                held = self.window.take(handle.key, handle.version, handle.member.id)
-                if held is not None:
-                    handle.window = held
-                else:
-                    self.window.note_open(handle.key, handle.member.id)
+        member = self.groups.member_for_reader(ctx.pid) if self.groups.members else None
+        if member is not None and self.groups.note_read(member, node.path):
+            self.prefetcher.poke()
+        if member is not None and handle.entry is None and self.window.capacity:
+            handle.member = member
+            held = self.window.take(handle.key, handle.version, member.id)
+            if held is not None:
+                handle.window = held
         return pyfuse3.FileInfo(fh=self._new_handle(handle), keep_cache=not changed)
 
     @guarded
@@ -343,15 +346,17 @@ class Operations(pyfuse3.Operations):
 
     async def _whole(self, handle: FileHandle) -> bytes:
         """A small file's bytes, shared through the group's read window when aligned jobs
-        read it: the first member fetches, the others wait for it and take it."""
+        read it: the first member (or the read-ahead) fetches, the others wait and take it."""
         member = handle.member
-        others = self.groups.others(member) if member is not None else set()
-        if member is None or not others:
+        if member is None:
             return await self._source_range(handle, 0, handle.st.st_size)
         await self.window.wait_for_fetch(handle.key)
         held = self.window.take(handle.key, handle.version, member.id)
         if held is not None:
             return held
+        others = self.groups.others(member)
+        if not others:
+            return await self._source_range(handle, 0, handle.st.st_size)
         self.window.claim(handle.key)
         data = None
         try:
@@ -381,6 +386,9 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         handle = self._handles.pop(fh)
         if isinstance(handle, FileHandle):
+            if handle.member is not None and not handle.window:
+                # its bytes came from the kernel's pages: it has read the item all the same
+                self.window.closed(handle.key, handle.member.id)
             handle.close()
 
 

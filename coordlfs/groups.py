@@ -14,6 +14,7 @@ seconds waiting for data and seconds computing. They feed ``coordlfs stagger``.
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from typing import Any
 
 from coordlfs.control_server import ControlServer, RequestError, require
 from coordlfs.mounting import process_alive
-from coordlfs.order import SEED_LIMIT
+from coordlfs.order import SEED_LIMIT, epoch_order
 
 MAX_NAME = 128
 #: How far up the process tree a reader is looked for: the job, its DataLoader workers, and
@@ -44,6 +45,10 @@ class Member:
     pid: int
     job: str
     joined: float
+    #: the epoch the member said it started (``group.epoch``), and the furthest position in
+    #: that epoch's order it has opened
+    epoch: int = -1
+    position: int = -1
 
 
 @dataclass(slots=True)
@@ -51,6 +56,24 @@ class Group:
     name: str
     seed: int
     members: dict[int, Member] = field(default_factory=dict)
+    #: the dataset's files (paths relative to the mount), as the members index them; the
+    #: order of an epoch is ``epoch_order(seed, epoch, len(files))`` over this list
+    files: list[bytes] = field(default_factory=list)
+    total_files: int | None = None
+    index: dict[bytes, int] = field(default_factory=dict)
+    #: the leading epoch, its order, and each file's position in it
+    epoch: int = -1
+    order: list[int] = field(default_factory=list)
+    position_of: list[int] = field(default_factory=list)
+
+    @property
+    def has_order(self) -> bool:
+        return self.total_files is not None and len(self.files) == self.total_files
+
+    def lead(self) -> int:
+        """The furthest position any member reached in the leading epoch."""
+        return max((m.position for m in self.members.values() if m.epoch == self.epoch),
+                   default=-1)
 
 
 def parent_pid(pid: int) -> int | None:
@@ -158,6 +181,55 @@ class Groups:
             return set()
         return {i for i in group.members if i != member.id}
 
+    # -- the order: files, epochs, positions -----------------------------------------------
+
+    def add_files(self, member_id: int, offset: int, paths: list[bytes], total: int) -> Group:
+        """Take part of the dataset's file list; the first member's list is the group's."""
+        group = self.groups[self._member(member_id).group]
+        if group.total_files is not None and group.total_files != total:
+            raise RequestError(f"group {group.name!r} has {group.total_files} files, not "
+                               f"{total}")
+        if group.has_order:
+            return group  # another member registered it already
+        if offset != len(group.files):
+            raise RequestError(f"expected files from offset {len(group.files)}, got {offset}")
+        if len(group.files) + len(paths) > total:
+            raise RequestError(f"more than the {total} files announced")
+        group.total_files = total
+        for path in paths:
+            group.index.setdefault(path, len(group.files))
+            group.files.append(path)
+        return group
+
+    def start_epoch(self, member_id: int, epoch: int) -> None:
+        member = self._member(member_id)
+        group = self.groups[member.group]
+        member.epoch, member.position = epoch, -1
+        if epoch > group.epoch and group.has_order:
+            group.epoch = epoch
+            group.order = epoch_order(group.seed, epoch, len(group.files))
+            group.position_of = [0] * len(group.files)
+            for position, item in enumerate(group.order):
+                group.position_of[item] = position
+
+    def note_read(self, member: Member, path: bytes) -> bool:
+        """A member opened ``path``: advance its position; True if the group's lead moved."""
+        group = self.groups.get(member.group)
+        if group is None or member.epoch != group.epoch or not group.position_of:
+            return False
+        item = group.index.get(path)
+        if item is None:
+            return False
+        lead = group.lead()
+        member.position = max(member.position, group.position_of[item])
+        return member.position > lead
+
+    def _member(self, member_id: int) -> Member:
+        member = self.members.get(member_id)
+        if member is None:
+            raise RequestError(f"no member {member_id}")
+        return member
+
     # -- profiles ---------------------------------------------------------------------
 
     def record_profile(self, job: str, pid: int, epoch: int, steps: int, wait_s: float,
@@ -171,7 +243,8 @@ class Groups:
     def status(self) -> dict[str, Any]:
         return {
             "groups": {
-                g.name: {"seed": g.seed,
+                g.name: {"seed": g.seed, "files": g.total_files, "epoch": g.epoch,
+                         "lead": g.lead(),
                          "members": [asdict(m) for m in g.members.values()]}
                 for g in self.groups.values()
             },
@@ -203,6 +276,19 @@ def register_commands(server: ControlServer, groups: Groups) -> None:
         groups.leave(require(request, "member", int))
         return {}
 
+    def files(request: dict) -> dict:
+        paths = require(request, "paths", list)
+        if not all(isinstance(p, str) and p and not p.startswith("/") and "\0" not in p
+                   for p in paths):
+            raise RequestError('"paths" must be paths relative to the mount')
+        group = groups.add_files(require(request, "member", int), _count(request, "offset"),
+                                 [os.fsencode(p) for p in paths], _count(request, "total"))
+        return {"files": len(group.files), "complete": group.has_order}
+
+    def epoch(request: dict) -> dict:
+        groups.start_epoch(require(request, "member", int), _count(request, "epoch"))
+        return {}
+
     def profile(request: dict) -> dict:
         pid = require(request, "pid", int)
         record = groups.record_profile(_name(request, "job"), pid, _count(request, "epoch"),
@@ -213,6 +299,9 @@ def register_commands(server: ControlServer, groups: Groups) -> None:
     server.register("group.join", join, 'join (or create) a group: "group", "pid", optional '
                                         '"job" and "seed"; replies the seed and members')
     server.register("group.leave", leave, 'leave a group: "member"')
+    server.register("group.files", files, 'register the dataset\'s files in index order, in '
+                                          'chunks: "member", "offset", "total", "paths"')
+    server.register("group.epoch", epoch, 'a member starts an epoch: "member", "epoch"')
     server.register("group.list", lambda _r: groups.status(), "groups, members and profiles")
     server.register("profile", profile, 'add a job\'s step profile: "job", "pid", "epoch", '
                                         '"steps", "wait_s", "step_s"')

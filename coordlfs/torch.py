@@ -45,6 +45,19 @@ def _control_for(path: str | os.PathLike[str] | None, what: str) -> Control | No
     return Control(mount)
 
 
+def _dataset_files(data_source: Any) -> list[str] | None:
+    """The file of each index, where the dataset says (``ImageFolder.samples``/``imgs``,
+    or a ``files`` list): what lets the mount read ahead in the group's order."""
+    for name in ("samples", "imgs"):
+        items = getattr(data_source, name, None)
+        if isinstance(items, list) and all(isinstance(i, tuple) and i for i in items):
+            return [os.fspath(i[0]) for i in items]
+    files = getattr(data_source, "files", None)
+    if isinstance(files, list) and all(isinstance(f, str | os.PathLike) for f in files):
+        return [os.fspath(f) for f in files]
+    return None
+
+
 def _dataset_root(data_source: Any) -> str | None:
     """Where a torchvision-style dataset lives (``ImageFolder.root``), if it says."""
     root = getattr(data_source, "root", None)
@@ -83,8 +96,25 @@ class AlignedSampler(Sampler[int]):
             except UserError as e:
                 warnings.warn(f"coordlfs: cannot join group {group!r} ({e}); shuffling "
                               "without it", stacklevel=2)
+            else:
+                self._register_files()
         if not self.aligned:
             self.seed = seed if seed is not None else secrets.randbelow(SEED_LIMIT)
+
+    def _register_files(self) -> None:
+        """Give the mount the dataset's files, if the dataset names them, for read-ahead."""
+        files = _dataset_files(self.data_source)
+        if files is None or len(files) != len(self.data_source) or self._control is None:
+            return
+        mount = os.path.realpath(self._control.mountpoint)
+        relative = [os.path.relpath(os.path.realpath(f), mount) for f in files]
+        if any(r.startswith("..") for r in relative):
+            return  # not all on this mount: the window still works, read-ahead does not
+        try:
+            self._control.register_files(self.member, relative)  # type: ignore[arg-type]
+        except UserError as e:
+            warnings.warn(f"coordlfs: cannot register the dataset's files ({e}); no "
+                          "read-ahead", stacklevel=3)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -105,6 +135,9 @@ class AlignedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         epoch = self.epoch if self.epoch is not None else self._passes
         self._passes += 1
+        if self.aligned and self._control is not None and self.member is not None:
+            with contextlib.suppress(UserError):  # read-ahead is a bonus, never an error
+                self._control.start_epoch(self.member, epoch)
         return iter(self.order(epoch))
 
     def __len__(self) -> int:

@@ -10,11 +10,11 @@ dies is struck from every item's list, so it pins nothing.
 
 Several members asking for the same item at once share one storage read: the first fetches,
 the others wait for it (``claim`` and ``publish``). Members of one group read through one
-kernel inode, so a member that opens an item while another is fetching it may be served from
-the kernel's pages and never ask the daemon for the bytes; such an opener is noted
-(``note_open``) and the item is not held for it. Likewise the readers of an item pushed out
-unread are remembered, so that when a slower member fetches it again it is not held for
-members that already read it, which would push out the items the slow member needs next.
+kernel inode, so a member may be served from the kernel's pages (filled by another member's
+read) and never ask the daemon for the bytes; closing the file then counts as having read it
+(``closed``). The readers of an item pushed out unread are remembered too, so that when a
+slower member fetches it again it is not held for members that already read it, which would
+push out the items the slow member needs next.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from coordlfs.inodes import Key
 
 #: a source file's (size, mtime_ns): a held item of another version is never served
 Version = tuple[int, int]
-#: Items remembered as read by members while not held (see ``note_open``).
+#: Items remembered as read by members while not held (see ``closed``).
 MAX_NOTED = 1 << 16
 
 
@@ -70,9 +70,19 @@ class ReadWindow:
         self.bytes_served += len(held.data)
         return held.data
 
-    def note_open(self, key: Key, member: int) -> None:
-        """``member`` opened an item that is not held: it needs no copy once it is published."""
-        self._note(key, {member})
+    def closed(self, key: Key, member: int) -> None:
+        """``member`` read the item without the daemon's help (from the kernel's pages)."""
+        held = self.items.get(key)
+        if held is None:
+            self._note(key, {member})
+            return
+        held.waiting.discard(member)
+        held.readers.add(member)
+        if not held.waiting:
+            self._drop(key)
+
+    def fetching(self, key: Key) -> bool:
+        return key in self._fetching
 
     async def wait_for_fetch(self, key: Key) -> None:
         """Wait while another member is fetching this item."""

@@ -15,6 +15,8 @@ import pytest
 import xxhash
 from conftest import drop_caches, make_dataset
 
+from coordlfs.control import Control, ControlError
+
 #: A job: joins the group, then reads its files whenever told "read", printing one digest.
 JOB = r"""
 import json, os, sys, xxhash
@@ -177,3 +179,71 @@ def test_malformed_group_command_on_the_control_file(mount, tmp_path: Path) -> N
         os.close(fd)
     assert reply == {"ok": False, "error": '"pid" must be a process id'}
     assert m.status()["groups"] == {}
+
+
+#: A job that tells the mount its files and epoch, then reads one epoch in the group's order.
+ORDERED_JOB = r"""
+import json, os, sys, time, xxhash
+from coordlfs.control import Control
+from coordlfs.order import epoch_order
+mount, group, files = sys.argv[1], sys.argv[2], sys.argv[3:]
+control = Control(mount)
+reply = control.join_group(group)
+control.register_files(reply["member"], files)
+control.start_epoch(reply["member"], 0)
+order = [files[i] for i in epoch_order(reply["seed"], 0, len(files))]
+digest = xxhash.xxh64()
+for name in order:
+    with open(os.path.join(mount, name), "rb") as f:
+        digest.update(f.read())
+    time.sleep(0.01)  # the step: the mount reads ahead meanwhile
+print(json.dumps({"digest": digest.hexdigest(), "order": order}), flush=True)
+"""
+
+
+def test_read_ahead_follows_the_group_order_within_its_bounds(mount, tmp_path: Path) -> None:
+    src, files, total = _source(tmp_path)
+    m = mount(src, "--cache-size", "0", "--window-size", "64M", "--prefetch-depth", "2")
+    out = subprocess.run([sys.executable, "-c", ORDERED_JOB, str(m.mountpoint), "g", *files],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["digest"] == _digest(src, result["order"])
+    status = m.status()
+    prefetch = status["prefetch"]
+    assert prefetch["files"] > len(files) // 2  # most items were read ahead of the job
+    assert 0 < prefetch["most_in_flight"] <= 2
+    assert status["reads"]["bytes_from_source"] == total  # each item once: ahead, or by the job
+    assert status["read_window"]["hits"] >= prefetch["files"] - 2
+
+
+def test_read_ahead_fills_minio_while_it_has_room(mount, tmp_path: Path) -> None:
+    src, files, total = _source(tmp_path)
+    m = mount(src, "--cache-size", "1G", "--prefetch-depth", "4")
+    out = subprocess.run([sys.executable, "-c", ORDERED_JOB, str(m.mountpoint), "g", *files],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["digest"] == _digest(src, json.loads(out.stdout)["order"])
+    status = m.status()
+    assert status["cache"]["used_bytes"] == total
+    assert status["reads"]["bytes_from_source"] == total
+    assert status["prefetch"]["files"] > 0 and status["read_window"]["used_bytes"] == 0
+
+
+def test_bad_read_ahead_requests(mount, tmp_path: Path) -> None:
+    src, files, _total = _source(tmp_path, 4)
+    m = mount(src)
+    control = Control(m.mountpoint)
+    member = control.join_group("g")["member"]
+    for args, message in (({"offset": 0, "total": 1, "paths": ["/etc/passwd"]}, "relative"),
+                          ({"offset": 5, "total": 9, "paths": ["a"]}, "from offset 0"),
+                          ({"offset": 0, "total": 1, "paths": ["a", "b"]}, "more than"),
+                          ({"offset": 0, "total": 1, "paths": "a"}, '"paths" must be')):
+        with pytest.raises(ControlError, match=message):
+            control.request("group.files", member=member, **args)
+    with pytest.raises(ControlError, match="no member 99"):
+        control.start_epoch(99, 0)
+    assert control.register_files(member, files)
+    with pytest.raises(ControlError, match=f"has {len(files)} files"):
+        control.request("group.files", member=member, offset=0, total=1, paths=["x"])
+    assert m.status()["groups"]["g"]["files"] == len(files)
