@@ -32,10 +32,12 @@ from coordlfs.bench.epochs import (
     DAEMON_BASE_BYTES,
     DAEMON_BYTES_PER_FILE,
     PAGE_HEADROOM_PER_READER,
+    add_training_arguments,
     batches_of,
     check_can_run,
     load_dataset,
     readers,
+    stop_children,
 )
 from coordlfs.bench.mounts import coordlfs_mount
 from coordlfs.control import Control
@@ -58,16 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MinIO cache as a fraction of the dataset (default 0.25)")
     parser.add_argument("--window", type=float, default=0.1,
                         help="read window as a fraction of the dataset (default 0.1)")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--readers", type=int, default=2, help="reader processes per job")
-    parser.add_argument("--batch", type=int, default=32, help="files per batch (default 32)")
-    parser.add_argument("--compute-ms", type=float, default=20.0,
-                        help="emulated GPU time per batch (default 20)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--throttle", default="50M",
-                        help="storage read limit per second, or none (default 50M)")
-    parser.add_argument("--repeat", type=int, default=1, help="runs; medians are reported")
-    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    add_training_arguments(parser, readers=2, readers_help="reader processes per job",
+                           compute_ms=20.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,14 +167,7 @@ class Jobs:
         return epochs, marks
 
     def stop(self) -> None:
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.send("stop")
-        for proc in self.procs:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        stop_children(self.conns, self.procs, "stop")
 
 
 @contextlib.contextmanager

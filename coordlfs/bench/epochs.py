@@ -70,18 +70,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", default="0.5",
                         help="memory budget: bytes (K/M/G) or a fraction of the dataset "
                              "(default 0.5)")
+    add_training_arguments(parser, readers=4, readers_help="reader processes",
+                           compute_ms=0.0)
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="plot storage throughput over time and bytes per epoch")
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, readers: int, readers_help: str,
+                           compute_ms: float) -> None:
+    """The options every training-replay benchmark shares (``epochs``, ``aligned``)."""
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--readers", type=int, default=4, help="reader processes (default 4)")
+    parser.add_argument("--readers", type=int, default=readers,
+                        help=f"{readers_help} (default {readers})")
     parser.add_argument("--batch", type=int, default=32, help="files per batch (default 32)")
-    parser.add_argument("--compute-ms", type=float, default=0.0,
-                        help="emulated GPU time per batch (default 0: read as fast as possible)")
+    parser.add_argument("--compute-ms", type=float, default=compute_ms,
+                        help=f"emulated GPU time per batch (default {compute_ms:g}; 0: read as "
+                             "fast as possible)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--throttle", default="50M",
                         help="storage read limit per second, or none (default 50M)")
     parser.add_argument("--repeat", type=int, default=1, help="runs; medians are reported")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    parser.add_argument("--plot", metavar="FILE.png",
-                        help="plot storage throughput over time and bytes per epoch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,14 +220,19 @@ class Readers:
         return time.perf_counter() - start, waited, total
 
     def stop(self) -> None:
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.send(None)
-        for proc in self.procs:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        stop_children(self.conns, self.procs, None)
+
+
+def stop_children(conns: list[Connection], procs: list[Any], farewell: Any) -> None:
+    """Send each child ``farewell``, give it 5 s to exit, then kill it."""
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.send(farewell)
+    for proc in procs:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 @contextlib.contextmanager
