@@ -106,11 +106,15 @@ class ControlHandle:
         return chunk
 
 
+_KINDS = {int: "an integer", str: "a string", list: "a list", bool: "true or false",
+          dict: "an object", float: "a number"}
+
+
 def require(request: dict[str, Any], name: str, kind: type, optional: bool = False) -> Any:
     """A request argument of the given JSON type, or a RequestError naming what is wrong."""
     value = request.get(name)
     if value is None and optional:
         return None
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise RequestError(f'"{name}" must be a {kind.__name__}')
+        raise RequestError(f'"{name}" must be {_KINDS.get(kind, kind.__name__)}')
     return value

@@ -141,16 +141,16 @@ def _ask(server: ControlServer, **request: object) -> tuple[dict, bool]:
 
 
 @pytest.mark.parametrize("request_, message", [
-    ({"cmd": "group.join"}, '"pid" must be a int'),
+    ({"cmd": "group.join"}, '"pid" must be an integer'),
     ({"cmd": "group.join", "pid": 1, "group": ""}, '"group" must be 1 to 128'),
     ({"cmd": "group.join", "pid": 1, "group": "g\n"}, "printable"),
     ({"cmd": "group.join", "pid": 1, "group": "g", "seed": -1}, '"seed" must be in'),
     ({"cmd": "group.join", "pid": 1, "group": "g", "seed": 2**64}, '"seed" must be in'),
     ({"cmd": "group.join", "pid": -5, "group": "g"}, '"pid" must be a process id'),
     ({"cmd": "group.join", "pid": 2**22 + 12345, "group": "g"}, "no process"),
-    ({"cmd": "group.join", "pid": True, "group": "g"}, '"pid" must be a int'),
+    ({"cmd": "group.join", "pid": True, "group": "g"}, '"pid" must be an integer'),
     ({"cmd": "group.leave", "member": 99}, "no member 99"),
-    ({"cmd": "group.leave", "member": "1"}, '"member" must be a int'),
+    ({"cmd": "group.leave", "member": "1"}, '"member" must be an integer'),
     ({"cmd": "profile", "job": "j", "pid": 1, "epoch": 0, "steps": 3, "wait_s": -1,
       "step_s": 1}, '"wait_s" must be a number of seconds'),
     ({"cmd": "profile", "job": "j", "pid": 1, "epoch": -1, "steps": 3, "wait_s": 1,

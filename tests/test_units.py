@@ -102,8 +102,8 @@ def test_control_commands() -> None:
     (b'{"name": "x"}', '"cmd"'),
     (b'{"cmd": 5}', '"cmd"'),
     (b'{"cmd": "explode"}', "unknown command"),
-    (b'{"cmd": "mark"}', '"name" must be a str'),
-    (b'{"cmd": "mark", "name": true}', '"name" must be a str'),
+    (b'{"cmd": "mark"}', '"name" must be a string'),
+    (b'{"cmd": "mark", "name": true}', '"name" must be a string'),
     (b'{"cmd": "stats", "since": "never"}', "no mark named"),
     (b"\xff\xfe", "not JSON"),
 ])
