@@ -35,8 +35,10 @@ from coordlfs.stagger import (
     default_catalog_path,
     format_report,
     load_catalog,
+    measured_job,
     parse_job,
     report,
+    save_profile,
 )
 
 
@@ -109,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--from-catalog", dest="jobs", action=_InOrder, const="catalog", nargs="+",
                    metavar="NAME[:KEY=VALUE,...]",
                    help="jobs from the catalog, optionally with some values replaced")
+    g.add_argument("--measured", dest="jobs", action=_InOrder, const="measured", nargs="+",
+                   metavar="NAME:Wconc=S[,...]",
+                   help="jobs from the step profiles on the mount given by --mount (coordlfs."
+                        "torch.profiled), saved to the catalog for next time")
+    g.add_argument("--mount", metavar="MOUNTPOINT", help="the mount whose profiles --measured "
+                                                         "reads")
     g.add_argument("--catalog", metavar="FILE",
                    help="profile catalog (default ~/.local/state/coordlfs/profiles.json)")
     g.add_argument("--json", metavar="FILE", help="also write the table and the optimum as JSON")
@@ -276,8 +284,20 @@ def _stagger_jobs(args: argparse.Namespace) -> list[JobProfile]:
     specs = args.jobs or []
     path = args.catalog or default_catalog_path()
     catalog = load_catalog(path) if any(kind == "catalog" for kind, _ in specs) else {}
-    jobs = [parse_job(spec) if kind == "job" else catalog_job(spec, catalog, path)
-            for kind, spec in specs]
+    profiles: list[dict[str, Any]] = []
+    if any(kind == "measured" for kind, _ in specs):
+        if args.mount is None:
+            raise UserError("--measured needs --mount MOUNTPOINT")
+        profiles = _control(args.mount).status()["profiles"]
+    jobs = []
+    for kind, spec in specs:
+        if kind == "job":
+            jobs.append(parse_job(spec))
+        elif kind == "catalog":
+            jobs.append(catalog_job(spec, catalog, path))
+        else:
+            jobs.append(measured_job(spec, profiles))
+            save_profile(path, jobs[-1])  # measured once, reused later from the catalog
     if len(jobs) != 2:
         raise UserError(f"needs two jobs (--job, --from-catalog); the model covers pairs, "
                         f"got {len(jobs)}")

@@ -401,6 +401,41 @@ def save_profile(path: str | os.PathLike[str], profile: JobProfile) -> None:
         raise UserError(f"cannot write catalog {path}: {e.strerror or e}") from None
 
 
+def measured_values(name: str, epochs: dict[str, Any]) -> dict[str, int | float]:
+    """Calibration from the stall profiler's records of one job (``coordlfs.torch.profiled``,
+    kept by the mount per epoch): ``I`` is its mean step, ``W`` its wait per step in the
+    first epoch (cold), ``W|cached`` in the later ones. ``W|conc`` needs the job run beside
+    its partner, so the caller supplies it."""
+    try:
+        ordered = [epochs[k] for k in sorted(epochs, key=int)]
+        steps = [int(e["steps"]) for e in ordered]
+        waits = [float(e["wait_s"]) for e in ordered]
+        busy = [float(e["step_s"]) for e in ordered]
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"job {name!r}: malformed profile from the mount ({e})") from None
+    if len(ordered) < 2 or steps[0] == 0 or sum(steps[1:]) == 0:
+        raise UserError(f"job {name!r}: the mount has {len(ordered)} profiled epoch(s); the "
+                        "model needs a cold first epoch and at least one warm one")
+    return {"iterations": steps[0], "epochs": len(ordered), "I": sum(busy) / sum(steps),
+            "W_cold": waits[0] / steps[0], "W_warm": sum(waits[1:]) / sum(steps[1:])}
+
+
+def measured_job(spec: str, profiles: list[dict[str, Any]]) -> JobProfile:
+    """``NAME:Wconc=S[,KEY=VALUE...]``: a job from the mount's profiles, ``W|conc`` by hand."""
+    name, _sep, rest = spec.partition(":")
+    name = name.strip()
+    records = [p for p in profiles if p.get("job") == name]
+    if not records:
+        known = ", ".join(sorted({str(p.get("job")) for p in profiles})) or "none"
+        raise UserError(f"the mount has no profile of job {name!r}; it has: {known}")
+    values: dict[str, Any] = measured_values(name, records[-1].get("epochs", {}))
+    values.update(parse_values(rest, f"--measured {name}") if rest.strip() else {})
+    if "W_concurrent" not in values:
+        raise UserError(f"--measured {name}: the mount measured I, Wcold and Wwarm; give "
+                        f"Wconc (measured beside the partner) as {name}:Wconc=SECONDS")
+    return _build(name, values, f"--measured {name}")
+
+
 # Input from the command line: NAME:KEY=VALUE,... (all keys) or, for a catalog job, overrides.
 
 

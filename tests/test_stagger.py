@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+from coordlfs.control import Control
 from coordlfs.errors import UserError
 from coordlfs.stagger import (
     TIE,
@@ -24,6 +25,7 @@ from coordlfs.stagger import (
     closed_form,
     delay_table,
     load_catalog,
+    measured_values,
     optimal_delay,
     predict,
     predict_makespan,
@@ -368,3 +370,50 @@ def test_cli_malformed_catalog(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip() == (f"coordlfs stagger: catalog {catalog}: job 'A': the record "
                                      f"lacks epochs, I, Wcold, Wwarm, Wconc")
+
+
+# -- calibration from the stall profiler's records on a real mount ----------------------------
+
+
+def test_measured_values_follow_the_profiles() -> None:
+    epochs = {"0": {"steps": 100, "wait_s": 50.0, "step_s": 20.0},
+              "1": {"steps": 100, "wait_s": 5.0, "step_s": 20.0},
+              "2": {"steps": 100, "wait_s": 7.0, "step_s": 20.0}}
+    values = measured_values("a", epochs)
+    assert values == {"iterations": 100, "epochs": 3, "I": 0.2, "W_cold": 0.5, "W_warm": 0.06}
+    with pytest.raises(UserError, match="needs a cold first epoch and at least one warm"):
+        measured_values("a", {"0": epochs["0"]})
+    with pytest.raises(UserError, match="malformed profile"):
+        measured_values("a", {"0": {"steps": "x"}, "1": {}})
+
+
+def test_measured_jobs_from_a_mount_go_into_the_catalog(mount, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    m = mount(src)
+    control = Control(m.mountpoint)
+    for epoch, wait in ((0, 50.0), (1, 5.0), (2, 5.0)):
+        control.report_profile("a", epoch, 100, wait, 20.0)
+    catalog = tmp_path / "profiles.json"
+    result = run_cli("stagger", "--mount", str(m.mountpoint), "--measured", "a:Wconc=0.7",
+                     "--job", "b:I=0.1,Wcold=0.5,Wwarm=0.05,Wconc=0.7,iters=100,epochs=3",
+                     "--catalog", str(catalog))
+    assert result.returncode == 0, result.stderr
+    assert "optimum" in result.stdout
+    saved = json.loads(catalog.read_text())["a"]
+    assert saved["I"] == pytest.approx(0.2) and saved["Wcold"] == pytest.approx(0.5)
+    assert saved["Wconc"] == 0.7 and saved["iters"] == 100 and saved["epochs"] == 3
+    again = run_cli("stagger", "--from-catalog", "a", "--job",
+                    "b:I=0.1,Wcold=0.5,Wwarm=0.05,Wconc=0.7,iters=100,epochs=3",
+                    "--catalog", str(catalog))
+    assert again.returncode == 0 and again.stdout == result.stdout
+    for args, message in ((["--measured", "a"], "give Wconc"),
+                          (["--measured", "zz:Wconc=1"], "no profile of job 'zz'")):
+        bad = run_cli("stagger", "--mount", str(m.mountpoint), *args, "--job",
+                      "b:I=0.1,Wcold=0.5,Wwarm=0.05,Wconc=0.7,iters=100,epochs=3",
+                      "--catalog", str(catalog))
+        assert bad.returncode == 2 and message in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
+    no_mount = run_cli("stagger", "--measured", "a:Wconc=1", "--job",
+                       "b:I=0.1,Wcold=0.5,Wwarm=0.05,Wconc=0.7,iters=100,epochs=3")
+    assert no_mount.returncode == 2 and "--measured needs --mount" in no_mount.stderr
