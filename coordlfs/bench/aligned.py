@@ -3,7 +3,8 @@
 Each job is a process with its own reader processes (its DataLoader workers) and its own
 epochs, batches and ``--compute-ms`` per batch. Three systems run the same jobs under one
 storage throttle and one memory budget: the page cache with independent seeds, coordlfs with
-independent seeds, and coordlfs with the jobs in one aligned group (shared order, read window).
+independent seeds, and coordlfs with the jobs in one aligned group (shared order, read window,
+read-ahead: the jobs register the file list and their epochs, as ``AlignedSampler`` does).
 Storage bytes come from the kernel's per-process counters of every reader (page cache) or
 of the daemon (coordlfs); an epoch's bytes are those read between the moments the last job
 finished the epoch before and this one.
@@ -83,16 +84,21 @@ def _job_main(conn: Connection, plan: Plan, index: int, dataset: Dataset, base: 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the bench stops us, without a traceback
     try:
         names = [rel for rel, _size in dataset.files]
+        control, member = Control(base), None
         if group is None:
             orders = epoch_orders(dataset, plan.epochs, plan.seed * 1000 + index)
-        else:
-            seed = Control(base).join_group(group, job=f"job-{index}")["seed"]
-            orders = [[names[i] for i in epoch_order(seed, e, len(names))]
+        else:  # as AlignedSampler does: join, tell the files, announce each epoch
+            reply = control.join_group(group, job=f"job-{index}")
+            member = reply["member"]
+            control.register_files(member, names)
+            orders = [[names[i] for i in epoch_order(reply["seed"], e, len(names))]
                       for e in range(plan.epochs)]
         with readers(plan.readers) as group_of_readers:
             conn.send(("pids", group_of_readers.pids))
             conn.recv()  # go
             for number, order in enumerate(orders, 1):
+                if member is not None:
+                    control.start_epoch(member, number - 1)
                 seconds, waited, got = group_of_readers.epoch(
                     batches_of(order, Path(base), plan.batch), plan.compute_s)
                 conn.send(("epoch", number, time.monotonic(), seconds, waited, got))
