@@ -29,6 +29,8 @@ MAX_NAME = 128
 #: How far up the process tree a reader is looked for: the job, its DataLoader workers, and
 #: helper processes of those.
 ANCESTRY_DEPTH = 4
+#: Reader pids remembered; a shell loop of short-lived readers must not grow it for ever.
+MAX_READERS = 4096
 
 
 @dataclass(slots=True)
@@ -171,6 +173,8 @@ class Groups:
             if parent is None or parent <= 1:
                 break
             current = parent
+        if len(self._readers) >= MAX_READERS:
+            self._readers.clear()
         self._readers[pid] = found
         return found
 

@@ -72,6 +72,8 @@ class Prefetcher:
     def _plan(self, nursery: trio.Nursery) -> None:
         if self.depth == 0:
             return
+        for name in [n for n in self._considered if n not in self.groups.groups]:
+            del self._considered[name]  # the group is gone
         for group in list(self.groups.groups.values()):
             if not group.position_of:
                 continue
