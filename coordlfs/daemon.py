@@ -15,6 +15,7 @@ import pyfuse3
 import trio
 
 from coordlfs import PROTOCOL_VERSION, __version__
+from coordlfs.aligned_reads import AlignedReads
 from coordlfs.cache import MinioCache
 from coordlfs.config import MountConfig
 from coordlfs.control_server import ControlServer
@@ -73,7 +74,7 @@ class Daemon:
         self.prefetcher = Prefetcher(self.groups, self.window, self.cache, self.source,
                                      self.stats.reads, config.prefetch_depth)
         self.ops = Operations(self.source, self.cache, self.stats.reads, self.control,
-                              self.groups, self.window, self.prefetcher)
+                              AlignedReads(self.groups, self.window, self.prefetcher))
 
     def status(self) -> dict[str, Any]:
         cache = self.cache

@@ -21,14 +21,13 @@ import pyfuse3
 import trio
 
 from coordlfs import CONTROL_NAME
+from coordlfs.aligned_reads import AlignedReads
 from coordlfs.cache import Entry, MinioCache
 from coordlfs.control_server import ControlHandle, ControlServer
-from coordlfs.groups import Groups, Member
+from coordlfs.groups import Member
 from coordlfs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable, Key
-from coordlfs.prefetch import Prefetcher
 from coordlfs.source import Source, SourceReader
 from coordlfs.stats import ReadCounters
-from coordlfs.window import ReadWindow
 
 log = logging.getLogger(__name__)
 
@@ -106,16 +105,13 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, source: Source, cache: MinioCache, counters: ReadCounters,
-                 control: ControlServer, groups: Groups, window: ReadWindow,
-                 prefetcher: Prefetcher) -> None:
+                 control: ControlServer, aligned: AlignedReads) -> None:
         super().__init__()
         self.source = source
         self.cache = cache
         self.counters = counters
         self.control = control
-        self.groups = groups
-        self.window = window
-        self.prefetcher = prefetcher
+        self.aligned = aligned
         root = source.lstat(b"")
         self.inodes = InodeTable((root.st_dev, root.st_ino))
         self._handles: dict[int, FileHandle | DirHandle | ControlHandle] = {}
@@ -286,14 +282,10 @@ class Operations(pyfuse3.Operations):
             node.version = (st.st_size, st.st_mtime_ns)
             pyfuse3.invalidate_inode(inode, attr_only=True)
         handle = FileHandle(inode, node.path, st, self.cache.lookup((st.st_dev, st.st_ino), st))
-        member = self.groups.member_for_reader(ctx.pid) if self.groups.members else None
-        if member is not None and self.groups.note_read(member, node.path):
-            self.prefetcher.poke()
-        if member is not None and handle.entry is None and self.window.capacity:
-            handle.member = member
-            held = self.window.take(handle.key, handle.version, member.id)
-            if held is not None:
-                handle.window = held
+        handle.member, held = self.aligned.opened(ctx.pid, node.path, handle.key, handle.version,
+                                                  cached=handle.entry is not None)
+        if held is not None:
+            handle.window = held
         return pyfuse3.FileInfo(fh=self._new_handle(handle), keep_cache=not changed)
 
     @guarded
@@ -345,25 +337,12 @@ class Operations(pyfuse3.Operations):
         return memoryview(handle.window)[start : start + size]
 
     async def _whole(self, handle: FileHandle) -> bytes:
-        """A small file's bytes, shared through the group's read window when aligned jobs
-        read it: the first member (or the read-ahead) fetches, the others wait and take it."""
-        member = handle.member
-        if member is None:
-            return await self._source_range(handle, 0, handle.st.st_size)
-        await self.window.wait_for_fetch(handle.key)
-        held = self.window.take(handle.key, handle.version, member.id)
-        if held is not None:
-            return held
-        others = self.groups.others(member)
-        if not others:
-            return await self._source_range(handle, 0, handle.st.st_size)
-        self.window.claim(handle.key)
-        data = None
-        try:
-            data = await self._source_range(handle, 0, handle.st.st_size)
-        finally:
-            self.window.publish(handle.key, handle.version, data, member.id, others)
-        return data
+        def fetch() -> Awaitable[bytes]:
+            return self._source_range(handle, 0, handle.st.st_size)
+
+        if handle.member is None:
+            return await fetch()
+        return await self.aligned.whole(handle.member, handle.key, handle.version, fetch)
 
     async def _source_range(self, handle: FileHandle, off: int, size: int) -> bytes:
         if handle.reader is None:
@@ -387,8 +366,7 @@ class Operations(pyfuse3.Operations):
         handle = self._handles.pop(fh)
         if isinstance(handle, FileHandle):
             if handle.member is not None and not handle.window:
-                # its bytes came from the kernel's pages: it has read the item all the same
-                self.window.closed(handle.key, handle.member.id)
+                self.aligned.closed(handle.member, handle.key)
             handle.close()
 
 
