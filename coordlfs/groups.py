@@ -51,6 +51,8 @@ class Member:
     #: that epoch's order it has opened
     epoch: int = -1
     position: int = -1
+    #: the part of the file list this member has sent (``group.files``) while incomplete
+    pending_files: list[bytes] = field(default_factory=list, repr=False)
 
 
 @dataclass(slots=True)
@@ -76,6 +78,10 @@ class Group:
         """The furthest position any member reached in the leading epoch."""
         return max((m.position for m in self.members.values() if m.epoch == self.epoch),
                    default=-1)
+
+
+def _public(member: Member) -> dict[str, Any]:
+    return {k: v for k, v in asdict(member).items() if k != "pending_files"}
 
 
 def parent_pid(pid: int) -> int | None:
@@ -188,21 +194,27 @@ class Groups:
     # -- the order: files, epochs, positions -----------------------------------------------
 
     def add_files(self, member_id: int, offset: int, paths: list[bytes], total: int) -> Group:
-        """Take part of the dataset's file list; the first member's list is the group's."""
-        group = self.groups[self._member(member_id).group]
+        """Take part of the dataset's file list from one member. Members may send theirs at
+        the same time, each in chunks; the first complete list becomes the group's."""
+        member = self._member(member_id)
+        group = self.groups[member.group]
         if group.total_files is not None and group.total_files != total:
             raise RequestError(f"group {group.name!r} has {group.total_files} files, not "
                                f"{total}")
         if group.has_order:
+            member.pending_files = []
             return group  # another member registered it already
-        if offset != len(group.files):
-            raise RequestError(f"expected files from offset {len(group.files)}, got {offset}")
-        if len(group.files) + len(paths) > total:
+        if offset != len(member.pending_files):
+            raise RequestError(f"expected files from offset {len(member.pending_files)}, got "
+                               f"{offset}")
+        if offset + len(paths) > total:
             raise RequestError(f"more than the {total} files announced")
-        group.total_files = total
-        for path in paths:
-            group.index.setdefault(path, len(group.files))
-            group.files.append(path)
+        member.pending_files += paths
+        if len(member.pending_files) == total:
+            group.files, group.total_files, member.pending_files = member.pending_files, total, []
+            group.index = {}
+            for i, path in enumerate(group.files):
+                group.index.setdefault(path, i)
         return group
 
     def start_epoch(self, member_id: int, epoch: int) -> None:
@@ -249,7 +261,7 @@ class Groups:
             "groups": {
                 g.name: {"seed": g.seed, "files": g.total_files, "epoch": g.epoch,
                          "lead": g.lead(),
-                         "members": [asdict(m) for m in g.members.values()]}
+                         "members": [_public(m) for m in g.members.values()]}
                 for g in self.groups.values()
             },
             "profiles": [
@@ -274,7 +286,7 @@ def register_commands(server: ControlServer, groups: Groups) -> None:
         member = groups.join(_name(request, "group"), pid, job, seed)
         group = groups.groups[member.group]
         return {"group": group.name, "seed": group.seed, "member": member.id,
-                "members": [asdict(m) for m in group.members.values()]}
+                "members": [_public(m) for m in group.members.values()]}
 
     def leave(request: dict) -> dict:
         groups.leave(require(request, "member", int))

@@ -180,3 +180,22 @@ def test_group_commands_round_trip() -> None:
     assert _ask(server, cmd="group.leave", member=1)[1]
     assert _ask(server, cmd="group.leave", member=2)[1]
     assert _ask(server, cmd="group.list")[0]["groups"] == {}
+
+
+def test_members_may_send_the_file_list_at_once() -> None:
+    groups = Groups()
+    a = groups.join("g", os.getpid(), "a", seed=5)
+    b = groups.join("g", os.getpid(), "b", seed=None)
+    paths = [f"f{i}".encode() for i in range(5)]
+    groups.add_files(a.id, 0, paths[:2], 5)
+    groups.add_files(b.id, 0, paths[:3], 5)  # interleaved chunks of the same list
+    group = groups.add_files(b.id, 3, paths[3:], 5)
+    assert group.has_order and group.files == paths
+    assert groups.add_files(a.id, 2, paths[2:], 5).files == paths  # late: already known
+    with pytest.raises(Exception, match="has 5 files, not 6"):
+        groups.add_files(a.id, 0, paths, 6)
+    groups.start_epoch(a.id, 0)
+    assert group.order == epoch_order(5, 0, 5)
+    assert groups.note_read(a, group.files[group.order[2]]) and group.lead() == 2
+    assert not groups.note_read(a, group.files[group.order[1]])  # behind: the lead stays
+    assert not groups.note_read(b, b"f0")  # b has not started the epoch
