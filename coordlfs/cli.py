@@ -129,9 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench_modules() -> dict:
-    from coordlfs.bench import aligned, epochs, fio, hits, overhead
+    from coordlfs.bench import aligned, epochs, fio, hits, overhead, staggering
 
-    return {"aligned": aligned, "epochs": epochs, "fio": fio, "hits": hits, "overhead": overhead}
+    return {"aligned": aligned, "epochs": epochs, "fio": fio, "hits": hits, "overhead": overhead,
+            "stagger": staggering}
 
 
 def resolve_mount(args: argparse.Namespace) -> MountConfig:

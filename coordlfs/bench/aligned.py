@@ -79,8 +79,9 @@ class Plan:
 # -- one job ---------------------------------------------------------------------------------
 
 def _job_main(conn: Connection, plan: Plan, index: int, dataset: Dataset, base: str,
-              group: str | None) -> None:
-    """A training job: its readers, its order (own seed, or the group's), its epochs."""
+              group: str | None, compute_s: float, delay_s: float) -> None:
+    """A training job: its readers, its order (own seed, or the group's), its epochs, started
+    ``delay_s`` after the others are told to go."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the bench stops us, without a traceback
     try:
         names = [rel for rel, _size in dataset.files]
@@ -96,11 +97,12 @@ def _job_main(conn: Connection, plan: Plan, index: int, dataset: Dataset, base: 
         with readers(plan.readers) as group_of_readers:
             conn.send(("pids", group_of_readers.pids))
             conn.recv()  # go
+            time.sleep(delay_s)
             for number, order in enumerate(orders, 1):
                 if member is not None:
                     control.start_epoch(member, number - 1)
                 seconds, waited, got = group_of_readers.epoch(
-                    batches_of(order, Path(base), plan.batch), plan.compute_s)
+                    batches_of(order, Path(base), plan.batch), compute_s)
                 conn.send(("epoch", number, time.monotonic(), seconds, waited, got))
             conn.send(("done",))
             conn.recv()  # stop: the readers' counters are read until then
@@ -114,6 +116,9 @@ class Jobs:
     dataset: Dataset
     base: str
     group: str | None
+    #: per job: compute seconds per batch and start delay (default: the plan's, none)
+    computes: tuple[float, ...] | None = None
+    delays: tuple[float, ...] | None = None
     procs: list[Any] = field(default_factory=list)
     conns: list[Connection] = field(default_factory=list)
     reader_pids: list[int] = field(default_factory=list)
@@ -123,8 +128,10 @@ class Jobs:
         for index in range(self.plan.jobs):
             parent, child = context.Pipe()
             # not daemonic: a job has reader processes of its own
-            proc = context.Process(target=_job_main, args=(child, self.plan, index,
-                                                           self.dataset, self.base, self.group))
+            compute = self.computes[index] if self.computes else self.plan.compute_s
+            delay = self.delays[index] if self.delays else 0.0
+            proc = context.Process(target=_job_main, args=(
+                child, self.plan, index, self.dataset, self.base, self.group, compute, delay))
             proc.start()
             child.close()
             self.procs.append(proc)
@@ -177,8 +184,10 @@ class Jobs:
 
 
 @contextlib.contextmanager
-def jobs_of(plan: Plan, dataset: Dataset, base: Path, group: str | None) -> Iterator[Jobs]:
-    jobs = Jobs(plan, dataset, str(base), group)
+def jobs_of(plan: Plan, dataset: Dataset, base: Path, group: str | None,
+            computes: tuple[float, ...] | None = None,
+            delays: tuple[float, ...] | None = None) -> Iterator[Jobs]:
+    jobs = Jobs(plan, dataset, str(base), group, computes, delays)
     try:
         jobs.start()
         yield jobs

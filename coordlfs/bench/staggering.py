@@ -1,0 +1,175 @@
+"""The stagger advisor against reality: two aligned jobs, the second started 0-100% late.
+
+First each job is calibrated as the paper does (section V-B): alone on a cold mount, its
+first epoch gives ``I`` and ``W`` per iteration and its later epochs ``W|cached``; started
+together, both give ``W|conc``. ``coordlfs.stagger`` then predicts the makespan for each delay
+and the optimum. Then the pair really runs at delays of 0%, 10%, ..., 100% of the first job's
+predicted standalone runtime, each on a fresh mount, and the measured optimum and makespans
+are set beside the predicted ones. The cache holds the whole dataset, as the model assumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordlfs.bench.aligned import CGROUP_PREFIX, Plan, jobs_of
+from coordlfs.bench.cgroup import memory_cgroup, remove_stale
+from coordlfs.bench.counters import drop_caches
+from coordlfs.bench.dataset import Dataset
+from coordlfs.bench.epochs import check_can_run, load_dataset
+from coordlfs.bench.mounts import coordlfs_mount
+from coordlfs.errors import UserError
+from coordlfs.sizes import format_size, parse_size
+from coordlfs.stagger import JobProfile, delay_table, optimal_delay, standalone_runtime
+
+DELAYS = [d / 10 for d in range(11)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", help="an existing dataset directory (default: generate one)")
+    parser.add_argument("--make", default="3000:110K", metavar="N:SIZE",
+                        help="generate N files of mean SIZE (default 3000:110K)")
+    parser.add_argument("--work", default="/var/tmp/coordlfs-aligned",
+                        help="work directory on disk for generated data and the mount")
+    parser.add_argument("--compute-ms", default="40,15", metavar="A,B",
+                        help="emulated GPU time per batch of the first and second job "
+                             "(default 40,15)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--readers", type=int, default=2, help="reader processes per job")
+    parser.add_argument("--batch", type=int, default=32, help="files per batch (default 32)")
+    parser.add_argument("--throttle", default="50M",
+                        help="storage read limit per second, or none (default 50M)")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    dataset: Dataset
+    work: Path
+    plan: Plan
+    computes: tuple[float, float]
+
+    @property
+    def batches(self) -> int:
+        return -(-len(self.dataset.files) // self.plan.batch)
+
+
+def run_pair(setup: Setup, which: tuple[int, ...], delays: tuple[float, ...]) \
+        -> list[list[tuple[float, float, float]]]:
+    """Run the jobs ``which`` (0: A, 1: B) in one aligned group on a fresh, cold mount, each
+    started its delay late; per job and epoch (end since go, seconds, seconds waited)."""
+    plan = Plan(len(which), setup.plan.epochs, setup.plan.readers, setup.plan.batch, 0.0,
+                setup.plan.seed, setup.plan.throttle)
+    name = f"{CGROUP_PREFIX}-{os.getpid()}"
+    throttle_path = setup.dataset.root if plan.throttle else None
+    cache = setup.dataset.total_bytes + (64 << 20)
+    with memory_cgroup(name, None, None, read_bps=plan.throttle,
+                       throttle_path=throttle_path) as cgroup, contextlib.ExitStack() as stack:
+        base = setup.work / "mnt"
+        control = stack.enter_context(coordlfs_mount(setup.dataset.root, base, cache,
+                                                     setup.work / "mount.log"))
+        cgroup.add(control.status()["pid"])
+        jobs = stack.enter_context(jobs_of(plan, setup.dataset, base, f"bench-{os.getpid()}",
+                                           tuple(setup.computes[w] for w in which), delays))
+        for pid in [p.pid for p in jobs.procs] + jobs.reader_pids:
+            cgroup.add(pid)
+        drop_caches()
+        started = time.monotonic()
+        epochs, _marks = jobs.run(lambda: 0)
+    return [[(at - started, seconds, waited) for at, seconds, waited in job] for job in epochs]
+
+
+def calibrate(setup: Setup) -> tuple[JobProfile, JobProfile, dict[str, Any]]:
+    """The paper's four numbers per job, measured (section V-B, step 1)."""
+    n = setup.batches
+    raw: dict[str, Any] = {}
+    values: list[dict[str, float]] = [{}, {}]
+    for j in (0, 1):
+        alone = run_pair(setup, (j,), (0.0,))[0]
+        raw[f"alone_{'AB'[j]}"] = alone
+        first, later = alone[0], alone[1:]
+        values[j]["I"] = sum(s - w for _at, s, w in alone) / (n * len(alone))
+        values[j]["W_cold"] = first[2] / n
+        values[j]["W_warm"] = sum(w for _at, _s, w in later) / (n * len(later))
+    together = run_pair(setup, (0, 1), (0.0, 0.0))
+    raw["together"] = together
+    for j in (0, 1):
+        values[j]["W_concurrent"] = together[j][0][2] / n
+    profiles = tuple(JobProfile("AB"[j], n, setup.plan.epochs, **values[j]) for j in (0, 1))
+    return profiles[0], profiles[1], raw
+
+
+def run(args: argparse.Namespace) -> int:
+    check_can_run()
+    try:
+        computes = tuple(float(x) / 1000 for x in args.compute_ms.split(","))
+    except ValueError:
+        raise UserError(f"bad --compute-ms {args.compute_ms!r}: two numbers such as 40,15") \
+            from None
+    if len(computes) != 2 or min(computes) < 0:
+        raise UserError("--compute-ms takes two non-negative numbers, A,B")
+    if args.epochs < 2 or min(args.readers, args.batch) < 1:
+        raise UserError("--epochs must be at least 2, --readers and --batch at least 1")
+    throttle = None if args.throttle == "none" else parse_size(args.throttle, "--throttle")
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    remove_stale(CGROUP_PREFIX)
+    dataset = load_dataset(args)
+    setup = Setup(dataset, work, Plan(2, args.epochs, args.readers, args.batch, 0.0, 0,
+                                      throttle), (computes[0], computes[1]))
+    print(f"dataset {dataset.root}: {len(dataset.files)} files, "
+          f"{format_size(dataset.total_bytes)}; compute {args.compute_ms} ms per batch; "
+          f"throttle {format_size(throttle) + '/s' if throttle else 'none'}", flush=True)
+    a, b, raw = calibrate(setup)
+    for p in (a, b):
+        print(f"  {p.name}: I {p.I * 1000:.1f} ms, W cold {p.W_cold * 1000:.1f} ms, W cached "
+              f"{p.W_warm * 1000:.1f} ms, W conc {p.W_concurrent * 1000:.1f} ms per iteration",
+              flush=True)
+    predicted = {round(p.delay, 2): p.makespan for p in delay_table([a, b])}
+    best = optimal_delay([a, b])
+    standalone = standalone_runtime(a)
+    measured: dict[float, float] = {}
+    for delay in DELAYS:
+        ends = run_pair(setup, (0, 1), (0.0, delay * standalone))
+        measured[delay] = max(job[-1][0] for job in ends)
+        print(f"  delay {delay:4.0%}: measured makespan {measured[delay]:6.1f} s, predicted "
+              f"{predicted[delay]:6.1f} s", flush=True)
+    measured_best = min(measured, key=lambda d: (measured[d], -d))
+    grid_best = min(predicted, key=lambda d: (predicted[d], -d))
+    summary = {
+        "predicted_optimal_delay": round(best.delay, 3),
+        "predicted_optimal_makespan_s": round(best.makespan, 3),
+        "predicted_grid_optimal_delay": grid_best,
+        "measured_optimal_delay": measured_best,
+        "measured_optimal_makespan_s": round(measured[measured_best], 3),
+        "delay_error_steps": round(abs(grid_best - measured_best) * 10, 3),
+        "makespan_error_at_measured_optimum": round(
+            abs(predicted[measured_best] - measured[measured_best]) / measured[measured_best],
+            3),
+        "makespan_error_max": round(max(abs(predicted[d] - measured[d]) / measured[d]
+                                        for d in DELAYS), 3),
+    }
+    for key, value in summary.items():
+        print(f"{key} {value}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "dataset": {"root": str(dataset.root), "files": len(dataset.files),
+                        "bytes": dataset.total_bytes},
+            "settings": {"compute_ms": args.compute_ms, "epochs": args.epochs,
+                         "readers": args.readers, "batch": args.batch, "throttle": throttle},
+            "profiles": {p.name: {"I": p.I, "W_cold": p.W_cold, "W_warm": p.W_warm,
+                                  "W_concurrent": p.W_concurrent, "iterations": p.iterations,
+                                  "epochs": p.epochs} for p in (a, b)},
+            "calibration_runs": raw,
+            "delays": [{"delay": d, "predicted_makespan_s": round(predicted[d], 3),
+                        "measured_makespan_s": round(measured[d], 3)} for d in DELAYS],
+            "summary": summary,
+        }, indent=1) + "\n")
+    return 0
