@@ -54,3 +54,12 @@ def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode != 0
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_bench_stagger_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
+    for args in (["--compute-ms", "x"], ["--compute-ms", "40"], ["--epochs", "1"]):
+        result = subprocess.run([sys.executable, "-m", "coordlfs", "bench", "stagger",
+                                 "--work", str(tmp_path), *args],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode != 0
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
