@@ -112,9 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="NAME[:KEY=VALUE,...]",
                    help="jobs from the catalog, optionally with some values replaced")
     g.add_argument("--measured", dest="jobs", action=_InOrder, const="measured", nargs="+",
-                   metavar="NAME:Wconc=S[,...]",
+                   metavar="NAME[:KEY=VALUE,...]",
                    help="jobs from the step profiles on the mount given by --mount (coordlfs."
-                        "torch.profiled), saved to the catalog for next time")
+                        "torch.profiled): a run alone gives I, Wcold and Wwarm, a run beside "
+                        "a partner in its group Wconc; saved to the catalog for next time")
     g.add_argument("--mount", metavar="MOUNTPOINT", help="the mount whose profiles --measured "
                                                          "reads")
     g.add_argument("--catalog", metavar="FILE",

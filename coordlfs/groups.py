@@ -9,7 +9,9 @@ walking up the reader's parent processes. A member whose process died is dropped
 reap, so it never pins anything.
 
 Profiles are what the stall profiler (``coordlfs.torch``) reports per job and epoch: steps,
-seconds waiting for data and seconds computing. They feed ``coordlfs stagger``.
+seconds waiting for data, seconds computing, and the jobs that shared a group with it during
+the epoch: so the mount tells a run alone from one beside a partner, the two calibrations
+``coordlfs stagger`` needs (``W`` and ``W|conc``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class EpochProfile:
     steps: int = 0
     wait_s: float = 0.0
     step_s: float = 0.0
+    #: the jobs that shared a group with this one during the epoch: none for a job measured
+    #: alone (the stagger model's ``W``), the partner for ``W|conc``
+    partners: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -51,6 +56,8 @@ class Member:
     #: that epoch's order it has opened
     epoch: int = -1
     position: int = -1
+    #: the jobs of the other members seen since this member's epoch began
+    partners: set[str] = field(default_factory=set)
     #: the part of the file list this member has sent (``group.files``) while incomplete
     pending_files: list[bytes] = field(default_factory=list, repr=False)
 
@@ -81,7 +88,9 @@ class Group:
 
 
 def _public(member: Member) -> dict[str, Any]:
-    return {k: v for k, v in asdict(member).items() if k != "pending_files"}
+    public = {k: v for k, v in asdict(member).items() if k != "pending_files"}
+    public["partners"] = sorted(member.partners)
+    return public
 
 
 def parent_pid(pid: int) -> int | None:
@@ -139,6 +148,8 @@ class Groups:
                                "to take it")
         member = Member(self._next_id, name, pid, job, time.time())
         self._next_id += 1
+        for other in group.members.values():
+            other.partners.add(job)
         group.members[member.id] = member
         self.members[member.id] = member
         self._readers.clear()
@@ -221,6 +232,7 @@ class Groups:
         member = self._member(member_id)
         group = self.groups[member.group]
         member.epoch, member.position = epoch, -1
+        member.partners = {m.job for m in group.members.values() if m.id != member.id}
         if epoch > group.epoch and group.has_order:
             group.epoch = epoch
             group.order = epoch_order(group.seed, epoch, len(group.files))
@@ -251,6 +263,9 @@ class Groups:
     def record_profile(self, job: str, pid: int, epoch: int, steps: int, wait_s: float,
                        step_s: float) -> EpochProfile:
         profile = self.profiles.setdefault((job, pid), {}).setdefault(epoch, EpochProfile())
+        for member in self.members.values():
+            if member.pid == pid and member.epoch == epoch:
+                profile.partners = sorted(member.partners.union(profile.partners))
         profile.steps += steps
         profile.wait_s += wait_s
         profile.step_s += step_s

@@ -402,10 +402,9 @@ def save_profile(path: str | os.PathLike[str], profile: JobProfile) -> None:
 
 
 def measured_values(name: str, epochs: dict[str, Any]) -> dict[str, int | float]:
-    """Calibration from the stall profiler's records of one job (``coordlfs.torch.profiled``,
-    kept by the mount per epoch): ``I`` is its mean step, ``W`` its wait per step in the
-    first epoch (cold), ``W|cached`` in the later ones. ``W|conc`` needs the job run beside
-    its partner, so the caller supplies it."""
+    """Calibration from the stall profiler's records of one run of a job alone
+    (``coordlfs.torch.profiled``, kept by the mount per epoch): ``I`` is its mean step, ``W``
+    its wait per step in the first epoch (cold), ``W|cached`` in the later ones."""
     try:
         ordered = [epochs[k] for k in sorted(epochs, key=int)]
         steps = [int(e["steps"]) for e in ordered]
@@ -420,19 +419,41 @@ def measured_values(name: str, epochs: dict[str, Any]) -> dict[str, int | float]
             "W_cold": waits[0] / steps[0], "W_warm": sum(waits[1:]) / sum(steps[1:])}
 
 
+def _first_epoch(record: dict[str, Any]) -> dict[str, Any]:
+    first = record.get("epochs", {}).get("0")
+    return first if isinstance(first, dict) else {}
+
+
 def measured_job(spec: str, profiles: list[dict[str, Any]]) -> JobProfile:
-    """``NAME:Wconc=S[,KEY=VALUE...]``: a job from the mount's profiles, ``W|conc`` by hand."""
+    """``NAME[:KEY=VALUE...]``: a job from the mount's profiles.
+
+    The latest run whose first epoch had no partner in its group gives ``I``, ``W`` and
+    ``W|cached``; the latest whose first epoch had one gives ``W|conc`` (its wait per step).
+    Values given after the name replace measured ones, and ``Wconc`` must be given when the
+    job never ran beside a partner.
+    """
     name, _sep, rest = spec.partition(":")
     name = name.strip()
     records = [p for p in profiles if p.get("job") == name]
     if not records:
         known = ", ".join(sorted({str(p.get("job")) for p in profiles})) or "none"
         raise UserError(f"the mount has no profile of job {name!r}; it has: {known}")
-    values: dict[str, Any] = measured_values(name, records[-1].get("epochs", {}))
+    alone = [r for r in records if not _first_epoch(r).get("partners")]
+    beside = [r for r in records if _first_epoch(r).get("partners")]
+    if not alone:
+        raise UserError(f"--measured {name}: the mount has no run of {name!r} alone (a "
+                        "first epoch with no other job in its group) for I, Wcold and Wwarm")
+    values: dict[str, Any] = measured_values(name, alone[-1].get("epochs", {}))
+    if beside:
+        first = _first_epoch(beside[-1])
+        try:
+            values["W_concurrent"] = float(first["wait_s"]) / int(first["steps"])
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+            raise UserError(f"job {name!r}: malformed profile from the mount ({e})") from None
     values.update(parse_values(rest, f"--measured {name}") if rest.strip() else {})
     if "W_concurrent" not in values:
-        raise UserError(f"--measured {name}: the mount measured I, Wcold and Wwarm; give "
-                        f"Wconc (measured beside the partner) as {name}:Wconc=SECONDS")
+        raise UserError(f"--measured {name}: the mount has no run of {name!r} beside a "
+                        f"partner; run one, or give Wconc as {name}:Wconc=SECONDS")
     return _build(name, values, f"--measured {name}")
 
 

@@ -173,13 +173,31 @@ def test_group_commands_round_trip() -> None:
     assert second["seed"] == 42 and [m["id"] for m in second["members"]] == [1, 2]
     profile, ok = _ask(server, cmd="profile", job="a", pid=os.getpid(), epoch=0, steps=10,
                        wait_s=1.5, step_s=3.0)
-    assert ok and profile["profile"] == {"steps": 10, "wait_s": 1.5, "step_s": 3.0}
+    assert ok and profile["profile"] == {"steps": 10, "wait_s": 1.5, "step_s": 3.0,
+                                         "partners": []}
     listing, _ = _ask(server, cmd="group.list")
     assert listing["groups"]["g"]["seed"] == 42
     assert listing["profiles"][0]["epochs"]["0"]["steps"] == 10
     assert _ask(server, cmd="group.leave", member=1)[1]
     assert _ask(server, cmd="group.leave", member=2)[1]
     assert _ask(server, cmd="group.list")[0]["groups"] == {}
+
+
+def test_profiles_say_who_shared_the_group_during_the_epoch() -> None:
+    """A first epoch alone gives the stagger model's W, one beside a partner its W|conc."""
+    groups = Groups(alive=lambda _pid: True)
+    a = groups.join("g", 100, "a", 1)
+    groups.start_epoch(a.id, 0)
+    assert groups.record_profile("a", 100, 0, 10, 1.0, 2.0).partners == []
+    b = groups.join("g", 200, "b", None)  # joins during a's epoch 0
+    groups.start_epoch(b.id, 0)
+    assert groups.record_profile("a", 100, 0, 10, 1.0, 2.0).partners == ["b"]
+    assert groups.record_profile("b", 200, 0, 10, 1.0, 2.0).partners == ["a"]
+    assert groups.status()["groups"]["g"]["members"][0]["partners"] == ["b"]
+    groups.leave(b.id)
+    groups.start_epoch(a.id, 1)
+    assert groups.record_profile("a", 100, 1, 10, 1.0, 2.0).partners == []
+    assert groups.record_profile("c", 300, 0, 10, 1.0, 2.0).partners == []  # not in a group
 
 
 def test_members_may_send_the_file_list_at_once() -> None:

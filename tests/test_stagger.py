@@ -6,9 +6,11 @@ t_C the catch-up time, N the iterations A has done by then, N_E the iterations p
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from coordlfs.stagger import (
     closed_form,
     delay_table,
     load_catalog,
+    measured_job,
     measured_values,
     optimal_delay,
     predict,
@@ -387,6 +390,21 @@ def test_measured_values_follow_the_profiles() -> None:
         measured_values("a", {"0": {"steps": "x"}, "1": {}})
 
 
+def test_measured_job_takes_w_conc_from_a_run_beside_a_partner() -> None:
+    alone = {"job": "a", "epochs": {"0": {"steps": 100, "wait_s": 50.0, "step_s": 20.0,
+                                          "partners": []},
+                                    "1": {"steps": 100, "wait_s": 5.0, "step_s": 20.0}}}
+    beside = {"job": "a", "epochs": {"0": {"steps": 100, "wait_s": 80.0, "step_s": 20.0,
+                                           "partners": ["b"]}}}
+    job = measured_job("a", [alone, beside])
+    assert (job.W_cold, job.W_concurrent, job.W_warm) == (0.5, 0.8, 0.05)
+    assert measured_job("a:Wconc=0.3", [beside, alone]).W_concurrent == 0.3
+    with pytest.raises(UserError, match="no run of 'a' alone"):
+        measured_job("a", [beside])
+    with pytest.raises(UserError, match="give Wconc"):
+        measured_job("a", [alone])
+
+
 def test_measured_jobs_from_a_mount_go_into_the_catalog(mount, tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
@@ -407,7 +425,26 @@ def test_measured_jobs_from_a_mount_go_into_the_catalog(mount, tmp_path: Path) -
                     "b:I=0.1,Wcold=0.5,Wwarm=0.05,Wconc=0.7,iters=100,epochs=3",
                     "--catalog", str(catalog))
     assert again.returncode == 0 and again.stdout == result.stdout
-    for args, message in ((["--measured", "a"], "give Wconc"),
+    alone_only = run_cli("stagger", "--mount", str(m.mountpoint), "--measured", "a", "--job",
+                         "b:I=0.1,Wcold=0.5,Wwarm=0.05,Wconc=0.7,iters=100,epochs=3",
+                         "--catalog", str(catalog))
+    assert alone_only.returncode == 2 and "give Wconc" in alone_only.stderr
+    with contextlib.ExitStack() as stack:  # a run of a beside b: its first epoch is W|conc
+        pids = [stack.enter_context(subprocess.Popen(["sleep", "60"])) for _ in range(2)]
+        for p in pids:
+            stack.callback(p.kill)
+        members = [control.join_group("g", job=job, seed=1, pid=p.pid)["member"]
+                   for job, p in zip("ab", pids, strict=True)]
+        for member in members:
+            control.start_epoch(member, 0)
+        control.report_profile("a", 0, 100, 90.0, 20.0, pid=pids[0].pid)
+        measured = run_cli("stagger", "--mount", str(m.mountpoint), "--measured", "a",
+                           "--job", "b:I=0.1,Wcold=0.5,Wwarm=0.05,Wconc=0.7,iters=100,epochs=3",
+                           "--catalog", str(catalog))
+    assert measured.returncode == 0, measured.stderr
+    saved = json.loads(catalog.read_text())["a"]
+    assert saved["Wconc"] == pytest.approx(0.9) and saved["Wcold"] == pytest.approx(0.5)
+    for args, message in ((["--measured", "a:Wconc=x"], "is not a number"),
                           (["--measured", "zz:Wconc=1"], "no profile of job 'zz'")):
         bad = run_cli("stagger", "--mount", str(m.mountpoint), *args, "--job",
                       "b:I=0.1,Wcold=0.5,Wwarm=0.05,Wconc=0.7,iters=100,epochs=3",
