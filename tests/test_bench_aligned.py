@@ -7,22 +7,47 @@ import subprocess
 import sys
 from pathlib import Path
 
-from coordlfs.bench.aligned import SystemResult, summarize
+import pytest
+
+from coordlfs.bench.aligned import SystemResult, advised_delays, calibrate, summarize
+from coordlfs.stagger import optimal_delay, standalone_runtime
 
 
-def _result(system: str, stored: list[int], makespan: float) -> SystemResult:
-    return SystemResult(system, 2, stored, [makespan, makespan], makespan, [[0.0]])
+def _result(system: str, stored: list[int], makespan: float,
+            job_epochs: list[list[tuple[float, float]]] | None = None,
+            delays: list[float] | None = None) -> SystemResult:
+    return SystemResult(system, 2, stored, [makespan, makespan], makespan, [[0.0]],
+                        job_epochs or [[(makespan, 0.0)]], delays or [0.0, 0.0])
 
 
 def test_summary_is_independent_over_aligned_after_the_first_epoch() -> None:
     runs = [{2: {"page cache": _result("page cache", [100, 160, 160], 30),
                  "coordlfs": _result("coordlfs", [120, 150, 150], 20),
-                 "coordlfs aligned": _result("coordlfs aligned", [100, 75, 75], 10)}}]
+                 "coordlfs aligned": _result("coordlfs aligned", [100, 75, 75], 10),
+                 "coordlfs staggered": _result("coordlfs staggered", [100, 75, 75], 8,
+                                               delays=[0.0, 2.5])}}]
     summary = summarize(runs)
     assert summary["storage_bytes_ratio_2jobs"] == 2.0
     assert summary["page_cache_storage_ratio_2jobs"] == round(320 / 150, 3)
     assert summary["makespan_ratio_2jobs"] == 2.0
     assert summary["storage_bytes_ratio_2jobs_runs"] == [2.0]
+    assert summary["staggered_makespan_ratio_2jobs"] == 1.25
+    assert summary["staggered_delay_s_2jobs"] == 2.5
+
+
+def test_calibration_and_the_advised_chain_of_delays() -> None:
+    """10 batches an epoch: alone 3 epochs of (seconds, waited) (6, 4), (3, 1), (3, 1); started
+    together each job waited 5 s in its first epoch."""
+    alone = _result("coordlfs aligned", [0], 12, [[(6.0, 4.0), (3.0, 1.0), (3.0, 1.0)]])
+    together = _result("coordlfs aligned", [0], 7, [[(7.0, 5.0)], [(7.0, 5.0)]])
+    profile = calibrate(alone, together, 10)
+    assert (profile.iterations, profile.epochs) == (10, 3)
+    assert (profile.I, profile.W_cold, profile.W_warm, profile.W_concurrent) == \
+        pytest.approx((0.2, 0.4, 0.1, 0.5))
+    fraction, delays = advised_delays(profile, 3)
+    assert fraction == optimal_delay([profile, profile]).delay
+    step = fraction * standalone_runtime(profile)
+    assert delays == pytest.approx((0.0, step, 2 * step))
 
 
 def test_small_run_end_to_end(tmp_path: Path) -> None:
@@ -37,7 +62,7 @@ def test_small_run_end_to_end(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     total = report["dataset"]["bytes"]
     systems = report["runs"][0]["2"]
-    assert set(systems) == {"page cache", "coordlfs", "coordlfs aligned"}
+    assert set(systems) == {"page cache", "coordlfs", "coordlfs aligned", "coordlfs staggered"}
     for system in systems.values():
         assert len(system["epoch_storage_bytes"]) == 2 and len(system["job_seconds"]) == 2
         # Every file is read from storage at least once in the first epoch.
@@ -45,6 +70,10 @@ def test_small_run_end_to_end(tmp_path: Path) -> None:
     # Aligned jobs read each uncached file once between them, not once each.
     assert systems["coordlfs aligned"]["epoch_storage_bytes"][0] < total * 1.3
     assert "storage_bytes_ratio_2jobs" in report["summary"]
+    staggered = systems["coordlfs staggered"]
+    assert staggered["delays_s"][0] == 0 and staggered["delays_s"][1] >= 0
+    delay = report["summary"]["staggered_delay_s_2jobs"]
+    assert delay == pytest.approx(staggered["delays_s"][1], abs=1e-3)
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:

@@ -1,10 +1,13 @@
 """Co-located jobs on one dataset: independent shuffles against a seed-aligned group.
 
 Each job is a process with its own reader processes (its DataLoader workers) and its own
-epochs, batches and ``--compute-ms`` per batch. Three systems run the same jobs under one
+epochs, batches and ``--compute-ms`` per batch. Four systems run the same jobs under one
 storage throttle and one memory budget: the page cache with independent seeds, coordlfs with
-independent seeds, and coordlfs with the jobs in one aligned group (shared order, read window,
-read-ahead: the jobs register the file list and their epochs, as ``AlignedSampler`` does).
+independent seeds, coordlfs with the jobs in one aligned group (shared order, read window,
+read-ahead: the jobs register the file list and their epochs, as ``AlignedSampler`` does),
+started together, and the aligned group staggered by the advisor (``coordlfs.stagger``): one
+job alone on a fresh mount gives ``I``, ``W`` and ``W|cached``, the group started together
+gives ``W|conc``, and job k starts k times the advised delay late.
 Storage bytes come from the kernel's per-process counters of every reader (page cache) or
 of the daemon (coordlfs); an epoch's bytes are those read between the moments the last job
 finished the epoch before and this one.
@@ -45,9 +48,10 @@ from coordlfs.control import Control
 from coordlfs.errors import UserError
 from coordlfs.order import epoch_order
 from coordlfs.sizes import format_size, parse_size
+from coordlfs.stagger import JobProfile, optimal_delay, standalone_runtime
 
 CGROUP_PREFIX = "coordlfs-aligned"
-SYSTEMS = ("page cache", "coordlfs", "coordlfs aligned")
+SYSTEMS = ("page cache", "coordlfs", "coordlfs aligned", "coordlfs staggered")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -208,6 +212,10 @@ class SystemResult:
     makespan_s: float
     #: per job and epoch: the share of the epoch it waited for data
     stall_percent: list[list[float]]
+    #: per job and epoch: (seconds, seconds waited for data)
+    job_epochs: list[list[tuple[float, float]]]
+    #: per job: seconds it started after the first
+    delays_s: list[float]
 
     @property
     def later_storage(self) -> int:
@@ -221,7 +229,7 @@ def budget_for(dataset: Dataset, cache: int, window: int, plan: Plan) -> int:
 
 
 def run_system(system: str, plan: Plan, dataset: Dataset, cache: int, window: int,
-               work: Path) -> SystemResult:
+               work: Path, delays: tuple[float, ...] | None = None) -> SystemResult:
     name = f"{CGROUP_PREFIX}-{os.getpid()}"
     budget = budget_for(dataset, cache, window, plan)
     throttle_path = dataset.root if plan.throttle else None
@@ -236,8 +244,8 @@ def run_system(system: str, plan: Plan, dataset: Dataset, cache: int, window: in
             daemon = control.status()["pid"]
             cgroup.add(daemon)
             storage_pids.append(daemon)
-            group = f"bench-{os.getpid()}" if system == "coordlfs aligned" else None
-        jobs = stack.enter_context(jobs_of(plan, dataset, base, group))
+            group = f"bench-{os.getpid()}" if system != "coordlfs" else None
+        jobs = stack.enter_context(jobs_of(plan, dataset, base, group, delays=delays))
         for pid in [p.pid for p in jobs.procs] + jobs.reader_pids:
             cgroup.add(pid)
         cgroup.set_memory_limit(budget)
@@ -251,12 +259,39 @@ def run_system(system: str, plan: Plan, dataset: Dataset, cache: int, window: in
     result = SystemResult(system, plan.jobs, per_epoch,
                           [round(job[-1][0] - started, 3) for job in epochs],
                           round(max(ends), 3),
-                          [[round(100 * w / s, 1) for _at, s, w in job] for job in epochs])
+                          [[round(100 * w / s, 1) for _at, s, w in job] for job in epochs],
+                          [[(round(s, 3), round(w, 3)) for _at, s, w in job] for job in epochs],
+                          list(delays or [0.0] * plan.jobs))
     print(f"  {system:16} {plan.jobs} jobs: storage per epoch "
           f"{' '.join(f'{b / dataset.total_bytes:.2f}' for b in per_epoch)} of the dataset; "
           f"jobs {' '.join(f'{s:.1f}' for s in result.job_seconds)} s, makespan "
           f"{result.makespan_s:.1f} s", flush=True)
     return result
+
+
+# -- the advisor's delay -------------------------------------------------------------------
+
+def calibrate(alone: SystemResult, together: SystemResult, batches: int) -> JobProfile:
+    """The stagger model's numbers per iteration (a batch): ``I``, ``W`` and ``W|cached`` from
+    one job alone, ``W|conc`` from the first epoch of the group started together (the jobs are
+    alike, so their means stand for each). ``W|cached`` here is the later epochs' wait with
+    the cache this run has, not a whole cached dataset."""
+    (first, *later) = alone.job_epochs[0]
+    steps = batches * len(alone.job_epochs[0])
+    return JobProfile(
+        "job", batches, len(alone.job_epochs[0]),
+        I=sum(s - w for s, w in alone.job_epochs[0]) / steps,
+        W_cold=first[1] / batches,
+        W_warm=sum(w for _s, w in later) / (batches * len(later)) if later else first[1] / batches,
+        W_concurrent=statistics.mean(job[0][1] for job in together.job_epochs) / batches)
+
+
+def advised_delays(profile: JobProfile, jobs: int) -> tuple[float, tuple[float, ...]]:
+    """The advisor's delay for a pair of these jobs, as a fraction of a job's standalone run;
+    job k starts k of those delays late (the model covers pairs: more jobs form a chain)."""
+    fraction = optimal_delay([profile, profile]).delay
+    step = fraction * standalone_runtime(profile)
+    return fraction, tuple(k * step for k in range(jobs))
 
 
 # -- the command ---------------------------------------------------------------------------
@@ -274,9 +309,14 @@ def summarize(runs: list[dict[int, dict[str, SystemResult]]]) -> dict[str, Any]:
                 for r in runs]
         makespan = [_ratio(r[n]["coordlfs"].makespan_s, r[n]["coordlfs aligned"].makespan_s)
                     for r in runs]
+        staggered = [_ratio(r[n]["coordlfs aligned"].makespan_s,
+                            r[n]["coordlfs staggered"].makespan_s) for r in runs]
+        delay = [r[n]["coordlfs staggered"].delays_s[-1] / max(1, n - 1) for r in runs]
         for key, values in ((f"storage_bytes_ratio_{n}jobs", storage),
                             (f"page_cache_storage_ratio_{n}jobs", page),
-                            (f"makespan_ratio_{n}jobs", makespan)):
+                            (f"makespan_ratio_{n}jobs", makespan),
+                            (f"staggered_makespan_ratio_{n}jobs", staggered),
+                            (f"staggered_delay_s_{n}jobs", delay)):
             known = [v for v in values if v is not None]
             summary[key] = round(statistics.median(known), 3) if known else None
             summary[key + "_runs"] = values
@@ -305,15 +345,29 @@ def run(args: argparse.Namespace) -> int:
           f"{format_size(dataset.total_bytes)}; cache {format_size(cache)}, window "
           f"{format_size(window)}; throttle "
           f"{format_size(throttle) + '/s' if throttle else 'none'}", flush=True)
+    def plan_for(jobs: int) -> Plan:
+        return Plan(jobs, args.epochs, args.readers, args.batch, args.compute_ms / 1000,
+                    args.seed, throttle)
+
     runs: list[dict[int, dict[str, SystemResult]]] = []
     for number in range(1, args.repeat + 1):
         print(f"run {number} of {args.repeat}", flush=True)
         by_count: dict[int, dict[str, SystemResult]] = {}
+        alone = run_system("coordlfs aligned", plan_for(1), dataset, cache, window, work)
         for n in counts:
-            plan = Plan(n, args.epochs, args.readers, args.batch, args.compute_ms / 1000,
-                        args.seed, throttle)
-            by_count[n] = {s: run_system(s, plan, dataset, cache, window, work)
-                           for s in SYSTEMS}
+            plan = plan_for(n)
+            results = by_count[n] = {}
+            for system in SYSTEMS[:-1]:
+                results[system] = run_system(system, plan, dataset, cache, window, work)
+            profile = calibrate(alone, results["coordlfs aligned"],
+                                -(-len(dataset.files) // args.batch))
+            fraction, delays = advised_delays(profile, n)
+            print(f"  advisor: I {profile.I * 1000:.1f} ms, W {profile.W_cold * 1000:.1f} ms, "
+                  f"W|cached {profile.W_warm * 1000:.1f} ms, W|conc "
+                  f"{profile.W_concurrent * 1000:.1f} ms per batch: delay {fraction:.0%} "
+                  f"({delays[-1] / max(1, n - 1):.1f} s per job)", flush=True)
+            results[SYSTEMS[-1]] = run_system(SYSTEMS[-1], plan, dataset, cache, window, work,
+                                              delays)
         runs.append(by_count)
     summary = summarize(runs)
     for key, value in summary.items():
