@@ -1,0 +1,270 @@
+"""Wire format between coordlfs peers: framing, mutual authentication, request payloads.
+
+A mount fetches a cache miss from the peer that caches the file over one kept-alive TCP
+connection per peer, with many requests in flight; replies carry the request's id, so
+they may come back in any order. Every message is one frame, a 22-byte header in network
+byte order followed by the payload::
+
+    offset  size  field
+    0       4     magic b"CLFP"
+    4       1     version (1)
+    5       1     kind (Kind)
+    6       4     request id (u32), echoed by the reply
+    10      4     payload length (u32, at most MAX_PAYLOAD)
+    14      8     XXH64 (seed 0) of the payload
+    22      n     payload
+
+A header that announces more than MAX_PAYLOAD is refused before its payload is read, so a
+hostile peer cannot make us allocate. Payloads by kind: GET is ``!QqQI`` (source file size,
+mtime_ns, offset, length <= MAX_CHUNK) followed by the path, raw POSIX bytes relative to
+the dataset root; DATA is the bytes of the range; FAIL is one code byte (Fail) and a UTF-8
+message of at most 200 bytes; PING and PONG are empty liveness probes.
+
+Handshake (every frame with request id 0), proving both ways that the other side holds
+the shared secret without ever sending it; ``|`` is concatenation, HMAC is HMAC-SHA256::
+
+    server -> client  HELLO    server_nonce (32 random bytes)
+    client -> server  AUTH     client_nonce (32 random bytes)
+                               | HMAC(secret, b"coordlfs-client\\0" | server_nonce | client_nonce)
+    server -> client  WELCOME  HMAC(secret, b"coordlfs-server\\0" | client_nonce | server_nonce)
+                      or FAIL  REFUSED "authentication failed", and the server hangs up
+
+Fresh nonces on both sides defeat replay, and the distinct labels stop one side's proof
+from being reflected as the other's. An insecure pair simply uses ``secret=b""`` on both
+sides; a side with a secret and one without fail each other's handshake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import hmac
+import secrets
+import struct
+from dataclasses import dataclass
+from typing import NoReturn
+
+import trio
+import xxhash
+
+MAGIC = b"CLFP"
+VERSION = 1
+HEADER = struct.Struct("!4sBBIIQ")
+#: The most data one GET may ask for.
+MAX_CHUNK = 1 << 20
+#: The largest payload a frame may carry: a full chunk plus room for a GET's path.
+MAX_PAYLOAD = MAX_CHUNK + 4096
+GET_HEADER = struct.Struct("!QqQI")
+MAX_PATH = 4096
+MAX_FAIL_MESSAGE = 200
+NONCE_SIZE = 32
+_READ_SIZE = 1 << 16
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1
+    AUTH = 2
+    WELCOME = 3
+    GET = 4
+    DATA = 5
+    FAIL = 6
+    PING = 7
+    PONG = 8
+
+
+class Fail(enum.IntEnum):
+    MISS = 1  # the peer does not cache the file (any more)
+    STALE = 2  # the peer's file has another size or mtime
+    REFUSED = 3  # hostile or unauthenticated request
+    ERROR = 4  # the peer failed reading
+    BUSY = 5
+
+
+class ProtocolError(Exception):
+    """The other side sent malformed or hostile bytes; the connection is beyond repair."""
+
+
+class AuthError(ProtocolError):
+    """The other side could not prove it holds the secret."""
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    kind: Kind
+    request_id: int
+    payload: bytes
+
+
+class FrameStream:
+    """Frames over a trio stream: any number of tasks may send, but only one may receive
+    at a time (the connection's reader task), since frames are cut from a shared buffer.
+
+    After a ProtocolError the stream is out of step with the peer: close it.
+    """
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self._buffer = bytearray()
+        self._send_lock = trio.Lock()
+
+    async def send(self, kind: Kind, request_id: int, payload: bytes | memoryview = b"") -> None:
+        """Send one frame in a single ``send_all`` under a lock, so that concurrent
+        requests on one connection never interleave their bytes."""
+        if len(payload) > MAX_PAYLOAD:
+            raise ValueError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+        if not 0 <= request_id < 1 << 32:
+            raise ValueError(f"request id {request_id} out of range")
+        header = HEADER.pack(MAGIC, VERSION, kind, request_id, len(payload),
+                             xxhash.xxh64_intdigest(payload))
+        data = header + payload
+        async with self._send_lock:
+            await self.stream.send_all(data)
+
+    async def receive(self) -> Frame | None:
+        """The next frame, or None when the peer closed the connection between frames."""
+        if not await self._fill(HEADER.size):
+            return None
+        magic, version, kind, request_id, length, digest = HEADER.unpack_from(self._buffer)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {magic!r}, not a coordlfs peer")
+        if version != VERSION:
+            raise ProtocolError(f"unsupported protocol version {version}")
+        if kind not in Kind._value2member_map_:
+            raise ProtocolError(f"unknown frame kind {kind}")
+        if length > MAX_PAYLOAD:  # before reading: never allocate what a peer announces
+            raise ProtocolError(f"frame announces {length} bytes, more than {MAX_PAYLOAD}")
+        end = HEADER.size + length
+        await self._fill(end)
+        with memoryview(self._buffer) as view:
+            payload = bytes(view[HEADER.size:end])
+        del self._buffer[:end]
+        if xxhash.xxh64_intdigest(payload) != digest:
+            raise ProtocolError(f"checksum mismatch in {Kind(kind).name} frame {request_id}")
+        return Frame(Kind(kind), request_id, payload)
+
+    async def _fill(self, size: int) -> bool:
+        """Buffer at least ``size`` bytes; False on EOF before the first byte of a frame."""
+        while len(self._buffer) < size:
+            chunk = await self.stream.receive_some(max(size - len(self._buffer), _READ_SIZE))
+            if not chunk:
+                if self._buffer:
+                    raise ProtocolError("connection closed mid-frame")
+                return False
+            self._buffer += chunk
+        return True
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def _proof(secret: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret, label + first + second, hashlib.sha256).digest()
+
+
+async def server_handshake(fs: FrameStream, secret: bytes) -> None:
+    """Admit a client only once it proves it holds ``secret``; raises AuthError otherwise
+    (after telling the client why). Wrap in ``trio.fail_after``: a silent client would
+    otherwise hold the connection forever."""
+    server_nonce = secrets.token_bytes(NONCE_SIZE)
+    await fs.send(Kind.HELLO, 0, server_nonce)
+    frame = await fs.receive()
+    if frame is None:
+        raise AuthError("connection closed before authenticating")
+    if frame.kind != Kind.AUTH or len(frame.payload) != NONCE_SIZE + 32:
+        await _refuse(fs, frame.request_id, f"expected AUTH, got {frame.kind.name}")
+    client_nonce, proof = frame.payload[:NONCE_SIZE], frame.payload[NONCE_SIZE:]
+    expected = _proof(secret, b"coordlfs-client\0", server_nonce, client_nonce)
+    if not hmac.compare_digest(proof, expected):
+        await _refuse(fs, 0, "authentication failed")
+    await fs.send(Kind.WELCOME, 0, _proof(secret, b"coordlfs-server\0", client_nonce,
+                                          server_nonce))
+
+
+async def _refuse(fs: FrameStream, request_id: int, message: str) -> NoReturn:
+    """Tell the client why before hanging up; it may already be gone."""
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        await fs.send(Kind.FAIL, request_id, encode_fail(Fail.REFUSED, message))
+    raise AuthError(message)
+
+
+async def client_handshake(fs: FrameStream, secret: bytes) -> None:
+    """Prove we hold ``secret`` and require the server to prove it too, so a client never
+    sends requests to (or trusts data from) an impostor. Raises AuthError on failure;
+    wrap in ``trio.fail_after``, a silent server would otherwise hang us."""
+    frame = await fs.receive()
+    if frame is None or frame.kind != Kind.HELLO or len(frame.payload) != NONCE_SIZE:
+        raise ProtocolError("peer did not start the handshake with HELLO")
+    server_nonce, client_nonce = frame.payload, secrets.token_bytes(NONCE_SIZE)
+    await fs.send(Kind.AUTH, 0, client_nonce + _proof(secret, b"coordlfs-client\0",
+                                                      server_nonce, client_nonce))
+    frame = await fs.receive()
+    if frame is not None and frame.kind == Kind.FAIL:
+        raise AuthError(f"peer refused us: {decode_fail(frame.payload)[1]}")
+    expected = _proof(secret, b"coordlfs-server\0", client_nonce, server_nonce)
+    if frame is None or frame.kind != Kind.WELCOME or not hmac.compare_digest(
+            frame.payload, expected):
+        raise AuthError("peer could not prove it holds the secret")
+
+
+def _get_problem(path: bytes, size: int, offset: int, length: int) -> str | None:
+    if not path:
+        return "empty path"
+    if len(path) > MAX_PATH:
+        return f"path of {len(path)} bytes, longer than {MAX_PATH}"
+    if b"\0" in path:
+        return f"NUL byte in path {path[:100]!r}"
+    if path.startswith(b"/"):
+        return f"absolute path {path[:100]!r}"
+    if any(part in (b"", b".", b"..") for part in path.split(b"/")):
+        return f"empty, '.' or '..' component in path {path[:100]!r}"
+    if not 0 < length <= MAX_CHUNK:
+        return f"length {length} not in 1..{MAX_CHUNK}"
+    if offset < 0 or offset + length > size:
+        return f"range {offset}+{length} beyond file size {size}"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    """Ask for one range of a file; size and mtime let the peer refuse (STALE) a copy of
+    another version than the one the requester's source has."""
+
+    path: bytes
+    size: int
+    mtime_ns: int
+    offset: int
+    length: int
+
+    def encode(self) -> bytes:
+        if problem := _get_problem(self.path, self.size, self.offset, self.length):
+            raise ValueError(problem)
+        try:
+            header = GET_HEADER.pack(self.size, self.mtime_ns, self.offset, self.length)
+        except struct.error as e:
+            raise ValueError(f"GET field out of range: {e}") from None
+        return header + self.path
+
+    @classmethod
+    def decode(cls, payload: bytes | memoryview) -> Get:
+        if len(payload) < GET_HEADER.size:
+            raise ProtocolError(f"GET payload of {len(payload)} bytes is too short")
+        size, mtime_ns, offset, length = GET_HEADER.unpack_from(payload)
+        path = bytes(payload[GET_HEADER.size:])
+        if problem := _get_problem(path, size, offset, length):
+            raise ProtocolError(f"bad GET: {problem}")
+        return cls(path, size, mtime_ns, offset, length)
+
+
+def encode_fail(code: Fail, message: str) -> bytes:
+    """A FAIL payload; the message is cut to 200 bytes on a character boundary."""
+    text = message.encode(errors="replace")[:MAX_FAIL_MESSAGE].decode(errors="ignore").encode()
+    return bytes([code]) + text
+
+
+def decode_fail(payload: bytes | memoryview) -> tuple[Fail, str]:
+    if not payload:
+        raise ProtocolError("empty FAIL payload")
+    if payload[0] not in Fail._value2member_map_:
+        raise ProtocolError(f"unknown FAIL code {payload[0]}")
+    return Fail(payload[0]), bytes(payload[1:]).decode(errors="replace")
