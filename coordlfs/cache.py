@@ -238,6 +238,18 @@ class MinioCache:
         self.filling += 1
         return entry
 
+    def start_fill(self, key: Key, path: bytes, st: os.stat_result, source: Source,
+                   nursery: trio.Nursery) -> Entry | None:
+        """The entry for this version of the file, reserving it and starting its fill in
+        ``nursery`` if MinIO has room; None when it has none."""
+        entry = self.lookup(key, st)
+        if entry is None:
+            entry = self.reserve(key, path, st)
+            if entry is not None:
+                self.counters.files_from_source += 1
+                nursery.start_soon(self.fill, key, entry, source)
+        return entry
+
     async def fill(self, key: Key, entry: Entry, source: Source) -> None:
         """Copy the source file into the entry; on any failure the entry is given up."""
         copier = _Copier(source, entry, self.arena_fd)

@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 from coordlfs import __version__
 from coordlfs.config import (
     DEFAULT_MAX_FILE_SHARE,
+    DEFAULT_PEER_TIMEOUT,
     DEFAULT_PREFETCH_DEPTH,
     DEFAULT_WINDOW_SIZE,
     MountConfig,
@@ -27,6 +28,13 @@ from coordlfs.mounting import (
     mount_at,
     spawn_daemon,
     unmount,
+)
+from coordlfs.placement import (
+    find_self,
+    is_loopback,
+    parse_address,
+    parse_peers,
+    read_secret,
 )
 from coordlfs.sizes import format_size, parse_size
 from coordlfs.stagger import (
@@ -78,6 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
                    default=DEFAULT_PREFETCH_DEPTH,
                    help="storage requests in flight reading ahead of an aligned group "
                         f"(default {DEFAULT_PREFETCH_DEPTH}; 0 turns read-ahead off)")
+    m.add_argument("--listen", metavar="HOST:PORT",
+                   help="serve the files this node caches to its peers on this address")
+    m.add_argument("--peers", metavar="HOST:PORT,...",
+                   help="every node of the cluster, this one included, the same list on each: "
+                        "a miss is fetched from the node that caches the file")
+    m.add_argument("--secret-file", metavar="FILE",
+                   help="shared secret that peers prove they hold (mode 600, 16+ bytes)")
+    m.add_argument("--insecure", action="store_true",
+                   help="peers without a secret (loopback addresses only, for tests)")
+    m.add_argument("--peer-timeout", metavar="SECONDS", type=float,
+                   default=DEFAULT_PEER_TIMEOUT,
+                   help="after this a peer counts as down and the reader reads local storage "
+                        f"(default {DEFAULT_PEER_TIMEOUT:g})")
     m.add_argument("--cache-dir", metavar="DIR",
                    help="directory for cached bytes, on tmpfs (default under /dev/shm/coordlfs)")
     m.add_argument("--keep-cache", action="store_true",
@@ -163,7 +184,39 @@ def resolve_mount(args: argparse.Namespace) -> MountConfig:
     return MountConfig(source, mountpoint, cache_size, max_file, cache_dir, window,
                        args.prefetch_depth, keep_cache=args.keep_cache,
                        allow_other=args.allow_other,
-                       log_file=log_file and os.path.abspath(log_file), debug=args.debug)
+                       log_file=log_file and os.path.abspath(log_file), debug=args.debug,
+                       **_resolve_cluster(args))
+
+
+def _resolve_cluster(args: argparse.Namespace) -> dict[str, Any]:
+    """The peer options, checked here so that mistakes are one line before anything mounts;
+    the daemon reads the secret file itself, so the secret never travels in argv."""
+    if args.listen is None and args.peers is None:
+        if args.secret_file or args.insecure:
+            raise UserError("--secret-file and --insecure go with --listen and --peers")
+        return {}
+    if args.listen is None:
+        raise UserError("--peers needs --listen HOST:PORT, where this node serves the others")
+    listen = parse_address(args.listen, "--listen")
+    peers = parse_peers(args.peers) if args.peers is not None else ()
+    if args.insecure:
+        if args.secret_file:
+            raise UserError("give --secret-file or --insecure, not both")
+        outside = [str(a) for a in (listen, *peers) if not is_loopback(a)]
+        if outside:
+            raise UserError(f"--insecure is allowed on loopback addresses only, not "
+                            f"{', '.join(outside)}; give --secret-file FILE")
+    elif args.secret_file is None:
+        raise UserError("peers need --secret-file FILE holding a shared secret (or "
+                        "--insecure, on loopback only)")
+    else:
+        read_secret(args.secret_file)
+    if not 0 < args.peer_timeout <= 60:
+        raise UserError(f"bad --peer-timeout {args.peer_timeout:g}: more than 0, at most 60 s")
+    find_self(listen, peers)  # a node named twice is refused now
+    return {"listen": str(listen), "peers": tuple(str(p) for p in peers),
+            "secret_file": args.secret_file and os.path.abspath(args.secret_file),
+            "insecure": args.insecure, "peer_timeout": args.peer_timeout}
 
 
 def _daemon_argv(config: MountConfig) -> list[str]:
@@ -173,8 +226,14 @@ def _daemon_argv(config: MountConfig) -> list[str]:
             "--prefetch-depth", str(config.prefetch_depth)]
     if config.log_file:
         argv += ["--log", config.log_file]
+    if config.listen:
+        argv += ["--listen", config.listen, "--peer-timeout", str(config.peer_timeout)]
+    if config.peers:
+        argv += ["--peers", ",".join(config.peers)]
+    if config.secret_file:
+        argv += ["--secret-file", config.secret_file]
     for flag, on in (("--keep-cache", config.keep_cache), ("--allow-other", config.allow_other),
-                     ("--debug", config.debug)):
+                     ("--insecure", config.insecure), ("--debug", config.debug)):
         if on:
             argv.append(flag)
     return argv

@@ -20,6 +20,8 @@ DEFAULT_MAX_FILE_SHARE = 0.25
 DEFAULT_WINDOW_SIZE = 256 << 20
 #: Storage requests the read-ahead of an aligned group keeps in flight.
 DEFAULT_PREFETCH_DEPTH = 4
+#: Seconds a peer may take to connect or answer before the reader reads local storage.
+DEFAULT_PEER_TIMEOUT = 2.0
 
 
 @dataclass(slots=True)
@@ -35,6 +37,13 @@ class MountConfig:
     allow_other: bool = False
     log_file: str | None = None
     debug: bool = False
+    #: partitioned caching: where to serve peers (HOST:PORT), every node of the cluster (the
+    #: same list on each), the shared secret's file (None only with ``insecure``)
+    listen: str | None = None
+    peers: tuple[str, ...] = ()
+    secret_file: str | None = None
+    insecure: bool = False
+    peer_timeout: float = DEFAULT_PEER_TIMEOUT
 
 
 def default_cache_dir(source: str) -> str:

@@ -24,6 +24,10 @@ from coordlfs.fs import Operations
 from coordlfs.groups import Groups
 from coordlfs.groups import register_commands as register_group_commands
 from coordlfs.mounting import set_read_ahead
+from coordlfs.peer_server import PeerServer, listen_socket
+from coordlfs.peer_server import register_commands as register_peer_commands
+from coordlfs.peers import Peers
+from coordlfs.placement import find_self, parse_address, read_secret
 from coordlfs.prefetch import Prefetcher
 from coordlfs.source import Source
 from coordlfs.stats import Stats, register_commands
@@ -71,10 +75,29 @@ class Daemon:
         self.window = ReadWindow(config.window_size)
         self.groups.on_leave.append(lambda member: self.window.forget_member(member.id))
         register_group_commands(self.control, self.groups)
+        self.peers, self.server = self._cluster(config)
+        register_peer_commands(self.control, self.peers, self.server)
         self.prefetcher = Prefetcher(self.groups, self.window, self.cache, self.source,
-                                     self.stats.reads, config.prefetch_depth)
+                                     self.stats.reads, config.prefetch_depth,
+                                     self.peers.caches_here)
         self.ops = Operations(self.source, self.cache, self.stats.reads, self.control,
-                              AlignedReads(self.groups, self.window, self.prefetcher))
+                              AlignedReads(self.groups, self.window, self.prefetcher),
+                              self.peers)
+
+    def _cluster(self, config: MountConfig) -> tuple[Peers, PeerServer | None]:
+        """The peers and the server for them; with no --listen, a cluster of one."""
+        secret = read_secret(config.secret_file) if config.secret_file else b""
+        if config.listen is None:
+            return Peers((), None, secret, config.peer_timeout, self.stats.reads), None
+        listen = parse_address(config.listen, "--listen")
+        nodes = tuple(parse_address(p, "peer") for p in config.peers)
+        me = find_self(listen, nodes)
+        if nodes and me is None:
+            log.warning("%s is not in --peers: this node caches nothing for the others",
+                        listen)
+        server = PeerServer(listen_socket(listen), secret, config.peer_timeout, self.source,
+                            self.cache)
+        return Peers(nodes, me, secret, config.peer_timeout, self.stats.reads), server
 
     def status(self) -> dict[str, Any]:
         cache = self.cache
@@ -94,6 +117,8 @@ class Daemon:
                 "directory": cache.directory,
             },
             "reads": self.stats.reads.snapshot(),
+            "peers": self.peers.status(),
+            "served": self.server.status() if self.server else None,
             "read_window": self.window.status(),
             "prefetch": self.prefetcher.status(),
             "inodes": len(self.ops.inodes),
@@ -127,6 +152,9 @@ class Daemon:
             nursery.start_soon(self._terminate_on_signal)
             nursery.start_soon(self._reap_members)
             nursery.start_soon(self.prefetcher.run)
+            nursery.start_soon(self.peers.run)
+            if self.server is not None:
+                nursery.start_soon(self.server.run)
             nursery.start_soon(functools.partial(
                 trio.to_thread.run_sync, _tune_read_ahead, self.config.mountpoint,
                 abandon_on_cancel=True))

@@ -26,6 +26,7 @@ from coordlfs.cache import Entry, MinioCache
 from coordlfs.control_server import ControlHandle, ControlServer
 from coordlfs.groups import Member
 from coordlfs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable, Key
+from coordlfs.peers import Peers
 from coordlfs.source import Source, SourceReader
 from coordlfs.stats import ReadCounters
 
@@ -79,6 +80,8 @@ class FileHandle:
     #: where they start in the file
     window: bytes = b""
     window_offset: int = 0
+    #: whether the file's bytes come from the peer that caches it (None: not asked yet)
+    from_peer: bool | None = None
 
     @property
     def key(self) -> Key:
@@ -105,10 +108,11 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, source: Source, cache: MinioCache, counters: ReadCounters,
-                 control: ControlServer, aligned: AlignedReads) -> None:
+                 control: ControlServer, aligned: AlignedReads, peers: Peers) -> None:
         super().__init__()
         self.source = source
         self.cache = cache
+        self.peers = peers
         self.counters = counters
         self.control = control
         self.aligned = aligned
@@ -312,16 +316,13 @@ class Operations(pyfuse3.Operations):
         return await self._stream(handle, off, size)
 
     def _start_fill(self, handle: FileHandle) -> Entry | None:
-        """The entry for this file, reserving and filling it if MinIO has room."""
-        key = (handle.st.st_dev, handle.st.st_ino)
-        entry = self.cache.lookup(key, handle.st)
-        if entry is None:
-            entry = self.cache.reserve(key, handle.path, handle.st)
-            if entry is not None:
-                assert self.nursery is not None
-                self.counters.files_from_source += 1
-                self.nursery.start_soon(self.cache.fill, key, entry, self.source)
-        return entry
+        """The entry for this file, reserving and filling it if MinIO has room and no peer
+        caches the file instead (``coordlfs.placement``)."""
+        if not self.peers.caches_here(handle.path):
+            return None
+        assert self.nursery is not None
+        return self.cache.start_fill(handle.key, handle.path, handle.st, self.source,
+                                     self.nursery)
 
     async def _stream(self, handle: FileHandle, off: int, size: int) -> bytes | memoryview:
         """Serve a range straight from the source: the file is not (or cannot be) cached."""
@@ -345,6 +346,15 @@ class Operations(pyfuse3.Operations):
         return await self.aligned.whole(handle.member, handle.key, handle.version, fetch)
 
     async def _source_range(self, handle: FileHandle, off: int, size: int) -> bytes:
+        """The bytes from the peer that caches the file, else from local storage."""
+        if handle.from_peer is not False and not self.peers.caches_here(handle.path):
+            data = await self.peers.read(handle.path, handle.st, off, size)
+            if data is not None:
+                if handle.from_peer is None:
+                    self.peers.counted_file(handle.path)
+                handle.from_peer = True
+                return data
+            handle.from_peer = False  # down, missing or stale there: this handle reads locally
         if handle.reader is None:
             handle.reader = await trio.to_thread.run_sync(self.source.open_reader, handle.path)
             self.counters.files_from_source += 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import stat
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -35,8 +36,11 @@ MAX_ITEM = 1 << 20
 
 class Prefetcher:
     def __init__(self, groups: Groups, window: ReadWindow, cache: MinioCache, source: Source,
-                 counters: ReadCounters, depth: int) -> None:
+                 counters: ReadCounters, depth: int,
+                 caches_here: Callable[[bytes], bool] = lambda _path: True) -> None:
         self.groups = groups
+        #: files a peer caches are left to their owner (``coordlfs.placement``)
+        self.caches_here = caches_here
         self.window = window
         self.cache = cache
         self.source = source
@@ -96,6 +100,8 @@ class Prefetcher:
     async def _fetch(self, group: Group, path: bytes) -> None:
         size = 0
         try:
+            if not self.caches_here(path):
+                return
             st = await trio.to_thread.run_sync(self.source.lstat, path)
             key = (st.st_dev, st.st_ino)
             if not stat.S_ISREG(st.st_mode) or self.cache.lookup(key, st) is not None \

@@ -18,6 +18,9 @@ class ReadCounters:
     bytes_from_source: int = 0
     #: files whose bytes were fetched from the source (one per fill, one per streaming open)
     files_from_source: int = 0
+    #: bytes and files (per open) that a peer mount served from its cache
+    bytes_from_peers: int = 0
+    files_from_peers: int = 0
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)

@@ -1,0 +1,199 @@
+"""Serving other mounts' misses from this mount's cache.
+
+A peer asks for a range of a file this node owns (``coordlfs.placement``). The file is served
+from MinIO; a file not yet cached is read from local storage into MinIO first, so across the
+cluster each file is read from storage once, by its owner, while the owners' caches have room.
+When MinIO has no room, or the peer's copy of the file differs in size or mtime, the answer is
+FAIL and the peer reads its own storage.
+
+Everything a peer sends is hostile until proven otherwise: the connection must pass the
+handshake within the timeout, frames are bounded and checksummed (``peer_wire``), and a path
+must name a regular file inside the dataset through no symlink. A bad request is refused
+alone; a broken frame or an unexpected kind closes the connection. Nothing a peer sends can
+stop the mount.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import stat
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import trio
+
+from coordlfs.cache import MinioCache
+from coordlfs.control_server import ControlServer, RequestError, require
+from coordlfs.errors import UserError
+from coordlfs.peer_wire import (
+    Fail,
+    Frame,
+    FrameStream,
+    Get,
+    Kind,
+    ProtocolError,
+    encode_fail,
+    server_handshake,
+)
+from coordlfs.peers import Peers
+from coordlfs.placement import Address, resolve
+from coordlfs.source import Source
+
+log = logging.getLogger(__name__)
+
+#: Requests one connection may have in progress; more wait for one to finish (the peer's
+#: reads of a whole epoch must not become thousands of tasks here).
+MAX_IN_PROGRESS = 32
+
+
+@dataclass(slots=True)
+class ServedStats:
+    connections: int = 0
+    requests: int = 0
+    bytes: int = 0
+    misses: int = 0
+    stale: int = 0
+    #: connections that failed the handshake or broke the protocol, and refused requests
+    refused: int = 0
+
+
+def listen_socket(address: Address) -> socket.socket:
+    """Bind now, before the mount exists, so a port in use is a one-line error at mount time."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((resolve(address), address.port))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {address}: {e.strerror or e}") from None
+    return sock
+
+
+class PeerServer:
+    def __init__(self, sock: socket.socket, secret: bytes, timeout: float, source: Source,
+                 cache: MinioCache) -> None:
+        self.sock = sock
+        self.secret = secret
+        self.timeout = timeout
+        self.source = source
+        self.cache = cache
+        self.stats = ServedStats()
+        self.nursery: trio.Nursery | None = None
+
+    async def run(self) -> None:
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self.sock))
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery  # fills started for peers outlive their request
+            await trio.serve_listeners(self._connection, [listener])
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        self.stats.connections += 1
+        frames = FrameStream(stream)
+        peer = _name(stream)
+        try:
+            with trio.fail_after(self.timeout):
+                await server_handshake(frames, self.secret)
+            async with trio.open_nursery() as requests:
+                limit = trio.CapacityLimiter(MAX_IN_PROGRESS)
+                while (frame := await frames.receive()) is not None:
+                    if frame.kind == Kind.PING:
+                        await frames.send(Kind.PONG, frame.request_id)
+                    elif frame.kind == Kind.GET:
+                        token = object()
+                        await limit.acquire_on_behalf_of(token)
+                        requests.start_soon(self._request, frames, frame, limit, token)
+                    else:
+                        raise ProtocolError(f"unexpected {frame.kind.name} frame")
+        except (ProtocolError, trio.TooSlowError) as e:
+            self.stats.refused += 1
+            log.warning("peer connection from %s refused: %s", peer, e or "handshake timed out")
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+            log.info("peer connection from %s lost: %s", peer, e)
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def _request(self, frames: FrameStream, frame: Frame, limit: trio.CapacityLimiter,
+                       token: object) -> None:
+        try:
+            kind, payload = await self._answer(frame.payload)
+            # a peer that is gone is noticed by its connection handler
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError,
+                                     OSError):
+                await frames.send(kind, frame.request_id, payload)
+        finally:
+            limit.release_on_behalf_of(token)
+
+    async def _answer(self, payload: bytes) -> tuple[Kind, bytes]:
+        self.stats.requests += 1
+        try:
+            request = Get.decode(payload)
+            st = await trio.to_thread.run_sync(self._regular_file, request.path)
+        except ProtocolError as e:
+            self.stats.refused += 1
+            log.warning("refused a peer request: %s", e)
+            return Kind.FAIL, encode_fail(Fail.REFUSED, str(e))
+        except OSError as e:
+            self.stats.misses += 1
+            return Kind.FAIL, encode_fail(Fail.MISS, e.strerror or str(e))
+        if (st.st_size, st.st_mtime_ns) != (request.size, request.mtime_ns):
+            self.stats.stale += 1
+            return Kind.FAIL, encode_fail(Fail.STALE, f"here {st.st_size} bytes, mtime "
+                                                      f"{st.st_mtime_ns}")
+        assert self.nursery is not None
+        entry = self.cache.start_fill((st.st_dev, st.st_ino), request.path, st, self.source,
+                                      self.nursery)
+        end = request.offset + request.length
+        if entry is None or not await self.cache.wait_for(entry, end):
+            self.stats.misses += 1
+            return Kind.FAIL, encode_fail(Fail.MISS, "not cached here")
+        data = bytes(self.cache.data(entry, request.offset, request.length))
+        if entry.failed:  # dropped (the file changed) while we copied: the bytes may be gone
+            self.stats.stale += 1
+            return Kind.FAIL, encode_fail(Fail.STALE, "changed while being served")
+        self.stats.bytes += len(data)
+        return Kind.DATA, data
+
+    def _regular_file(self, path: bytes) -> os.stat_result:
+        """The file's status, if every component is inside the dataset and no symlink."""
+        parts = path.split(b"/")
+        for depth in range(1, len(parts) + 1):
+            st = self.source.lstat(b"/".join(parts[:depth]))
+            if stat.S_ISLNK(st.st_mode):
+                raise ProtocolError(f"{os.fsdecode(path)!r} goes through a symlink")
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EISDIR, "not a regular file")
+        return st
+
+    def status(self) -> dict[str, Any]:
+        return asdict(self.stats)
+
+
+def _name(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"{host}:{port}"
+
+
+def register_commands(control: ControlServer, peers: Peers, server: PeerServer | None) -> None:
+    """``peer.list`` (the cluster as this mount sees it) and ``peer.owner`` (who caches a
+    path), so a job or tool can see where its files come from."""
+
+    def owner(request: dict) -> dict:
+        path = require(request, "path", str)
+        if not path or path.startswith("/") or "\0" in path:
+            raise RequestError('"path" must be a path relative to the mount')
+        link = peers.owner_of(os.fsencode(path))
+        return {"owner": str(link.address) if link else (str(peers.me) if peers.me else None),
+                "here": link is None}
+
+    control.register("peer.list", lambda _r: {"peers": peers.status(),
+                                              "served": server.status() if server else None},
+                     "the peers, their health and counters, and what this node served")
+    control.register("peer.owner", owner, 'the node that caches a file: "path"')

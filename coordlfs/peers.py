@@ -1,0 +1,254 @@
+"""Fetching a local miss from the peer mount that caches the file.
+
+Each remote peer is a ``PeerLink``: one kept-alive, authenticated connection (``peer_wire``)
+with many requests in flight, opened on first use. Any fault (refused connection, failed
+handshake, a reply later than ``timeout``, a bad checksum, a wrong length, garbage, a closed
+connection) marks the peer down: every request in flight on it gets ``None`` and the reader
+reads local storage instead, so a fault costs a reader at most the timeout. A down peer is
+retried after a backoff that doubles from 1 s to 30 s. ``Peers`` maps a file to its owner
+(``placement``) and keeps the counters the status shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import trio
+
+from coordlfs.peer_wire import (
+    MAX_CHUNK,
+    Fail,
+    FrameStream,
+    Get,
+    Kind,
+    ProtocolError,
+    client_handshake,
+    decode_fail,
+)
+from coordlfs.placement import Address, owner, resolve
+from coordlfs.stats import ReadCounters
+
+log = logging.getLogger(__name__)
+
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+#: Default seconds a peer may take to connect, authenticate or answer one request.
+DEFAULT_TIMEOUT_S = 2.0
+
+
+class PeerDown(Exception):
+    """The peer cannot serve now; the caller reads local storage."""
+
+
+@dataclass(slots=True)
+class PeerStats:
+    requests: int = 0
+    bytes: int = 0
+    files: int = 0
+    #: replies that the peer does not hold the file (MISS) or holds another version (STALE)
+    misses: int = 0
+    stale: int = 0
+    failures: int = 0
+    last_error: str = ""
+
+
+@dataclass(slots=True)
+class _Pending:
+    done: trio.Event
+    kind: Kind | None = None
+    payload: bytes = b""
+    error: str = ""
+
+
+class PeerLink:
+    def __init__(self, address: Address, secret: bytes, timeout: float) -> None:
+        self.address = address
+        self.secret = secret
+        self.timeout = timeout
+        self.stats = PeerStats()
+        self.nursery: trio.Nursery | None = None
+        self._stream: FrameStream | None = None
+        self._connecting = trio.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._next_id = 1
+        self._backoff = 0.0
+        self._down_until = 0.0
+
+    @property
+    def state(self) -> str:
+        if self._stream is not None:
+            return "up"
+        return "down" if self._down_until > time.monotonic() else "idle"
+
+    async def get(self, request: Get) -> tuple[Kind, bytes]:
+        """Send one request and wait for its reply: (DATA, bytes) or (FAIL, payload)."""
+        stream = await self._connected()
+        request_id = self._next_id
+        self._next_id = self._next_id % 0xFFFFFFFF + 1
+        pending = self._pending[request_id] = _Pending(trio.Event())
+        self.stats.requests += 1
+        try:
+            with trio.move_on_after(self.timeout):
+                await stream.send(Kind.GET, request_id, request.encode())
+                await pending.done.wait()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+            await self._fail(stream, f"sending failed: {e}")
+        finally:
+            self._pending.pop(request_id, None)
+        if not pending.done.is_set():
+            await self._fail(stream, f"no reply within {self.timeout:g} s")
+        if pending.error or pending.kind is None:
+            raise PeerDown(pending.error or self.stats.last_error)
+        if pending.kind == Kind.DATA and len(pending.payload) != request.length:
+            await self._fail(stream, f"sent {len(pending.payload)} bytes for a request of "
+                                     f"{request.length}")
+            raise PeerDown(self.stats.last_error)
+        self._backoff = 0.0
+        return pending.kind, pending.payload
+
+    async def _connected(self) -> FrameStream:
+        async with self._connecting:
+            if self._stream is not None:
+                return self._stream
+            if self._down_until > time.monotonic():
+                raise PeerDown(self.stats.last_error)
+            try:
+                with trio.fail_after(self.timeout):
+                    ip = await trio.to_thread.run_sync(resolve, self.address,
+                                                       abandon_on_cancel=True)
+                    stream = FrameStream(await trio.open_tcp_stream(ip, self.address.port))
+                    try:
+                        await client_handshake(stream, self.secret)
+                    except BaseException:
+                        await trio.aclose_forcefully(stream.stream)
+                        raise
+            except Exception as e:  # whatever went wrong, the reader reads local storage
+                self._mark_down(f"cannot connect: {_describe(e)}")
+                raise PeerDown(self.stats.last_error) from None
+            assert self.nursery is not None
+            self._stream = stream
+            self.nursery.start_soon(self._receive, stream)
+            log.info("peer %s: connected", self.address)
+            return stream
+
+    async def _receive(self, stream: FrameStream) -> None:
+        """Hand each reply to the request that waits for it, until the connection fails."""
+        try:
+            while (frame := await stream.receive()) is not None:
+                if frame.kind not in (Kind.DATA, Kind.FAIL, Kind.PONG):
+                    raise ProtocolError(f"unexpected {frame.kind.name} frame")
+                pending = self._pending.get(frame.request_id)
+                if pending is None:
+                    continue  # its reader gave up (timeout); the link is being closed anyway
+                pending.kind, pending.payload = frame.kind, frame.payload
+                pending.done.set()
+            reason = "connection closed by the peer"
+        except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError,
+                OSError) as e:
+            reason = _describe(e)
+        await self._fail(stream, reason)
+
+    async def _fail(self, stream: FrameStream, reason: str) -> None:
+        """Close ``stream`` (if it is still the current one) and fail its requests."""
+        if self._stream is not stream:
+            return
+        self._stream = None
+        self._mark_down(reason)
+        for pending in self._pending.values():
+            pending.error = reason
+            pending.done.set()
+        with trio.CancelScope(shield=True):
+            await trio.aclose_forcefully(stream.stream)
+
+    def _mark_down(self, reason: str) -> None:
+        self._backoff = min(MAX_BACKOFF_S, self._backoff * 2 or FIRST_BACKOFF_S)
+        self._down_until = time.monotonic() + self._backoff
+        self.stats.failures += 1
+        self.stats.last_error = reason
+        log.warning("peer %s is down for %.0f s: %s", self.address, self._backoff, reason)
+
+    def status(self) -> dict[str, Any]:
+        return {"state": self.state, "in_flight": len(self._pending),
+                "retry_in_s": round(max(0.0, self._down_until - time.monotonic()), 3),
+                **asdict(self.stats)}
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, trio.TooSlowError):
+        return "timed out"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e) or e.__class__.__name__
+
+
+class Peers:
+    """The cluster as one mount sees it. With no peers every file is cached here."""
+
+    def __init__(self, nodes: tuple[Address, ...], me: Address | None, secret: bytes,
+                 timeout: float, counters: ReadCounters) -> None:
+        self.nodes = nodes
+        self.me = me
+        self.counters = counters
+        self.links = {node: PeerLink(node, secret, timeout) for node in nodes if node != me}
+
+    def owner_of(self, path: bytes) -> PeerLink | None:
+        """The link to the node that caches ``path``; None when that is this node."""
+        if not self.links:
+            return None
+        node = owner(path, self.nodes)
+        return None if node == self.me else self.links[node]
+
+    def caches_here(self, path: bytes) -> bool:
+        return self.owner_of(path) is None
+
+    async def read(self, path: bytes, st: os.stat_result, offset: int, size: int) \
+            -> bytes | None:
+        """``size`` bytes at ``offset`` from the owner's cache; None: read local storage."""
+        link = self.owner_of(path)
+        if link is None:
+            return None
+        chunks = []
+        for start in range(offset, offset + size, MAX_CHUNK):
+            request = Get(path, st.st_size, st.st_mtime_ns, start,
+                          min(MAX_CHUNK, offset + size - start))
+            try:
+                kind, payload = await link.get(request)
+            except PeerDown:
+                return None
+            if kind == Kind.FAIL:
+                code, message = decode_fail(payload)
+                if code == Fail.STALE:
+                    link.stats.stale += 1
+                else:
+                    link.stats.misses += 1
+                log.debug("peer %s: %s %s: %s", link.address, code.name, os.fsdecode(path),
+                          message)
+                return None
+            chunks.append(payload)
+        data = b"".join(chunks)
+        link.stats.bytes += len(data)
+        self.counters.bytes_from_peers += len(data)
+        return data
+
+    def counted_file(self, path: bytes) -> None:
+        """A reader's first bytes of a file came from its owner."""
+        link = self.owner_of(path)
+        if link is not None:
+            link.stats.files += 1
+        self.counters.files_from_peers += 1
+
+    async def run(self) -> None:
+        """Hold the nursery the links' receive loops run in, until the mount ends."""
+        async with trio.open_nursery() as nursery:
+            for link in self.links.values():
+                link.nursery = nursery
+            await trio.sleep_forever()
+
+    def status(self) -> dict[str, Any]:
+        return {"self": str(self.me) if self.me else None,
+                "nodes": [str(n) for n in self.nodes],
+                "links": {str(a): link.status() for a, link in self.links.items()}}
