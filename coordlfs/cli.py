@@ -309,9 +309,12 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
     lines += [
         f"reads    {reads['cache_hits']} hits, {reads['misses']} misses, hit rate {rate}",
         f"bytes    {format_size(reads['bytes_from_cache'])} from cache, "
-        f"{format_size(reads['bytes_from_source'])} from source",
-        f"files    {reads['files_from_source']} from source",
+        f"{format_size(reads['bytes_from_source'])} from source, "
+        f"{format_size(reads['bytes_from_peers'])} from peers",
+        f"files    {reads['files_from_source']} from source, {reads['files_from_peers']} from "
+        "peers",
     ]
+    lines += _peer_lines(status)
     for name, group in status["groups"].items():
         members = ", ".join(f"{m['job']} (pid {m['pid']})" for m in group["members"])
         lines.append(f"group    {name}: seed {group['seed']}, members {members}")
@@ -323,6 +326,24 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
                          f"{p['steps']} steps, waited {p['wait_s']:.2f} s, stepped "
                          f"{p['step_s']:.2f} s, stall {stall}")
     return "\n".join(lines)
+
+
+def _peer_lines(status: dict[str, Any]) -> list[str]:
+    peers, served = status["peers"], status["served"]
+    if not peers["links"] and served is None:
+        return []
+    lines = [f"cluster  this node {peers['self'] or '(not in --peers)'}, "
+             f"{len(peers['nodes'])} nodes"]
+    for address, link in peers["links"].items():
+        error = f", last error: {link['last_error']}" if link["last_error"] else ""
+        retry = f", retry in {link['retry_in_s']:.0f} s" if link["state"] == "down" else ""
+        lines.append(f"peer     {address} {link['state']}{retry}: {link['files']} files, "
+                     f"{format_size(link['bytes'])}, {link['misses']} misses, "
+                     f"{link['stale']} stale, {link['failures']} failures{error}")
+    if served is not None:
+        lines.append(f"served   {served['requests']} requests, {format_size(served['bytes'])} "
+                     f"to peers, {served['refused']} refused")
+    return lines
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

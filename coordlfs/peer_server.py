@@ -99,28 +99,47 @@ class PeerServer:
             with trio.fail_after(self.timeout):
                 await server_handshake(frames, self.secret)
             async with trio.open_nursery() as requests:
-                limit = trio.CapacityLimiter(MAX_IN_PROGRESS)
-                while (frame := await frames.receive()) is not None:
-                    if frame.kind == Kind.PING:
-                        await frames.send(Kind.PONG, frame.request_id)
-                    elif frame.kind == Kind.GET:
-                        token = object()
-                        await limit.acquire_on_behalf_of(token)
-                        requests.start_soon(self._request, frames, frame, limit, token)
-                    else:
-                        raise ProtocolError(f"unexpected {frame.kind.name} frame")
+                await self._serve_frames(frames, requests, peer)
         except (ProtocolError, trio.TooSlowError) as e:
             self.stats.refused += 1
             log.warning("peer connection from %s refused: %s", peer, e or "handshake timed out")
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             log.info("peer connection from %s lost: %s", peer, e)
+        except Exception:  # a bug here must cost one connection, never the mount
+            log.exception("peer connection from %s failed", peer)
         finally:
             await trio.aclose_forcefully(stream)
+
+    async def _serve_frames(self, frames: FrameStream, requests: trio.Nursery,
+                            peer: str) -> None:
+        """Read requests until the peer hangs up; a broken frame ends the connection (caught
+        here, inside the nursery, so that its requests' tasks stop with it)."""
+        limit = trio.CapacityLimiter(MAX_IN_PROGRESS)
+        try:
+            while (frame := await frames.receive()) is not None:
+                if frame.kind == Kind.PING:
+                    await frames.send(Kind.PONG, frame.request_id)
+                elif frame.kind == Kind.GET:
+                    token = object()
+                    await limit.acquire_on_behalf_of(token)
+                    requests.start_soon(self._request, frames, frame, limit, token)
+                else:
+                    raise ProtocolError(f"unexpected {frame.kind.name} frame")
+        except ProtocolError as e:
+            self.stats.refused += 1
+            log.warning("peer connection from %s closed: %s", peer, e)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+            log.info("peer connection from %s lost: %s", peer, e)
+        requests.cancel_scope.cancel()
 
     async def _request(self, frames: FrameStream, frame: Frame, limit: trio.CapacityLimiter,
                        token: object) -> None:
         try:
-            kind, payload = await self._answer(frame.payload)
+            try:
+                kind, payload = await self._answer(frame.payload)
+            except Exception as e:  # a bug answering one request fails that request only
+                log.exception("answering a peer request failed")
+                kind, payload = Kind.FAIL, encode_fail(Fail.ERROR, str(e))
             # a peer that is gone is noticed by its connection handler
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError,
                                      OSError):

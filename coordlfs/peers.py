@@ -95,8 +95,8 @@ class PeerLink:
             with trio.move_on_after(self.timeout):
                 await stream.send(Kind.GET, request_id, request.encode())
                 await pending.done.wait()
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-            await self._fail(stream, f"sending failed: {e}")
+        except Exception as e:  # the connection broke under the send
+            await self._fail(stream, f"sending failed: {_describe(e)}")
         finally:
             self._pending.pop(request_id, None)
         if not pending.done.is_set():
@@ -147,8 +147,7 @@ class PeerLink:
                 pending.kind, pending.payload = frame.kind, frame.payload
                 pending.done.set()
             reason = "connection closed by the peer"
-        except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError,
-                OSError) as e:
+        except Exception as e:  # whatever broke, the link goes down, never the mount
             reason = _describe(e)
         await self._fail(stream, reason)
 
