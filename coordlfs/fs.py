@@ -26,7 +26,7 @@ from coordlfs.cache import Entry, MinioCache
 from coordlfs.control_server import ControlHandle, ControlServer
 from coordlfs.groups import Member
 from coordlfs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable, Key
-from coordlfs.peers import Peers
+from coordlfs.peers import PeerLink, Peers
 from coordlfs.source import Source, SourceReader
 from coordlfs.stats import ReadCounters
 
@@ -80,8 +80,8 @@ class FileHandle:
     #: where they start in the file
     window: bytes = b""
     window_offset: int = 0
-    #: whether the file's bytes come from the peer that caches it (None: not asked yet)
-    from_peer: bool | None = None
+    #: the peer serving this file's bytes (chosen at the first miss), if any
+    peer: PeerLink | None = None
 
     @property
     def key(self) -> Key:
@@ -309,20 +309,41 @@ class Operations(pyfuse3.Operations):
             return data
         self.counters.misses += 1
         if entry is None and handle.reader is None and not handle.window:
-            # once a handle streams (or took its bytes from the group's window), it keeps on
-            entry = handle.entry = self._start_fill(handle)
+            # once a handle streams (or took its bytes from the group's window or a peer), it
+            # keeps on
+            await self._first_miss(handle, off, size)
+            entry = handle.entry
         if entry is not None and await self.cache.wait_for(entry, off + size):
             return self.cache.data(entry, off, size)
         return await self._stream(handle, off, size)
 
-    def _start_fill(self, handle: FileHandle) -> Entry | None:
-        """The entry for this file, reserving and filling it if MinIO has room and no peer
-        caches the file instead (``coordlfs.placement``)."""
-        if not self.peers.caches_here(handle.path):
-            return None
+    async def _first_miss(self, handle: FileHandle, off: int, size: int) -> None:
+        """Decide where the handle's bytes come from: a peer ranked before this node for the
+        file (``coordlfs.placement``), else MinIO here if it has room, else a peer ranked
+        after this node, else local storage (``_stream``)."""
+        before, after = (self.peers.candidates(handle.path)
+                         if handle.st.st_size <= self.cache.max_file_size else ([], []))
+        if await self._from_peers(handle, before, off, size):
+            return
         assert self.nursery is not None
-        return self.cache.start_fill(handle.key, handle.path, handle.st, self.source,
-                                     self.nursery)
+        handle.entry = self.cache.start_fill(handle.key, handle.path, handle.st, self.source,
+                                             self.nursery)
+        if handle.entry is None:
+            await self._from_peers(handle, after, off, size)
+
+    async def _from_peers(self, handle: FileHandle, links: list[PeerLink], off: int,
+                          size: int) -> bool:
+        """The first of ``links`` that serves the range (a small file whole) into the handle's
+        window."""
+        if handle.st.st_size <= STREAM_WHOLE:
+            off, size = 0, handle.st.st_size
+        for link in links:
+            data = await self.peers.read(link, handle.path, handle.st, off, size)
+            if data is not None:
+                handle.peer, handle.window, handle.window_offset = link, data, off
+                self.peers.counted_file(link)
+                return True
+        return False
 
     async def _stream(self, handle: FileHandle, off: int, size: int) -> bytes | memoryview:
         """Serve a range straight from the source: the file is not (or cannot be) cached."""
@@ -346,15 +367,12 @@ class Operations(pyfuse3.Operations):
         return await self.aligned.whole(handle.member, handle.key, handle.version, fetch)
 
     async def _source_range(self, handle: FileHandle, off: int, size: int) -> bytes:
-        """The bytes from the peer that caches the file, else from local storage."""
-        if handle.from_peer is not False and not self.peers.caches_here(handle.path):
-            data = await self.peers.read(handle.path, handle.st, off, size)
+        """The bytes from the handle's peer, else from local storage."""
+        if handle.peer is not None:
+            data = await self.peers.read(handle.peer, handle.path, handle.st, off, size)
             if data is not None:
-                if handle.from_peer is None:
-                    self.peers.counted_file(handle.path)
-                handle.from_peer = True
                 return data
-            handle.from_peer = False  # down, missing or stale there: this handle reads locally
+            handle.peer = None  # down or changed there: this handle reads locally from now on
         if handle.reader is None:
             handle.reader = await trio.to_thread.run_sync(self.source.open_reader, handle.path)
             self.counters.files_from_source += 1

@@ -5,7 +5,7 @@ with many requests in flight, opened on first use. Any fault (refused connection
 handshake, a reply later than ``timeout``, a bad checksum, a wrong length, garbage, a closed
 connection) marks the peer down: every request in flight on it gets ``None`` and the reader
 reads local storage instead, so a fault costs a reader at most the timeout. A down peer is
-retried after a backoff that doubles from 1 s to 30 s. ``Peers`` maps a file to its owner
+retried after a backoff that doubles from 1 s to 30 s. ``Peers`` ranks the nodes for a file
 (``placement``) and keeps the counters the status shows.
 """
 
@@ -29,7 +29,7 @@ from coordlfs.peer_wire import (
     client_handshake,
     decode_fail,
 )
-from coordlfs.placement import Address, owner, resolve
+from coordlfs.placement import Address, owner, ranking, resolve
 from coordlfs.stats import ReadCounters
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,7 @@ class Peers:
         self.links = {node: PeerLink(node, secret, timeout) for node in nodes if node != me}
 
     def owner_of(self, path: bytes) -> PeerLink | None:
-        """The link to the node that caches ``path``; None when that is this node."""
+        """The link to the node that caches ``path`` while it has room; None for this node."""
         if not self.links:
             return None
         node = owner(path, self.nodes)
@@ -204,12 +204,19 @@ class Peers:
     def caches_here(self, path: bytes) -> bool:
         return self.owner_of(path) is None
 
-    async def read(self, path: bytes, st: os.stat_result, offset: int, size: int) \
-            -> bytes | None:
-        """``size`` bytes at ``offset`` from the owner's cache; None: read local storage."""
-        link = self.owner_of(path)
-        if link is None:
-            return None
+    def candidates(self, path: bytes) -> tuple[list[PeerLink], list[PeerLink]]:
+        """The peers ranked before this node for ``path`` (asked before caching it here) and
+        those ranked after it (asked when this node's cache is full)."""
+        if not self.links:
+            return [], []
+        order = ranking(path, self.nodes)
+        mine = order.index(self.me) if self.me in order else len(order)
+        return ([self.links[n] for n in order[:mine]],
+                [self.links[n] for n in order[mine + 1:]])
+
+    async def read(self, link: PeerLink, path: bytes, st: os.stat_result, offset: int,
+                   size: int) -> bytes | None:
+        """``size`` bytes at ``offset`` from ``link``'s cache; None: it cannot serve them."""
         chunks = []
         for start in range(offset, offset + size, MAX_CHUNK):
             request = Get(path, st.st_size, st.st_mtime_ns, start,
@@ -233,11 +240,9 @@ class Peers:
         self.counters.bytes_from_peers += len(data)
         return data
 
-    def counted_file(self, path: bytes) -> None:
-        """A reader's first bytes of a file came from its owner."""
-        link = self.owner_of(path)
-        if link is not None:
-            link.stats.files += 1
+    def counted_file(self, link: PeerLink) -> None:
+        """A reader's first bytes of a file came from ``link``."""
+        link.stats.files += 1
         self.counters.files_from_peers += 1
 
     async def run(self) -> None:

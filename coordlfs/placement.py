@@ -1,12 +1,16 @@
 """Which node of a cluster caches which file, and who this node is among its peers.
 
-Every node is started with the same ``--peers`` list and computes, for each file, one owner by
-rendezvous (highest random weight) hashing: the node whose ``XXH64(path, seed=XXH64(node))``
-is highest. Only the owner caches the file; a node that misses asks the owner, and the owner
-reads its own storage once and keeps the file (``docs/architecture.md`` has the numbers that
-chose this over announcing what each node cached). No metadata server and no messages are
-needed to find a file, and when the list changes only the files of the nodes that came or went
-move: 1/N of them for one node added to N.
+Every node is started with the same ``--peers`` list and ranks the nodes for each file by
+rendezvous (highest random weight) hashing: by ``XXH64(path, seed=XXH64(node))``, highest
+first. The file lives at the first node in its ranking whose cache has room, normally the
+first (its owner): a node that misses asks the nodes ranked before itself, then caches the
+file itself if it has room, then asks the nodes ranked after it; a node asked for a file it
+does not hold reads its own storage once and keeps it. So each file is read from storage
+once in the whole cluster while the caches together have room, even when the hash gives one
+node a little more than its share (``docs/architecture.md`` has the numbers that chose this
+over announcing what each node cached). No metadata server and no messages are needed to
+find a file, and when the list changes only the files of the nodes that came or went move:
+1/N of them for one node added to N.
 
 Nodes are named by their ``HOST:PORT`` entry exactly as written in ``--peers``, so every node
 hashes the same strings whatever its own view of DNS.
@@ -106,10 +110,16 @@ def find_self(listen: Address, peers: tuple[Address, ...]) -> Address | None:
     return mine[0] if mine else None
 
 
-def owner(path: bytes, nodes: tuple[Address, ...]) -> Address:
-    """The node that caches ``path``: highest ``XXH64(path, seed=XXH64(node))``."""
-    return max(nodes, key=lambda node: (xxhash.xxh64_intdigest(
+def ranking(path: bytes, nodes: tuple[Address, ...]) -> list[Address]:
+    """The nodes in the order they are asked to cache ``path``: highest
+    ``XXH64(path, seed=XXH64(node))`` first."""
+    return sorted(nodes, reverse=True, key=lambda node: (xxhash.xxh64_intdigest(
         path, seed=xxhash.xxh64_intdigest(str(node).encode())), str(node)))
+
+
+def owner(path: bytes, nodes: tuple[Address, ...]) -> Address:
+    """The node that caches ``path`` while it has room."""
+    return ranking(path, nodes)[0]
 
 
 def read_secret(path: str) -> bytes:

@@ -178,7 +178,7 @@ def test_nodes_caching_half_each_read_no_storage_after_the_first_epoch(mount,
     """Two nodes, each caching its half, each reading a disjoint random half per epoch (as
     DistributedSampler does): from the second epoch on neither reads storage."""
     roots, sizes = copies(tmp_path, 2, files=200)
-    cache = int(sum(sizes.values()) * 0.6)
+    cache = sum(sizes.values()) // 2 + max(sizes.values())  # half, and room for one file more
     nodes = cluster(mount, roots, "--insecure", "--cache-size", str(cache))
     names = sorted(sizes)
     want = source_digests(roots[0], sizes)
@@ -201,13 +201,17 @@ def test_nodes_caching_half_each_read_no_storage_after_the_first_epoch(mount,
 def test_a_peer_down_at_mount_time_or_killed_mid_epoch(mount, tmp_path: Path) -> None:
     roots, sizes = copies(tmp_path, 2)
     ports = [free_port(), free_port()]
-    (a,) = cluster(mount, roots, "--insecure", "--peer-timeout", "1", ports=ports, start=1)
+    # A's cache holds a little more than its share: what B should hold goes to B once B is up.
+    room = str(int(sum(sizes.values()) * 0.55))
+    (a,) = cluster(mount, roots, "--insecure", "--peer-timeout", "1", "--cache-size", room,
+                   ports=ports, start=1)
     names = sorted(sizes)
     want = source_digests(roots[0], sizes)
     assert read_files(a.mountpoint, names) == want  # B was never started
     link = a.status()["peers"]["links"][f"127.0.0.1:{ports[1]}"]
     assert link["failures"] >= 1 and "refused" in link["last_error"].lower()
     assert reads(a)["bytes_from_source"] == sum(sizes.values())
+    assert a.status()["cache"]["used_bytes"] > 0.5 * sum(sizes.values())  # B's share too
     # B comes up late: after the backoff A uses it.
     b = mount(roots[1], "--listen", f"127.0.0.1:{ports[1]}", "--peers",
               ",".join(f"127.0.0.1:{p}" for p in ports), "--insecure")
