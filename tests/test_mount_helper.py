@@ -147,6 +147,15 @@ def test_bad_option_is_one_line_error(target: Target, option: str, says: str) ->
     assert fstype_at(target.mountpoint) is None
 
 
+def test_cluster_options_map_to_flags(helper: Path) -> None:
+    result = run(str(helper), "/data", "/mnt/data", "-f", "-v", "-o",
+                 "listen=0.0.0.0:7878,peers=h1:7878+h2:7878,secret_file=/etc/s,peer_timeout=1,"
+                 "insecure")
+    assert result.returncode == 0, result.stderr
+    assert ("--listen 0.0.0.0:7878 --peers h1:7878,h2:7878 --secret-file /etc/s "
+            "--peer-timeout 1 --insecure") in result.stderr
+
+
 def test_examples_are_accepted(helper: Path) -> None:
     """The options of fstab.example and mnt-data.mount pass the helper (-f: check, do not mount)."""
     lines = [line for line in (MOUNT_DIR / "fstab.example").read_text().splitlines()
