@@ -23,9 +23,11 @@ from coordlfs.mounting import process_alive, wait_exit
 COORDLFS = [sys.executable, "-m", "coordlfs"]
 
 
-def run_cli(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([*COORDLFS, *args], capture_output=True, text=True, timeout=timeout,
-                          **kwargs)
+def run_cli(*args: str, timeout: float = 60, enter: tuple[str, ...] = (),
+            **kwargs) -> subprocess.CompletedProcess:
+    """``coordlfs ARGS``, prefixed by ``enter`` (such as nsenter into a node's network)."""
+    return subprocess.run([*enter, *COORDLFS, *args], capture_output=True, text=True,
+                          timeout=timeout, **kwargs)
 
 
 def make_dataset(root: Path, files: int, seed: int = 0) -> dict[str, int]:
@@ -87,7 +89,7 @@ def mount(tmp_path: Path) -> Iterator:
     cache_dirs: list[Path] = []
 
     def _mount(source: Path, *options: str, mountpoint: Path | None = None,
-               cache_dir: Path | None = None) -> Mount:
+               cache_dir: Path | None = None, enter: tuple[str, ...] = ()) -> Mount:
         n = len(made)
         mp = mountpoint or tmp_path / f"mnt{n}"
         mp.mkdir(exist_ok=True)
@@ -95,7 +97,7 @@ def mount(tmp_path: Path) -> Iterator:
         cache_dirs.append(cache)
         log = tmp_path / f"mount{n}.log"
         result = run_cli("mount", str(source), str(mp), "--cache-dir", str(cache),
-                         "--log", str(log), *options)
+                         "--log", str(log), *options, enter=enter)
         assert result.returncode == 0, result.stderr + (log.read_text() if log.exists() else "")
         status = json.loads((mp / ".coordlfs").read_bytes())
         m = Mount(source, mp, cache, log, status["pid"])

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import trio
 import xxhash
-from conftest import Mount, digests, drop_caches, make_dataset, run_cli
+from conftest import Mount, digests, drop_caches, force_unmount, make_dataset, run_cli
 
+from coordlfs.bench.netns import cluster_network
 from coordlfs.control import Control
 from coordlfs.errors import UserError
 from coordlfs.mounting import process_alive
@@ -355,6 +356,34 @@ def test_hostile_requests_are_refused_and_the_mount_stays_up(mount, tmp_path: Pa
     served = a.status()["served"]
     assert served["refused"] >= 8 and served["connections"] == 2
     assert (a.mountpoint / "outfile").is_symlink()  # the mount still works
+
+
+def test_nodes_in_their_own_network_namespaces(mount, tmp_path: Path) -> None:
+    """Two nodes with their own addresses, joined by veth pairs, with a shared secret."""
+    roots, sizes = copies(tmp_path, 2)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"a secret shared by both nodes, 40 bytes..")
+    secret.chmod(0o600)
+    with cluster_network(2, link="1gbit") as net:
+        peers = ",".join(f"{n.address}:7878" for n in net)
+        nodes = [mount(root, "--listen", f"{n.address}:7878", "--peers", peers,
+                       "--secret-file", str(secret), enter=tuple(n.enter()))
+                 for root, n in zip(roots, net, strict=True)]
+        try:
+            want = source_digests(roots[0], sizes)
+            for m in nodes:
+                assert read_files(m.mountpoint, sorted(sizes)) == want
+            a, b = (m.status() for m in nodes)
+            assert a["reads"]["files_from_source"] + b["reads"]["files_from_source"] == len(sizes)
+            assert a["peers"]["self"] == f"{net[0].address}:7878"
+            link = a["peers"]["links"][f"{net[1].address}:7878"]
+            assert link["state"] == "up" and link["bytes"] == b["served"]["bytes"] > 0
+            # the nodes' traffic stays in their network: the host cannot reach their port
+            with pytest.raises(OSError):
+                socket.create_connection((net[0].address, 7878), timeout=1).close()
+        finally:
+            for m in nodes:  # unmount before the namespaces go
+                force_unmount(m.mountpoint, m.pid)
 
 
 def test_peer_commands_show_the_cluster(mount, tmp_path: Path) -> None:
