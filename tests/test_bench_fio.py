@@ -172,10 +172,11 @@ def test_tiny_run_measures_every_job_on_both_sides_and_cleans_up(tmp_path: Path)
                 runner.wait()
         if mount_at(str(work / "mnt")) is not None:
             force_unmount(work / "mnt", None)
-        shutil.rmtree(f"/dev/shm/coordlfs-bench-{runner.pid}", ignore_errors=True)
+        for leftover in Path("/dev/shm").glob(f"coordlfs-bench-{runner.pid}-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
     assert runner.returncode == 0, stderr
     assert left_mounted is None
-    assert not Path(f"/dev/shm/coordlfs-bench-{runner.pid}").exists()
+    assert not list(Path("/dev/shm").glob(f"coordlfs-bench-{runner.pid}-*"))
     assert "coordlfs/source" in stdout
     report = json.loads(out.read_text())
     measured = {(r["job"], r["target"]): r for r in report["results"]}

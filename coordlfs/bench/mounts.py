@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from coordlfs.control import Control
@@ -55,16 +55,16 @@ def _uninterrupted() -> Iterator[None]:
 
 @contextlib.contextmanager
 def coordlfs_mount(source: Path, mountpoint: Path, cache_size: int, log: Path,
-                   *options: str) -> Iterator[Control]:
-    """Mount ``source`` with the ``coordlfs`` command (and ``options``); unmount and drop the
-    cache on exit."""
-    cache_dir = Path("/dev/shm") / f"coordlfs-bench-{os.getpid()}"
+                   *options: str, enter: Sequence[str] = ()) -> Iterator[Control]:
+    """Mount ``source`` with the ``coordlfs`` command (and ``options``), run after ``enter``
+    (such as nsenter into a node's network); unmount and drop the cache on exit."""
+    cache_dir = Path("/dev/shm") / f"coordlfs-bench-{os.getpid()}-{mountpoint.name}"
     mountpoint.mkdir(exist_ok=True)
     with tempfile.TemporaryFile("w+") as err:
         # Own session, so an interrupt cannot stop the client while its daemon goes on
         # mounting: on the way out we wait for it, then unmount what it mounted.
         client = subprocess.Popen(
-            [sys.executable, "-m", "coordlfs", "mount", str(source), str(mountpoint),
+            [*enter, sys.executable, "-m", "coordlfs", "mount", str(source), str(mountpoint),
              "--cache-size", str(cache_size), "--cache-dir", str(cache_dir), "--log", str(log),
              *options],
             stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
