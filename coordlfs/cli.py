@@ -151,10 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench_modules() -> dict:
-    from coordlfs.bench import aligned, epochs, fio, hits, overhead, staggering
+    from coordlfs.bench import aligned, cluster, epochs, fio, hits, overhead, staggering
 
-    return {"aligned": aligned, "epochs": epochs, "fio": fio, "hits": hits, "overhead": overhead,
-            "stagger": staggering}
+    return {"aligned": aligned, "cluster": cluster, "epochs": epochs, "fio": fio, "hits": hits,
+            "overhead": overhead, "stagger": staggering}
 
 
 def resolve_mount(args: argparse.Namespace) -> MountConfig:

@@ -1,0 +1,410 @@
+"""Partitioned caching: N nodes, each reading a disjoint 1/N of the dataset per epoch.
+
+Each node has its own copy of the dataset (as each server of a cluster has its own disk),
+its own storage throttle and memory budget (a cgroup), its own reader processes and, for
+coordlfs, its own mount whose daemon lives in the node's network namespace
+(``coordlfs.bench.netns``) behind a link shaped with tc. Every epoch the nodes read the shares
+``DistributedSampler`` would give them (``epoch_order(seed, epoch)[rank::N]``) at the same
+time, and the epoch ends when the slowest node finishes, as synchronous training does. Three
+systems: the page cache; MinIO alone (each node caches what it reads); MinIO with peers (a
+miss is fetched from the node that caches the file). Storage bytes per node come from the
+kernel's per-process counters of the readers (page cache) or the daemon (coordlfs).
+
+A second part measures the peer path's throughput on an unshaped loopback link: a large file
+that one mount caches read through the other mount, and the same bytes fetched with the
+peer protocol alone, beside plain TCP between two processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from coordlfs.bench.aligned import Plan as JobPlan
+from coordlfs.bench.aligned import budget_for
+from coordlfs.bench.cgroup import memory_cgroup, remove_stale
+from coordlfs.bench.counters import drop_caches, process_bytes_read
+from coordlfs.bench.dataset import Dataset
+from coordlfs.bench.epochs import (
+    Readers,
+    add_training_arguments,
+    batches_of,
+    check_can_run,
+    load_dataset,
+    readers,
+)
+from coordlfs.bench.mounts import coordlfs_mount
+from coordlfs.bench.netns import Node, cluster_network, rate_bits
+from coordlfs.bench.netns import check_can_run as check_netns
+from coordlfs.bench.netns import remove_stale as remove_stale_network
+from coordlfs.control import Control
+from coordlfs.errors import UserError
+from coordlfs.order import epoch_order
+from coordlfs.peer_wire import MAX_CHUNK, Get, Kind
+from coordlfs.peers import PeerLink
+from coordlfs.placement import Address, owner
+from coordlfs.sizes import format_size, parse_size
+
+CGROUP_PREFIX = "coordlfs-cluster"
+SYSTEMS = ("page cache", "minio", "minio+peers")
+PORT = 7878
+#: The size of the file read in the throughput part, and GETs in flight for it.
+THROUGHPUT_BYTES = 512 << 20
+DEPTH = 8
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", help="an existing dataset directory (default: generate one)")
+    parser.add_argument("--make", default="10000:110K", metavar="N:SIZE",
+                        help="generate N files of mean SIZE (default 10000:110K)")
+    parser.add_argument("--work", default="/var/tmp/coordlfs-cluster",
+                        help="work directory on disk: the nodes' dataset copies and mounts")
+    parser.add_argument("--nodes", type=int, default=2, help="nodes (default 2)")
+    parser.add_argument("--cache", type=float, default=0.5,
+                        help="each node's cache as a fraction of the dataset (default 0.5)")
+    parser.add_argument("--link", default="10gbit",
+                        help="tc rate of each node's link (default 10gbit; none: unshaped)")
+    parser.add_argument("--no-throughput", dest="throughput", action="store_false",
+                        help="skip the loopback throughput part")
+    add_training_arguments(parser, readers=4, readers_help="reader processes per node",
+                           compute_ms=0.0)
+
+
+@dataclass(slots=True)
+class NodeEpoch:
+    seconds: float
+    stall_percent: float
+    storage_bytes: int
+    peer_bytes: int
+
+
+@dataclass(slots=True)
+class SystemResult:
+    system: str
+    #: per epoch, per node
+    epochs: list[list[NodeEpoch]]
+    cache_bytes: int
+
+    def epoch_seconds(self, epoch: int) -> float:
+        """An epoch of synchronous training lasts as long as its slowest node."""
+        return max(n.seconds for n in self.epochs[epoch])
+
+    def storage(self, epoch: int) -> int:
+        return sum(n.storage_bytes for n in self.epochs[epoch])
+
+    @property
+    def later_storage(self) -> int:
+        return sum(self.storage(e) for e in range(1, len(self.epochs)))
+
+    @property
+    def later_seconds(self) -> float:
+        return sum(self.epoch_seconds(e) for e in range(1, len(self.epochs)))
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    nodes: int
+    epochs: int
+    readers: int
+    batch: int
+    compute_s: float
+    seed: int
+    throttle: int | None
+    link: str | None
+    cache: int
+
+
+def node_copies(dataset: Dataset, work: Path, nodes: int) -> list[Path]:
+    """The dataset for node 0, and a copy with the same sizes and mtimes for each other node."""
+    roots = [dataset.root]
+    for i in range(1, nodes):
+        copy = work / f"node{i}"
+        if not (copy / ".complete").exists():
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(dataset.root, copy, copy_function=shutil.copy2)
+            (copy / ".complete").touch()
+        roots.append(copy)
+    return roots
+
+
+def _secret(work: Path) -> Path:
+    path = work / "secret"
+    if not path.exists():
+        path.write_bytes(os.urandom(24).hex().encode())
+    path.chmod(0o600)
+    return path
+
+
+def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
+               work: Path) -> SystemResult:
+    names = [rel for rel, _size in dataset.files]
+    # a node's budget is that of one job of ``readers`` in ``bench aligned``
+    budget = budget_for(dataset, plan.cache, 0, JobPlan(1, plan.epochs, plan.readers,
+                                                        plan.batch, plan.compute_s, plan.seed,
+                                                        plan.throttle))
+    with contextlib.ExitStack() as stack:
+        net: list[Node] | None = None
+        if system == "minio+peers":
+            net = stack.enter_context(cluster_network(plan.nodes, plan.link))
+        groups: list[Readers] = []
+        storage_pids: list[list[int]] = []
+        controls: list[Control | None] = []
+        bases: list[Path] = []
+        for i, root in enumerate(roots):
+            cgroup = stack.enter_context(memory_cgroup(
+                f"{CGROUP_PREFIX}-{os.getpid()}-{i}", None, None, read_bps=plan.throttle,
+                throttle_path=root if plan.throttle else None))
+            group = stack.enter_context(readers(plan.readers))
+            for pid in group.pids:
+                cgroup.add(pid)
+            groups.append(group)
+            if system == "page cache":
+                storage_pids.append(group.pids)
+                controls.append(None)
+                bases.append(root)
+            else:
+                options: list[str] = ["--window-size", "0"]
+                enter: list[str] = []
+                if net is not None:
+                    peers = ",".join(f"{n.address}:{PORT}" for n in net)
+                    options += ["--listen", f"{net[i].address}:{PORT}", "--peers", peers,
+                                "--secret-file", str(_secret(work))]
+                    enter = net[i].enter()
+                base = work / f"mnt{i}"
+                control = stack.enter_context(coordlfs_mount(
+                    root, base, plan.cache, work / f"mount{i}.log", *options, enter=enter))
+                daemon = control.status()["pid"]
+                cgroup.add(daemon)
+                storage_pids.append([daemon])
+                controls.append(control)
+                bases.append(base)
+            cgroup.set_memory_limit(budget)
+        drop_caches()
+        epochs = []
+        with ThreadPoolExecutor(plan.nodes) as pool:
+            for epoch in range(plan.epochs):
+                order = epoch_order(plan.seed, epoch, len(names))
+                before = [_counters(pids, control)
+                          for pids, control in zip(storage_pids, controls, strict=True)]
+                futures = [pool.submit(groups[i].epoch,
+                                       batches_of([names[k] for k in order[i::plan.nodes]],
+                                                  bases[i], plan.batch), plan.compute_s)
+                           for i in range(plan.nodes)]
+                done = [f.result() for f in futures]
+                after = [_counters(pids, control)
+                         for pids, control in zip(storage_pids, controls, strict=True)]
+                epochs.append([NodeEpoch(round(seconds, 3), round(100 * waited / seconds, 1),
+                                         a[0] - b[0], a[1] - b[1])
+                               for (seconds, waited, _got), a, b in zip(done, after, before,
+                                                                         strict=True)])
+                _print_epoch(system, epoch, epochs[-1], dataset)
+    return SystemResult(system, epochs, plan.cache)
+
+
+def _counters(pids: list[int], control: Control | None) -> tuple[int, int]:
+    stored = sum(process_bytes_read(pid) for pid in pids)
+    return stored, control.status()["reads"]["bytes_from_peers"] if control else 0
+
+
+def _print_epoch(system: str, epoch: int, nodes: list[NodeEpoch], dataset: Dataset) -> None:
+    total = dataset.total_bytes
+    print(f"  {system:12} epoch {epoch + 1}: "
+          f"{max(n.seconds for n in nodes):6.1f} s; storage "
+          f"{' '.join(f'{n.storage_bytes / total:.3f}' for n in nodes)}, peers "
+          f"{' '.join(f'{n.peer_bytes / total:.3f}' for n in nodes)} of the dataset per node",
+          flush=True)
+
+
+# -- throughput on loopback --------------------------------------------------------------------
+
+def _tcp_sink(port_conn: Any, total: int) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port_conn.send(server.getsockname()[1])
+        conn, _ = server.accept()
+        with conn:
+            buf = bytearray(MAX_CHUNK)
+            got = 0
+            while got < total and (n := conn.recv_into(buf)):
+                got += n
+        port_conn.send(got)
+
+
+def raw_tcp_throughput(total: int) -> float:
+    """Bytes per second of plain TCP between this process and another on loopback."""
+    context = multiprocessing.get_context("fork")
+    parent, child = context.Pipe()
+    proc = context.Process(target=_tcp_sink, args=(child, total), daemon=True)
+    proc.start()
+    try:
+        port = parent.recv()
+        chunk = os.urandom(MAX_CHUNK)
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            started = time.perf_counter()
+            for _ in range(total // MAX_CHUNK):
+                s.sendall(chunk)
+            s.shutdown(socket.SHUT_WR)
+            if parent.recv() != total:
+                raise UserError("the TCP sink received fewer bytes than sent")
+            return total / (time.perf_counter() - started)
+    finally:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+
+
+async def _protocol_fetch(address: Address, path: bytes, st: os.stat_result) -> float:
+    link = PeerLink(address, b"", timeout=30)
+    async with trio.open_nursery() as nursery:
+        link.nursery = nursery
+        offsets = iter(range(0, st.st_size, MAX_CHUNK))
+        started = time.perf_counter()
+
+        async def worker() -> None:
+            for offset in offsets:
+                kind, _data = await link.get(Get(path, st.st_size, st.st_mtime_ns, offset,
+                                                 min(MAX_CHUNK, st.st_size - offset)))
+                if kind != Kind.DATA:
+                    raise UserError("the peer did not serve the file")
+
+        async with trio.open_nursery() as workers:
+            for _ in range(DEPTH):
+                workers.start_soon(worker)
+        seconds = time.perf_counter() - started
+        nursery.cancel_scope.cancel()
+    return st.st_size / seconds
+
+
+def throughput(work: Path) -> dict[str, float]:
+    """Peer fetch throughput through the mount and with the protocol alone, and raw TCP."""
+    ports = [_free_port(), _free_port()]
+    nodes = (Address("127.0.0.1", ports[0]), Address("127.0.0.1", ports[1]))
+    roots = [work / "tp0", work / "tp1"]
+    name = next(f"big-{i}.bin" for i in range(1000)
+                if owner(f"big-{i}.bin".encode(), nodes) == nodes[1])
+    for root in roots:
+        root.mkdir(exist_ok=True)
+    if not (roots[0] / name).exists():
+        with open(roots[0] / name, "wb") as f:
+            for _ in range(THROUGHPUT_BYTES // MAX_CHUNK):
+                f.write(os.urandom(MAX_CHUNK))
+    for old in roots[1].iterdir():
+        old.unlink()
+    shutil.copy2(roots[0] / name, roots[1] / name)
+    peers = ",".join(map(str, nodes))
+    cache = 2 * THROUGHPUT_BYTES
+    with contextlib.ExitStack() as stack:
+        for i, root in enumerate(roots):
+            stack.enter_context(coordlfs_mount(
+                root, work / f"tpmnt{i}", cache, work / f"tp{i}.log", "--listen",
+                str(nodes[i]), "--peers", peers, "--insecure", "--max-file-size", str(cache)))
+        (work / "tpmnt1" / name).read_bytes()  # node 1 caches it
+        drop_caches()
+        started = time.perf_counter()
+        with open(work / "tpmnt0" / name, "rb") as f:
+            while f.read(MAX_CHUNK):
+                pass
+        through_mount = THROUGHPUT_BYTES / (time.perf_counter() - started)
+        if Control(work / "tpmnt0").status()["reads"]["bytes_from_peers"] < THROUGHPUT_BYTES:
+            raise UserError("the throughput file was not read from the peer")
+        protocol = trio.run(_protocol_fetch, nodes[1], name.encode(), (roots[1] / name).stat())
+    raw = raw_tcp_throughput(THROUGHPUT_BYTES)
+    result = {"mount_bytes_per_s": round(through_mount), "protocol_bytes_per_s": round(protocol),
+              "raw_tcp_bytes_per_s": round(raw),
+              "mount_vs_raw": round(through_mount / raw, 3),
+              "protocol_vs_raw": round(protocol / raw, 3)}
+    print(f"loopback: through the mount {through_mount / 1e9:.2f} GB/s, peer protocol "
+          f"{protocol / 1e9:.2f} GB/s, raw TCP {raw / 1e9:.2f} GB/s", flush=True)
+    return result
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the command -------------------------------------------------------------------------------
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def summarize(runs: list[dict[str, SystemResult]]) -> dict[str, Any]:
+    def median(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return round(statistics.median(known), 3) if known else None
+
+    storage = [_ratio(r["minio"].later_storage, r["minio+peers"].later_storage) for r in runs]
+    seconds = [_ratio(r["minio"].later_seconds, r["minio+peers"].later_seconds) for r in runs]
+    page = [_ratio(r["page cache"].later_seconds, r["minio+peers"].later_seconds) for r in runs]
+    return {
+        "storage_bytes_ratio": median(storage),
+        "storage_bytes_ratio_runs": storage,
+        "peers_storage_bytes_after_first_epoch": [r["minio+peers"].later_storage for r in runs],
+        "minio_storage_bytes_after_first_epoch": [r["minio"].later_storage for r in runs],
+        "epoch_time_ratio": median(seconds),
+        "epoch_time_ratio_runs": seconds,
+        "page_cache_epoch_time_ratio": median(page),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    check_can_run()
+    check_netns()
+    if not 1 <= args.nodes <= 16 or min(args.epochs, args.readers, args.batch,
+                                        args.repeat) < 1:
+        raise UserError("--nodes must be 1 to 16; --epochs, --readers, --batch and --repeat "
+                        "at least 1")
+    if not 0 < args.cache <= 1 or args.compute_ms < 0:
+        raise UserError("--cache is a fraction of the dataset in (0, 1]; --compute-ms must "
+                        "not be negative")
+    link = None if args.link == "none" else args.link
+    if link is not None:
+        rate_bits(link)
+    throttle = None if args.throttle == "none" else parse_size(args.throttle, "--throttle")
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    remove_stale(CGROUP_PREFIX)
+    remove_stale_network()
+    dataset = load_dataset(args)
+    roots = node_copies(dataset, work, args.nodes)
+    cache = int(dataset.total_bytes * args.cache)
+    plan = Plan(args.nodes, args.epochs, args.readers, args.batch, args.compute_ms / 1000,
+                args.seed, throttle, link, cache)
+    print(f"dataset {dataset.root}: {len(dataset.files)} files, "
+          f"{format_size(dataset.total_bytes)}; {args.nodes} nodes, each caching "
+          f"{format_size(cache)}; link {link or 'unshaped'}; throttle "
+          f"{format_size(throttle) + '/s' if throttle else 'none'} per node", flush=True)
+    runs = []
+    for number in range(1, args.repeat + 1):
+        print(f"run {number} of {args.repeat}", flush=True)
+        runs.append({s: run_system(s, plan, dataset, roots, work) for s in SYSTEMS})
+    summary = summarize(runs)
+    loopback = throughput(work) if args.throughput else None
+    for key, value in summary.items():
+        print(f"{key} {value}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "dataset": {"root": str(dataset.root), "files": len(dataset.files),
+                        "bytes": dataset.total_bytes},
+            "settings": {k: v for k, v in vars(args).items() if k != "func"
+                         and isinstance(v, int | float | str | type(None))},
+            "cache_bytes_per_node": cache,
+            "runs": [{s: asdict(r) for s, r in run_.items()} for run_ in runs],
+            "summary": summary,
+            "loopback_throughput": loopback,
+        }, indent=1) + "\n")
+    return 0
