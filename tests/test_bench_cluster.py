@@ -1,0 +1,61 @@
+"""coordlfs bench cluster: its arithmetic, and one small real run checked by its counters."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from coordlfs.bench.cluster import NodeEpoch, SystemResult, summarize
+
+
+def _result(system: str, storage: list[int], seconds: list[float]) -> SystemResult:
+    epochs = [[NodeEpoch(s, 0.0, b // 2, 0), NodeEpoch(s / 2, 0.0, b - b // 2, 0)]
+              for b, s in zip(storage, seconds, strict=True)]
+    return SystemResult(system, epochs, 100)
+
+
+def test_summary_is_minio_over_peers_after_the_first_epoch() -> None:
+    runs = [{"page cache": _result("page cache", [100, 90, 90], [10, 9, 9]),
+             "minio": _result("minio", [100, 50, 50], [10, 6, 6]),
+             "minio+peers": _result("minio+peers", [100, 10, 10], [10, 2, 2])}]
+    summary = summarize(runs)
+    assert summary["storage_bytes_ratio"] == 5.0
+    assert summary["epoch_time_ratio"] == 3.0  # the slowest node's epoch counts
+    assert summary["page_cache_epoch_time_ratio"] == 4.5
+    assert summary["peers_storage_bytes_after_first_epoch"] == [20]
+    zero = [{**runs[0], "minio+peers": _result("minio+peers", [100, 0, 0], [10, 2, 2])}]
+    assert summarize(zero)["storage_bytes_ratio"] is None  # no storage reads: no finite ratio
+
+
+def test_small_run_end_to_end(tmp_path: Path) -> None:
+    """Two nodes each caching 60%: with peers the second epoch reads nothing from storage."""
+    out = tmp_path / "cluster.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "coordlfs", "bench", "cluster", "--make", "300:64K",
+         "--work", str(tmp_path / "work"), "--nodes", "2", "--cache", "0.6", "--throttle",
+         "none", "--link", "1gbit", "--epochs", "2", "--readers", "2", "--no-throughput",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    total = report["dataset"]["bytes"]
+    systems = report["runs"][0]
+    assert set(systems) == {"page cache", "minio", "minio+peers"}
+    peers = systems["minio+peers"]["epochs"]
+    assert sum(n["storage_bytes"] for n in peers[0]) >= total * 0.99
+    assert sum(n["storage_bytes"] for n in peers[1]) == 0
+    assert sum(n["peer_bytes"] for n in peers[1]) > 0
+    minio = systems["minio"]["epochs"]
+    assert sum(n["storage_bytes"] for n in minio[1]) > 0  # each node misses the other's half
+    assert report["summary"]["peers_storage_bytes_after_first_epoch"] == [0]
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
+    for args in (["--nodes", "0"], ["--cache", "2"], ["--link", "fast"], ["--nodes", "x"]):
+        result = subprocess.run([sys.executable, "-m", "coordlfs", "bench", "cluster",
+                                 "--work", str(tmp_path), *args],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode != 0
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
