@@ -181,6 +181,9 @@ def _describe(e: BaseException) -> str:
         return "timed out"
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
+    causes = getattr(e.__cause__, "exceptions", ())  # trio's "all attempts ... failed"
+    if causes and isinstance(causes[0], OSError) and causes[0].strerror:
+        return causes[0].strerror
     return str(e) or e.__class__.__name__
 
 
