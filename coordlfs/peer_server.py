@@ -22,16 +22,15 @@ import os
 import socket
 import stat
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import trio
 
-from coordlfs.cache import MinioCache
+from coordlfs.cache import Entry, MinioCache
 from coordlfs.control_server import ControlServer, RequestError, require
 from coordlfs.errors import UserError
 from coordlfs.peer_wire import (
     Fail,
-    Frame,
     FrameStream,
     Get,
     Kind,
@@ -44,6 +43,13 @@ from coordlfs.placement import Address, resolve
 from coordlfs.source import Source
 
 log = logging.getLogger(__name__)
+
+
+class _Waiting(NamedTuple):
+    """A request whose range is still being filled into MinIO."""
+
+    entry: Entry
+    request: Get
 
 #: Requests one connection may have in progress; more wait for one to finish (the peer's
 #: reads of a whole epoch must not become thousands of tasks here).
@@ -120,9 +126,14 @@ class PeerServer:
                 if frame.kind == Kind.PING:
                     await frames.send(Kind.PONG, frame.request_id)
                 elif frame.kind == Kind.GET:
-                    token = object()
-                    await limit.acquire_on_behalf_of(token)
-                    requests.start_soon(self._request, frames, frame, limit, token)
+                    answer = self._answer_now(frame.payload)
+                    if isinstance(answer, _Waiting):  # a fill in progress: answer in a task
+                        token = object()
+                        await limit.acquire_on_behalf_of(token)
+                        requests.start_soon(self._request, frames, frame.request_id, answer,
+                                            limit, token)
+                    else:
+                        await frames.send(answer[0], frame.request_id, answer[1])
                 else:
                     raise ProtocolError(f"unexpected {frame.kind.name} frame")
         except ProtocolError as e:
@@ -132,26 +143,29 @@ class PeerServer:
             log.info("peer connection from %s lost: %s", peer, e)
         requests.cancel_scope.cancel()
 
-    async def _request(self, frames: FrameStream, frame: Frame, limit: trio.CapacityLimiter,
-                       token: object) -> None:
+    async def _request(self, frames: FrameStream, request_id: int, waiting: _Waiting,
+                       limit: trio.CapacityLimiter, token: object) -> None:
         try:
             try:
-                kind, payload = await self._answer(frame.payload)
+                kind, payload = await self._answer_when_filled(waiting)
             except Exception as e:  # a bug answering one request fails that request only
                 log.exception("answering a peer request failed")
                 kind, payload = Kind.FAIL, encode_fail(Fail.ERROR, str(e))
             # a peer that is gone is noticed by its connection handler
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError,
                                      OSError):
-                await frames.send(kind, frame.request_id, payload)
+                await frames.send(kind, request_id, payload)
         finally:
             limit.release_on_behalf_of(token)
 
-    async def _answer(self, payload: bytes) -> tuple[Kind, bytes]:
+    def _answer_now(self, payload: bytes) -> tuple[Kind, bytes | memoryview] | _Waiting:
+        """Everything about a request that needs no waiting, on the event loop: the answer,
+        or the entry being filled that the answer waits for. Metadata is looked up inline,
+        as FUSE lookups are: the source's dentries are normally cached."""
         self.stats.requests += 1
         try:
             request = Get.decode(payload)
-            st = await trio.to_thread.run_sync(self._regular_file, request.path)
+            st = self._regular_file(request.path)
         except ProtocolError as e:
             self.stats.refused += 1
             log.warning("refused a peer request: %s", e)
@@ -166,16 +180,26 @@ class PeerServer:
         assert self.nursery is not None
         entry = self.cache.start_fill((st.st_dev, st.st_ino), request.path, st, self.source,
                                       self.nursery)
-        end = request.offset + request.length
-        if entry is None or not await self.cache.wait_for(entry, end):
+        if entry is None:
             self.stats.misses += 1
             return Kind.FAIL, encode_fail(Fail.MISS, "not cached here")
-        data = bytes(self.cache.data(entry, request.offset, request.length))
-        if entry.failed:  # dropped (the file changed) while we copied: the bytes may be gone
-            self.stats.stale += 1
-            return Kind.FAIL, encode_fail(Fail.STALE, "changed while being served")
-        self.stats.bytes += len(data)
-        return Kind.DATA, data
+        if not entry.complete:
+            return _Waiting(entry, request)
+        return self._data(entry, request)
+
+    async def _answer_when_filled(self, waiting: _Waiting) -> tuple[Kind, bytes | memoryview]:
+        entry, request = waiting
+        if not await self.cache.wait_for(entry, request.offset + request.length):
+            self.stats.misses += 1
+            return Kind.FAIL, encode_fail(Fail.MISS, "caching failed here")
+        return self._data(entry, request)
+
+    def _data(self, entry: Entry, request: Get) -> tuple[Kind, memoryview]:
+        """A view of the cached range, not a copy: the frame's checksum is taken from it at
+        once, so if the entry were dropped (its file changed) before the bytes leave, the
+        receiver would see a checksum mismatch, never wrong bytes."""
+        self.stats.bytes += request.length
+        return Kind.DATA, self.cache.data(entry, request.offset, request.length)
 
     def _regular_file(self, path: bytes) -> os.stat_result:
         """The file's status, if every component is inside the dataset and no symlink."""

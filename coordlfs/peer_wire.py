@@ -58,6 +58,9 @@ MAX_PAYLOAD = MAX_CHUNK + 4096
 GET_HEADER = struct.Struct("!QqQI")
 MAX_PATH = 4096
 MAX_FAIL_MESSAGE = 200
+#: Payloads up to this size are joined to their header (one send); larger ones are sent
+#: after it, which costs a second send but not a copy.
+_JOIN_BELOW = 64 << 10
 NONCE_SIZE = 32
 _READ_SIZE = 1 << 16
 
@@ -109,17 +112,21 @@ class FrameStream:
         self._send_lock = trio.Lock()
 
     async def send(self, kind: Kind, request_id: int, payload: bytes | memoryview = b"") -> None:
-        """Send one frame in a single ``send_all`` under a lock, so that concurrent
-        requests on one connection never interleave their bytes."""
+        """Send one frame under a lock, so that concurrent requests on one connection never
+        interleave their bytes. The checksum is taken before the first await; a large payload
+        goes out as it is rather than copied behind its header."""
         if len(payload) > MAX_PAYLOAD:
             raise ValueError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
         if not 0 <= request_id < 1 << 32:
             raise ValueError(f"request id {request_id} out of range")
         header = HEADER.pack(MAGIC, VERSION, kind, request_id, len(payload),
                              xxhash.xxh64_intdigest(payload))
-        data = header + payload
         async with self._send_lock:
-            await self.stream.send_all(data)
+            if len(payload) > _JOIN_BELOW:
+                await self.stream.send_all(header)
+                await self.stream.send_all(payload)
+            else:
+                await self.stream.send_all(header + payload)
 
     async def receive(self) -> Frame | None:
         """The next frame, or None when the peer closed the connection between frames."""
