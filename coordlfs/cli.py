@@ -13,6 +13,7 @@ from coordlfs.config import (
     DEFAULT_MAX_FILE_SHARE,
     DEFAULT_PEER_TIMEOUT,
     DEFAULT_PREFETCH_DEPTH,
+    DEFAULT_STAGING_SIZE,
     DEFAULT_WINDOW_SIZE,
     MountConfig,
     default_cache_dir,
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=DEFAULT_PREFETCH_DEPTH,
                    help="storage requests in flight reading ahead of an aligned group "
                         f"(default {DEFAULT_PREFETCH_DEPTH}; 0 turns read-ahead off)")
+    m.add_argument("--staging-size", metavar="SIZE",
+                   help="shared memory for batches prep-sharing jobs prepared for each other "
+                        "(default 2G; producers wait when it is full)")
     m.add_argument("--listen", metavar="HOST:PORT",
                    help="serve the files this node caches to its peers on this address")
     m.add_argument("--peers", metavar="HOST:PORT,...",
@@ -151,10 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench_modules() -> dict:
-    from coordlfs.bench import aligned, cluster, epochs, fio, hits, overhead, staggering
+    from coordlfs.bench import aligned, cluster, epochs, fio, hits, hpsearch, overhead, staggering
 
     return {"aligned": aligned, "cluster": cluster, "epochs": epochs, "fio": fio, "hits": hits,
-            "overhead": overhead, "stagger": staggering}
+            "hpsearch": hpsearch, "overhead": overhead, "stagger": staggering}
 
 
 def resolve_mount(args: argparse.Namespace) -> MountConfig:
@@ -178,11 +182,15 @@ def resolve_mount(args: argparse.Namespace) -> MountConfig:
         max_file = parse_size(args.max_file_size, "--max-file-size")
     window = (DEFAULT_WINDOW_SIZE if args.window_size is None
               else parse_size(args.window_size, "--window-size"))
+    staging = (DEFAULT_STAGING_SIZE if args.staging_size is None
+               else parse_size(args.staging_size, "--staging-size"))
+    if staging <= 0:
+        raise UserError(f"bad --staging-size {args.staging_size}: must be more than 0")
     log_file = args.log or (None if args.foreground else default_log_file(mountpoint))
     if not 0 <= args.prefetch_depth <= 64:
         raise UserError(f"bad --prefetch-depth {args.prefetch_depth}: 0 to 64")
     return MountConfig(source, mountpoint, cache_size, max_file, cache_dir, window,
-                       args.prefetch_depth, keep_cache=args.keep_cache,
+                       args.prefetch_depth, staging, keep_cache=args.keep_cache,
                        allow_other=args.allow_other,
                        log_file=log_file and os.path.abspath(log_file), debug=args.debug,
                        **_resolve_cluster(args))
@@ -223,7 +231,8 @@ def _daemon_argv(config: MountConfig) -> list[str]:
     argv = ["mount", config.source, config.mountpoint, "--cache-size", str(config.cache_size),
             "--max-file-size", str(config.max_file_size), "--cache-dir", config.cache_dir,
             "--window-size", str(config.window_size),
-            "--prefetch-depth", str(config.prefetch_depth)]
+            "--prefetch-depth", str(config.prefetch_depth),
+            "--staging-size", str(config.staging_size)]
     if config.log_file:
         argv += ["--log", config.log_file]
     if config.listen:

@@ -18,6 +18,8 @@ DEFAULT_MAX_FILE_SHARE = 0.25
 #: Bytes the group read window may hold (daemon memory, used only while aligned groups of two
 #: or more jobs read files MinIO does not hold).
 DEFAULT_WINDOW_SIZE = 256 << 20
+#: Bytes of prepared batches prep groups may stage in shared memory (``--staging-size``).
+DEFAULT_STAGING_SIZE = 2 << 30
 #: Storage requests the read-ahead of an aligned group keeps in flight.
 DEFAULT_PREFETCH_DEPTH = 4
 #: Seconds a peer may take to connect or answer before the reader reads local storage.
@@ -33,6 +35,7 @@ class MountConfig:
     cache_dir: str
     window_size: int = DEFAULT_WINDOW_SIZE
     prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
+    staging_size: int = DEFAULT_STAGING_SIZE
     keep_cache: bool = False
     allow_other: bool = False
     log_file: str | None = None

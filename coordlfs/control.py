@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import warnings
 from typing import Any
 
 from coordlfs import CONTROL_NAME
@@ -111,6 +112,26 @@ def find_mount(path: str | os.PathLike[str]) -> str | None:
         if parent == current:
             return None
         current = parent
+
+
+def control_for(path: str | os.PathLike[str] | None, what: str) -> Control | None:
+    """The control file of the mount holding ``path``; without one, a warning that says the
+    job goes on ``what`` without the mount (the caller degrades, never fails)."""
+    if path is None:
+        warnings.warn(f"coordlfs: no path given, {what} without the mount", stacklevel=3)
+        return None
+    mount = find_mount(path)
+    if mount is None:
+        warnings.warn(f"coordlfs: {path} is not on a coordlfs mount; {what} without it",
+                      stacklevel=3)
+        return None
+    return Control(mount)
+
+
+def dataset_root(data_source: Any) -> str | None:
+    """Where a torchvision-style dataset lives (``ImageFolder.root``), if it says."""
+    root = getattr(data_source, "root", None)
+    return os.fspath(root) if isinstance(root, str | os.PathLike) else None
 
 
 def _read_all(fd: int) -> bytes:

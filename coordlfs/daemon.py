@@ -29,6 +29,8 @@ from coordlfs.peer_server import register_commands as register_peer_commands
 from coordlfs.peers import Peers
 from coordlfs.placement import find_self, parse_address, read_secret
 from coordlfs.prefetch import Prefetcher
+from coordlfs.prep import Prep
+from coordlfs.prep import register_commands as register_prep_commands
 from coordlfs.source import Source
 from coordlfs.stats import Stats, register_commands
 from coordlfs.window import ReadWindow
@@ -75,6 +77,8 @@ class Daemon:
         self.window = ReadWindow(config.window_size)
         self.groups.on_leave.append(lambda member: self.window.forget_member(member.id))
         register_group_commands(self.control, self.groups)
+        self.prep = Prep(config.staging_size)
+        register_prep_commands(self.control, self.prep)
         self.peers, self.server = self._cluster(config)
         register_peer_commands(self.control, self.peers, self.server)
         self.prefetcher = Prefetcher(self.groups, self.window, self.cache, self.source,
@@ -121,6 +125,7 @@ class Daemon:
             "served": self.server.status() if self.server else None,
             "read_window": self.window.status(),
             "prefetch": self.prefetcher.status(),
+            "prep": self.prep.status(),
             "inodes": len(self.ops.inodes),
             "marks": [m.name for m in self.stats.marks],
             **self.groups.status(),
@@ -143,6 +148,7 @@ class Daemon:
         finally:
             pyfuse3.close(unmount=True)
             self.cache.close(keep=self.config.keep_cache)
+            self.prep.close()
             self.source.close()
             log.info("unmounted %s", self.config.mountpoint)
 
@@ -169,6 +175,7 @@ class Daemon:
                 for member in self.groups.reap():
                     log.info("member %d (%s, pid %d) of group %s is gone", member.id,
                              member.job, member.pid, member.group)
+                self.prep.tick()
             except Exception:  # an uncaught error here would take the mount down
                 log.exception("reaping group members failed")
 

@@ -101,7 +101,7 @@ def parent_pid(pid: int) -> int | None:
         return None
 
 
-def _name(request: dict[str, Any], key: str) -> str:
+def name_argument(request: dict[str, Any], key: str) -> str:
     value = require(request, key, str)
     if not 0 < len(value) <= MAX_NAME or not value.isprintable():
         raise RequestError(f'"{key}" must be 1 to {MAX_NAME} printable characters')
@@ -297,8 +297,8 @@ def register_commands(server: ControlServer, groups: Groups) -> None:
         pid = require(request, "pid", int)
         if pid <= 0:
             raise RequestError('"pid" must be a process id')
-        job = _name(request, "job") if request.get("job") is not None else f"pid-{pid}"
-        member = groups.join(_name(request, "group"), pid, job, seed)
+        job = name_argument(request, "job") if request.get("job") is not None else f"pid-{pid}"
+        member = groups.join(name_argument(request, "group"), pid, job, seed)
         group = groups.groups[member.group]
         return {"group": group.name, "seed": group.seed, "member": member.id,
                 "members": [_public(m) for m in group.members.values()]}
@@ -322,7 +322,7 @@ def register_commands(server: ControlServer, groups: Groups) -> None:
 
     def profile(request: dict) -> dict:
         pid = require(request, "pid", int)
-        record = groups.record_profile(_name(request, "job"), pid, _count(request, "epoch"),
+        record = groups.record_profile(name_argument(request, "job"), pid, _count(request, "epoch"),
                                        _count(request, "steps"), _seconds(request, "wait_s"),
                                        _seconds(request, "step_s"))
         return {"profile": asdict(record)}

@@ -1,4 +1,4 @@
-"""PyTorch side of seed-aligned access: ``AlignedSampler`` and the stall profiler.
+"""PyTorch side: ``AlignedSampler``, the stall profiler, and ``SharedPrepLoader``.
 
 Install with ``pip install coordlfs[torch]``. Both talk to the mount through its control file
 (``coordlfs.control``); without a mount they degrade to plain PyTorch behaviour with a warning,
@@ -26,23 +26,14 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import Sampler
 
-from coordlfs.control import Control, find_mount
+from coordlfs.control import Control, control_for, dataset_root
 from coordlfs.errors import UserError
 from coordlfs.order import SEED_LIMIT, epoch_order, shard
+from coordlfs.shared_prep import SharedPrepLoader
 
 T = TypeVar("T")
 
-
-def _control_for(path: str | os.PathLike[str] | None, what: str) -> Control | None:
-    if path is None:
-        warnings.warn(f"coordlfs: no path given, {what} without the mount", stacklevel=3)
-        return None
-    mount = find_mount(path)
-    if mount is None:
-        warnings.warn(f"coordlfs: {path} is not on a coordlfs mount; {what} without it",
-                      stacklevel=3)
-        return None
-    return Control(mount)
+__all__ = ["AlignedSampler", "SharedPrepLoader", "profiled"]
 
 
 def _dataset_files(data_source: Any) -> list[str] | None:
@@ -56,12 +47,6 @@ def _dataset_files(data_source: Any) -> list[str] | None:
     if isinstance(files, list) and all(isinstance(f, str | os.PathLike) for f in files):
         return [os.fspath(f) for f in files]
     return None
-
-
-def _dataset_root(data_source: Any) -> str | None:
-    """Where a torchvision-style dataset lives (``ImageFolder.root``), if it says."""
-    root = getattr(data_source, "root", None)
-    return os.fspath(root) if isinstance(root, str | os.PathLike) else None
 
 
 class AlignedSampler(Sampler[int]):
@@ -86,7 +71,7 @@ class AlignedSampler(Sampler[int]):
         self.epoch: int | None = None
         self._passes = 0
         self.member: int | None = None
-        self._control = _control_for(path if path is not None else _dataset_root(data_source),
+        self._control = control_for(path if path is not None else dataset_root(data_source),
                                      "shuffling")
         self.aligned = False
         if self._control is not None:
@@ -166,7 +151,7 @@ def profiled(loader: Iterable[T], job: str, epoch: int,
     the epoch the totals go to the mount (``coordlfs stats`` shows them per job and epoch);
     two clock reads per step cost well under 1% of any real step.
     """
-    control = control or _control_for(path, "profiling")
+    control = control or control_for(path, "profiling")
     steps, wait, busy = 0, 0.0, 0.0
     clock = time.perf_counter
     iterator = iter(loader)

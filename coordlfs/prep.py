@@ -1,0 +1,562 @@
+"""Prep-sharing: the daemon's side of coordinated pre-processing across separately launched jobs.
+
+Hyper-parameter search runs several jobs over the same data; each would fetch and pre-process
+(decode, crop, flip) every item itself. A prep group splits each epoch's batches among its
+jobs instead (CoorDL's coordinated prep): a job *claims* a batch, prepares it with its own
+workers, *reserves* its bytes in the staging area, writes it to a file there (shared memory)
+and *publishes* it; every job of the epoch is handed every published batch once (``next``),
+in an order of its own, and the batch file is deleted as soon as all of them have used it.
+
+The daemon only keeps the books; the bytes go from producer to consumers through tmpfs files
+that consumers map, never through the FUSE data path. The daemon owns the files' lifetime:
+it deletes a batch once every member used it, an epoch's directory when the epoch ends, and a
+group's when its last member is gone, so nothing is left in shared memory even when every job
+was killed with ``kill -9``.
+
+Epochs are the unit of membership. A job that joins while an epoch runs waits for the next
+one (``epoch`` answers ``wait``); an epoch starts once every member asked for it and at least
+``min_members`` did, or once the first asker waited a hang timeout for the rest. A member
+whose process died is dropped at once; one that sent no request for longer than its hang
+timeout (``hang_factor`` times its measured time per batch, at least the group's floor) is
+expelled. Either way its claimed but unpublished batches go back to the pool for the others
+to prepare, and no batch waits for it any longer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordlfs.control_server import ControlServer, RequestError, require
+from coordlfs.groups import name_argument
+from coordlfs.mounting import process_alive
+from coordlfs.order import SEED_LIMIT
+
+log = logging.getLogger(__name__)
+
+#: Where staging directories live: tmpfs, so a staged batch is memory that consumers map.
+STAGING_ROOT = "/dev/shm/coordlfs-prep"
+#: A member is expelled after this many times its measured seconds per batch without a request.
+HANG_FACTOR = 20.0
+#: The least hang timeout, seconds, unless a group asks for another (``hang_timeout_s``).
+DEFAULT_HANG_FLOOR_S = 30.0
+#: Weight of the newest interval in a member's running mean seconds per batch.
+EWMA_WEIGHT = 0.2
+
+
+@dataclass(slots=True)
+class Staged:
+    path: str
+    bytes: int
+    producer: int
+    #: members that have not yet been handed the batch, and those handed it who have not
+    #: acknowledged it: the file goes when both are empty
+    unseen: set[int]
+    using: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Epoch:
+    number: int
+    directory: str
+    members: set[int]
+    unclaimed: list[int]
+    claims: dict[int, int] = field(default_factory=dict)
+    #: batch -> bytes reserved by its claimant for the file it is about to write
+    reserved: dict[int, int] = field(default_factory=dict)
+    staged: dict[int, Staged] = field(default_factory=dict)
+    released: int = 0
+
+
+@dataclass(slots=True)
+class PrepMember:
+    id: int
+    group: str
+    pid: int
+    job: str
+    joined: float
+    last_seen: float
+    #: asked for its next epoch and waits for the group to start it
+    waiting_since: float | None = None
+    epoch: int | None = None
+    consumed: int = 0
+    prepared: int = 0
+    #: running mean seconds between the batches it was handed (its step time)
+    batch_s: float | None = None
+    last_handed: float | None = None
+    rng: random.Random = field(default_factory=random.Random, repr=False)
+
+    def public(self) -> dict[str, Any]:
+        return {"id": self.id, "job": self.job, "pid": self.pid, "epoch": self.epoch,
+                "consumed": self.consumed, "prepared": self.prepared,
+                "batch_s": None if self.batch_s is None else round(self.batch_s, 6),
+                "waiting": self.waiting_since is not None}
+
+
+@dataclass(slots=True)
+class PrepGroup:
+    name: str
+    number: int
+    samples: int
+    batch_size: int
+    drop_last: bool
+    min_members: int
+    hang_floor_s: float
+    #: the seed of the batches' order: epoch e's batches are ``coordlfs.order.epoch_order(seed,
+    #: e, samples)`` cut into ``batch_size`` pieces
+    seed: int
+    members: dict[int, PrepMember] = field(default_factory=dict)
+    epoch: Epoch | None = None
+    last_epoch: int = -1
+
+    @property
+    def batches(self) -> int:
+        full, rest = divmod(self.samples, self.batch_size)
+        return full if self.drop_last or not rest else full + 1
+
+
+class Prep:
+    """Every prep group of the mount, their epochs, and the staging area's bound."""
+
+    def __init__(self, capacity: int, root: str = STAGING_ROOT,
+                 alive: Callable[[int], bool] = process_alive,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity = capacity
+        self.directory = os.path.join(root, str(os.getpid()))
+        self.groups: dict[str, PrepGroup] = {}
+        self.members: dict[int, PrepMember] = {}
+        self.used = 0
+        self.peak = 0
+        self.counters = {"published": 0, "released": 0, "taken_over": 0, "expelled": 0,
+                         "full": 0}
+        self._alive = alive
+        self._clock = clock
+        self._next_id = 1
+        self._next_group = 1
+        _remove_stale(root)
+
+    # -- membership ------------------------------------------------------------------
+
+    def join(self, name: str, pid: int, job: str, samples: int, batch_size: int,
+             drop_last: bool, min_members: int, hang_floor_s: float) -> PrepMember:
+        if not self._alive(pid):
+            raise RequestError(f"no process {pid}")
+        group = self.groups.get(name)
+        if group is None:
+            group = self.groups[name] = PrepGroup(name, self._next_group, samples, batch_size,
+                                                  drop_last, min_members, hang_floor_s,
+                                                  secrets.randbelow(SEED_LIMIT))
+            self._next_group += 1
+        elif (group.samples, group.batch_size, group.drop_last) != (samples, batch_size,
+                                                                     drop_last):
+            raise RequestError(
+                f"group {name!r} has {group.samples} samples in batches of "
+                f"{group.batch_size} (drop_last {str(group.drop_last).lower()}); a job "
+                "must use the same dataset, batch size and drop_last to share batches")
+        group.min_members = max(group.min_members, min_members)
+        now = self._clock()
+        member = PrepMember(self._next_id, name, pid, job, time.time(), now,
+                            rng=random.Random(self._next_id))
+        self._next_id += 1
+        group.members[member.id] = member
+        self.members[member.id] = member
+        return member
+
+    def leave(self, member_id: int, why: str = "left") -> None:
+        member = self._member(member_id)
+        group = self.groups[member.group]
+        del self.members[member_id]
+        del group.members[member_id]
+        log.info("prep member %d (%s, pid %d) of group %s %s", member.id, member.job,
+                 member.pid, group.name, why)
+        epoch = group.epoch
+        if epoch is not None and member_id in epoch.members:
+            epoch.members.discard(member_id)
+            for batch in [b for b, owner in epoch.claims.items() if owner == member_id]:
+                self._unclaim(epoch, batch)
+                self.counters["taken_over"] += 1
+            for batch, staged in list(epoch.staged.items()):
+                staged.unseen.discard(member_id)
+                staged.using.discard(member_id)
+                self._release_if_used(epoch, batch)
+        if not group.members:
+            self._end_epoch(group)
+            shutil.rmtree(self._group_directory(group), ignore_errors=True)
+            del self.groups[group.name]
+        else:
+            self._maybe_end_epoch(group)
+
+    def tick(self) -> list[PrepMember]:
+        """Drop members whose process is gone or that stopped asking; returns them."""
+        now = self._clock()
+        gone = []
+        for member in list(self.members.values()):
+            if not self._alive(member.pid):
+                self.leave(member.id, "is gone")
+            elif self._hung(member, now):
+                self.counters["expelled"] += 1
+                self.leave(member.id, f"sent nothing for {now - member.last_seen:.1f} s: "
+                                      "expelled")
+            else:
+                continue
+            gone.append(member)
+        for group in list(self.groups.values()):
+            self._maybe_start_epoch(group, now)
+        return gone
+
+    def hang_timeout(self, member: PrepMember) -> float:
+        floor = self.groups[member.group].hang_floor_s
+        return floor if member.batch_s is None else max(floor, HANG_FACTOR * member.batch_s)
+
+    def _hung(self, member: PrepMember, now: float) -> bool:
+        busy = self._busy(self.groups[member.group], member)
+        return busy and now - member.last_seen > self.hang_timeout(member)
+
+    @staticmethod
+    def _busy(group: PrepGroup, member: PrepMember) -> bool:
+        """In the running epoch with batches still to use (or to prepare)."""
+        epoch = group.epoch
+        if epoch is None or member.id not in epoch.members:
+            return False
+        return member.consumed < group.batches or member.id in epoch.claims.values()
+
+    # -- epochs ----------------------------------------------------------------------
+
+    def start_epoch(self, member_id: int) -> dict[str, Any]:
+        """The member asks for its next epoch: the epoch's number once it runs, else wait."""
+        member = self._seen(member_id)
+        group = self.groups[member.group]
+        if self._busy(group, member):
+            return self._epoch_reply(group)
+        if member.waiting_since is None:
+            member.waiting_since = self._clock()
+        self._maybe_start_epoch(group, self._clock())
+        if member.waiting_since is None:  # a new epoch started with this member in it
+            return self._epoch_reply(group)
+        waiting = sum(m.waiting_since is not None for m in group.members.values())
+        return {"wait": True, "running": group.epoch is not None, "asked": waiting,
+                "members": len(group.members), "min_members": group.min_members}
+
+    def _epoch_reply(self, group: PrepGroup) -> dict[str, Any]:
+        epoch = group.epoch
+        assert epoch is not None
+        return {"epoch": epoch.number, "batches": group.batches,
+                "members": [group.members[i].job for i in sorted(epoch.members)]}
+
+    def _maybe_start_epoch(self, group: PrepGroup, now: float) -> None:
+        if group.epoch is not None:
+            return
+        asked = [m for m in group.members.values() if m.waiting_since is not None]
+        if not asked:
+            return
+        everyone = len(asked) == len(group.members) and len(asked) >= group.min_members
+        first = min(m.waiting_since for m in asked)  # type: ignore[type-var]
+        if not everyone and now - first < group.hang_floor_s:
+            return
+        number = group.last_epoch + 1
+        directory = os.path.join(self._group_directory(group), str(number))
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        group.epoch = Epoch(number, directory, {m.id for m in asked},
+                            list(range(group.batches)))
+        for member in asked:
+            member.waiting_since, member.epoch, member.last_seen = None, number, now
+            member.last_handed, member.consumed = None, 0
+        log.info("prep group %s: epoch %d with %d members", group.name, number, len(asked))
+
+    def _maybe_end_epoch(self, group: PrepGroup) -> None:
+        epoch = group.epoch
+        if epoch is not None and (epoch.released == group.batches or not epoch.members):
+            self._end_epoch(group)
+
+    def _end_epoch(self, group: PrepGroup) -> None:
+        epoch = group.epoch
+        if epoch is None:
+            return
+        for batch in list(epoch.staged):
+            self._release(epoch, batch)
+        for batch in list(epoch.reserved):
+            self._unreserve(epoch, batch)
+        shutil.rmtree(epoch.directory, ignore_errors=True)
+        group.epoch, group.last_epoch = None, epoch.number
+        for member in group.members.values():
+            if member.epoch == epoch.number:
+                member.epoch = None
+
+    # -- producing ---------------------------------------------------------------------
+
+    def claim(self, member_id: int) -> dict[str, Any]:
+        """Hand the member the lowest batch nobody prepares yet (``outstanding``: how many
+        other members still prepare, whose batches may yet come back to the pool)."""
+        member, epoch = self._in_epoch(member_id)
+        if epoch.unclaimed:
+            batch = epoch.unclaimed.pop(0)
+            epoch.claims[batch] = member.id
+            return {"batch": batch, "epoch": epoch.number}
+        return {"batch": None, "epoch": epoch.number,
+                "outstanding": len(epoch.claims) - sum(1 for b in epoch.claims
+                                                       if epoch.claims[b] == member.id)}
+
+    def reserve(self, member_id: int, batch: int, size: int) -> dict[str, Any]:
+        """Room in the staging area for a batch the member claimed, and the file to write it
+        to; ``full`` means retry once other members used some."""
+        member, epoch = self._in_epoch(member_id)
+        self._claimed_by(epoch, batch, member)
+        previous = epoch.reserved.pop(batch, 0)
+        self.used -= previous
+        if self.used > 0 and self.used + size > self.capacity:
+            epoch.reserved[batch] = previous
+            self.used += previous
+            self.counters["full"] += 1
+            return {"full": True, "used_bytes": self.used, "capacity_bytes": self.capacity}
+        epoch.reserved[batch] = size
+        self._account(size)
+        return {"full": False, "path": self._batch_path(epoch, batch, member.id)}
+
+    def publish(self, member_id: int, batch: int) -> dict[str, Any]:
+        """The member wrote its reserved batch: every member of the epoch may now use it."""
+        member, epoch = self._in_epoch(member_id)
+        self._claimed_by(epoch, batch, member)
+        if batch not in epoch.reserved:
+            raise RequestError(f"batch {batch} has no room reserved (prep.reserve first)")
+        path = self._batch_path(epoch, batch, member.id)
+        try:
+            size = os.stat(path).st_size
+        except OSError as e:
+            raise RequestError(f"batch {batch}: cannot stat {path}: {e.strerror}") from None
+        reserved = epoch.reserved.pop(batch)
+        self.used -= reserved
+        self._account(size)
+        del epoch.claims[batch]
+        epoch.staged[batch] = Staged(path, size, member.id, set(epoch.members))
+        member.prepared += 1
+        self.counters["published"] += 1
+        return {"bytes": size}
+
+    # -- consuming ---------------------------------------------------------------------
+
+    def next(self, member_id: int, done: list[int]) -> dict[str, Any]:
+        """Acknowledge the batches in ``done``; hand the member a published batch it has not
+        had, chosen at random among those staged (``wait`` if none yet, ``end`` when it had
+        all of them)."""
+        member, epoch = self._in_epoch(member_id)
+        for batch in done:
+            staged = epoch.staged.get(batch)
+            if staged is not None and member.id in staged.using:
+                staged.using.discard(member.id)
+                self._release_if_used(epoch, batch)
+        group = self.groups[member.group]
+        if member.consumed >= group.batches:
+            reply = {"end": True, "epoch": epoch.number}
+            self._maybe_end_epoch(group)
+            return reply
+        ready = [b for b, s in epoch.staged.items() if member.id in s.unseen]
+        if not ready:
+            return {"wait": True, "epoch": epoch.number}
+        batch = member.rng.choice(ready)
+        staged = epoch.staged[batch]
+        staged.unseen.discard(member.id)
+        staged.using.add(member.id)
+        member.consumed += 1
+        now = self._clock()
+        if member.last_handed is not None:
+            interval = now - member.last_handed
+            member.batch_s = interval if member.batch_s is None else (
+                (1 - EWMA_WEIGHT) * member.batch_s + EWMA_WEIGHT * interval)
+        member.last_handed = now
+        return {"batch": batch, "epoch": epoch.number, "path": staged.path,
+                "bytes": staged.bytes, "producer": staged.producer}
+
+    # -- bookkeeping -------------------------------------------------------------------
+
+    def _account(self, size: int) -> None:
+        self.used += size
+        self.peak = max(self.peak, self.used)
+
+    def _release_if_used(self, epoch: Epoch, batch: int) -> None:
+        staged = epoch.staged[batch]
+        if not staged.unseen and not staged.using:
+            self._release(epoch, batch)
+            epoch.released += 1
+            self.counters["released"] += 1
+
+    def _release(self, epoch: Epoch, batch: int) -> None:
+        staged = epoch.staged.pop(batch)
+        self.used -= staged.bytes
+        _unlink(staged.path)
+
+    def _unreserve(self, epoch: Epoch, batch: int) -> None:
+        self.used -= epoch.reserved.pop(batch)
+
+    def _unclaim(self, epoch: Epoch, batch: int) -> None:
+        owner = epoch.claims.pop(batch)
+        if batch in epoch.reserved:
+            self._unreserve(epoch, batch)
+        _unlink(self._batch_path(epoch, batch, owner))
+        epoch.unclaimed.insert(0, batch)
+        epoch.unclaimed.sort()
+
+    def _group_directory(self, group: PrepGroup) -> str:
+        return os.path.join(self.directory, str(group.number))
+
+    @staticmethod
+    def _batch_path(epoch: Epoch, batch: int, member_id: int) -> str:
+        return os.path.join(epoch.directory, f"{batch}-{member_id}.pt")
+
+    def _member(self, member_id: int) -> PrepMember:
+        member = self.members.get(member_id)
+        if member is None:
+            raise RequestError(f"no prep member {member_id} (left, died or was expelled)")
+        return member
+
+    def _seen(self, member_id: int) -> PrepMember:
+        member = self._member(member_id)
+        member.last_seen = self._clock()
+        return member
+
+    def _in_epoch(self, member_id: int) -> tuple[PrepMember, Epoch]:
+        member = self._seen(member_id)
+        epoch = self.groups[member.group].epoch
+        if epoch is None or member.id not in epoch.members:
+            raise RequestError(f"prep member {member_id} is in no running epoch "
+                               "(prep.epoch first)")
+        return member, epoch
+
+    @staticmethod
+    def _claimed_by(epoch: Epoch, batch: int, member: PrepMember) -> None:
+        if epoch.claims.get(batch) != member.id:
+            raise RequestError(f"batch {batch} of epoch {epoch.number} is not claimed by "
+                               f"member {member.id}")
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "staging": {"capacity_bytes": self.capacity, "used_bytes": self.used,
+                        "peak_bytes": self.peak, "directory": self.directory,
+                        **self.counters},
+            "groups": {g.name: _group_status(g) for g in self.groups.values()},
+        }
+
+
+def _group_status(group: PrepGroup) -> dict[str, Any]:
+    epoch = group.epoch
+    return {
+        "batches": group.batches, "samples": group.samples, "batch_size": group.batch_size,
+        "min_members": group.min_members, "last_epoch": group.last_epoch,
+        "epoch": None if epoch is None else {
+            "number": epoch.number, "members": sorted(epoch.members),
+            "unclaimed": len(epoch.unclaimed), "preparing": len(epoch.claims),
+            "staged": len(epoch.staged),
+            "staged_bytes": sum(s.bytes for s in epoch.staged.values()),
+            "released": epoch.released},
+        "members": [m.public() for m in group.members.values()],
+    }
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _remove_stale(root: str) -> None:
+    """Staging directories of daemons that are gone (killed before they could clean up)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.isdigit() and not process_alive(int(name)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def register_commands(server: ControlServer, prep: Prep) -> None:
+    """The ``prep.*`` commands on the control file."""
+
+    def join(request: dict) -> dict:
+        pid = require(request, "pid", int)
+        if pid <= 0:
+            raise RequestError('"pid" must be a process id')
+        samples = _positive(request, "samples")
+        batch_size = _positive(request, "batch_size")
+        drop_last = bool(require(request, "drop_last", bool, optional=True))
+        if drop_last and samples < batch_size:
+            raise RequestError('with "drop_last" there must be at least one full batch')
+        min_members = request.get("min_members", 1)
+        if isinstance(min_members, bool) or not isinstance(min_members, int) or not (
+                1 <= min_members <= 1024):
+            raise RequestError('"min_members" must be an integer from 1 to 1024')
+        floor = request.get("hang_timeout_s", DEFAULT_HANG_FLOOR_S)
+        if isinstance(floor, bool) or not isinstance(floor, int | float) or not (
+                0.1 <= floor <= 86400):
+            raise RequestError('"hang_timeout_s" must be seconds from 0.1 to 86400')
+        job = name_argument(request, "job") if request.get("job") is not None else f"pid-{pid}"
+        member = prep.join(name_argument(request, "group"), pid, job, samples, batch_size,
+                           drop_last, min_members, float(floor))
+        group = prep.groups[member.group]
+        return {"member": member.id, "group": group.name, "batches": group.batches,
+                "seed": group.seed,
+                "members": [m.public() for m in group.members.values()],
+                "staging_capacity_bytes": prep.capacity}
+
+    def batch_of(request: dict) -> int:
+        value = require(request, "batch", int)
+        if value < 0:
+            raise RequestError('"batch" must not be negative')
+        return value
+
+    def member_of(request: dict) -> int:
+        return require(request, "member", int)
+
+    def reserve(request: dict) -> dict:
+        size = require(request, "bytes", int)
+        if size <= 0:
+            raise RequestError('"bytes" must be positive')
+        return prep.reserve(member_of(request), batch_of(request), size)
+
+    def next_batch(request: dict) -> dict:
+        done = request.get("done", [])
+        if not isinstance(done, list) or not all(
+                isinstance(b, int) and not isinstance(b, bool) for b in done):
+            raise RequestError('"done" must be a list of batch numbers')
+        return prep.next(member_of(request), done)
+
+    def leave(request: dict) -> dict:
+        prep.leave(member_of(request))
+        return {}
+
+    commands: list[tuple[str, Callable[[dict], dict], str]] = [
+        ("prep.join", join, 'join (or create) a prep group: "group", "pid", "samples", '
+                            '"batch_size", optional "drop_last", "job", "min_members", '
+                            '"hang_timeout_s"'),
+        ("prep.epoch", lambda r: prep.start_epoch(member_of(r)),
+         'ask for the next epoch: "member"; replies "epoch" once it runs, else "wait"'),
+        ("prep.claim", lambda r: prep.claim(member_of(r)),
+         'take a batch to prepare: "member"; replies "batch" (null: none left)'),
+        ("prep.reserve", reserve, 'room for a claimed batch: "member", "batch", "bytes"; '
+                                  'replies the "path" to write, or "full"'),
+        ("prep.publish", lambda r: prep.publish(member_of(r), batch_of(r)),
+         'a claimed batch is written: "member", "batch"'),
+        ("prep.next", next_batch, 'acknowledge "done" batches and take the next: "member", '
+                                  '"done"; replies "batch" and "path", "wait" or "end"'),
+        ("prep.leave", leave, 'leave a prep group: "member"'),
+        ("prep.list", lambda _r: prep.status(), "prep groups, members and the staging area"),
+    ]
+    for name, handler, summary in commands:
+        server.register(name, handler, summary)
+
+
+def _positive(request: dict[str, Any], key: str) -> int:
+    value = require(request, key, int)
+    if not 0 < value < 1 << 40:
+        raise RequestError(f'"{key}" must be a positive integer')
+    return value
+

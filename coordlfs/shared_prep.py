@@ -1,0 +1,404 @@
+"""``SharedPrepLoader``: a ``DataLoader`` whose batches the jobs of a prep group share.
+
+Concurrent hyper-parameter-search jobs over one dataset each decode and augment every item;
+on a small server the CPUs do the same work N times and the GPUs wait. The jobs of a prep group
+split each epoch's batches instead (the protocol is in ``coordlfs.prep``): a producer thread
+claims batches from the mount, prepares them with this job's own DataLoader workers, writes each
+to a file in the mount's staging area (tmpfs) with ``torch.save`` and publishes it; the loop
+takes every batch of the epoch once, in an order of its own, mapping other jobs' batches with
+``torch.load(mmap=True)`` (no copy through FUSE, none in the consumer) and using its own from
+memory. Augmentations are fresh each epoch, as every batch is prepared anew each epoch.
+
+Without a mount, when the mount refuses, or when this job is expelled mid-epoch (it hung), the
+loader warns and prepares what is left of the epoch itself, as a plain ``DataLoader`` would:
+never an error.
+
+``reuse=R`` (off by default) is the PerFect method: every batch is used R times, drawn at
+random from a shuffle buffer of ``shuffle_buffer`` batches, so a pre-training phase needs 1/R
+of the preparation; ``set_reuse(1)`` switches it off for fine-tuning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import secrets
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from coordlfs.control import Control, ControlError, control_for, dataset_root
+from coordlfs.errors import UserError
+from coordlfs.order import SEED_LIMIT, epoch_order
+
+#: Polling interval bounds while the group has nothing ready, seconds.
+POLL_MIN_S = 0.001
+POLL_MAX_S = 0.02
+#: Staging files hold the batch's tensor bytes plus ``torch.save``'s zip and pickle framing;
+#: a reservation adds this much, and this much per tensor, so the file never outgrows it.
+FRAMING_BYTES = 64 << 10
+FRAMING_PER_TENSOR = 1 << 10
+
+
+class _Poll:
+    """Back-off between polls of the mount: quick while batches flow, gentle while waiting."""
+
+    def __init__(self) -> None:
+        self.delay = POLL_MIN_S
+
+    def wait(self) -> None:
+        time.sleep(self.delay)
+        self.delay = min(POLL_MAX_S, self.delay * 2)
+
+    def reset(self) -> None:
+        self.delay = POLL_MIN_S
+
+
+def batches_of(order: list[int], batch_size: int, drop_last: bool) -> list[list[int]]:
+    """An epoch's batches: the order cut into ``batch_size`` pieces, as a DataLoader does."""
+    cut = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    if drop_last and cut and len(cut[-1]) < batch_size:
+        cut.pop()
+    return cut
+
+
+def staged_size(batch: Any) -> int:
+    """Bytes to reserve for ``batch``'s staging file."""
+    tensors = [t for t in _leaves(batch) if isinstance(t, torch.Tensor)]
+    return FRAMING_BYTES + sum(t.untyped_storage().nbytes() + FRAMING_PER_TENSOR
+                               for t in tensors)
+
+
+def _leaves(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, dict):
+        for value in obj.values():
+            yield from _leaves(value)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from _leaves(value)
+    else:
+        yield obj
+
+
+class _Claims(Sampler[list[int]]):
+    """The internal DataLoader's batch sampler: each batch it yields was claimed from the
+    mount, so the job's workers prepare only its share; ``ids`` follows the yielded batches
+    (DataLoader delivers in sampler order)."""
+
+    def __init__(self, link: _Link, batches: list[list[int]], first: int | None,
+                 stopping: threading.Event) -> None:
+        self.link, self.batches, self.first, self.stopping = link, batches, first, stopping
+        self.ids: deque[int] = deque()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.first is not None:
+            self.ids.append(self.first)
+            yield self.batches[self.first]
+        while not self.stopping.is_set():
+            batch = self.link.request("prep.claim").get("batch")
+            if batch is None:
+                return
+            self.ids.append(batch)
+            yield self.batches[batch]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class _Link:
+    """This job's membership of a prep group: requests on its behalf."""
+
+    def __init__(self, control: Control, member: int) -> None:
+        self.control, self.member = control, member
+
+    def request(self, cmd: str, **args: Any) -> dict[str, Any]:
+        return self.control.request(cmd, member=self.member, **args)
+
+
+class SharedPrepLoader:
+    """A drop-in for ``DataLoader(dataset, batch_size, shuffle=True, ...)`` whose batches are
+    prepared once per epoch for every job of ``group`` on the mount holding ``path``.
+
+    Every job of a group must give the same dataset length, ``batch_size`` and ``drop_last``.
+    A job that joins while the group is in an epoch starts at the next one; the first epoch
+    waits until ``min_members`` jobs joined (or the hang timeout). ``hang_timeout`` is the least
+    time without a request after which the mount expels a job mid-epoch (default 30 s; it grows
+    with the job's measured time per batch). Other keyword arguments go to the DataLoader that
+    prepares this job's share (``pin_memory``, ``worker_init_fn``, ``prefetch_factor``...).
+    """
+
+    def __init__(self, dataset: Sized, batch_size: int = 1, *, group: str,
+                 path: str | os.PathLike[str] | None = None, job: str | None = None,
+                 num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
+                 drop_last: bool = False, min_members: int = 1,
+                 hang_timeout: float | None = None, reuse: int = 1, shuffle_buffer: int = 4,
+                 **loader_args: Any) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        if len(dataset) == 0:
+            raise ValueError("the dataset is empty")
+        self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
+        self.group_name, self.job = group, job or f"pid-{os.getpid()}"
+        self.min_members, self.hang_timeout = min_members, hang_timeout
+        self.loader_args = {"num_workers": num_workers, "collate_fn": collate_fn, **loader_args}
+        self.set_reuse(reuse, shuffle_buffer)
+        #: batches this job prepared for the group, and those it prepared alone
+        self.prepared = 0
+        self.prepared_alone = 0
+        self.epoch: int | None = None
+        self._passes = 0
+        self._local_seed = secrets.randbelow(SEED_LIMIT)
+        self._control = control_for(path if path is not None else dataset_root(dataset),
+                                    "preparing batches")
+        self._link: _Link | None = None
+        self._producer: _Producer | None = None
+        self._seed = 0
+        self._join()
+
+    # -- configuration -------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Number this job's epochs (DistributedSampler's habit); the group numbers its own."""
+        self.epoch = epoch
+
+    def set_reuse(self, reuse: int, shuffle_buffer: int | None = None) -> None:
+        """Use each batch ``reuse`` times (1: off, for fine-tuning), from a shuffle buffer."""
+        if reuse < 1:
+            raise ValueError(f"reuse must be at least 1, not {reuse}")
+        buffer = shuffle_buffer if shuffle_buffer is not None else self.shuffle_buffer
+        if buffer < 1:
+            raise ValueError(f"shuffle_buffer must be at least 1, not {buffer}")
+        self.reuse, self.shuffle_buffer = reuse, buffer
+
+    @property
+    def shared(self) -> bool:
+        """Whether this job is in a prep group right now."""
+        return self._link is not None
+
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.dataset), self.batch_size)
+        return (full if self.drop_last or not rest else full + 1) * self.reuse
+
+    # -- membership ------------------------------------------------------------------------
+
+    def _join(self) -> None:
+        if self._control is None:
+            return
+        args = {"group": self.group_name, "pid": os.getpid(), "job": self.job,
+                "samples": len(self.dataset), "batch_size": self.batch_size,
+                "drop_last": self.drop_last, "min_members": self.min_members}
+        if self.hang_timeout is not None:
+            args["hang_timeout_s"] = self.hang_timeout
+        try:
+            reply = self._control.request("prep.join", **args)
+        except UserError as e:
+            warnings.warn(f"coordlfs: cannot join prep group {self.group_name!r} ({e}); "
+                          "preparing every batch in this job", stacklevel=3)
+            return
+        self._link, self._seed = _Link(self._control, reply["member"]), reply["seed"]
+
+    def _leave(self) -> None:
+        """Leave the group now; the next pass over the loader joins again."""
+        link, self._link = self._link, None
+        if link is not None:
+            with contextlib.suppress(UserError):
+                link.request("prep.leave")
+
+    def _drop_link(self, why: str) -> None:
+        warnings.warn(f"coordlfs: prep group {self.group_name!r}: {why}; this job prepares "
+                      "the rest of the epoch itself", stacklevel=4)
+        self._link = None
+
+    def close(self) -> None:
+        """Leave the group (a job that exits leaves by itself within a second)."""
+        if self._producer is not None:
+            self._producer.stop()
+        self._leave()
+        self._control = None
+
+    def __enter__(self) -> SharedPrepLoader:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        self._passes += 1
+        if self._link is None and self._control is not None:
+            self._join()  # expelled or refused in an earlier epoch: try again
+        batches = self._group_batches() if self.reuse == 1 else self._reused(
+            self._group_batches())
+        return batches
+
+    def _reused(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Each batch ``reuse`` times, drawn at random from a buffer of ``shuffle_buffer``."""
+        buffer: list[list[Any]] = []
+        rng = random.Random(self._local_seed + self._passes)
+        source_done = False
+        while buffer or not source_done:
+            while not source_done and len(buffer) < self.shuffle_buffer:
+                try:
+                    buffer.append([next(batches), self.reuse])
+                except StopIteration:
+                    source_done = True
+            if not buffer:
+                return
+            slot = rng.randrange(len(buffer))
+            entry = buffer[slot]
+            entry[1] -= 1
+            if entry[1] == 0:
+                buffer[slot] = buffer[-1]
+                buffer.pop()
+            yield entry[0]
+
+    def _group_batches(self) -> Iterator[Any]:
+        link = self._link
+        if link is None:
+            order = self._local_order()
+            yield from self._alone(batches_of(order, self.batch_size, self.drop_last))
+            return
+        try:
+            epoch = self._wait_for_epoch(link)
+        except ControlError as e:
+            self._drop_link(str(e))
+            yield from self._group_batches()
+            return
+        order = epoch_order(self._seed, epoch, len(self.dataset))
+        batches = batches_of(order, self.batch_size, self.drop_last)
+        producer = self._producer = _Producer(self, link, batches)
+        used: set[int] = set()
+        finished = False
+        try:
+            yield from self._consume(link, producer, used)
+            finished = True
+        except ControlError as e:
+            producer.stop()
+            self._drop_link(str(e))
+            yield from self._alone([b for i, b in enumerate(batches) if i not in used])
+        finally:
+            producer.stop()
+            self._producer = None
+            if not finished and self._link is not None:
+                # The loop stopped mid-epoch: the group must not wait for this job.
+                self._leave()
+
+    def _wait_for_epoch(self, link: _Link) -> int:
+        poll = _Poll()
+        while True:
+            reply = link.request("prep.epoch")
+            if "epoch" in reply:
+                return int(reply["epoch"])
+            poll.wait()
+
+    def _consume(self, link: _Link, producer: _Producer, used: set[int]) -> Iterator[Any]:
+        poll = _Poll()
+        done: list[int] = []
+        while True:
+            producer.check()
+            reply = link.request("prep.next", done=done)
+            done = []
+            if reply.get("end"):
+                return
+            if reply.get("wait"):
+                poll.wait()
+                continue
+            poll.reset()
+            number = reply["batch"]
+            batch = producer.own.pop(number, None)
+            if batch is None:
+                batch = torch.load(reply["path"], mmap=True, weights_only=False)
+            used.add(number)
+            yield batch
+            done = [number]
+
+    def _alone(self, batches: list[list[int]]) -> Iterator[Any]:
+        if not batches:
+            return
+        loader = DataLoader(self.dataset, batch_sampler=batches, **self.loader_args)
+        for batch in loader:
+            self.prepared_alone += 1
+            yield batch
+
+    def _local_order(self) -> list[int]:
+        generator = torch.Generator()
+        generator.manual_seed((self._local_seed + self._passes) % (1 << 63))
+        return torch.randperm(len(self.dataset), generator=generator).tolist()
+
+
+class _Producer:
+    """The thread that prepares this job's share of an epoch and stages it.
+
+    It runs the job's DataLoader over batches claimed from the mount; when none is left to
+    claim while other jobs still prepare theirs it keeps asking, so the share of a job that
+    dies is taken over. An error (the dataset raised) is handed to the consuming loop.
+    """
+
+    def __init__(self, loader: SharedPrepLoader, link: _Link, batches: list[list[int]]) -> None:
+        self.loader, self.link, self.batches = loader, link, batches
+        self.own: dict[int, Any] = {}
+        self.error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="coordlfs-prep", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            self._produce()
+        except ControlError:
+            pass  # expelled, or the epoch ended: the consuming loop finds out by itself
+        except BaseException as e:  # the loop re-raises it, as DataLoader does a worker's
+            self.error = e
+
+    def _produce(self) -> None:
+        poll = _Poll()
+        first: int | None = None
+        while not self._stopping.is_set():
+            claims = _Claims(self.link, self.batches, first, self._stopping)
+            first = None
+            loader = DataLoader(self.loader.dataset, batch_sampler=claims,
+                                **self.loader.loader_args)
+            for batch in loader:
+                self._stage(claims.ids.popleft(), batch)
+                if self._stopping.is_set():
+                    return
+            # Nothing left to claim: wait for batches that others claimed and may not deliver.
+            while not self._stopping.is_set():
+                reply = self.link.request("prep.claim")
+                if reply.get("batch") is not None:
+                    first = reply["batch"]
+                    break
+                if not reply.get("outstanding"):
+                    return
+                poll.wait()
+            poll.reset()
+
+    def _stage(self, number: int, batch: Any) -> None:
+        poll = _Poll()
+        size = staged_size(batch)
+        while (room := self.link.request("prep.reserve", batch=number, bytes=size))["full"]:
+            if self._stopping.is_set():
+                return
+            poll.wait()
+        torch.save(batch, room["path"])
+        self.own[number] = batch
+        self.link.request("prep.publish", batch=number)
+        self.loader.prepared += 1
