@@ -257,7 +257,10 @@ class Prep:
         asked = [m for m in group.members.values() if m.waiting_since is not None]
         if not asked:
             return
-        everyone = len(asked) == len(group.members) and len(asked) >= group.min_members
+        # ``min_members`` is for gathering the jobs of a search at its start; later epochs
+        # go on with whoever is left
+        enough = group.last_epoch >= 0 or len(asked) >= group.min_members
+        everyone = len(asked) == len(group.members) and enough
         first = min(m.waiting_since for m in asked)  # type: ignore[type-var]
         if not everyone and now - first < group.hang_floor_s:
             return

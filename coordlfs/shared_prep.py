@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import random
 import secrets
 import threading
@@ -42,8 +43,9 @@ from coordlfs.order import SEED_LIMIT, epoch_order
 POLL_MIN_S = 0.001
 POLL_MAX_S = 0.02
 #: Staging files hold the batch's tensor bytes plus ``torch.save``'s zip and pickle framing;
-#: a reservation adds this much, and this much per tensor, so the file never outgrows it.
-FRAMING_BYTES = 64 << 10
+#: a reservation adds this much, and this much per tensor (zip entry, 64-byte alignment), so
+#: the file never outgrows it.
+FRAMING_BYTES = 4 << 10
 FRAMING_PER_TENSOR = 1 << 10
 
 
@@ -71,9 +73,11 @@ def batches_of(order: list[int], batch_size: int, drop_last: bool) -> list[list[
 
 def staged_size(batch: Any) -> int:
     """Bytes to reserve for ``batch``'s staging file."""
-    tensors = [t for t in _leaves(batch) if isinstance(t, torch.Tensor)]
-    return FRAMING_BYTES + sum(t.untyped_storage().nbytes() + FRAMING_PER_TENSOR
-                               for t in tensors)
+    leaves = list(_leaves(batch))
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    others = [x for x in leaves if not isinstance(x, torch.Tensor)]
+    return (FRAMING_BYTES + len(pickle.dumps(others))
+            + sum(t.untyped_storage().nbytes() + FRAMING_PER_TENSOR for t in tensors))
 
 
 def _leaves(obj: Any) -> Iterator[Any]:
@@ -159,6 +163,7 @@ class SharedPrepLoader:
                                     "preparing batches")
         self._link: _Link | None = None
         self._producer: _Producer | None = None
+        self._rejoin = False
         self._seed = 0
         self._join()
 
@@ -208,13 +213,14 @@ class SharedPrepLoader:
         """Leave the group now; the next pass over the loader joins again."""
         link, self._link = self._link, None
         if link is not None:
+            self._rejoin = True
             with contextlib.suppress(UserError):
                 link.request("prep.leave")
 
     def _drop_link(self, why: str) -> None:
         warnings.warn(f"coordlfs: prep group {self.group_name!r}: {why}; this job prepares "
                       "the rest of the epoch itself", stacklevel=4)
-        self._link = None
+        self._link, self._rejoin = None, True
 
     def close(self) -> None:
         """Leave the group (a job that exits leaves by itself within a second)."""
@@ -233,8 +239,9 @@ class SharedPrepLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._passes += 1
-        if self._link is None and self._control is not None:
-            self._join()  # expelled or refused in an earlier epoch: try again
+        if self._rejoin and self._control is not None:
+            self._rejoin = False
+            self._join()  # left or expelled during an earlier epoch: back for this one
         batches = self._group_batches() if self.reuse == 1 else self._reused(
             self._group_batches())
         return batches
