@@ -327,6 +327,7 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
     for name, group in status["groups"].items():
         members = ", ".join(f"{m['job']} (pid {m['pid']})" for m in group["members"])
         lines.append(f"group    {name}: seed {group['seed']}, members {members}")
+    lines += _prep_lines(status["prep"])
     for profile in status["profiles"]:
         for epoch, p in profile["epochs"].items():
             total = p["wait_s"] + p["step_s"]
@@ -335,6 +336,27 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
                          f"{p['steps']} steps, waited {p['wait_s']:.2f} s, stepped "
                          f"{p['step_s']:.2f} s, stall {stall}")
     return "\n".join(lines)
+
+
+def _prep_lines(prep: dict[str, Any]) -> list[str]:
+    staging = prep["staging"]
+    if not prep["groups"] and not staging["published"]:
+        return []
+    lines = [f"staging  {format_size(staging['used_bytes'])} of "
+             f"{format_size(staging['capacity_bytes'])} (peak "
+             f"{format_size(staging['peak_bytes'])}), {staging['published']} batches "
+             f"published, {staging['released']} released, {staging['taken_over']} taken over, "
+             f"{staging['expelled']} members expelled"]
+    for name, group in prep["groups"].items():
+        epoch = group["epoch"]
+        state = ("between epochs" if epoch is None else
+                 f"epoch {epoch['number']}: {epoch['staged']} staged "
+                 f"({format_size(epoch['staged_bytes'])}), {epoch['released']} of "
+                 f"{group['batches']} released")
+        members = ", ".join(f"{m['job']} (pid {m['pid']}, prepared {m['prepared']})"
+                            for m in group["members"])
+        lines.append(f"prep     {name}: {state}; members {members}")
+    return lines
 
 
 def _peer_lines(status: dict[str, Any]) -> list[str]:

@@ -160,6 +160,8 @@ def test_the_staging_bound_holds(mounted, jobs) -> None:
     assert staging["full"] > 0  # producers did wait
     assert 0 < staging["peak_bytes"] <= 14 << 10
     assert_clean(m)
+    shown = run_cli("stats", str(m.mountpoint))
+    assert shown.returncode == 0 and f"{staging['published']} batches published" in shown.stdout
 
 
 def test_reuse_yields_each_batch_r_times(mounted, jobs) -> None:
