@@ -4,6 +4,7 @@ checked by their counts."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import random
 import signal
@@ -18,8 +19,25 @@ from PIL import Image
 
 from coordlfs.bench import jpegs
 from coordlfs.bench.cgroup import cgroup_of
-from coordlfs.bench.hpsearch import ConfigResult, format_table, parse_counts, parse_make, summarize
-from coordlfs.bench.jpegs import MEAN, STD, ImageSpec, JpegFolder, crop_box, ensure_jpegs, to_tensor
+from coordlfs.bench.hpsearch import (
+    ConfigResult,
+    check_can_run,
+    format_table,
+    parse_counts,
+    parse_make,
+    settings_from,
+    summarize,
+)
+from coordlfs.bench.jpegs import (
+    MEAN,
+    STD,
+    ImageSpec,
+    JpegFolder,
+    crop_box,
+    ensure_jpegs,
+    to_tensor,
+)
+from coordlfs.cli import build_parser
 from coordlfs.errors import UserError
 from coordlfs.mounting import mount_at
 
@@ -161,6 +179,17 @@ def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 
 
+def test_missing_packages_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = settings_from(build_parser().parse_args(["bench", "hpsearch"]))
+    real = importlib.util.find_spec
+    for missing, named in (("PIL", "Pillow"), ("torch", "torch"),
+                           ("coordlfs.shared_prep", "SharedPrepLoader")):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, m=missing: None if name == m else real(name, *a))
+        with pytest.raises(UserError, match=named):
+            check_can_run(settings)
+
+
 def _processes_naming(text: str) -> list[int]:
     """Processes whose command line names ``text`` (jobs and their workers name the work
     directory)."""
@@ -221,7 +250,7 @@ def test_storage_regime_reads_the_uncached_part_again(tmp_path: Path) -> None:
     read the uncached half once each, the shared jobs once between them."""
     out, work = tmp_path / "hpsearch.json", tmp_path / "work"
     result = subprocess.run(
-        [*BENCH, "--make", "200:160x120", "--work", str(work), "--jobs", "2", "--epochs", "2",
+        [*BENCH, "--make", "200:320x240", "--work", str(work), "--jobs", "2", "--epochs", "2",
          "--regimes", "storage", "--throttle", "20M", "--compute-ms", "0", "--json", str(out)],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr

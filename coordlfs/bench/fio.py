@@ -227,7 +227,7 @@ def parse_output(text: str) -> dict[str, Any]:
     return report
 
 
-def _stop_group(process: subprocess.Popen[str]) -> None:
+def stop_group(process: subprocess.Popen[str]) -> None:
     """Stop fio and the job processes it forked (its own process group), by the group's id."""
     for sig, wait in ((signal.SIGTERM, FIO_STOP_WAIT), (signal.SIGKILL, None)):
         with contextlib.suppress(ProcessLookupError):
@@ -258,11 +258,11 @@ def run_fio(settings: Settings, job: str, directory: Path, scratch: Path,
     try:
         out, err = process.communicate(timeout=settings.runtime + FIO_SLACK)
     except subprocess.TimeoutExpired:
-        _stop_group(process)
+        stop_group(process)
         raise UserError(f"fio {job} against {directory} did not finish in "
                         f"{settings.runtime + FIO_SLACK} s") from None
     except BaseException:
-        _stop_group(process)
+        stop_group(process)
         raise
     if process.returncode != 0:
         lines = (err.strip() or out.strip()).splitlines()

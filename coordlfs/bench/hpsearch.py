@@ -55,7 +55,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from coordlfs.bench.cgroup import controller_root, memory_cgroup, remove_stale
 from coordlfs.bench.counters import block_device, drop_caches, process_bytes_read
-from coordlfs.bench.fio import _stop_group as stop_group
+from coordlfs.bench.fio import stop_group
 from coordlfs.bench.locking import exclusive
 from coordlfs.bench.mounts import coordlfs_mount, unmount_if_mounted
 from coordlfs.bench.reading import read_files
@@ -273,14 +273,12 @@ class Jobs:
             threading.Thread(target=_forward, args=(index, process.stdout, self.events),
                              daemon=True).start()
 
-    def next_event(self) -> tuple[int, dict[str, Any]]:
+    def next_event(self) -> tuple[int, dict[str, Any] | None]:
+        """The next line of any job, as (job index, event); None when its output ended."""
         try:
-            index, event = self.events.get(timeout=PROGRESS_TIMEOUT)
+            return self.events.get(timeout=PROGRESS_TIMEOUT)
         except queue.Empty:
             raise UserError(f"no job made progress for {PROGRESS_TIMEOUT} s") from None
-        if event is None:
-            raise self.failure(index)
-        return index, event
 
     def failure(self, index: int) -> UserError:
         """Job ``index`` stopped talking: its exit status and the last line it wrote."""
@@ -294,7 +292,9 @@ class Jobs:
     def wait_ready(self) -> None:
         ready = 0
         while ready < len(self.processes):
-            _index, event = self.next_event()
+            index, event = self.next_event()
+            if event is None:
+                raise self.failure(index)
             ready += event.get("event") == "ready"
 
     def go(self) -> float:
@@ -313,7 +313,10 @@ class Jobs:
         marks: list[int] = []
         while any(r is None for r in results):
             index, event = self.next_event()
-            if event.get("event") == "epoch":
+            if event is None:
+                if results[index] is None:  # a job's output ends after its result
+                    raise self.failure(index)
+            elif event.get("event") == "epoch":
                 done[index] = event["epoch"]
                 while len(marks) < min(done):
                     marks.append(storage())
