@@ -10,6 +10,9 @@ order from the same seed.
 A job that itself runs on several ranks (DistributedSampler) reads ``shard``: the order padded
 with its own head to a multiple of ``world_size`` (or cut, with ``drop_last``), then every
 ``world_size``-th item from ``rank``, as DistributedSampler does.
+
+A prep group (``coordlfs.prep``) cuts each epoch's order into batches, as DataLoader does:
+``batches_of``; ``batch_count`` is how many there are.
 """
 
 from __future__ import annotations
@@ -43,3 +46,15 @@ def shard(order: list[int], rank: int, world_size: int, drop_last: bool = False)
         while len(padded) < total and order:
             padded += order[: total - len(padded)]
     return padded[rank:total:world_size]
+
+
+def batch_count(samples: int, batch_size: int, drop_last: bool) -> int:
+    """How many batches ``samples`` make: the last one short unless ``drop_last``."""
+    full, rest = divmod(samples, batch_size)
+    return full if drop_last or not rest else full + 1
+
+
+def batches_of(order: list[int], batch_size: int, drop_last: bool) -> list[list[int]]:
+    """An epoch's batches: the order cut into ``batch_size`` pieces, as a DataLoader does."""
+    return [order[i * batch_size:(i + 1) * batch_size]
+            for i in range(batch_count(len(order), batch_size, drop_last))]

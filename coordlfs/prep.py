@@ -24,6 +24,7 @@ to prepare, and no batch waits for it any longer.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
@@ -38,7 +39,7 @@ from typing import Any
 from coordlfs.control_server import ControlServer, RequestError, require
 from coordlfs.groups import name_argument
 from coordlfs.mounting import process_alive
-from coordlfs.order import SEED_LIMIT
+from coordlfs.order import SEED_LIMIT, batch_count
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,6 @@ class PrepMember:
     group: str
     pid: int
     job: str
-    joined: float
     last_seen: float
     #: asked for its next epoch and waits for the group to start it
     waiting_since: float | None = None
@@ -119,8 +119,7 @@ class PrepGroup:
 
     @property
     def batches(self) -> int:
-        full, rest = divmod(self.samples, self.batch_size)
-        return full if self.drop_last or not rest else full + 1
+        return batch_count(self.samples, self.batch_size, self.drop_last)
 
 
 class Prep:
@@ -163,8 +162,7 @@ class Prep:
                 "must use the same dataset, batch size and drop_last to share batches")
         group.min_members = max(group.min_members, min_members)
         now = self._clock()
-        member = PrepMember(self._next_id, name, pid, job, time.time(), now,
-                            rng=random.Random(self._next_id))
+        member = PrepMember(self._next_id, name, pid, job, now, rng=random.Random(self._next_id))
         self._next_id += 1
         group.members[member.id] = member
         self.members[member.id] = member
@@ -304,21 +302,18 @@ class Prep:
             epoch.claims[batch] = member.id
             return {"batch": batch, "epoch": epoch.number}
         return {"batch": None, "epoch": epoch.number,
-                "outstanding": len(epoch.claims) - sum(1 for b in epoch.claims
-                                                       if epoch.claims[b] == member.id)}
+                "outstanding": sum(owner != member.id for owner in epoch.claims.values())}
 
     def reserve(self, member_id: int, batch: int, size: int) -> dict[str, Any]:
         """Room in the staging area for a batch the member claimed, and the file to write it
         to; ``full`` means retry once other members used some."""
         member, epoch = self._in_epoch(member_id)
         self._claimed_by(epoch, batch, member)
-        previous = epoch.reserved.pop(batch, 0)
-        self.used -= previous
-        if self.used > 0 and self.used + size > self.capacity:
-            epoch.reserved[batch] = previous
-            self.used += previous
+        others = self.used - epoch.reserved.get(batch, 0)  # a batch may reserve again
+        if others > 0 and others + size > self.capacity:
             self.counters["full"] += 1
             return {"full": True, "used_bytes": self.used, "capacity_bytes": self.capacity}
+        self.used = others
         epoch.reserved[batch] = size
         self._account(size)
         return {"full": False, "path": self._batch_path(epoch, batch, member.id)}
@@ -403,8 +398,7 @@ class Prep:
         if batch in epoch.reserved:
             self._unreserve(epoch, batch)
         _unlink(self._batch_path(epoch, batch, owner))
-        epoch.unclaimed.insert(0, batch)
-        epoch.unclaimed.sort()
+        bisect.insort(epoch.unclaimed, batch)
 
     def _group_directory(self, group: PrepGroup) -> str:
         return os.path.join(self.directory, str(group.number))

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from coordlfs.control import Control, ControlError, control_for, dataset_root
 from coordlfs.errors import UserError
-from coordlfs.order import SEED_LIMIT, epoch_order
+from coordlfs.order import SEED_LIMIT, batch_count, batches_of, epoch_order
 
 #: Polling interval bounds while the group has nothing ready, seconds.
 POLL_MIN_S = 0.001
@@ -63,12 +63,11 @@ class _Poll:
         self.delay = POLL_MIN_S
 
 
-def batches_of(order: list[int], batch_size: int, drop_last: bool) -> list[list[int]]:
-    """An epoch's batches: the order cut into ``batch_size`` pieces, as a DataLoader does."""
-    cut = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    if drop_last and cut and len(cut[-1]) < batch_size:
-        cut.pop()
-    return cut
+def local_order(seed: int, epoch: int, n: int) -> list[int]:
+    """A job's own shuffle of ``n`` items for ``epoch``, where it has no group to share one."""
+    generator = torch.Generator()
+    generator.manual_seed((seed + epoch) % (1 << 63))
+    return torch.randperm(n, generator=generator).tolist()
 
 
 def staged_size(batch: Any) -> int:
@@ -156,7 +155,6 @@ class SharedPrepLoader:
         #: batches this job prepared for the group, and those it prepared alone
         self.prepared = 0
         self.prepared_alone = 0
-        self.epoch: int | None = None
         self._passes = 0
         self._local_seed = secrets.randbelow(SEED_LIMIT)
         self._control = control_for(path if path is not None else dataset_root(dataset),
@@ -168,10 +166,6 @@ class SharedPrepLoader:
         self._join()
 
     # -- configuration -------------------------------------------------------------------
-
-    def set_epoch(self, epoch: int) -> None:
-        """Number this job's epochs (DistributedSampler's habit); the group numbers its own."""
-        self.epoch = epoch
 
     def set_reuse(self, reuse: int, shuffle_buffer: int | None = None) -> None:
         """Use each batch ``reuse`` times (1: off, for fine-tuning), from a shuffle buffer."""
@@ -188,8 +182,7 @@ class SharedPrepLoader:
         return self._link is not None
 
     def __len__(self) -> int:
-        full, rest = divmod(len(self.dataset), self.batch_size)
-        return (full if self.drop_last or not rest else full + 1) * self.reuse
+        return batch_count(len(self.dataset), self.batch_size, self.drop_last) * self.reuse
 
     # -- membership ------------------------------------------------------------------------
 
@@ -270,7 +263,7 @@ class SharedPrepLoader:
     def _group_batches(self) -> Iterator[Any]:
         link = self._link
         if link is None:
-            order = self._local_order()
+            order = local_order(self._local_seed, self._passes, len(self.dataset))
             yield from self._alone(batches_of(order, self.batch_size, self.drop_last))
             return
         try:
@@ -335,10 +328,6 @@ class SharedPrepLoader:
             self.prepared_alone += 1
             yield batch
 
-    def _local_order(self) -> list[int]:
-        generator = torch.Generator()
-        generator.manual_seed((self._local_seed + self._passes) % (1 << 63))
-        return torch.randperm(len(self.dataset), generator=generator).tolist()
 
 
 class _Producer:

@@ -23,13 +23,12 @@ import warnings
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any, TypeVar
 
-import torch
 from torch.utils.data import Sampler
 
 from coordlfs.control import Control, control_for, dataset_root
 from coordlfs.errors import UserError
 from coordlfs.order import SEED_LIMIT, epoch_order, shard
-from coordlfs.shared_prep import SharedPrepLoader
+from coordlfs.shared_prep import SharedPrepLoader, local_order
 
 T = TypeVar("T")
 
@@ -110,9 +109,7 @@ class AlignedSampler(Sampler[int]):
         if self.aligned:
             full = epoch_order(self.seed, epoch, n)
         else:
-            generator = torch.Generator()
-            generator.manual_seed((self.seed + epoch) % (1 << 63))
-            full = torch.randperm(n, generator=generator).tolist()
+            full = local_order(self.seed, epoch, n)
         if self.num_replicas == 1:
             return full
         return shard(full, self.rank, self.num_replicas, self.drop_last)

@@ -23,31 +23,33 @@ import os
 import signal
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
 from coordlfs.bench.cgroup import memory_cgroup, remove_stale
+from coordlfs.bench.children import running, stop_children
 from coordlfs.bench.counters import drop_caches, process_bytes_read
 from coordlfs.bench.dataset import Dataset, epoch_orders
 from coordlfs.bench.epochs import (
     DAEMON_BASE_BYTES,
     DAEMON_BYTES_PER_FILE,
     PAGE_HEADROOM_PER_READER,
+    Readers,
     add_training_arguments,
     batches_of,
     check_can_run,
     load_dataset,
-    readers,
-    stop_children,
+    parse_throttle,
 )
 from coordlfs.bench.mounts import coordlfs_mount
+from coordlfs.bench.ratios import median, ratio
 from coordlfs.control import Control
 from coordlfs.errors import UserError
 from coordlfs.order import epoch_order
-from coordlfs.sizes import format_size, parse_size
+from coordlfs.sizes import format_size
 from coordlfs.stagger import JobProfile, optimal_delay, standalone_runtime
 
 CGROUP_PREFIX = "coordlfs-aligned"
@@ -98,7 +100,7 @@ def _job_main(conn: Connection, plan: Plan, index: int, dataset: Dataset, base: 
             control.register_files(member, names)
             orders = [[names[i] for i in epoch_order(reply["seed"], e, len(names))]
                       for e in range(plan.epochs)]
-        with readers(plan.readers) as group_of_readers:
+        with running(Readers(plan.readers)) as group_of_readers:
             conn.send(("pids", group_of_readers.pids))
             conn.recv()  # go
             time.sleep(delay_s)
@@ -187,18 +189,6 @@ class Jobs:
         stop_children(self.conns, self.procs, "stop")
 
 
-@contextlib.contextmanager
-def jobs_of(plan: Plan, dataset: Dataset, base: Path, group: str | None,
-            computes: tuple[float, ...] | None = None,
-            delays: tuple[float, ...] | None = None) -> Iterator[Jobs]:
-    jobs = Jobs(plan, dataset, str(base), group, computes, delays)
-    try:
-        jobs.start()
-        yield jobs
-    finally:
-        jobs.stop()
-
-
 # -- one configuration ---------------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -245,7 +235,8 @@ def run_system(system: str, plan: Plan, dataset: Dataset, cache: int, window: in
             cgroup.add(daemon)
             storage_pids.append(daemon)
             group = f"bench-{os.getpid()}" if system != "coordlfs" else None
-        jobs = stack.enter_context(jobs_of(plan, dataset, base, group, delays=delays))
+        jobs = stack.enter_context(running(Jobs(plan, dataset, str(base), group,
+                                                     delays=delays)))
         for pid in [p.pid for p in jobs.procs] + jobs.reader_pids:
             cgroup.add(pid)
         cgroup.set_memory_limit(budget)
@@ -296,20 +287,16 @@ def advised_delays(profile: JobProfile, jobs: int) -> tuple[float, tuple[float, 
 
 # -- the command ---------------------------------------------------------------------------
 
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 3) if b else None
-
-
 def summarize(runs: list[dict[int, dict[str, SystemResult]]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for n in runs[0]:
-        storage = [_ratio(r[n]["coordlfs"].later_storage, r[n]["coordlfs aligned"].later_storage)
+        storage = [ratio(r[n]["coordlfs"].later_storage, r[n]["coordlfs aligned"].later_storage)
                    for r in runs]
-        page = [_ratio(r[n]["page cache"].later_storage, r[n]["coordlfs aligned"].later_storage)
+        page = [ratio(r[n]["page cache"].later_storage, r[n]["coordlfs aligned"].later_storage)
                 for r in runs]
-        makespan = [_ratio(r[n]["coordlfs"].makespan_s, r[n]["coordlfs aligned"].makespan_s)
+        makespan = [ratio(r[n]["coordlfs"].makespan_s, r[n]["coordlfs aligned"].makespan_s)
                     for r in runs]
-        staggered = [_ratio(r[n]["coordlfs aligned"].makespan_s,
+        staggered = [ratio(r[n]["coordlfs aligned"].makespan_s,
                             r[n]["coordlfs staggered"].makespan_s) for r in runs]
         delay = [r[n]["coordlfs staggered"].delays_s[-1] / max(1, n - 1) for r in runs]
         for key, values in ((f"storage_bytes_ratio_{n}jobs", storage),
@@ -317,8 +304,7 @@ def summarize(runs: list[dict[int, dict[str, SystemResult]]]) -> dict[str, Any]:
                             (f"makespan_ratio_{n}jobs", makespan),
                             (f"staggered_makespan_ratio_{n}jobs", staggered),
                             (f"staggered_delay_s_{n}jobs", delay)):
-            known = [v for v in values if v is not None]
-            summary[key] = round(statistics.median(known), 3) if known else None
+            summary[key] = median(values)
             summary[key + "_runs"] = values
     return summary
 
@@ -335,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.cache < 1 or not 0 <= args.window < 1 or args.compute_ms < 0:
         raise UserError("--cache and --window are fractions of the dataset in [0, 1); "
                         "--compute-ms must not be negative")
-    throttle = None if args.throttle == "none" else parse_size(args.throttle, "--throttle")
+    throttle = parse_throttle(args.throttle)
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     remove_stale(CGROUP_PREFIX)

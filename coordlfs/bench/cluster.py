@@ -24,7 +24,6 @@ import multiprocessing
 import os
 import shutil
 import socket
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -36,6 +35,7 @@ import trio
 from coordlfs.bench.aligned import Plan as JobPlan
 from coordlfs.bench.aligned import budget_for
 from coordlfs.bench.cgroup import memory_cgroup, remove_stale
+from coordlfs.bench.children import running
 from coordlfs.bench.counters import drop_caches, process_bytes_read
 from coordlfs.bench.dataset import Dataset
 from coordlfs.bench.epochs import (
@@ -44,19 +44,20 @@ from coordlfs.bench.epochs import (
     batches_of,
     check_can_run,
     load_dataset,
-    readers,
+    parse_throttle,
 )
 from coordlfs.bench.mounts import coordlfs_mount
 from coordlfs.bench.netns import Node, cluster_network, rate_bits
 from coordlfs.bench.netns import check_can_run as check_netns
 from coordlfs.bench.netns import remove_stale as remove_stale_network
+from coordlfs.bench.ratios import median, ratio
 from coordlfs.control import Control
 from coordlfs.errors import UserError
 from coordlfs.order import epoch_order
 from coordlfs.peer_wire import MAX_CHUNK, Get, Kind
 from coordlfs.peers import PeerLink
 from coordlfs.placement import Address, owner
-from coordlfs.sizes import format_size, parse_size
+from coordlfs.sizes import format_size
 
 CGROUP_PREFIX = "coordlfs-cluster"
 SYSTEMS = ("page cache", "minio", "minio+peers")
@@ -167,7 +168,7 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
             cgroup = stack.enter_context(memory_cgroup(
                 f"{CGROUP_PREFIX}-{os.getpid()}-{i}", None, None, read_bps=plan.throttle,
                 throttle_path=root if plan.throttle else None))
-            group = stack.enter_context(readers(plan.readers))
+            group = stack.enter_context(running(Readers(plan.readers)))
             for pid in group.pids:
                 cgroup.add(pid)
             groups.append(group)
@@ -338,18 +339,10 @@ def _free_port() -> int:
 
 # -- the command -------------------------------------------------------------------------------
 
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 3) if b else None
-
-
 def summarize(runs: list[dict[str, SystemResult]]) -> dict[str, Any]:
-    def median(values: list[float | None]) -> float | None:
-        known = [v for v in values if v is not None]
-        return round(statistics.median(known), 3) if known else None
-
-    storage = [_ratio(r["minio"].later_storage, r["minio+peers"].later_storage) for r in runs]
-    seconds = [_ratio(r["minio"].later_seconds, r["minio+peers"].later_seconds) for r in runs]
-    page = [_ratio(r["page cache"].later_seconds, r["minio+peers"].later_seconds) for r in runs]
+    storage = [ratio(r["minio"].later_storage, r["minio+peers"].later_storage) for r in runs]
+    seconds = [ratio(r["minio"].later_seconds, r["minio+peers"].later_seconds) for r in runs]
+    page = [ratio(r["page cache"].later_seconds, r["minio+peers"].later_seconds) for r in runs]
     return {
         "storage_bytes_ratio": median(storage),
         "storage_bytes_ratio_runs": storage,
@@ -374,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
     link = None if args.link == "none" else args.link
     if link is not None:
         rate_bits(link)
-    throttle = None if args.throttle == "none" else parse_size(args.throttle, "--throttle")
+    throttle = parse_throttle(args.throttle)
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     remove_stale(CGROUP_PREFIX)

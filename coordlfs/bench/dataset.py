@@ -14,8 +14,10 @@ import math
 import os
 import random
 import shutil
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from coordlfs.errors import UserError
 
@@ -56,7 +58,8 @@ class Dataset:
     """A generated dataset on disk."""
 
     root: Path
-    spec: DatasetSpec
+    #: what it was made from: a DatasetSpec, or ``coordlfs.bench.jpegs.ImageSpec``
+    spec: Any
     files: tuple[tuple[str, int], ...]
     #: True when an existing dataset was found intact and nothing was written
     reused: bool
@@ -127,18 +130,31 @@ def ensure_dataset(root: str | os.PathLike[str], spec: DatasetSpec) -> Dataset:
     manifest = read_manifest(root)
     if manifest == _manifest(spec, True, total) and intact(root, layout):
         return Dataset(root, spec, tuple(layout), reused=True)
+    rewrite(root, manifest, _manifest(spec, False, total),
+            ((rel, file_contents(spec, rel, size)) for rel, size in layout))
+    write_manifest(root, _manifest(spec, True, total))
+    return Dataset(root, spec, tuple(layout), reused=False)
+
+
+def rewrite(root: Path, manifest: dict | None, begun: dict,
+            files: Iterable[tuple[str, bytes]]) -> list[tuple[str, int]]:
+    """Replace a dataset of ours at ``root`` (``manifest``: what it holds, None if nothing of
+    ours) with ``files`` (relative path, contents), with ``begun`` as the manifest while they
+    are written; returns (relative path, size) of each. The caller then writes the complete
+    manifest. A directory that holds anything but a dataset of ours is never touched."""
     if manifest is None and root.is_dir() and any(root.iterdir()):
         raise UserError(f"{root} is not empty and holds no coordlfs sample dataset; "
                         "choose another directory")
     root.mkdir(parents=True, exist_ok=True)
     clear_dataset(root)
-    write_manifest(root, _manifest(spec, False, total))
-    for rel, size in layout:
+    write_manifest(root, begun)
+    written = []
+    for rel, data in files:
         path = root / rel
         path.parent.mkdir(exist_ok=True)
-        path.write_bytes(file_contents(spec, rel, size))
-    write_manifest(root, _manifest(spec, True, total))
-    return Dataset(root, spec, tuple(layout), reused=False)
+        path.write_bytes(data)
+        written.append((rel, len(data)))
+    return written
 
 
 def epoch_orders(dataset: Dataset, epochs: int, seed: int) -> list[list[str]]:

@@ -24,19 +24,19 @@ import json
 import multiprocessing
 import os
 import signal
-import statistics
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from coordlfs.bench.cgroup import Cgroup, memory_cgroup, remove_stale
+from coordlfs.bench.children import running, stop_children
 from coordlfs.bench.counters import drop_caches, process_bytes_read
 from coordlfs.bench.dataset import Dataset, DatasetSpec, ensure_dataset, epoch_orders
 from coordlfs.bench.mounts import coordlfs_mount
+from coordlfs.bench.ratios import median, ratio
 from coordlfs.bench.reading import read_files
 from coordlfs.errors import UserError
 from coordlfs.sizes import format_size, parse_size
@@ -111,11 +111,18 @@ def settings_from(args: argparse.Namespace) -> Settings:
             raise UserError(f"bad --{name} {getattr(args, name)}: need at least 1")
     if args.compute_ms < 0:
         raise UserError(f"bad --compute-ms {args.compute_ms}: must not be negative")
-    throttle = None if args.throttle == "none" else parse_size(args.throttle, "--throttle")
-    if throttle == 0:
-        raise UserError("bad --throttle 0: give a rate, or none")
     return Settings(args.budget, args.epochs, args.readers, args.batch, args.compute_ms,
-                    args.seed, throttle, args.repeat)
+                    args.seed, parse_throttle(args.throttle), args.repeat)
+
+
+def parse_throttle(text: str) -> int | None:
+    """``--throttle``: storage read bytes per second, or None for ``none``."""
+    if text == "none":
+        return None
+    rate = parse_size(text, "--throttle")
+    if rate == 0:
+        raise UserError("bad --throttle 0: give a rate, or none")
+    return rate
 
 
 def budget_bytes(text: str, dataset_bytes: int) -> int:
@@ -223,28 +230,6 @@ class Readers:
         stop_children(self.conns, self.procs, None)
 
 
-def stop_children(conns: list[Connection], procs: list[Any], farewell: Any) -> None:
-    """Send each child ``farewell``, give it 5 s to exit, then kill it."""
-    for conn in conns:
-        with contextlib.suppress(OSError):
-            conn.send(farewell)
-    for proc in procs:
-        proc.join(5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-
-
-@contextlib.contextmanager
-def readers(count: int) -> Iterator[Readers]:
-    group = Readers(count)
-    try:
-        group.start()
-        yield group
-    finally:
-        group.stop()
-
-
 class Sampler:
     """Samples the storage bytes of some processes over time, for the throughput plot."""
 
@@ -334,7 +319,7 @@ def _group(name: str, settings: Settings,
 
 def run_page_cache(dataset: Dataset, budget: int, settings: Settings) -> ConfigResult:
     name = f"{CGROUP_PREFIX}-{os.getpid()}"
-    with readers(settings.readers) as group, _group(name, settings, dataset) as cgroup:
+    with running(Readers(settings.readers)) as group, _group(name, settings, dataset) as cgroup:
         for pid in group.pids:
             cgroup.add(pid)
         memory = cgroup.memory_usage()
@@ -361,7 +346,7 @@ def cache_size_for(budget: int, dataset: Dataset, readers_memory: int, readers: 
 def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path) -> ConfigResult:
     name = f"{CGROUP_PREFIX}-{os.getpid()}"
     mountpoint = work / "mnt"
-    with readers(settings.readers) as group, _group(name, settings, dataset) as cgroup:
+    with running(Readers(settings.readers)) as group, _group(name, settings, dataset) as cgroup:
         for pid in group.pids:
             cgroup.add(pid)
         memory = cgroup.memory_usage()
@@ -387,18 +372,10 @@ def later(result: ConfigResult, attribute: str) -> float:
     return sum(getattr(e, attribute) for e in result.epochs[1:])
 
 
-def ratio(numerator: float, denominator: float) -> float | None:
-    return round(numerator / denominator, 3) if denominator else None
-
-
 def summarize(runs: list[tuple[ConfigResult, ConfigResult]]) -> dict[str, Any]:
     """Medians over repeated runs of page cache ÷ coordlfs, epochs after the first."""
     storage = [ratio(later(pc, "storage_bytes"), later(cl, "storage_bytes")) for pc, cl in runs]
     times = [ratio(later(pc, "seconds"), later(cl, "seconds")) for pc, cl in runs]
-
-    def median(values: list[float | None]) -> float | None:
-        known = [v for v in values if v is not None]
-        return round(statistics.median(known), 3) if known else None
 
     def fraction(index: int) -> float | None:
         values = [run[index].epochs[i].storage_fraction for run in runs

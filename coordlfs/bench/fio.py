@@ -28,7 +28,6 @@ Needs root and fio. Whatever happens, fio is stopped and nothing stays mounted.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -45,6 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from coordlfs.bench.children import stop_group
 from coordlfs.bench.counters import drop_caches
 from coordlfs.bench.dataset import clear_dataset, intact, read_manifest, write_manifest
 from coordlfs.bench.locking import exclusive
@@ -62,8 +62,6 @@ DEFAULT_JOB_DIR = Path(__file__).resolve().parents[2] / "scripts" / "fio"
 LAYOUT_FORMAT = 1
 #: Seconds beyond ``--runtime`` after which a fio run counts as hung and is stopped.
 FIO_SLACK = 120
-#: Seconds fio gets to stop its jobs after SIGTERM before the whole group is killed.
-FIO_STOP_WAIT = 10
 #: Seconds the warming pass may wait for coordlfs to finish filling its cache.
 FILL_TIMEOUT = 300
 #: The mark after the warming pass: coordlfs's read counters from here are the measured runs'.
@@ -225,18 +223,6 @@ def parse_output(text: str) -> dict[str, Any]:
         raise UserError(f"fio printed no JSON report: {text.strip()[-300:]!r}")
     report, _end = json.JSONDecoder().raw_decode(text, start.start())
     return report
-
-
-def stop_group(process: subprocess.Popen[str]) -> None:
-    """Stop fio and the job processes it forked (its own process group), by the group's id."""
-    for sig, wait in ((signal.SIGTERM, FIO_STOP_WAIT), (signal.SIGKILL, None)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
-        try:
-            process.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def run_fio(settings: Settings, job: str, directory: Path, scratch: Path,

@@ -48,22 +48,23 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, TypeVar
+from typing import IO, Any, TypeVar
 
 from coordlfs.bench.cgroup import controller_root, memory_cgroup, remove_stale
+from coordlfs.bench.children import running, stop_group
 from coordlfs.bench.counters import block_device, drop_caches, process_bytes_read
-from coordlfs.bench.fio import stop_group
+from coordlfs.bench.dataset import Dataset
+from coordlfs.bench.epochs import parse_throttle
 from coordlfs.bench.locking import exclusive
 from coordlfs.bench.mounts import coordlfs_mount, unmount_if_mounted
+from coordlfs.bench.ratios import median, ratio
 from coordlfs.bench.reading import read_files
 from coordlfs.errors import UserError
-from coordlfs.sizes import format_size, parse_size
-
-if TYPE_CHECKING:
-    from coordlfs.bench.jpegs import Jpegs
+from coordlfs.order import batch_count
+from coordlfs.sizes import format_size
 
 CGROUP_PREFIX = "coordlfs-hpsearch"
 REGIMES = ("memory", "storage")
@@ -137,35 +138,20 @@ def _at_least(minimum: int) -> Callable[[str], int]:
     return parse_count
 
 
-def parse_fraction(text: str) -> float:
-    """A share of the dataset in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise UserError(f"expected a fraction of the dataset, not {text!r}") from None
-    if not 0 < value <= 1:
-        raise UserError(f"a fraction of the dataset is in (0, 1], not {value:g}")
-    return value
+def _number(what: str, valid: Callable[[float], bool], bounds: str) -> Callable[[str], float]:
+    def parse_number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise UserError(f"expected {what}, not {text!r}") from None
+        if not valid(value):
+            raise UserError(f"{what} must be {bounds}, not {value:g}")
+        return value
+    return parse_number
 
 
-def parse_milliseconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise UserError(f"expected milliseconds, not {text!r}") from None
-    if value < 0:
-        raise UserError(f"must not be negative, not {value:g}")
-    return value
-
-
-def parse_throttle(text: str) -> int | None:
-    """Bytes per second, or ``none``."""
-    if text == "none":
-        return None
-    rate = parse_size(text, "--throttle")
-    if rate == 0:
-        raise UserError("give a rate, or none")
-    return rate
+parse_fraction = _number("a fraction of the dataset", lambda v: 0 < v <= 1, "in (0, 1]")
+parse_milliseconds = _number("milliseconds", lambda v: v >= 0, "0 or more")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -345,16 +331,6 @@ class Jobs:
                         stream.close()
 
 
-@contextlib.contextmanager
-def started_jobs(argvs: list[list[str]], logs: list[Path]) -> Iterator[Jobs]:
-    jobs = Jobs(argvs, logs)
-    try:
-        jobs.start()
-        yield jobs
-    finally:
-        jobs.stop()
-
-
 # -- one configuration -----------------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -393,8 +369,8 @@ class ConfigResult:
 def check_counts(result: ConfigResult, settings: Settings, samples: int) -> None:
     """Every job saw every sample of every epoch (each job also checks, per class); shared
     jobs prepared each batch of each epoch once between them."""
-    expected = samples // settings.batch * settings.batch if settings.drop_last else samples
-    batches = samples // settings.batch if settings.drop_last else -(-samples // settings.batch)
+    batches = batch_count(samples, settings.batch, settings.drop_last)
+    expected = min(samples, batches * settings.batch)
     for job in result.job_results:
         if job["samples"] != [expected] * settings.epochs:
             raise UserError(f"{job['job']} saw {job['samples']} samples per epoch, expected "
@@ -406,7 +382,7 @@ def check_counts(result: ConfigResult, settings: Settings, samples: int) -> None
                             f"{batches * settings.epochs} between them")
 
 
-def run_config(images: Jpegs, settings: Settings, regime: str, mode: str, count: int,
+def run_config(images: Dataset, settings: Settings, regime: str, mode: str, count: int,
                number: int, work: Path) -> ConfigResult:
     total = images.total_bytes
     cache = total if regime == "memory" else int(total * settings.cache)
@@ -416,8 +392,7 @@ def run_config(images: Jpegs, settings: Settings, regime: str, mode: str, count:
                                                      work / "mount.log"))
         daemon = control.status()["pid"]
         if regime == "memory":
-            read_files([str(mountpoint / rel) for rel, _size in images.files],
-                       bytearray(1 << 20))
+            read_files(images.paths(mountpoint), bytearray(1 << 20))
         elif settings.throttle:
             cgroup = stack.enter_context(memory_cgroup(
                 f"{CGROUP_PREFIX}-{os.getpid()}", read_bps=settings.throttle,
@@ -426,7 +401,7 @@ def run_config(images: Jpegs, settings: Settings, regime: str, mode: str, count:
         logs = [work / "logs" / f"job-{i}.log" for i in range(count)]
         argvs = [job_argv(settings, mode, count, i, mountpoint, regime == "storage")
                  for i in range(count)]
-        jobs = stack.enter_context(started_jobs(argvs, logs))
+        jobs = stack.enter_context(running(Jobs(argvs, logs)))
         jobs.wait_ready()
         if regime == "storage":
             drop_caches()
@@ -447,15 +422,6 @@ def run_config(images: Jpegs, settings: Settings, regime: str, mode: str, count:
 
 # -- summary -------------------------------------------------------------------------------
 
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 3) if b else None
-
-
-def _median(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return round(statistics.median(known), 3) if known else None
-
-
 def summarize(results: list[ConfigResult]) -> dict[str, Any]:
     """Per regime and job count, medians over runs of shared against independent; the
     memory regime's figures (the prep-bound case) also at the top level."""
@@ -470,11 +436,11 @@ def summarize(results: list[ConfigResult]) -> dict[str, Any]:
                      and (regime, n, "shared", run) in by_key]
             for key, values in (
                     (f"throughput_ratio_{n}jobs",
-                     [_ratio(sh.samples_per_s, ind.samples_per_s) for ind, sh in pairs]),
-                    (f"prep_cpu_ratio_{n}jobs", [_ratio(ind.cpu_s, sh.cpu_s) for ind, sh in pairs]),
+                     [ratio(sh.samples_per_s, ind.samples_per_s) for ind, sh in pairs]),
+                    (f"prep_cpu_ratio_{n}jobs", [ratio(ind.cpu_s, sh.cpu_s) for ind, sh in pairs]),
                     (f"storage_bytes_ratio_{n}jobs",
-                     [_ratio(ind.storage_per_epoch, sh.storage_per_epoch) for ind, sh in pairs])):
-                figures[key] = _median(values)
+                     [ratio(ind.storage_per_epoch, sh.storage_per_epoch) for ind, sh in pairs])):
+                figures[key] = median(values)
                 figures[key + "_runs"] = values
         summary[regime] = figures
     if "memory" in summary:

@@ -28,6 +28,8 @@ from torch.utils.data import DataLoader
 
 from coordlfs.bench.jpegs import JpegFolder
 from coordlfs.errors import UserError, exit_status
+from coordlfs.order import batch_count
+from coordlfs.torch import SharedPrepLoader
 
 MODES = ("independent", "shared")
 
@@ -69,10 +71,6 @@ def make_loader(args: argparse.Namespace, dataset: JpegFolder) -> Any:
     if args.mode == "independent":
         return DataLoader(dataset, batch_size=args.batch, shuffle=True,
                           num_workers=args.workers, drop_last=args.drop_last)
-    try:
-        from coordlfs.torch import SharedPrepLoader
-    except ImportError as e:
-        raise UserError(f"shared mode needs coordlfs.torch.SharedPrepLoader ({e})") from None
     return SharedPrepLoader(dataset, batch_size=args.batch, group=args.group, path=args.root,
                             job=args.job, num_workers=args.workers, drop_last=args.drop_last,
                             min_members=args.jobs)
@@ -109,7 +107,8 @@ def train(args: argparse.Namespace) -> int:
     random.seed(args.seed)
     dataset = JpegFolder(args.root, args.crop, args.drop_pages)
     n = len(dataset)
-    expected = n // args.batch * args.batch if args.drop_last else n
+    batches = batch_count(n, args.batch, args.drop_last)
+    expected = min(n, batches * args.batch)
     per_class_expected = expected_per_class(dataset, args.drop_last)
     loader = make_loader(args, dataset)
     try:
@@ -119,8 +118,6 @@ def train(args: argparse.Namespace) -> int:
         cpu_start, started = cpu_seconds(), time.monotonic()
         samples, epoch_s = [], []
         for epoch in range(args.epochs):
-            if args.mode == "shared":
-                loader.set_epoch(epoch)
             begun = time.monotonic()
             seen, per_class = run_epoch(loader, len(dataset.classes), args.crop,
                                         args.compute_ms / 1000)
@@ -144,7 +141,7 @@ def train(args: argparse.Namespace) -> int:
           "samples_per_s": round(sum(samples) / seconds, 2), "seconds": round(seconds, 4),
           "started": started, "ended": ended, "cpu_s": round(cpu_seconds() - cpu_start, 3),
           "prepared": prepared,
-          "batches_per_epoch": expected // args.batch if args.drop_last else -(-n // args.batch)})
+          "batches_per_epoch": batches})
     return 0
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 from PIL import Image, ImageFilter
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset as TorchDataset
 
-from coordlfs.bench.dataset import clear_dataset, intact, read_manifest, write_manifest
+from coordlfs.bench.dataset import Dataset, intact, read_manifest, rewrite, write_manifest
 from coordlfs.errors import UserError
 
 #: Bumped when the images made from a spec change, so old datasets are remade.
@@ -64,21 +64,6 @@ class ImageSpec:
         return [f"class{i % self.classes:0{cw}d}/img{i:0{iw}d}.jpg" for i in range(self.files)]
 
 
-@dataclass(frozen=True, slots=True)
-class Jpegs:
-    """A generated image dataset on disk."""
-
-    root: Path
-    spec: ImageSpec
-    files: tuple[tuple[str, int], ...]
-    #: True when an existing dataset was found intact and nothing was written
-    reused: bool
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(size for _rel, size in self.files)
-
-
 def render(spec: ImageSpec, rel: str) -> bytes:
     """The JPEG of one file: a colour field (an upscaled grid of random colours blended with
     a rotated gradient) with blurred noise of a random strength on top; seeded by its name."""
@@ -112,7 +97,7 @@ def _listed(manifest: dict | None, spec: ImageSpec) -> list[tuple[str, int]] | N
     return files if [rel for rel, _size in files] == spec.names() else None
 
 
-def ensure_jpegs(root: str | os.PathLike[str], spec: ImageSpec) -> Jpegs:
+def ensure_jpegs(root: str | os.PathLike[str], spec: ImageSpec) -> Dataset:
     """The dataset of ``spec`` at ``root``: reused if intact, else (re)generated.
 
     As ``coordlfs.bench.dataset.ensure_dataset``: a directory holding anything but a dataset
@@ -124,22 +109,11 @@ def ensure_jpegs(root: str | os.PathLike[str], spec: ImageSpec) -> Jpegs:
     manifest = read_manifest(root)
     files = _listed(manifest, spec)
     if files is not None and intact(root, files):
-        return Jpegs(root, spec, tuple(files), reused=True)
-    if manifest is None and root.is_dir() and any(root.iterdir()):
-        raise UserError(f"{root} is not empty and holds no coordlfs sample dataset; "
-                        "choose another directory")
-    root.mkdir(parents=True, exist_ok=True)
-    clear_dataset(root)
-    write_manifest(root, _manifest(spec, None))
-    written = []
-    for rel in spec.names():
-        path = root / rel
-        path.parent.mkdir(exist_ok=True)
-        data = render(spec, rel)
-        path.write_bytes(data)
-        written.append((rel, len(data)))
+        return Dataset(root, spec, tuple(files), reused=True)
+    written = rewrite(root, manifest, _manifest(spec, None),
+                      ((rel, render(spec, rel)) for rel in spec.names()))
     write_manifest(root, _manifest(spec, written))
-    return Jpegs(root, spec, tuple(written), reused=False)
+    return Dataset(root, spec, tuple(written), reused=False)
 
 
 # -- the pipeline ----------------------------------------------------------------------------
@@ -188,7 +162,7 @@ def read_whole(path: str, drop_pages: bool) -> bytes:
     return data
 
 
-class JpegFolder(Dataset[tuple[torch.Tensor, int]]):
+class JpegFolder(TorchDataset[tuple[torch.Tensor, int]]):
     """An ImageFolder over ``root``: class folders in name order, their ``.jpg`` files in name
     order (``samples``: (path, class index), ``files``: the paths). An item is decoded, cropped
     at random (``crop_box``) and resized to ``crop`` x ``crop``, flipped with probability 1/2

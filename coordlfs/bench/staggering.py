@@ -19,14 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordlfs.bench.aligned import CGROUP_PREFIX, Plan, jobs_of
+from coordlfs.bench.aligned import CGROUP_PREFIX, Jobs, Plan
 from coordlfs.bench.cgroup import memory_cgroup, remove_stale
+from coordlfs.bench.children import running
 from coordlfs.bench.counters import drop_caches
 from coordlfs.bench.dataset import Dataset
-from coordlfs.bench.epochs import check_can_run, load_dataset
+from coordlfs.bench.epochs import check_can_run, load_dataset, parse_throttle
 from coordlfs.bench.mounts import coordlfs_mount
 from coordlfs.errors import UserError
-from coordlfs.sizes import format_size, parse_size
+from coordlfs.sizes import format_size
 from coordlfs.stagger import JobProfile, delay_table, optimal_delay, standalone_runtime
 
 DELAYS = [d / 10 for d in range(11)]
@@ -76,8 +77,10 @@ def run_pair(setup: Setup, which: tuple[int, ...], delays: tuple[float, ...]) \
         control = stack.enter_context(coordlfs_mount(setup.dataset.root, base, cache,
                                                      setup.work / "mount.log"))
         cgroup.add(control.status()["pid"])
-        jobs = stack.enter_context(jobs_of(plan, setup.dataset, base, f"bench-{os.getpid()}",
-                                           tuple(setup.computes[w] for w in which), delays))
+        jobs = stack.enter_context(running(Jobs(plan, setup.dataset, str(base),
+                                                f"bench-{os.getpid()}",
+                                                tuple(setup.computes[w] for w in which),
+                                                delays)))
         for pid in [p.pid for p in jobs.procs] + jobs.reader_pids:
             cgroup.add(pid)
         drop_caches()
@@ -117,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--compute-ms takes two non-negative numbers, A,B")
     if args.epochs < 2 or min(args.readers, args.batch) < 1:
         raise UserError("--epochs must be at least 2, --readers and --batch at least 1")
-    throttle = None if args.throttle == "none" else parse_size(args.throttle, "--throttle")
+    throttle = parse_throttle(args.throttle)
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     remove_stale(CGROUP_PREFIX)
