@@ -71,6 +71,13 @@ class Daemon:
         self.source = Source(config.source)
         self.cache = MinioCache(config.cache_dir, config.cache_size, config.max_file_size,
                                 self.stats.reads)
+        try:
+            self._assemble(config)
+        except BaseException:  # e.g. the peer port is taken: no cache directory left behind
+            self._close()
+            raise
+
+    def _assemble(self, config: MountConfig) -> None:
         self.control = ControlServer(self.status)
         register_commands(self.control, self.stats)
         self.groups = Groups()
@@ -132,25 +139,33 @@ class Daemon:
         }
 
     def run(self, ready: Callable[[], None]) -> None:
-        warm = self.cache.load(self.source)
-        log.info("source %s, cache %s: %d bytes of %d in %d warm entries", self.source.path,
-                 self.cache.directory, self.cache.used, self.cache.capacity, warm)
-        options = {"fsname=" + self.source.path, "subtype=coordlfs", "default_permissions"}
-        if self.config.allow_other:
-            options.add("allow_other")
         try:
-            pyfuse3.init(self.ops, self.config.mountpoint, options)
-        except RuntimeError as e:
-            raise UserError(f"cannot mount on {self.config.mountpoint}: {e}") from None
-        log.info("mounted on %s", self.config.mountpoint)
-        try:
-            trio.run(self._serve, ready)
+            warm = self.cache.load(self.source)
+            log.info("source %s, cache %s: %d bytes of %d in %d warm entries",
+                     self.source.path, self.cache.directory, self.cache.used,
+                     self.cache.capacity, warm)
+            options = {"fsname=" + self.source.path, "subtype=coordlfs", "default_permissions"}
+            if self.config.allow_other:
+                options.add("allow_other")
+            try:
+                pyfuse3.init(self.ops, self.config.mountpoint, options)
+            except RuntimeError as e:
+                raise UserError(f"cannot mount on {self.config.mountpoint}: {e}") from None
+            log.info("mounted on %s", self.config.mountpoint)
+            try:
+                trio.run(self._serve, ready)
+            finally:
+                pyfuse3.close(unmount=True)
+                log.info("unmounted %s", self.config.mountpoint)
         finally:
-            pyfuse3.close(unmount=True)
-            self.cache.close(keep=self.config.keep_cache)
+            self._close()
             self.prep.close()
-            self.source.close()
-            log.info("unmounted %s", self.config.mountpoint)
+
+    def _close(self) -> None:
+        """Release what ``__init__`` took first: the cache (and its directory, unless
+        ``--keep-cache``) and the source."""
+        self.cache.close(keep=self.config.keep_cache)
+        self.source.close()
 
     async def _serve(self, ready: Callable[[], None]) -> None:
         async with trio.open_nursery() as nursery:

@@ -24,6 +24,7 @@ import xxhash
 from conftest import Mount, digests, drop_caches, force_unmount, make_dataset, run_cli
 
 from coordlfs.bench.netns import cluster_network
+from coordlfs.config import default_cache_dir
 from coordlfs.control import Control
 from coordlfs.errors import UserError
 from coordlfs.mounting import process_alive
@@ -442,5 +443,7 @@ def test_bad_peer_options_are_one_line_errors(tmp_path: Path) -> None:
             assert not os.path.ismount(mnt)
     finally:
         busy.close()
+    # the daemon that could not listen had made its cache directory: it removed it on the way out
+    assert not os.path.exists(default_cache_dir(str(src)))
     assert stat.S_IMODE(weak.stat().st_mode) == 0o644
     assert process_alive(os.getpid())
