@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import json
 import logging
@@ -54,6 +55,11 @@ ARENA = "arena"
 #: is sparse and the mapping is read-only.
 ARENA_SPAN = 2
 _PART = ".part"
+#: errnos that mean the cache's filesystem has no room (a full tmpfs, a quota)
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+#: Free room on a full cache filesystem that counts as room again: enough that fills do not
+#: fail again at once. Each new file asks (one statfs, next to a miss's storage read).
+ROOM_BACK = 8 << 20
 _PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
@@ -93,6 +99,17 @@ def _punch(fd: int, start: int, end: int) -> None:
     if last > first and _libc.fallocate(fd, _PUNCH_HOLE, first, last - first) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot punch a hole in the arena: {os.strerror(err)}")
+
+
+def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """pwrite all of ``data``. A short write is continued, so a filesystem that runs out of
+    room raises ENOSPC rather than leaving a hole that reads back as zeros."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "the cache's filesystem took no bytes")
+        view, offset = view[written:], offset + written
 
 
 class MinioCache:
@@ -137,6 +154,11 @@ class MinioCache:
         #: hits are slices of this: no syscall and no copy in the daemon
         self._view = memoryview(self._arena)
         self._full_logged = False
+        #: the cache's filesystem ran out of room: no new entries until it has room again
+        self.full = False
+        self._full_warned = False
+        #: the journal could not be written: it is gone, and a restart starts cold
+        self._journal_lost = False
 
     # -- start and stop ---------------------------------------------------------------
 
@@ -203,6 +225,9 @@ class MinioCache:
         os.close(self.arena_fd)
         if self._journal_fd >= 0:
             os.close(self._journal_fd)
+        if keep and self._journal_lost:  # the filesystem may have room again by now
+            self._journal_lost = False
+            self._rewrite_journal()
         if not keep:
             shutil.rmtree(self.directory, ignore_errors=True)
         os.close(self.dir_fd)
@@ -223,7 +248,7 @@ class MinioCache:
         """Claim room for a new entry, or None when MinIO's capacity (or the file limit) says no."""
         if key in self.entries or st.st_size > self.max_file_size:
             return None
-        if self.used + st.st_size > self.capacity:
+        if self.used + st.st_size > self.capacity or (self.full and not self._room_is_back()):
             return None
         if self.end + st.st_size > self.arena_size:
             if not self._full_logged:
@@ -270,8 +295,11 @@ class MinioCache:
             self._journal(self._record(key, entry))
             entry.complete = True
         except Exception as e:  # a failed fill must never fail the mount: readers stream
-            log.warning("caching %s failed: %s", os.fsdecode(entry.path), e,
-                        exc_info=not isinstance(e, OSError))
+            if isinstance(e, OSError) and e.errno in _NO_ROOM:
+                self._note_full(e)  # said once, not for every file that fails meanwhile
+            else:
+                log.warning("caching %s failed: %s", os.fsdecode(entry.path), e,
+                            exc_info=not isinstance(e, OSError))
             self._release(key, entry)
         except BaseException:  # cancelled at unmount
             self._release(key, entry)
@@ -297,6 +325,28 @@ class MinioCache:
         start = entry.offset + offset
         return self._view[start : start + min(size, entry.size - offset)]
 
+    # -- a full filesystem -------------------------------------------------------------
+
+    def _note_full(self, error: OSError) -> None:
+        if self.full:
+            return
+        self.full = True
+        message = ("cache directory %s is full (%s): new files are read from the source "
+                   "until it has room again")
+        if self._full_warned:
+            log.info(message, self.directory, error.strerror)
+        else:
+            log.warning(message, self.directory, error.strerror)
+            self._full_warned = True
+
+    def _room_is_back(self) -> bool:
+        st = os.fstatvfs(self.dir_fd)
+        if st.f_bavail * st.f_frsize < ROOM_BACK:
+            return False
+        log.info("cache directory %s has room again: caching new files", self.directory)
+        self.full = False
+        return True
+
     # -- internals -----------------------------------------------------------------
 
     @staticmethod
@@ -316,8 +366,12 @@ class MinioCache:
             self.used -= entry.size
         if was_complete:  # journaled: a restart must not adopt it
             self._journal({"key": _key_name(key), "offset": entry.offset, "dropped": True})
-        # Pages shared with a neighbour stay; the neighbour's bytes are in them.
-        _punch(self.arena_fd, entry.offset, entry.offset + entry.size)
+        # Pages shared with a neighbour stay; the neighbour's bytes are in them. The offsets
+        # are never handed out again, so pages a failed punch leaves are only memory.
+        try:
+            _punch(self.arena_fd, entry.offset, entry.offset + entry.size)
+        except OSError as e:
+            log.warning("%s", e)
 
     def _opener(self, flags: int) -> Callable[[str, int], int]:
         return lambda name, _flags: os.open(name, flags, 0o600, dir_fd=self.dir_fd)
@@ -328,16 +382,41 @@ class MinioCache:
                 "mtime_ns": entry.mtime_ns, "offset": entry.offset}
 
     def _journal(self, record: dict) -> None:
-        if self._journal_fd < 0:
-            self._journal_fd = os.open(JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                                       | os.O_CLOEXEC, 0o600, dir_fd=self.dir_fd)
-        os.write(self._journal_fd, (json.dumps(record) + "\n").encode())
+        """Append a record. A journal that cannot take it (a full filesystem) is removed
+        rather than left torn: a restart then starts cold instead of adopting on a guess."""
+        if self._journal_lost:
+            return
+        line = (json.dumps(record) + "\n").encode()
+        try:
+            if self._journal_fd < 0:
+                self._journal_fd = os.open(JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                                           | os.O_CLOEXEC, 0o600, dir_fd=self.dir_fd)
+            if os.write(self._journal_fd, line) != len(line):
+                raise OSError(errno.ENOSPC, "short write")
+        except OSError as e:
+            self._lose_journal(e)
+
+    def _lose_journal(self, error: OSError) -> None:
+        self._journal_lost = True
+        if self._journal_fd >= 0:
+            os.close(self._journal_fd)
+            self._journal_fd = -1
+        for name in (JOURNAL, JOURNAL + _PART):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=self.dir_fd)
+        log.warning("cannot write the cache's journal in %s (%s): removed it; a restart with "
+                    "--keep-cache will start cold", self.directory, error.strerror or error)
 
     def _rewrite_journal(self) -> None:
         tmp = JOURNAL + _PART
-        with open(tmp, "w", opener=self._opener(os.O_WRONLY | os.O_CREAT | os.O_TRUNC)) as out:
-            out.writelines(json.dumps(self._record(k, e)) + "\n" for k, e in self.entries.items())
-        os.rename(tmp, JOURNAL, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        try:
+            with open(tmp, "w",
+                      opener=self._opener(os.O_WRONLY | os.O_CREAT | os.O_TRUNC)) as out:
+                out.writelines(json.dumps(self._record(k, e)) + "\n"
+                               for k, e in self.entries.items())
+            os.rename(tmp, JOURNAL, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        except OSError as e:
+            self._lose_journal(e)
 
 
 class _Copier:
@@ -358,7 +437,7 @@ class _Copier:
         if self.reader is None:
             self.reader = self.source.open_reader(self.entry.path)
         data = self.reader.read_view(offset, min(FILL_CHUNK, self.entry.size - offset))
-        os.pwrite(self.arena_fd, data, self.entry.offset + offset)
+        write_all(self.arena_fd, data, self.entry.offset + offset)
         if offset + len(data) >= self.entry.size:
             self.final = self.reader.fstat()
         return len(data)

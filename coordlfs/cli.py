@@ -29,6 +29,7 @@ from coordlfs.mounting import (
     mount_at,
     spawn_daemon,
     unmount,
+    usable_room,
 )
 from coordlfs.placement import (
     find_self,
@@ -170,10 +171,11 @@ def resolve_mount(args: argparse.Namespace) -> MountConfig:
         cache_size = default_cache_size()
     else:
         cache_size = parse_size(args.cache_size, "--cache-size")
-    room = free_space(cache_dir)
+    room = usable_room(free_space(cache_dir))
     if cache_size > room and not os.path.isdir(cache_dir):
         print(f"coordlfs: warning: --cache-size {format_size(cache_size)} is more than the "
-              f"{format_size(room)} free for {cache_dir}; using {format_size(room)}",
+              f"{format_size(room)} free for {cache_dir} (less a margin); using "
+              f"{format_size(room)}",
               file=sys.stderr)
         cache_size = room
     if args.max_file_size is None:

@@ -126,6 +126,7 @@ class Daemon:
                 "filling": cache.filling,
                 "max_file_bytes": cache.max_file_size,
                 "directory": cache.directory,
+                "full": cache.full,
             },
             "reads": self.stats.reads.snapshot(),
             "peers": self.peers.status(),

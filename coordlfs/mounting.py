@@ -108,6 +108,12 @@ def free_space(directory: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def usable_room(free: int) -> int:
+    """The cache capacity that ``free`` bytes on the cache's filesystem allow: the journal,
+    the pages entries share at their ends and the filesystem's other users need the rest."""
+    return max(0, free - max(4 << 20, free // 50))
+
+
 def spawn_daemon(argv: list[str], log_file: str) -> str:
     """Start ``coordlfs mount --foreground`` in the background; return its ready message.
 
