@@ -9,6 +9,7 @@ import sys
 from typing import Any, NoReturn
 
 from coordlfs import __version__
+from coordlfs.bench import run_bench
 from coordlfs.config import (
     DEFAULT_MAX_FILE_SHARE,
     DEFAULT_PEER_TIMEOUT,
@@ -441,6 +442,6 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats, "mark": cmd_mark,
                 "stagger": cmd_stagger}
     if args.command == "bench":
-        return exit_status("coordlfs", lambda: _bench_modules()[args.bench].run(args),
+        return exit_status("coordlfs", lambda: run_bench(_bench_modules()[args.bench], args),
                            sigterm_interrupts=True)
     return exit_status("coordlfs", lambda: commands[args.command](args))

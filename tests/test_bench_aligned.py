@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from coordlfs.bench.aligned import SystemResult, advised_delays, calibrate, summarize
+from coordlfs import cli
+from coordlfs.bench import overhead
+from coordlfs.bench.aligned import (
+    RECORD_RESOLUTION_S,
+    SystemResult,
+    advised_delays,
+    calibrate,
+    summarize,
+)
+from coordlfs.bench.staggering import profile_from
 from coordlfs.stagger import optimal_delay, standalone_runtime
 
 
@@ -48,6 +57,63 @@ def test_calibration_and_the_advised_chain_of_delays() -> None:
     assert fraction == optimal_delay([profile, profile]).delay
     step = fraction * standalone_runtime(profile)
     assert delays == pytest.approx((0.0, step, 2 * step))
+
+
+def test_a_job_with_no_compute_still_gets_an_advised_delay() -> None:
+    """``--compute-ms 0``: every epoch's time is wait within the records' 1 ms, so the time
+    outside the waits measures 0. The advisor still answers, with the smallest ``I`` the
+    records could hide, instead of JobProfile refusing I = 0 (a traceback, before)."""
+    alone = _result("coordlfs aligned", [0], 3, [[(2.0, 2.0), (0.5, 0.5)]])
+    together = _result("coordlfs aligned", [0], 3, [[(3.0, 3.0)], [(3.0, 3.0)]])
+    profile = calibrate(alone, together, 10)
+    assert (profile.I, profile.W_cold, profile.W_warm, profile.W_concurrent) == \
+        pytest.approx((RECORD_RESOLUTION_S / 20, 0.2, 0.05, 0.3))
+    fraction, delays = advised_delays(profile, 2)
+    assert 0 <= fraction <= 1 and delays[0] == 0 and delays[1] >= 0
+
+
+def test_bench_stagger_calibrates_a_job_with_no_compute() -> None:
+    """The same for ``coordlfs bench stagger --compute-ms 0,0``: (end, seconds, waited)."""
+    profile = profile_from("A", [(2.0, 2.0, 2.0), (2.5, 0.5, 0.5)], [(3.0, 3.0, 3.0)], 10)
+    assert (profile.I, profile.W_cold, profile.W_warm, profile.W_concurrent) == \
+        pytest.approx((RECORD_RESOLUTION_S / 20, 0.2, 0.05, 0.3))
+    assert 0 <= optimal_delay([profile, profile]).delay <= 1
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("bench", ["aligned", "epochs", "stagger"])
+def test_a_dataset_of_empty_files_is_a_one_line_error(tmp_path: Path, bench: str) -> None:
+    """Every figure is a share of the dataset's bytes: 0 of them divided by zero, before."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3):
+        (data / f"f{i}").touch()
+    result = subprocess.run([sys.executable, "-m", "coordlfs", "bench", bench, "--dir",
+                             str(data), "--work", str(tmp_path / "work")],
+                            capture_output=True, text=True, timeout=60)
+    _one_line_error(result)
+    assert "no files with data" in result.stderr
+
+
+@pytest.mark.parametrize("error", [ZeroDivisionError("float division by zero"),
+                                   ValueError("I must be > 0,\nnot 0.0")])
+def test_the_bench_entry_turns_a_degenerate_measurement_into_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        error: Exception) -> None:
+    """Whatever bench divides by a measured 0, the user sees one line, not a traceback."""
+    def measure(_args: object) -> int:
+        raise error
+
+    monkeypatch.setattr(overhead, "run", measure)
+    assert cli.main(["bench", "overhead"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith("coordlfs: bench overhead: a measurement came out degenerate")
+    assert type(error).__name__ in err
 
 
 def test_small_run_end_to_end(tmp_path: Path) -> None:

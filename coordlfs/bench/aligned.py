@@ -23,7 +23,7 @@ import os
 import signal
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -262,6 +262,23 @@ def run_system(system: str, plan: Plan, dataset: Dataset, cache: int, window: in
 
 # -- the advisor's delay -------------------------------------------------------------------
 
+#: The resolution of the epochs' (seconds, waited) records: ``SystemResult`` rounds to 1 ms.
+RECORD_RESOLUTION_S = 0.001
+
+
+def busy_per_iteration(epochs: Iterable[tuple[float, float]], steps: int) -> float:
+    """The model's ``I``: a job's time outside its waits, per iteration, and never 0.
+
+    A job with no compute (``--compute-ms 0``) spends only microseconds an epoch outside its
+    waits, which the 1 ms records round to nothing: ``I`` measures 0. The model needs ``I > 0``
+    (a job with neither compute nor waits would take no time at all), so ``I`` is at least the
+    most those records can hide, one resolution step spread over the steps. Against a wait of
+    milliseconds per batch that changes no delay the advisor finds.
+    """
+    busy = sum(seconds - waited for seconds, waited in epochs)
+    return max(busy, RECORD_RESOLUTION_S) / steps
+
+
 def calibrate(alone: SystemResult, together: SystemResult, batches: int) -> JobProfile:
     """The stagger model's numbers per iteration (a batch): ``I``, ``W`` and ``W|cached`` from
     one job alone, ``W|conc`` from the first epoch of the group started together (the jobs are
@@ -271,7 +288,7 @@ def calibrate(alone: SystemResult, together: SystemResult, batches: int) -> JobP
     steps = batches * len(alone.job_epochs[0])
     return JobProfile(
         "job", batches, len(alone.job_epochs[0]),
-        I=sum(s - w for s, w in alone.job_epochs[0]) / steps,
+        I=busy_per_iteration(alone.job_epochs[0], steps),
         W_cold=first[1] / batches,
         W_warm=sum(w for _s, w in later) / (batches * len(later)) if later else first[1] / batches,
         W_concurrent=statistics.mean(job[0][1] for job in together.job_epochs) / batches)

@@ -157,8 +157,8 @@ def load_dataset(args: argparse.Namespace) -> Dataset:
             raise UserError(f"dataset {args.dir} is not a directory")
         files = tuple(sorted((str(p.relative_to(root)), p.stat().st_size)
                              for p in root.rglob("*") if p.is_file() and not p.is_symlink()))
-        if not files:
-            raise UserError(f"dataset {args.dir} has no files")
+        if not any(size for _rel, size in files):  # every figure is a share of its bytes
+            raise UserError(f"dataset {args.dir} has no files with data")
         return Dataset(root.resolve(), DatasetSpec(len(files)), files, reused=True)
     return ensure_dataset(Path(args.work) / "dataset", parse_make(args.make))
 

@@ -127,7 +127,7 @@ def train(args: argparse.Namespace) -> int:
                                 f"class {per_class}), expected {expected} "
                                 f"({per_class_expected})")
             samples.append(seen)
-            epoch_s.append(round(ended - begun, 4))
+            epoch_s.append(ended - begun)  # rounded in the result, not before the rates
             emit({"event": "epoch", "job": args.job, "epoch": epoch + 1, "at": ended})
     finally:
         if args.mode == "shared":
@@ -135,7 +135,7 @@ def train(args: argparse.Namespace) -> int:
     prepared = loader.prepared if args.mode == "shared" else None
     seconds = ended - started
     emit({"event": "result", "job": args.job, "mode": args.mode, "samples": samples,
-          "epoch_s": epoch_s,
+          "epoch_s": [round(t, 4) for t in epoch_s],
           "epoch_samples_per_s": [round(s / t, 2) for s, t in zip(samples, epoch_s,
                                                                    strict=True)],
           "samples_per_s": round(sum(samples) / seconds, 2), "seconds": round(seconds, 4),

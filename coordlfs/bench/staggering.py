@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordlfs.bench.aligned import CGROUP_PREFIX, Jobs, Plan
+from coordlfs.bench.aligned import CGROUP_PREFIX, Jobs, Plan, busy_per_iteration
 from coordlfs.bench.cgroup import memory_cgroup, remove_stale
 from coordlfs.bench.children import running
 from coordlfs.bench.counters import drop_caches
@@ -89,24 +89,30 @@ def run_pair(setup: Setup, which: tuple[int, ...], delays: tuple[float, ...]) \
     return [[(at - started, seconds, waited) for at, seconds, waited in job] for job in epochs]
 
 
+#: Per job and epoch: (end since go, seconds, seconds waited), as ``run_pair`` returns them.
+JobEpochs = list[tuple[float, float, float]]
+
+
+def profile_from(name: str, alone: JobEpochs, together: JobEpochs, batches: int) -> JobProfile:
+    """One job's four numbers from its runs: ``I``, ``W`` and ``W|cached`` alone (at least
+    two epochs), ``W|conc`` from its first epoch beside the other. ``I`` is never 0, even
+    for a job with no compute (``busy_per_iteration``)."""
+    first, later = alone[0], alone[1:]
+    return JobProfile(
+        name, batches, len(alone),
+        I=busy_per_iteration(((s, w) for _at, s, w in alone), batches * len(alone)),
+        W_cold=first[2] / batches,
+        W_warm=sum(w for _at, _s, w in later) / (batches * len(later)),
+        W_concurrent=together[0][2] / batches)
+
+
 def calibrate(setup: Setup) -> tuple[JobProfile, JobProfile, dict[str, Any]]:
     """The paper's four numbers per job, measured (section V-B, step 1)."""
-    n = setup.batches
-    raw: dict[str, Any] = {}
-    values: list[dict[str, float]] = [{}, {}]
-    for j in (0, 1):
-        alone = run_pair(setup, (j,), (0.0,))[0]
-        raw[f"alone_{'AB'[j]}"] = alone
-        first, later = alone[0], alone[1:]
-        values[j]["I"] = sum(s - w for _at, s, w in alone) / (n * len(alone))
-        values[j]["W_cold"] = first[2] / n
-        values[j]["W_warm"] = sum(w for _at, _s, w in later) / (n * len(later))
-    together = run_pair(setup, (0, 1), (0.0, 0.0))
-    raw["together"] = together
-    for j in (0, 1):
-        values[j]["W_concurrent"] = together[j][0][2] / n
-    profiles = tuple(JobProfile("AB"[j], n, setup.plan.epochs, **values[j]) for j in (0, 1))
-    return profiles[0], profiles[1], raw
+    raw: dict[str, Any] = {f"alone_{'AB'[j]}": run_pair(setup, (j,), (0.0,))[0] for j in (0, 1)}
+    raw["together"] = run_pair(setup, (0, 1), (0.0, 0.0))
+    a, b = (profile_from("AB"[j], raw[f"alone_{'AB'[j]}"], raw["together"][j], setup.batches)
+            for j in (0, 1))
+    return a, b, raw
 
 
 def run(args: argparse.Namespace) -> int:
