@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +30,43 @@ def run_cli(*args: str, timeout: float = 60, enter: tuple[str, ...] = (),
     """``coordlfs ARGS``, prefixed by ``enter`` (such as nsenter into a node's network)."""
     return subprocess.run([*enter, *COORDLFS, *args], capture_output=True, text=True,
                           timeout=timeout, **kwargs)
+
+
+#: Who a test runs something as when it needs a user other than root: nobody.
+OTHER_UID = 65534
+
+
+@contextlib.contextmanager
+def reachable_by_anyone(*files: Path) -> Iterator[list[Path]]:
+    """Executable copies of ``files`` in a fresh directory every user can enter, removed after.
+
+    A test that runs something as another user must not depend on where the checkout lives:
+    a clone under /root or in a ``mktemp -d`` directory (mode 700) cannot be entered by that
+    user (bash exits 126, "Permission denied"), and neither can pytest's ``tmp_path``
+    (/tmp/pytest-of-root is mode 700). /tmp itself is open to all (mode 1777).
+    """
+    directory = Path(tempfile.mkdtemp(prefix="coordlfs-test-", dir="/tmp"))
+    try:
+        directory.chmod(0o755)
+        copies = [directory / f.name for f in files]
+        for original, copy in zip(files, copies, strict=True):
+            shutil.copyfile(original, copy)
+            copy.chmod(0o755)
+        yield copies
+    finally:
+        shutil.rmtree(directory)
+
+
+def run_as_other_user(argv: Sequence[str | os.PathLike[str]],
+                      timeout: float = 30) -> subprocess.CompletedProcess:
+    """``argv`` as ``OTHER_UID`` with no supplementary groups (the caller must be root).
+
+    It starts in /, not in the test's directory: a working directory the user cannot enter
+    makes bash print "getcwd: cannot access parent directories" on stderr.
+    """
+    return subprocess.run(["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}",
+                           "--clear-groups", *map(str, argv)], cwd="/", capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def make_dataset(root: Path, files: int, seed: int = 0) -> dict[str, int]:
