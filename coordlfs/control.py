@@ -20,6 +20,8 @@ from coordlfs.mounting import mount_at
 
 #: Paths per ``group.files`` request, well under the 1 MiB request limit for long paths.
 FILES_PER_REQUEST = 2000
+#: A write failing with one of these was answered: the reply says why (malformed, refused).
+_ANSWERED = (errno.EINVAL, errno.EACCES, errno.EPERM)
 
 
 class ControlError(UserError):
@@ -54,7 +56,10 @@ class Control:
             try:
                 os.write(fd, line)
             except OSError as e:
-                if e.errno != errno.EINVAL:  # EINVAL: refused, the reply says why
+                if e.errno == errno.ENOBUFS:
+                    raise ControlError(f"{self.mountpoint}: the control file holds too many "
+                                       "bytes for open descriptors; retry later") from None
+                if e.errno not in _ANSWERED:
                     raise ControlError(f"{self.mountpoint}: {e.strerror}") from None
             reply = json.loads(_read_all(fd))
         finally:

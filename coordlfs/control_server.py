@@ -5,8 +5,20 @@ Protocol (version 1), plain file I/O so that any language can use it:
 * Reading a descriptor on which nothing was written returns the status as one JSON object.
 * Writing one JSON object followed by a newline sends a request ``{"cmd": NAME, ...}``; the
   reply is one JSON line read back on the same descriptor: ``{"ok": true, ...}`` or
-  ``{"ok": false, "error": MESSAGE}``. A malformed or unknown request also fails the write
-  itself with EINVAL, so a shell user sees an error too. A request's ``"id"`` is echoed.
+  ``{"ok": false, "error": MESSAGE}``. Several requests on one descriptor (in one write or
+  many) are answered in order, their replies queued back to back. A malformed or unknown
+  request also fails the write itself with EINVAL, a refused one with EACCES, so a shell user
+  sees an error too. A request's ``"id"`` is echoed.
+
+Who may do what (the mount may be shared with ``--allow-other``): the caller is the uid that
+opened the descriptor. Every command is registered with an ``Access``: anyone may run a READ
+command (they report, change nothing); an OWN command acts only for the caller's own processes
+and on memberships the caller created (its handler checks with ``Caller.act_for`` and
+``Caller.use``); any other command is mount-wide and needs root or the mount's owner.
+
+Memory: the bytes a descriptor holds (a partial request line, unread replies) are bounded per
+descriptor and, for all descriptors together, by ``MAX_HELD``; a write past the bound fails with
+ENOBUFS and nothing of it is kept.
 
 Later capabilities add commands with ``ControlServer.register``; names are ``noun`` or
 ``noun.verb`` (``group.join``), and replies only ever gain keys.
@@ -14,96 +26,311 @@ Later capabilities add commands with ``ControlServer.register``; names are ``nou
 
 from __future__ import annotations
 
+import enum
+import errno
 import json
 import logging
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: Longest request line accepted; a request is a small JSON object.
+#: Longest request line accepted, newline excluded; a request is a small JSON object. A longer
+#: line is refused whole: nothing of it runs, up to and including its newline.
 MAX_REQUEST = 1 << 20
-
-Handler = Callable[[dict[str, Any]], dict[str, Any]]
+#: Unread replies one descriptor may queue; past it its further requests are refused with
+#: ENOBUFS until it reads them.
+MAX_REPLIES = 1 << 20
+#: Bytes all open control descriptors together may hold (partial request lines, unread replies
+#: and statuses); past it a write, or a status read, fails with ENOBUFS and keeps nothing.
+MAX_HELD = 16 << 20
+#: Of ``MAX_HELD``, callers other than root and the mount's owner may fill only this much, so
+#: the owner can still read the status and run commands while other users hold descriptors.
+MAX_HELD_UNPRIVILEGED = MAX_HELD // 2
+#: Deepest nesting of arrays and objects in a request; deeper is malformed.
+MAX_DEPTH = 32
 
 
 class RequestError(Exception):
-    """A request the daemon refuses; the message goes back to the client."""
+    """A request the daemon refuses; the message goes back to the client (EINVAL)."""
+
+    errno = errno.EINVAL
+
+
+class Refused(RequestError):
+    """A request the caller may not make (another user's process or membership, or a
+    mount-wide command from a user other than root or the mount's owner)."""
+
+    errno = errno.EACCES
+
+
+class Access(enum.Enum):
+    """Who may run a command."""
+
+    #: anyone who can see the mount: the command reports state and changes nothing
+    READ = "anyone"
+    #: anyone, for their own processes and memberships (the handler checks the caller)
+    OWN = "anyone, for their own processes and memberships"
+    #: root and the mount's owner only: the command changes the mount for everyone
+    MOUNT = "root or the mount's owner"
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request: the process that opened the control descriptor.
+
+    FUSE tells the daemon the uid and pid of the process behind each open; a descriptor
+    handed to another process keeps its opener's rights, as any open file does.
+    """
+
+    uid: int
+    pid: int
+    #: root or the mount's owner (the daemon's uid): may run mount-wide commands and act on
+    #: any membership
+    privileged: bool
+
+    def act_for(self, pid: int) -> None:
+        """Refuse ``pid`` unless it runs as the caller's uid (root may name any process). A
+        process that is gone passes: the command says "no process" itself."""
+        if self.uid == 0:
+            return
+        uids = process_uids(pid)
+        if uids is not None and self.uid not in uids:
+            raise Refused(f"process {pid} belongs to another user: a request may name only "
+                          "the caller's own processes")
+
+    def use(self, owner: int, what: str) -> None:
+        """Refuse acting on ``what``, created by uid ``owner``, unless the caller created it
+        (root and the mount's owner may act on any)."""
+        if owner != self.uid and not self.privileged:
+            raise Refused(f"{what} belongs to another user")
+
+
+def process_uids(pid: int) -> tuple[int, int] | None:
+    """The real and effective uid of a process, or None if it is gone.
+
+    From ``/proc/PID/status``, not the owner of ``/proc/PID``: a process that changed its
+    uid without exec is not dumpable, and its ``/proc`` entries then belong to root.
+    """
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    real, effective = line.split()[1:3]
+                    return int(real), int(effective)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+Handler = Callable[[dict[str, Any], Caller], dict[str, Any]]
 
 
 def _encode(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest deeper than ``limit`` (iteratively: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def parse(line: bytes) -> dict[str, Any]:
+    """One request line as a JSON object, or a RequestError naming what is wrong."""
+    try:
+        request = json.loads(line)
+    except RecursionError:
+        raise RequestError(f"request nests deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:
+        raise RequestError(f"request is not JSON: {e}") from None
+    # Brackets bound the depth: only a request with many of them needs the walk.
+    if line.count(b"[") + line.count(b"{") > MAX_DEPTH and _too_deep(request, MAX_DEPTH):
+        raise RequestError(f"request nests deeper than {MAX_DEPTH} levels")
+    if not isinstance(request, dict):
+        raise RequestError("request must be a JSON object")
+    return request
+
+
 class ControlServer:
-    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, status: Callable[[], dict[str, Any]],
+                 owner_uid: int | None = None) -> None:
         self.status = status
-        self._commands: dict[str, tuple[Handler, str]] = {}
-        self.register("status", lambda _req: {"status": self.status()}, "the mount's status")
-        self.register("help", self._help, "the commands this mount understands")
+        #: the mount's owner: the uid the daemon runs as
+        self.owner_uid = os.getuid() if owner_uid is None else owner_uid
+        #: bytes held by every open ControlHandle together
+        self.held = 0
+        self._commands: dict[str, tuple[Handler, str, Access]] = {}
+        self.register("status", lambda _r, _c: {"status": self.snapshot()},
+                      "the mount's status", Access.READ)
+        self.register("help", self._help, "the commands this mount understands", Access.READ)
 
-    def register(self, name: str, handler: Handler, summary: str) -> None:
-        self._commands[name] = (handler, summary)
+    def register(self, name: str, handler: Handler, summary: str,
+                 access: Access = Access.MOUNT) -> None:
+        """Add a command; mount-wide unless said otherwise, so a new command is safe."""
+        self._commands[name] = (handler, summary, access)
 
-    def _help(self, _request: dict[str, Any]) -> dict[str, Any]:
-        return {"commands": {name: summary for name, (_h, summary) in self._commands.items()}}
+    def caller(self, uid: int, pid: int) -> Caller:
+        return Caller(uid, pid, privileged=uid in (0, self.owner_uid))
 
-    def handle(self, line: bytes) -> tuple[bytes, bool]:
-        """Answer one request line; returns the reply line and whether the request was valid."""
+    def snapshot(self) -> dict[str, Any]:
+        """The status, with what the control file itself holds."""
+        return {**self.status(), "control": {"held_bytes": self.held,
+                                             "limit_bytes": MAX_HELD}}
+
+    def _help(self, _request: dict[str, Any], _caller: Caller) -> dict[str, Any]:
+        return {"commands": {name: summary for name, (_h, summary, _a) in
+                             self._commands.items()},
+                "access": {name: access.value for name, (_h, _s, access) in
+                           self._commands.items()}}
+
+    def handle(self, line: bytes, caller: Caller | None = None) -> tuple[bytes, int]:
+        """Answer one request line for ``caller`` (None: the mount's owner, as an in-process
+        caller is); returns the reply line and the errno the write fails with (0: none)."""
+        caller = caller or self.caller(self.owner_uid, os.getpid())
         request_id = None
         try:
-            try:
-                request = json.loads(line)
-            except ValueError as e:
-                raise RequestError(f"request is not JSON: {e}") from None
-            if not isinstance(request, dict):
-                raise RequestError("request must be a JSON object")
+            request = parse(line)
             request_id = request.get("id")
             name = request.get("cmd")
             if not isinstance(name, str):
                 raise RequestError('request needs "cmd", a command name')
             if name not in self._commands:
                 raise RequestError(f"unknown command {name!r} (try help)")
-            reply = {"ok": True, **self._commands[name][0](request)}
-            ok = True
+            handler, _summary, access = self._commands[name]
+            if access is Access.MOUNT and not caller.privileged:
+                raise Refused(f"{name} is mount-wide: only root or the mount's owner (uid "
+                              f"{self.owner_uid}) may run it")
+            reply, error = {"ok": True, **handler(request, caller)}, 0
         except RequestError as e:
-            reply, ok = {"ok": False, "error": str(e)}, False
+            reply, error = {"ok": False, "error": str(e)}, e.errno
         except Exception as e:  # a bug in one command must not take the mount down
             log.exception("control command failed")
-            reply, ok = {"ok": False, "error": f"internal error: {e}"}, True
+            reply, error = {"ok": False, "error": f"internal error: {e}"}, 0
         if request_id is not None:
             reply["id"] = request_id
-        return _encode(reply), ok
+        return _encode(reply), error
 
 
 class ControlHandle:
-    """One open descriptor on the control file: a request buffer and the text to read back."""
+    """One open descriptor on the control file: its opener, the partial request line written
+    so far, and the replies (or status) not yet read back.
 
-    def __init__(self, server: ControlServer) -> None:
+    Its bytes count against the server's ``held``: ``close`` gives them back.
+    """
+
+    def __init__(self, server: ControlServer, uid: int, pid: int) -> None:
         self._server = server
-        self._pending = b""
-        self._out: bytes | None = None
+        self.caller = server.caller(uid, pid)
+        self._pending = bytearray()
+        #: the rest of an over-long line is being dropped, up to its newline
+        self._discarding = False
+        self._out = bytearray()
+        self._written = False
+        self._status_read = False
+        self._held = 0
 
-    def write(self, data: bytes) -> bool:
-        """Take written bytes; returns False if a complete request in them was invalid."""
-        self._pending += data
-        ok = True
-        while b"\n" in self._pending:
-            line, self._pending = self._pending.split(b"\n", 1)
-            if line.strip():
-                self._out, valid = self._server.handle(line)
-                ok = ok and valid
-        if len(self._pending) > MAX_REQUEST:
-            self._pending = b""
-            self._out = _encode({"ok": False, "error": "request line too long"})
-            ok = False
-        return ok
+    @property
+    def _limit(self) -> int:
+        return MAX_HELD if self.caller.privileged else MAX_HELD_UNPRIVILEGED
+
+    def _account(self) -> None:
+        """Bring the server's count of held bytes up to date with this handle's."""
+        held = len(self._pending) + len(self._out)
+        self._server.held += held - self._held
+        self._held = held
+
+    def _would_hold(self, data: bytes) -> int:
+        """The partial line this handle would hold after taking ``data``."""
+        newline = data.rfind(b"\n")
+        if newline >= 0:
+            held = len(data) - newline - 1
+        else:
+            held = 0 if self._discarding else len(self._pending) + len(data)
+        return held if held <= MAX_REQUEST else 0  # an over-long line is dropped, not held
+
+    def write(self, data: bytes) -> int:
+        """Take written bytes and run the complete requests in them, in order; returns the
+        errno the write fails with: 0, the first refused request's, or ENOBUFS (then nothing
+        of ``data`` was taken)."""
+        growth = self._would_hold(data) - len(self._pending)
+        if growth > 0 and self._server.held + growth > self._limit:
+            return errno.ENOBUFS
+        self._written = True
+        error = 0
+        start = 0
+        while True:
+            newline = data.find(b"\n", start)
+            end = len(data) if newline < 0 else newline
+            error = self._take(data[start:end]) or error
+            if newline < 0:
+                break
+            if not self._discarding:
+                error = self._run(bytes(self._pending)) or error
+            self._pending.clear()
+            self._discarding = False
+            start = newline + 1
+        self._account()
+        return error
+
+    def _take(self, piece: bytes) -> int:
+        """Add part of a line; one that grows past ``MAX_REQUEST`` is refused (its reply
+        queued once) and dropped up to its newline."""
+        if self._discarding:
+            return errno.EINVAL
+        if len(self._pending) + len(piece) <= MAX_REQUEST:
+            self._pending += piece
+            return 0
+        self._pending.clear()
+        self._discarding = True
+        self._queue(_encode({"ok": False, "error": f"request line longer than {MAX_REQUEST} "
+                                                   "bytes: refused whole"}))
+        return errno.EINVAL
+
+    def _run(self, line: bytes) -> int:
+        if not line.strip():
+            return 0
+        if len(self._out) > MAX_REPLIES or self._server.held >= self._limit:
+            return errno.ENOBUFS  # the replies already queued must be read first
+        reply, error = self._server.handle(line, self.caller)
+        self._queue(reply)
+        return error
+
+    def _queue(self, reply: bytes) -> None:
+        self._out += reply
+        self._account()
 
     def read(self, size: int) -> bytes:
-        if self._out is None:
-            self._out = _encode(self._server.status())
-        chunk, self._out = self._out[:size], self._out[size:]
+        """The next bytes of the replies; on a descriptor never written, of the status."""
+        if not self._written and not self._status_read:
+            status = _encode(self._server.snapshot())
+            if self._server.held + len(status) > self._limit:
+                raise OSError(errno.ENOBUFS, "control descriptors hold too many bytes")
+            self._status_read = True
+            self._queue(status)
+        chunk = bytes(self._out[:size])
+        del self._out[:size]
+        self._account()
         return chunk
+
+    def close(self) -> None:
+        """The descriptor is closed: free what it held."""
+        self._pending = bytearray()
+        self._out = bytearray()
+        self._account()
 
 
 _KINDS = {int: "an integer", str: "a string", list: "a list", bool: "true or false",
@@ -118,3 +345,12 @@ def require(request: dict[str, Any], name: str, kind: type, optional: bool = Fal
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise RequestError(f'"{name}" must be {_KINDS.get(kind, kind.__name__)}')
     return value
+
+
+def process_id(request: dict[str, Any], caller: Caller, key: str = "pid") -> int:
+    """The request's process id: a positive integer naming one of the caller's processes."""
+    pid = require(request, key, int)
+    if pid <= 0:
+        raise RequestError(f'"{key}" must be a process id')
+    caller.act_for(pid)
+    return pid

@@ -270,7 +270,9 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         if inode == CONTROL_INODE:
             # direct_io: replies are produced per request, never cached, whatever st_size says.
-            return pyfuse3.FileInfo(fh=self._new_handle(ControlHandle(self.control)),
+            # The opener's uid decides what its requests may do (control_server.Caller).
+            control = ControlHandle(self.control, ctx.uid, ctx.pid)
+            return pyfuse3.FileInfo(fh=self._new_handle(control),
                                     direct_io=True, keep_cache=False)
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
@@ -385,8 +387,9 @@ class Operations(pyfuse3.Operations):
         handle = self._handles.get(fh)
         if not isinstance(handle, ControlHandle):
             raise pyfuse3.FUSEError(errno.EROFS)
-        if not handle.write(bytes(buf)):
-            raise pyfuse3.FUSEError(errno.EINVAL)
+        error = handle.write(bytes(buf))  # EINVAL malformed, EACCES refused, ENOBUFS full
+        if error:
+            raise pyfuse3.FUSEError(error)
         return len(buf)
 
     @guarded
@@ -396,6 +399,8 @@ class Operations(pyfuse3.Operations):
             if handle.member is not None and not handle.window:
                 self.aligned.closed(handle.member, handle.key)
             handle.close()
+        elif isinstance(handle, ControlHandle):
+            handle.close()  # gives back the bytes it held to the control file's bound
 
 
 async def _read_only(self: Operations, *args: Any) -> None:

@@ -23,7 +23,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from coordlfs.control_server import ControlServer, RequestError, require
+from coordlfs.control_server import (
+    Access,
+    Caller,
+    ControlServer,
+    Refused,
+    RequestError,
+    process_id,
+    require,
+)
 from coordlfs.mounting import process_alive
 from coordlfs.order import SEED_LIMIT, epoch_order
 
@@ -52,6 +60,9 @@ class Member:
     pid: int
     job: str
     joined: float
+    #: the uid that created the membership: only it (or root, or the mount's owner) may act
+    #: on it
+    uid: int
     #: the epoch the member said it started (``group.epoch``), and the furthest position in
     #: that epoch's order it has opened
     epoch: int = -1
@@ -66,6 +77,8 @@ class Member:
 class Group:
     name: str
     seed: int
+    #: the uid of the job that created it: a group's members are all this user's
+    uid: int
     members: dict[int, Member] = field(default_factory=dict)
     #: the dataset's files (paths relative to the mount), as the members index them; the
     #: order of an epoch is ``epoch_order(seed, epoch, len(files))`` over this list
@@ -136,17 +149,23 @@ class Groups:
 
     # -- membership -------------------------------------------------------------------
 
-    def join(self, name: str, pid: int, job: str, seed: int | None) -> Member:
+    def join(self, name: str, pid: int, job: str, seed: int | None,
+             uid: int | None = None) -> Member:
+        """Add ``pid`` (a process of ``uid``, default the daemon's) to group ``name``."""
+        uid = os.getuid() if uid is None else uid
         if not self._alive(pid):
             raise RequestError(f"no process {pid}")
         group = self.groups.get(name)
         if group is None:
             group = self.groups[name] = Group(name, secrets.randbelow(SEED_LIMIT)
-                                              if seed is None else seed)
+                                              if seed is None else seed, uid)
+        elif group.uid != uid:
+            raise Refused(f"group {name!r} belongs to another user: a group's members are "
+                          "one user's jobs")
         elif seed is not None and seed != group.seed:
             raise RequestError(f"group {name!r} has seed {group.seed}; join without a seed "
                                "to take it")
-        member = Member(self._next_id, name, pid, job, time.time())
+        member = Member(self._next_id, name, pid, job, time.time(), uid)
         self._next_id += 1
         for other in group.members.values():
             other.partners.add(job)
@@ -288,51 +307,63 @@ class Groups:
 
 
 def register_commands(server: ControlServer, groups: Groups) -> None:
-    """``group.join``, ``group.leave``, ``group.list`` and ``profile`` on the control file."""
+    """``group.join``, ``group.leave``, ``group.list`` and ``profile`` on the control file.
 
-    def join(request: dict) -> dict:
+    A job joins for one of its user's own processes; only the user who created a membership
+    (or root, or the mount's owner) may send its files, epochs or leave.
+    """
+
+    def mine(request: dict, caller: Caller) -> int:
+        """The request's member id, once the caller may act on that member."""
+        member_id = require(request, "member", int)
+        member = groups.members.get(member_id)
+        if member is not None:
+            caller.use(member.uid, f"member {member_id}")
+        return member_id
+
+    def join(request: dict, caller: Caller) -> dict:
         seed = require(request, "seed", int, optional=True)
         if seed is not None and not 0 <= seed < SEED_LIMIT:
             raise RequestError('"seed" must be in [0, 2**64)')
-        pid = require(request, "pid", int)
-        if pid <= 0:
-            raise RequestError('"pid" must be a process id')
+        pid = process_id(request, caller)
         job = name_argument(request, "job") if request.get("job") is not None else f"pid-{pid}"
-        member = groups.join(name_argument(request, "group"), pid, job, seed)
+        member = groups.join(name_argument(request, "group"), pid, job, seed, caller.uid)
         group = groups.groups[member.group]
         return {"group": group.name, "seed": group.seed, "member": member.id,
                 "members": [_public(m) for m in group.members.values()]}
 
-    def leave(request: dict) -> dict:
-        groups.leave(require(request, "member", int))
+    def leave(request: dict, caller: Caller) -> dict:
+        groups.leave(mine(request, caller))
         return {}
 
-    def files(request: dict) -> dict:
+    def files(request: dict, caller: Caller) -> dict:
         paths = require(request, "paths", list)
         if not all(isinstance(p, str) and p and not p.startswith("/") and "\0" not in p
                    for p in paths):
             raise RequestError('"paths" must be paths relative to the mount')
-        group = groups.add_files(require(request, "member", int), _count(request, "offset"),
+        group = groups.add_files(mine(request, caller), _count(request, "offset"),
                                  [os.fsencode(p) for p in paths], _count(request, "total"))
         return {"files": len(group.files), "complete": group.has_order}
 
-    def epoch(request: dict) -> dict:
-        groups.start_epoch(require(request, "member", int), _count(request, "epoch"))
+    def epoch(request: dict, caller: Caller) -> dict:
+        groups.start_epoch(mine(request, caller), _count(request, "epoch"))
         return {}
 
-    def profile(request: dict) -> dict:
-        pid = require(request, "pid", int)
+    def profile(request: dict, caller: Caller) -> dict:
+        pid = process_id(request, caller)
         record = groups.record_profile(name_argument(request, "job"), pid, _count(request, "epoch"),
                                        _count(request, "steps"), _seconds(request, "wait_s"),
                                        _seconds(request, "step_s"))
         return {"profile": asdict(record)}
 
+    own = Access.OWN
     server.register("group.join", join, 'join (or create) a group: "group", "pid", optional '
-                                        '"job" and "seed"; replies the seed and members')
-    server.register("group.leave", leave, 'leave a group: "member"')
+                                        '"job" and "seed"; replies the seed and members', own)
+    server.register("group.leave", leave, 'leave a group: "member"', own)
     server.register("group.files", files, 'register the dataset\'s files in index order, in '
-                                          'chunks: "member", "offset", "total", "paths"')
-    server.register("group.epoch", epoch, 'a member starts an epoch: "member", "epoch"')
-    server.register("group.list", lambda _r: groups.status(), "groups, members and profiles")
+                                          'chunks: "member", "offset", "total", "paths"', own)
+    server.register("group.epoch", epoch, 'a member starts an epoch: "member", "epoch"', own)
+    server.register("group.list", lambda _r, _c: groups.status(),
+                    "groups, members and profiles", Access.READ)
     server.register("profile", profile, 'add a job\'s step profile: "job", "pid", "epoch", '
-                                        '"steps", "wait_s", "step_s"')
+                                        '"steps", "wait_s", "step_s"', own)

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import trio
 
 from coordlfs.cache import Entry, MinioCache
-from coordlfs.control_server import ControlServer, RequestError, require
+from coordlfs.control_server import Access, Caller, ControlServer, RequestError, require
 from coordlfs.errors import UserError
 from coordlfs.peer_wire import (
     Fail,
@@ -226,9 +226,10 @@ def _name(stream: trio.SocketStream) -> str:
 
 def register_commands(control: ControlServer, peers: Peers, server: PeerServer | None) -> None:
     """``peer.list`` (the cluster as this mount sees it) and ``peer.owner`` (who caches a
-    path), so a job or tool can see where its files come from."""
+    path), so a job or tool can see where its files come from. Both only report: anyone may
+    run them."""
 
-    def owner(request: dict) -> dict:
+    def owner(request: dict, _caller: Caller) -> dict:
         path = require(request, "path", str)
         if not path or path.startswith("/") or "\0" in path:
             raise RequestError('"path" must be a path relative to the mount')
@@ -236,7 +237,8 @@ def register_commands(control: ControlServer, peers: Peers, server: PeerServer |
         return {"owner": str(link.address) if link else (str(peers.me) if peers.me else None),
                 "here": link is None}
 
-    control.register("peer.list", lambda _r: {"peers": peers.status(),
-                                              "served": server.status() if server else None},
-                     "the peers, their health and counters, and what this node served")
-    control.register("peer.owner", owner, 'the node that caches a file: "path"')
+    control.register("peer.list", lambda _r, _c: {"peers": peers.status(),
+                                                  "served": server.status() if server else None},
+                     "the peers, their health and counters, and what this node served",
+                     Access.READ)
+    control.register("peer.owner", owner, 'the node that caches a file: "path"', Access.READ)

@@ -36,7 +36,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordlfs.control_server import ControlServer, RequestError, require
+from coordlfs.control_server import (
+    Access,
+    Caller,
+    ControlServer,
+    Handler,
+    Refused,
+    RequestError,
+    process_id,
+    require,
+)
 from coordlfs.groups import name_argument
 from coordlfs.mounting import process_alive
 from coordlfs.order import SEED_LIMIT, batch_count
@@ -84,6 +93,9 @@ class PrepMember:
     pid: int
     job: str
     last_seen: float
+    #: the uid that created the membership: only it (or root, or the mount's owner) may act
+    #: on it, and its reservations count against that user's share of the staging area
+    uid: int
     #: asked for its next epoch and waits for the group to start it
     waiting_since: float | None = None
     epoch: int | None = None
@@ -95,7 +107,8 @@ class PrepMember:
     rng: random.Random = field(default_factory=random.Random, repr=False)
 
     def public(self) -> dict[str, Any]:
-        return {"id": self.id, "job": self.job, "pid": self.pid, "epoch": self.epoch,
+        return {"id": self.id, "job": self.job, "pid": self.pid, "uid": self.uid,
+                "epoch": self.epoch,
                 "consumed": self.consumed, "prepared": self.prepared,
                 "batch_s": None if self.batch_s is None else round(self.batch_s, 6),
                 "waiting": self.waiting_since is not None}
@@ -113,6 +126,8 @@ class PrepGroup:
     #: the seed of the batches' order: epoch e's batches are ``coordlfs.order.epoch_order(seed,
     #: e, samples)`` cut into ``batch_size`` pieces
     seed: int
+    #: the uid of the job that created it: a group's members are all this user's
+    uid: int
     members: dict[int, PrepMember] = field(default_factory=dict)
     epoch: Epoch | None = None
     last_epoch: int = -1
@@ -145,15 +160,21 @@ class Prep:
     # -- membership ------------------------------------------------------------------
 
     def join(self, name: str, pid: int, job: str, samples: int, batch_size: int,
-             drop_last: bool, min_members: int, hang_floor_s: float) -> PrepMember:
+             drop_last: bool, min_members: int, hang_floor_s: float,
+             uid: int | None = None) -> PrepMember:
+        """Add ``pid`` (a process of ``uid``, default the daemon's) to prep group ``name``."""
+        uid = os.getuid() if uid is None else uid
         if not self._alive(pid):
             raise RequestError(f"no process {pid}")
         group = self.groups.get(name)
         if group is None:
             group = self.groups[name] = PrepGroup(name, self._next_group, samples, batch_size,
                                                   drop_last, min_members, hang_floor_s,
-                                                  secrets.randbelow(SEED_LIMIT))
+                                                  secrets.randbelow(SEED_LIMIT), uid)
             self._next_group += 1
+        elif group.uid != uid:
+            raise Refused(f"prep group {name!r} belongs to another user: a group's members "
+                          "are one user's jobs")
         elif (group.samples, group.batch_size, group.drop_last) != (samples, batch_size,
                                                                      drop_last):
             raise RequestError(
@@ -162,7 +183,8 @@ class Prep:
                 "must use the same dataset, batch size and drop_last to share batches")
         group.min_members = max(group.min_members, min_members)
         now = self._clock()
-        member = PrepMember(self._next_id, name, pid, job, now, rng=random.Random(self._next_id))
+        member = PrepMember(self._next_id, name, pid, job, now, uid,
+                            rng=random.Random(self._next_id))
         self._next_id += 1
         group.members[member.id] = member
         self.members[member.id] = member
@@ -306,11 +328,19 @@ class Prep:
 
     def reserve(self, member_id: int, batch: int, size: int) -> dict[str, Any]:
         """Room in the staging area for a batch the member claimed, and the file to write it
-        to; ``full`` means retry once other members used some."""
+        to; ``full`` means retry once other members used some. A batch over the member's
+        user's share of the staging area (``share``) is refused: waiting would not help."""
         member, epoch = self._in_epoch(member_id)
         self._claimed_by(epoch, batch, member)
-        others = self.used - epoch.reserved.get(batch, 0)  # a batch may reserve again
-        if others > 0 and others + size > self.capacity:
+        earlier = epoch.reserved.get(batch, 0)  # a batch may reserve again
+        share = self.share(member.uid)
+        if self._reserved_by(member.uid) - earlier + size > share:
+            raise RequestError(
+                f"a batch of {size} bytes does not fit this user's share of the staging area "
+                f"({share} of {self.capacity} bytes, shared by the users preparing now): "
+                "raise --staging-size")
+        others = self.used - earlier
+        if others + size > self.capacity:
             self.counters["full"] += 1
             return {"full": True, "used_bytes": self.used, "capacity_bytes": self.capacity}
         self.used = others
@@ -337,6 +367,20 @@ class Prep:
         member.prepared += 1
         self.counters["published"] += 1
         return {"bytes": size}
+
+    def share(self, uid: int) -> int:
+        """The most bytes one user's unpublished reservations may hold: the staging area split
+        evenly among the users with members in a running epoch, so that no user (a job that
+        reserves much and never publishes) can starve another's groups."""
+        users = {uid} | {self.members[i].uid for g in self.groups.values()
+                         if g.epoch is not None for i in g.epoch.members}
+        return self.capacity // len(users)
+
+    def _reserved_by(self, uid: int) -> int:
+        """Bytes reserved, not yet published, by ``uid``'s members."""
+        return sum(size for g in self.groups.values() if g.epoch is not None
+                   for batch, size in g.epoch.reserved.items()
+                   if self.members[g.epoch.claims[batch]].uid == uid)
 
     # -- consuming ---------------------------------------------------------------------
 
@@ -476,12 +520,12 @@ def _remove_stale(root: str) -> None:
 
 
 def register_commands(server: ControlServer, prep: Prep) -> None:
-    """The ``prep.*`` commands on the control file."""
+    """The ``prep.*`` commands on the control file. A job joins for one of its user's own
+    processes; only the user who created a membership (or root, or the mount's owner) may act
+    on it."""
 
-    def join(request: dict) -> dict:
-        pid = require(request, "pid", int)
-        if pid <= 0:
-            raise RequestError('"pid" must be a process id')
+    def join(request: dict, caller: Caller) -> dict:
+        pid = process_id(request, caller)
         samples = _positive(request, "samples")
         batch_size = _positive(request, "batch_size")
         drop_last = bool(require(request, "drop_last", bool, optional=True))
@@ -497,12 +541,13 @@ def register_commands(server: ControlServer, prep: Prep) -> None:
             raise RequestError('"hang_timeout_s" must be seconds from 0.1 to 86400')
         job = name_argument(request, "job") if request.get("job") is not None else f"pid-{pid}"
         member = prep.join(name_argument(request, "group"), pid, job, samples, batch_size,
-                           drop_last, min_members, float(floor))
+                           drop_last, min_members, float(floor), caller.uid)
         group = prep.groups[member.group]
         return {"member": member.id, "group": group.name, "batches": group.batches,
                 "seed": group.seed,
                 "members": [m.public() for m in group.members.values()],
-                "staging_capacity_bytes": prep.capacity}
+                "staging_capacity_bytes": prep.capacity,
+                "staging_share_bytes": prep.share(caller.uid)}
 
     def batch_of(request: dict) -> int:
         value = require(request, "batch", int)
@@ -510,45 +555,51 @@ def register_commands(server: ControlServer, prep: Prep) -> None:
             raise RequestError('"batch" must not be negative')
         return value
 
-    def member_of(request: dict) -> int:
-        return require(request, "member", int)
+    def mine(request: dict, caller: Caller) -> int:
+        """The request's member id, once the caller may act on that member."""
+        member_id = require(request, "member", int)
+        member = prep.members.get(member_id)
+        if member is not None:
+            caller.use(member.uid, f"prep member {member_id}")
+        return member_id
 
-    def reserve(request: dict) -> dict:
+    def reserve(request: dict, caller: Caller) -> dict:
         size = require(request, "bytes", int)
         if size <= 0:
             raise RequestError('"bytes" must be positive')
-        return prep.reserve(member_of(request), batch_of(request), size)
+        return prep.reserve(mine(request, caller), batch_of(request), size)
 
-    def next_batch(request: dict) -> dict:
+    def next_batch(request: dict, caller: Caller) -> dict:
         done = request.get("done", [])
         if not isinstance(done, list) or not all(
                 isinstance(b, int) and not isinstance(b, bool) for b in done):
             raise RequestError('"done" must be a list of batch numbers')
-        return prep.next(member_of(request), done)
+        return prep.next(mine(request, caller), done)
 
-    def leave(request: dict) -> dict:
-        prep.leave(member_of(request))
+    def leave(request: dict, caller: Caller) -> dict:
+        prep.leave(mine(request, caller))
         return {}
 
-    commands: list[tuple[str, Callable[[dict], dict], str]] = [
+    commands: list[tuple[str, Handler, str]] = [
         ("prep.join", join, 'join (or create) a prep group: "group", "pid", "samples", '
                             '"batch_size", optional "drop_last", "job", "min_members", '
                             '"hang_timeout_s"'),
-        ("prep.epoch", lambda r: prep.start_epoch(member_of(r)),
+        ("prep.epoch", lambda r, c: prep.start_epoch(mine(r, c)),
          'ask for the next epoch: "member"; replies "epoch" once it runs, else "wait"'),
-        ("prep.claim", lambda r: prep.claim(member_of(r)),
+        ("prep.claim", lambda r, c: prep.claim(mine(r, c)),
          'take a batch to prepare: "member"; replies "batch" (null: none left)'),
         ("prep.reserve", reserve, 'room for a claimed batch: "member", "batch", "bytes"; '
                                   'replies the "path" to write, or "full"'),
-        ("prep.publish", lambda r: prep.publish(member_of(r), batch_of(r)),
+        ("prep.publish", lambda r, c: prep.publish(mine(r, c), batch_of(r)),
          'a claimed batch is written: "member", "batch"'),
         ("prep.next", next_batch, 'acknowledge "done" batches and take the next: "member", '
                                   '"done"; replies "batch" and "path", "wait" or "end"'),
         ("prep.leave", leave, 'leave a prep group: "member"'),
-        ("prep.list", lambda _r: prep.status(), "prep groups, members and the staging area"),
     ]
     for name, handler, summary in commands:
-        server.register(name, handler, summary)
+        server.register(name, handler, summary, Access.OWN)
+    server.register("prep.list", lambda _r, _c: prep.status(),
+                    "prep groups, members and the staging area", Access.READ)
 
 
 def _positive(request: dict[str, Any], key: str) -> int:

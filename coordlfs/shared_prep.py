@@ -211,9 +211,12 @@ class SharedPrepLoader:
                 link.request("prep.leave")
 
     def _drop_link(self, why: str) -> None:
+        """Go on alone: expelled (leaving is then a no-op), or the mount refused what the
+        group needs (a batch over the staging area); leaving at once means no other job
+        waits a hang timeout for this one's claims."""
         warnings.warn(f"coordlfs: prep group {self.group_name!r}: {why}; this job prepares "
                       "the rest of the epoch itself", stacklevel=4)
-        self._link, self._rejoin = None, True
+        self._leave()
 
     def close(self) -> None:
         """Leave the group (a job that exits leaves by itself within a second)."""
@@ -330,6 +333,11 @@ class SharedPrepLoader:
 
 
 
+class StagingRefused(ControlError):
+    """The mount refused to stage a batch (over the staging area or this user's share of
+    it): waiting would not help, so the job prepares the rest of its epoch alone."""
+
+
 class _Producer:
     """The thread that prepares this job's share of an epoch and stages it.
 
@@ -359,6 +367,8 @@ class _Producer:
     def _run(self) -> None:
         try:
             self._produce()
+        except StagingRefused as e:
+            self.error = e  # the loop leaves the group and prepares the rest itself
         except ControlError:
             pass  # expelled, or the epoch ended: the consuming loop finds out by itself
         except BaseException as e:  # the loop re-raises it, as DataLoader does a worker's
@@ -390,7 +400,7 @@ class _Producer:
     def _stage(self, number: int, batch: Any) -> None:
         poll = _Poll()
         size = staged_size(batch)
-        while (room := self.link.request("prep.reserve", batch=number, bytes=size))["full"]:
+        while (room := self._reserve(number, size))["full"]:
             if self._stopping.is_set():
                 return
             poll.wait()
@@ -398,3 +408,9 @@ class _Producer:
         self.own[number] = batch
         self.link.request("prep.publish", batch=number)
         self.loader.prepared += 1
+
+    def _reserve(self, number: int, size: int) -> dict[str, Any]:
+        try:
+            return self.link.request("prep.reserve", batch=number, bytes=size)
+        except ControlError as e:
+            raise StagingRefused(str(e)) from None

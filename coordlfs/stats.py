@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, fields
 
-from coordlfs.control_server import ControlServer, RequestError, require
+from coordlfs.control_server import Access, Caller, ControlServer, RequestError, require
 
 
 @dataclass(slots=True)
@@ -70,9 +70,10 @@ class Stats:
 
 
 def register_commands(server: ControlServer, stats: Stats) -> None:
-    """``stats`` (optionally between marks), ``mark`` and ``marks`` on the control file."""
+    """``stats`` (optionally between marks), ``mark`` and ``marks`` on the control file.
+    Anyone may read the counters; a mark is mount-wide (root or the mount's owner)."""
 
-    def stats_cmd(request: dict) -> dict:
+    def stats_cmd(request: dict, _caller: Caller) -> dict:
         since = require(request, "since", str, optional=True)
         until = require(request, "until", str, optional=True)
         try:
@@ -80,13 +81,16 @@ def register_commands(server: ControlServer, stats: Stats) -> None:
         except KeyError as e:
             raise RequestError(f"no mark named {e.args[0]!r}") from None
 
-    def mark_cmd(request: dict) -> dict:
+    def mark_cmd(request: dict, _caller: Caller) -> dict:
         mark = stats.mark(require(request, "name", str))
         return {"mark": asdict(mark)}
 
-    def marks_cmd(_request: dict) -> dict:
+    def marks_cmd(_request: dict, _caller: Caller) -> dict:
         return {"marks": [asdict(m) for m in stats.marks]}
 
-    server.register("stats", stats_cmd, 'read counters; "since"/"until" name marks')
-    server.register("mark", mark_cmd, 'record a named point such as an epoch boundary: "name"')
-    server.register("marks", marks_cmd, "every mark with the counters at that point")
+    server.register("stats", stats_cmd, 'read counters; "since"/"until" name marks',
+                    Access.READ)
+    server.register("mark", mark_cmd, 'record a named point such as an epoch boundary: "name"',
+                    Access.MOUNT)
+    server.register("marks", marks_cmd, "every mark with the counters at that point",
+                    Access.READ)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -136,8 +137,13 @@ def test_groups_share_a_seed_and_notice_dead_members() -> None:
 
 
 def _ask(server: ControlServer, **request: object) -> tuple[dict, bool]:
-    reply, ok = server.handle(json.dumps(request).encode())
-    return json.loads(reply), ok
+    reply, error = server.handle(json.dumps(request).encode())
+    return json.loads(reply), error == 0
+
+
+def _ask_as(server: ControlServer, uid: int, **request: object) -> tuple[dict, int]:
+    reply, error = server.handle(json.dumps(request).encode(), server.caller(uid, 1))
+    return json.loads(reply), error
 
 
 @pytest.mark.parametrize("request_, message", [
@@ -217,3 +223,35 @@ def test_members_may_send_the_file_list_at_once() -> None:
     assert groups.note_read(a, group.files[group.order[2]]) and group.lead() == 2
     assert not groups.note_read(a, group.files[group.order[1]])  # behind: the lead stays
     assert not groups.note_read(b, b"f0")  # b has not started the epoch
+
+
+def test_a_user_acts_only_for_its_own_processes_and_memberships() -> None:
+    """A caller names only processes of its own uid, acts only on members it created, and
+    joins no group another user created; root and the mount's owner may act on any member."""
+    server = ControlServer(lambda: {}, owner_uid=1000)
+    groups = Groups()
+    register_commands(server, groups)
+    stranger = 65534
+    for request in ({"cmd": "group.join", "group": "g", "pid": 1},
+                    {"cmd": "group.join", "group": "g", "pid": os.getpid()},
+                    {"cmd": "profile", "job": "j", "pid": 1, "epoch": 0, "steps": 1,
+                     "wait_s": 0, "step_s": 0}):
+        reply, error = _ask_as(server, stranger, **request)
+        assert error == errno.EACCES and "belongs to another user" in reply["error"], reply
+    assert not groups.members and not groups.profiles
+    member = _ask_as(server, 0, cmd="group.join", group="g", pid=os.getpid())[0]["member"]
+    assert groups.members[member].uid == 0
+    for request in ({"cmd": "group.leave", "member": member},
+                    {"cmd": "group.epoch", "member": member, "epoch": 0},
+                    {"cmd": "group.files", "member": member, "offset": 0, "total": 1,
+                     "paths": ["a"]}):
+        reply, error = _ask_as(server, stranger, **request)
+        assert error == errno.EACCES and f"member {member} belongs" in reply["error"], reply
+    assert _ask_as(server, stranger, cmd="group.list")[1] == 0  # reading is for everyone
+    # another user's member (made directly: no process of that uid here) is the owner's to end
+    theirs = groups.join("t", os.getpid(), "t", None, uid=stranger)
+    reply, error = _ask_as(server, 0, cmd="group.join", group="t", pid=os.getpid())
+    assert error == errno.EACCES and "group 't' belongs to another user" in reply["error"]
+    assert _ask_as(server, 1000, cmd="group.leave", member=theirs.id)[1] == 0
+    assert _ask_as(server, 0, cmd="group.leave", member=member)[1] == 0
+    assert not groups.members

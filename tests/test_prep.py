@@ -3,6 +3,7 @@ staging bound, release of used batches, members that die or hang, and malformed 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -95,7 +96,7 @@ def test_a_batch_goes_once_the_last_member_acknowledged_it(books) -> None:
     assert batch not in prep.groups["g"].epoch.staged and prep.used == 0
 
 
-def test_the_staging_bound_holds_and_one_oversized_batch_still_passes(books) -> None:
+def test_the_staging_bound_holds_and_an_oversized_batch_is_refused(books) -> None:
     prep, _alive, _clock = books
     prep.capacity = 250
     a = join(prep, 101)
@@ -109,11 +110,15 @@ def test_the_staging_bound_holds_and_one_oversized_batch_still_passes(books) -> 
     prep.next(a, [first])  # used and acknowledged: room again
     assert not prep.reserve(a, batch, 100)["full"] and prep.used == 200
     assert prep.peak <= prep.capacity
-    # an empty staging area takes a batch larger than the bound: otherwise nothing moves
+    # a batch larger than the whole area is refused, even when it is empty: waiting would
+    # not help, and the area never holds more than its bound (the loader goes on alone)
     other = Prep(10, root=prep.directory + "-x", alive=lambda _p: True, clock=Clock())
     m = other.join("g", 1, "j", 4, 4, False, 1, 5.0).id
     other.start_epoch(m)
-    assert not other.reserve(m, other.claim(m)["batch"], 1000)["full"]
+    with pytest.raises(RequestError, match="does not fit"):
+        other.reserve(m, other.claim(m)["batch"], 10**12)
+    assert other.used == 0 and other.status()["staging"]["used_bytes"] == 0
+    assert not other.reserve(m, 0, 10)["full"]
 
 
 def test_a_dead_member_hands_back_its_claims_and_pins_nothing(books) -> None:
@@ -236,9 +241,9 @@ def test_malformed_prep_requests_get_errors(books, request_: dict, error: str) -
     prep, _alive, _clock = books
     server = ControlServer(lambda: {})
     register_commands(server, prep)
-    line, valid = server.handle(json.dumps(request_).encode())
+    line, code = server.handle(json.dumps(request_).encode())
     reply = json.loads(line)
-    assert not valid and not reply["ok"] and error in reply["error"], reply
+    assert code == errno.EINVAL and not reply["ok"] and error in reply["error"], reply
 
 
 def test_stale_staging_directories_of_dead_daemons_are_removed(tmp_path: Path) -> None:
@@ -248,3 +253,49 @@ def test_stale_staging_directories_of_dead_daemons_are_removed(tmp_path: Path) -
     (root / str(os.getpid())).mkdir()
     Prep(10, root=str(root))
     assert sorted(os.listdir(root)) == [str(os.getpid())]
+
+
+def test_each_user_reserves_at_most_its_share_of_the_staging_area(books) -> None:
+    """Users preparing at once split the area evenly: one user's job that reserves much and
+    never publishes cannot starve another user's groups."""
+    prep, _alive, _clock = books
+    prep.capacity = 1000
+    mine = prep.join("a", 101, "a", 10, 4, False, 1, 5.0, uid=1000).id
+    prep.start_epoch(mine)
+    batch = prep.claim(mine)["batch"]
+    assert prep.share(1000) == 1000 and prep.share(2000) == 500  # a second user would halve it
+    theirs = prep.join("b", 102, "b", 10, 4, False, 1, 5.0, uid=2000).id
+    prep.start_epoch(theirs)
+    with pytest.raises(RequestError, match="share of the staging area"):
+        prep.reserve(mine, batch, 501)
+    assert not prep.reserve(mine, batch, 500)["full"]
+    other = prep.claim(mine)["batch"]
+    with pytest.raises(RequestError, match="share"):  # the share counts all its reservations
+        prep.reserve(mine, other, 1)
+    assert not prep.reserve(theirs, prep.claim(theirs)["batch"], 500)["full"]
+    assert prep.used == 1000 <= prep.capacity
+
+
+def test_a_user_acts_only_on_its_own_prep_members(books) -> None:
+    prep, _alive, _clock = books
+    server = ControlServer(lambda: {}, owner_uid=1000)
+    register_commands(server, prep)
+    member = prep.join("g", 101, "a", 10, 4, False, 1, 5.0, uid=0).id
+
+    def ask(uid: int, **request: object) -> tuple[dict, int]:
+        line, code = server.handle(json.dumps(request).encode(), server.caller(uid, 1))
+        return json.loads(line), code
+
+    for cmd in ("prep.epoch", "prep.claim", "prep.leave", "prep.next"):
+        reply, code = ask(65534, cmd=cmd, member=member)
+        assert code == errno.EACCES and "belongs to another user" in reply["error"], reply
+    reply, code = ask(65534, cmd="prep.reserve", member=member, batch=0, bytes=10**12)
+    assert code == errno.EACCES and prep.used == 0
+    reply, code = ask(65534, cmd="prep.join", group="x", pid=1, samples=4, batch_size=2,
+                      hang_timeout_s=86400)
+    assert code == errno.EACCES and "process 1 belongs to another user" in reply["error"]
+    with pytest.raises(RequestError, match="belongs to another user"):
+        prep.join("g", 102, "b", 10, 4, False, 1, 5.0, uid=65534)  # root's group
+    assert ask(65534, cmd="prep.list")[1] == 0
+    assert ask(1000, cmd="prep.epoch", member=member)[1] == 0  # the mount's owner may
+    assert ask(0, cmd="prep.leave", member=member)[1] == 0 and not prep.members

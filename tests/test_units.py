@@ -9,7 +9,16 @@ import pyfuse3
 import pytest
 import trio
 
-from coordlfs.control_server import ControlHandle, ControlServer
+from coordlfs.control_server import (
+    MAX_DEPTH,
+    MAX_HELD,
+    MAX_HELD_UNPRIVILEGED,
+    MAX_REPLIES,
+    MAX_REQUEST,
+    Access,
+    ControlHandle,
+    ControlServer,
+)
 from coordlfs.errors import UserError
 from coordlfs.fs import guarded
 from coordlfs.inodes import ROOT_INODE, InodeTable
@@ -73,27 +82,36 @@ def test_stats_between_marks() -> None:
         stats.between("nope", None)
 
 
+OWNER = 1000  # the mount's owner in these tests; root is privileged too
+STRANGER = 1001
+
+
 def _server() -> ControlServer:
     stats = Stats()
-    server = ControlServer(lambda: {"version": "test"})
+    server = ControlServer(lambda: {"version": "test"}, owner_uid=OWNER)
     register_commands(server, stats)
     return server
 
 
-def _ask(server: ControlServer, line: bytes) -> tuple[dict, bool]:
-    reply, ok = server.handle(line)
+def _ask(server: ControlServer, line: bytes, uid: int = OWNER) -> tuple[dict, bool]:
+    reply, error = server.handle(line, server.caller(uid, 1))
     assert reply.endswith(b"\n") and reply.count(b"\n") == 1
-    return json.loads(reply), ok
+    return json.loads(reply), error == 0
+
+
+def _replies(handle: ControlHandle) -> list[dict]:
+    return [json.loads(line) for line in handle.read(1 << 24).splitlines()]
 
 
 def test_control_commands() -> None:
     server = _server()
-    assert _ask(server, b'{"cmd": "status"}')[0]["status"] == {"version": "test"}
+    assert _ask(server, b'{"cmd": "status"}')[0]["status"]["version"] == "test"
     reply, ok = _ask(server, b'{"cmd": "mark", "name": "e1", "id": 7}')
     assert ok and reply["ok"] and reply["id"] == 7 and reply["mark"]["name"] == "e1"
     assert _ask(server, b'{"cmd": "stats", "since": "e1"}')[0]["stats"]["since"] == "e1"
     assert [m["name"] for m in _ask(server, b'{"cmd": "marks"}')[0]["marks"]] == ["e1"]
-    assert "mark" in _ask(server, b'{"cmd": "help"}')[0]["commands"]
+    helped = _ask(server, b'{"cmd": "help"}')[0]
+    assert "mark" in helped["commands"] and helped["access"]["mark"] == Access.MOUNT.value
 
 
 @pytest.mark.parametrize(("line", "message"), [
@@ -106,24 +124,133 @@ def test_control_commands() -> None:
     (b'{"cmd": "mark", "name": true}', '"name" must be a string'),
     (b'{"cmd": "stats", "since": "never"}', "no mark named"),
     (b"\xff\xfe", "not JSON"),
+    (b"[" * 100000 + b"]" * 100000, f"nests deeper than {MAX_DEPTH}"),
+    (b'{"cmd": "status", "id": ' + b"[" * 40 + b"]" * 40 + b"}", f"deeper than {MAX_DEPTH}"),
 ])
-def test_control_rejects(line: bytes, message: str) -> None:
+def test_control_rejects(line: bytes, message: str, caplog: pytest.LogCaptureFixture) -> None:
     reply, ok = _ask(_server(), line)
     assert not ok and not reply["ok"] and message in reply["error"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_nesting_up_to_the_limit_is_accepted() -> None:
+    depth = MAX_DEPTH - 1  # inside the request object
+    line = b'{"cmd": "status", "id": ' + b"[" * depth + b"]" * depth + b"}"
+    reply, ok = _ask(_server(), line)
+    assert ok and reply["ok"]
+
+
+def test_mount_wide_commands_need_root_or_the_owner() -> None:
+    server = _server()
+    reply, error = server.handle(b'{"cmd": "mark", "name": "x"}', server.caller(STRANGER, 1))
+    assert error == errno.EACCES and "mount-wide" in json.loads(reply)["error"]
+    for uid in (0, OWNER):
+        assert _ask(server, b'{"cmd": "mark", "name": "x"}', uid)[1]
+    for line in (b'{"cmd": "status"}', b'{"cmd": "stats"}', b'{"cmd": "marks"}',
+                 b'{"cmd": "help"}'):
+        assert _ask(server, line, STRANGER)[1], line  # reading is for everyone
+    assert json.loads(ControlHandle(server, STRANGER, 1).read(1 << 16))["version"] == "test"
+
+
+def test_a_new_command_is_mount_wide_unless_said_otherwise() -> None:
+    server = _server()
+    server.register("knob", lambda _r, _c: {}, "a setting")
+    assert server.handle(b'{"cmd": "knob"}', server.caller(STRANGER, 1))[1] == errno.EACCES
 
 
 def test_control_handle_status_then_request() -> None:
     server = _server()
-    handle = ControlHandle(server)
+    handle = ControlHandle(server, OWNER, 1)
     status = handle.read(3) + handle.read(1000)
-    assert json.loads(status) == {"version": "test"}
+    assert json.loads(status)["version"] == "test"
     assert handle.read(100) == b""
-    handle = ControlHandle(server)
-    assert handle.write(b'{"cmd": "mark",')  # a partial line waits for the rest
-    assert handle.write(b' "name": "a"}\n')
+    handle = ControlHandle(server, OWNER, 1)
+    assert handle.write(b'{"cmd": "mark",') == 0  # a partial line waits for the rest
+    assert handle.read(100) == b""  # written to: no status, no reply yet
+    assert handle.write(b' "name": "a"}\n') == 0
     assert json.loads(handle.read(1 << 16))["mark"]["name"] == "a"
-    assert not handle.write(b"garbage\n")
+    assert handle.write(b"garbage\n") == errno.EINVAL
     assert json.loads(handle.read(1 << 16))["ok"] is False
+
+
+def test_requests_in_one_write_are_answered_in_order() -> None:
+    handle = ControlHandle(_server(), OWNER, 1)
+    assert handle.write(b'{"cmd": "mark", "name": "a", "id": 1}\n\n'
+                        b'{"cmd": "marks", "id": 2}\n') == 0
+    first, second = _replies(handle)
+    assert (first["id"], first["mark"]["name"]) == (1, "a")
+    assert (second["id"], [m["name"] for m in second["marks"]]) == (2, ["a"])
+    # a refused request fails the write, and the others in it still run
+    assert handle.write(b'nope\n{"cmd": "mark", "name": "b"}\n') == errno.EINVAL
+    refused, marked = _replies(handle)
+    assert not refused["ok"] and marked["mark"]["name"] == "b"
+
+
+def _padded(size: int) -> bytes:
+    """A status request exactly ``size`` bytes long (newline excluded)."""
+    head = b'{"cmd": "status", "pad": "'
+    return head + b"z" * (size - len(head) - 2) + b'"}'
+
+
+def test_a_line_up_to_the_limit_runs_and_a_longer_one_is_refused_whole() -> None:
+    server = _server()
+    handle = ControlHandle(server, OWNER, 1)
+    assert handle.write(_padded(MAX_REQUEST) + b"\n") == 0
+    assert _replies(handle)[0]["ok"]
+    assert handle.write(_padded(MAX_REQUEST + 1) + b"\n") == errno.EINVAL
+    assert "longer than" in _replies(handle)[0]["error"]
+    # over the limit in pieces: its tail, a request in appearance, must not run
+    head = b'{"cmd": "help", "pad": "' + b"z" * MAX_REQUEST
+    assert handle.write(head[: 1 << 19]) == 0
+    assert handle.write(head[1 << 19:]) == errno.EINVAL
+    assert handle.write(b'"}{"cmd": "mark", "name": "evil"}') == errno.EINVAL
+    assert handle.write(b'\n{"cmd": "marks"}\n') == errno.EINVAL
+    refused, marks = _replies(handle)
+    assert "longer than" in refused["error"] and marks["marks"] == []
+    assert handle.write(b'{"cmd": "mark", "name": "fine"}\n') == 0  # the next line runs
+    assert _replies(handle)[0]["mark"]["name"] == "fine"
+    handle.close()
+    assert server.held == 0
+
+
+def test_bytes_held_by_all_handles_are_bounded_and_freed_on_close() -> None:
+    server = _server()
+    chunk = b"x" * (MAX_REQUEST - 1)  # a line that never ends
+    handles = [ControlHandle(server, OWNER, 1) for _ in range(MAX_HELD // MAX_REQUEST + 4)]
+    errors = [h.write(chunk) for h in handles]
+    assert errors.count(0) == MAX_HELD // len(chunk)
+    assert set(errors[errors.index(errno.ENOBUFS):]) == {errno.ENOBUFS}
+    held = server.held
+    assert held <= MAX_HELD
+    full = handles[errors.index(errno.ENOBUFS)]
+    assert full.write(b"y" * 100) == errno.ENOBUFS and server.held == held  # nothing kept
+    assert full.write(b'{"cmd": "marks"}\n') == 0  # a complete line holds only its reply
+    assert _replies(full)[0]["ok"] and server.held == held
+    # other users may fill only half, so the owner keeps room for its own requests
+    stranger = ControlHandle(server, STRANGER, 1)
+    assert stranger.write(b"x") == errno.ENOBUFS
+    with pytest.raises(OSError) as info:
+        stranger.read(100)  # the status would not fit either
+    assert info.value.errno == errno.ENOBUFS
+    for handle in handles:
+        handle.close()
+    assert server.held == 0
+    assert stranger.write(b"x") == 0 and server.held == 1
+    helpers = [ControlHandle(server, STRANGER, 1) for _ in range(MAX_HELD_UNPRIVILEGED //
+                                                                     len(chunk) + 1)]
+    assert [h.write(chunk) for h in helpers].count(errno.ENOBUFS) == 1
+
+
+def test_unread_replies_are_bounded() -> None:
+    server = _server()
+    handle = ControlHandle(server, OWNER, 1)
+    request = b'{"cmd": "help"}\n'
+    reply_size = len(server.handle(request[:-1])[0])
+    count = MAX_REPLIES // reply_size + 10
+    assert handle.write(request * count) == errno.ENOBUFS
+    replies = _replies(handle)
+    assert MAX_REPLIES // reply_size <= len(replies) < count
+    assert handle.write(request) == 0  # read: room again
 
 
 def test_guard_turns_exceptions_into_errnos() -> None:
