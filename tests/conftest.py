@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,7 +21,8 @@ import xxhash
 
 from coordlfs.bench.counters import drop_caches  # noqa: F401 (tests import it from here)
 from coordlfs.bench.dataset import DatasetSpec, ensure_dataset
-from coordlfs.mounting import process_alive, wait_exit
+from coordlfs.bench.mounts import logged_errors
+from coordlfs.mounting import mount_at, process_alive, wait_exit
 
 COORDLFS = [sys.executable, "-m", "coordlfs"]
 
@@ -30,6 +32,49 @@ def run_cli(*args: str, timeout: float = 60, enter: tuple[str, ...] = (),
     """``coordlfs ARGS``, prefixed by ``enter`` (such as nsenter into a node's network)."""
     return subprocess.run([*enter, *COORDLFS, *args], capture_output=True, text=True,
                           timeout=timeout, **kwargs)
+
+
+#: Records shown when a test fails for its daemons' errors: enough to see what went wrong.
+SHOWN_ERRORS = 5
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "expect_log_errors(pattern=None): the test makes a daemon log ERROR records "
+        "on purpose (only those matching the regular expression, if given); without it an "
+        "ERROR in a daemon's log fails the test")
+
+
+def _unexpected(errors: list[str], marker: pytest.Mark | None) -> list[str]:
+    if marker is None:
+        return errors
+    if not marker.args:
+        return []
+    return [e for e in errors if not re.search(marker.args[0], e.splitlines()[0])]
+
+
+@pytest.fixture(autouse=True)
+def daemon_logs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Path]]:
+    """The daemon's log is part of the result: after the test (its mounts are gone by then),
+    an ERROR record in the log of a daemon it started fails it, unless it is marked
+    ``expect_log_errors``.
+
+    A test appends the logs of the daemons it starts (a directory: every ``*.log`` in it).
+    Daemons mounted without ``--log`` log under ``$XDG_STATE_HOME``, which points at a fresh
+    directory per test, checked too: no test writes to the real ~/.local/state.
+    """
+    state = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    logs: list[Path] = [state / "coordlfs"]
+    yield logs
+    files = [f for log in logs for f in (sorted(log.glob("*.log")) if log.is_dir() else [log])]
+    found = [(f, e) for f in files for e in _unexpected(
+        logged_errors(f), request.node.get_closest_marker("expect_log_errors"))]
+    if found:
+        shown = "\n".join(f"{f}:\n{e}" for f, e in found[:SHOWN_ERRORS])
+        pytest.fail(f"a daemon logged {len(found)} unexpected ERROR record(s) (a test that "
+                    f"expects them is marked expect_log_errors):\n{shown}", pytrace=False)
 
 
 #: Who a test runs something as when it needs a user other than root: nobody.
@@ -107,24 +152,32 @@ class Mount:
 
 
 def force_unmount(mountpoint: Path, pid: int | None) -> None:
-    """Lazy unmount, then SIGTERM, then SIGKILL: whatever state the test left the mount in."""
+    """Lazy unmount, then SIGTERM, then SIGKILL: whatever state the test left the mount in.
+
+    An unmounted daemon gets a few seconds to exit by itself first, so that its log is
+    complete (and its shutdown not cut short) when the test's logs are read.
+    """
     subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
     if pid is None:
         return
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+    for sig, wait in ((None, 5.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         if not process_alive(pid):
             return
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return
+        if sig is not None:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                return
         wait_exit(pid, wait)
 
 
 @pytest.fixture
-def mount(tmp_path: Path) -> Iterator:
-    """Factory: ``mount(source, *options)`` mounts coordlfs for real and returns a Mount."""
+def mount(tmp_path: Path, daemon_logs: list[Path]) -> Iterator:
+    """Factory: ``mount(source, *options)`` mounts coordlfs for real and returns a Mount.
+
+    Each mount's log is checked for errors after the test (``daemon_logs``)."""
     made: list[Mount] = []
+    tried: list[Path] = []
     cache_dirs: list[Path] = []
 
     def _mount(source: Path, *options: str, mountpoint: Path | None = None,
@@ -135,6 +188,8 @@ def mount(tmp_path: Path) -> Iterator:
         cache = cache_dir or Path("/dev/shm") / f"coordlfs-test-{uuid.uuid4().hex[:12]}"
         cache_dirs.append(cache)
         log = tmp_path / f"mount{n}.log"
+        daemon_logs.append(log)
+        tried.append(mp)
         result = run_cli("mount", str(source), str(mp), "--cache-dir", str(cache),
                          "--log", str(log), *options, enter=enter)
         assert result.returncode == 0, result.stderr + (log.read_text() if log.exists() else "")
@@ -146,6 +201,9 @@ def mount(tmp_path: Path) -> Iterator:
     yield _mount
     for m in made:
         force_unmount(m.mountpoint, m.pid)
+    for mp in tried:  # a mount that failed half-way (a timeout) may have left its daemon
+        if mount_at(str(mp)) is not None:
+            force_unmount(mp, None)
     for cache in cache_dirs:
         shutil.rmtree(cache, ignore_errors=True)
 

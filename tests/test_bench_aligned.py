@@ -116,8 +116,9 @@ def test_the_bench_entry_turns_a_degenerate_measurement_into_one_line(
     assert type(error).__name__ in err
 
 
-def test_small_run_end_to_end(tmp_path: Path) -> None:
+def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
     """Two jobs, no throttle: every system reads the dataset, aligned jobs share their reads."""
+    daemon_logs.append(tmp_path / "work")
     out = tmp_path / "aligned.json"
     result = subprocess.run(
         [sys.executable, "-m", "coordlfs", "bench", "aligned", "--make", "300:64K",

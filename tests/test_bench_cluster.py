@@ -29,8 +29,9 @@ def test_summary_is_minio_over_peers_after_the_first_epoch() -> None:
     assert summarize(zero)["storage_bytes_ratio"] is None  # no storage reads: no finite ratio
 
 
-def test_small_run_end_to_end(tmp_path: Path) -> None:
+def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
     """Two nodes each caching 60%: with peers the second epoch reads nothing from storage."""
+    daemon_logs.append(tmp_path / "work")
     out = tmp_path / "cluster.json"
     result = subprocess.run(
         [sys.executable, "-m", "coordlfs", "bench", "cluster", "--make", "300:64K",

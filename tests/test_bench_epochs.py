@@ -81,8 +81,9 @@ def test_summary_is_page_cache_over_coordlfs_after_the_first_epoch() -> None:
     assert summary["coordlfs_storage_fraction"] == 0.5
 
 
-def test_small_run_end_to_end(tmp_path: Path) -> None:
+def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
     """Everything fits in the budget: after the first epoch neither side reads storage."""
+    daemon_logs.append(tmp_path / "work")
     out = tmp_path / "epochs.json"
     result = subprocess.run(
         [sys.executable, "-m", "coordlfs", "bench", "epochs", "--make", "300:64K",
@@ -105,9 +106,10 @@ def test_small_run_end_to_end(tmp_path: Path) -> None:
     assert not list(Path("/sys/fs/cgroup/memory").rglob("coordlfs-epochs-*"))
 
 
-def test_sigterm_cleans_up_like_ctrl_c(tmp_path: Path) -> None:
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path: Path, daemon_logs: list[Path]) -> None:
     """Stopped by SIGTERM mid-run (as a scheduler stops it): cgroups, throttle and mount go."""
     work = tmp_path / "work"
+    daemon_logs.append(work)
     proc = subprocess.Popen(
         [sys.executable, "-m", "coordlfs", "bench", "epochs", "--make", "600:64K",
          "--work", str(work), "--budget", "48M", "--readers", "2", "--throttle", "20M",

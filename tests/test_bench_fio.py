@@ -154,8 +154,10 @@ def test_table_has_medians_ratios_and_notes() -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse")
                     or shutil.which("fio") is None, reason="needs root, /dev/fuse and fio")
-def test_tiny_run_measures_every_job_on_both_sides_and_cleans_up(tmp_path: Path) -> None:
+def test_tiny_run_measures_every_job_on_both_sides_and_cleans_up(
+        tmp_path: Path, daemon_logs: list[Path]) -> None:
     work, out = tmp_path / "work", tmp_path / "fio.json"
+    daemon_logs.append(work)
     argv = [sys.executable, "-m", "coordlfs.bench.fio", "--dir", str(work), "--files", "50",
             "--size", "16K", "--jobs", "2", "--shards", "1", "--shard-size", "4M",
             "--runtime", "2", "--repeat", "1", "--json", str(out)]

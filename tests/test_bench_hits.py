@@ -199,6 +199,7 @@ def test_tiny_run_reports_every_figure_and_cleans_up(tmp_path: Path) -> None:
                      "--repeat", "1", "--dir", str(tmp_path / "data"), "--json", str(out),
                      timeout=120)
     assert result.returncode == 0, result.stderr
+    assert "daemon logged" not in result.stderr  # its logs go with its directory: it warns
     assert "coordlfs, from its cache" in result.stdout
     report = json.loads(out.read_text())
     assert {"machine", "settings", "cases", "results", "coordlfs_reads", "summary"} <= set(report)

@@ -217,10 +217,11 @@ def _check_clean(work: Path, pid: int | None = None) -> None:
     assert not _processes_naming(str(work))
 
 
-def test_small_run_end_to_end(tmp_path: Path) -> None:
+def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
     """Two jobs, warm cache, both modes: every job sees every sample of every epoch, and the
     shared jobs prepare each batch once between them."""
     out, work = tmp_path / "hpsearch.json", tmp_path / "work"
+    daemon_logs.append(work)
     result = subprocess.run(
         [*BENCH, "--make", "120:96x72", "--work", str(work), "--jobs", "2", "--epochs", "2",
          "--regimes", "memory", "--compute-ms", "0", "--json", str(out)],
@@ -245,10 +246,12 @@ def test_small_run_end_to_end(tmp_path: Path) -> None:
     _check_clean(work)
 
 
-def test_storage_regime_reads_the_uncached_part_again(tmp_path: Path) -> None:
+def test_storage_regime_reads_the_uncached_part_again(tmp_path: Path,
+                                                      daemon_logs: list[Path]) -> None:
     """Half the dataset cached, reads throttled: after the first epoch the independent jobs
     read the uncached half once each, the shared jobs once between them."""
     out, work = tmp_path / "hpsearch.json", tmp_path / "work"
+    daemon_logs.append(work)
     result = subprocess.run(
         [*BENCH, "--make", "200:320x240", "--work", str(work), "--jobs", "2", "--epochs", "2",
          "--regimes", "storage", "--throttle", "20M", "--compute-ms", "0", "--json", str(out)],
@@ -268,10 +271,11 @@ def test_storage_regime_reads_the_uncached_part_again(tmp_path: Path) -> None:
     _check_clean(work)
 
 
-def test_sigterm_stops_the_jobs_and_cleans_up(tmp_path: Path) -> None:
+def test_sigterm_stops_the_jobs_and_cleans_up(tmp_path: Path, daemon_logs: list[Path]) -> None:
     """Stopped by SIGTERM while its jobs train (as a scheduler stops it): jobs, their
     workers, throttle and mount all go."""
     work = tmp_path / "work"
+    daemon_logs.append(work)
     proc = subprocess.Popen(
         [*BENCH, "--make", "200:160x120", "--work", str(work), "--jobs", "2", "--epochs", "50",
          "--regimes", "storage", "--modes", "independent", "--throttle", "20M"],

@@ -37,6 +37,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from coordlfs.bench.dataset import DatasetSpec, ensure_dataset
+from coordlfs.bench.mounts import log_size, warn_of_logged_errors
 from coordlfs.bench.reading import read_files
 from coordlfs.daemon import READ_AHEAD_KB
 from coordlfs.errors import UserError
@@ -299,7 +300,9 @@ def daemon(name: str, argv: list[str], mountpoint: str, log: str) -> Iterator[su
     """Run a foreground FUSE daemon until the block ends; it is always stopped and unmounted.
 
     Its own session keeps a Ctrl-C at the terminal away from it: we stop it, by its pid.
+    Errors it logged are a warning on stderr: its log goes with the bench's directory.
     """
+    offset = log_size(log)
     with open(log, "ab") as log_file:
         process = subprocess.Popen([sys.executable, "-m", *argv], stdin=subprocess.DEVNULL,
                                    stdout=subprocess.PIPE, stderr=log_file,
@@ -309,6 +312,7 @@ def daemon(name: str, argv: list[str], mountpoint: str, log: str) -> Iterator[su
         yield process
     finally:
         _stop(process, mountpoint)
+        warn_of_logged_errors(log, offset, name, kept=False)
 
 
 # -- measuring ----------------------------------------------------------------------------

@@ -8,7 +8,9 @@ or an unmount half-way; the benchmark then unmounts what was mounted.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +25,51 @@ from coordlfs.mounting import mount_at
 
 #: Seconds to wait for ``coordlfs mount`` / ``umount``.
 CLI_TIMEOUT = 120
+
+#: The start of a record the daemon logged at ERROR or worse, in the format of
+#: ``coordlfs.daemon.setup_logging``: "2024-11-23 04:40:00,123 ERROR coordlfs.fs: ...".
+ERROR_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?:ERROR|CRITICAL) ",
+                          re.MULTILINE)
+#: The start of any record, which ends the lines (a traceback) that continue the one before.
+_ANY_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ ", re.MULTILINE)
+
+
+def logged_errors(log: str | os.PathLike[str], offset: int = 0) -> list[str]:
+    """The ERROR and CRITICAL records in a daemon's log from byte ``offset`` on, each with the
+    lines that continue it (a traceback); none if there is no log.
+
+    The daemon's log is part of a result: an error it logged means the mount misbehaved even
+    when every read came back right (a fill given up, a request that raised).
+    """
+    try:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return []
+    starts = [m.start() for m in _ANY_RECORD.finditer(text)] + [len(text)]
+    return [text[a:b].rstrip("\n") for a, b in itertools.pairwise(starts)
+            if ERROR_RECORD.match(text, a)]
+
+
+def log_size(log: str | os.PathLike[str]) -> int:
+    """Where a mount's records will start in a log that earlier mounts appended to."""
+    try:
+        return os.path.getsize(log)
+    except FileNotFoundError:
+        return 0
+
+
+def warn_of_logged_errors(log: str | os.PathLike[str], offset: int, name: str = "coordlfs",
+                          kept: bool = True) -> None:
+    """One line on stderr if the daemon logged errors since ``offset``: the figures stand,
+    but the mount misbehaved while they were taken. ``kept``: the log outlives the bench."""
+    errors = logged_errors(log, offset)
+    if errors:
+        first = errors[0].splitlines()[0]
+        where = f"; see {log}" if kept else ""
+        print(f"warning: the {name} daemon logged {len(errors)} error(s) during the bench "
+              f"(first: {first}){where}", file=sys.stderr, flush=True)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -60,6 +107,7 @@ def coordlfs_mount(source: Path, mountpoint: Path, cache_size: int, log: Path,
     (such as nsenter into a node's network); unmount and drop the cache on exit."""
     cache_dir = Path("/dev/shm") / f"coordlfs-bench-{os.getpid()}-{mountpoint.name}"
     mountpoint.mkdir(exist_ok=True)
+    offset = log_size(log)
     with tempfile.TemporaryFile("w+") as err:
         # Own session, so an interrupt cannot stop the client while its daemon goes on
         # mounting: on the way out we wait for it, then unmount what it mounted.
@@ -82,6 +130,7 @@ def coordlfs_mount(source: Path, mountpoint: Path, cache_size: int, log: Path,
                     client.wait()
                 unmount_if_mounted(mountpoint)
                 shutil.rmtree(cache_dir, ignore_errors=True)
+                warn_of_logged_errors(log, offset)
 
 
 # -- epochs --------------------------------------------------------------------------------
