@@ -14,7 +14,8 @@ from collections.abc import Awaitable, Callable
 from coordlfs.groups import Groups, Member
 from coordlfs.inodes import Key
 from coordlfs.prefetch import Prefetcher
-from coordlfs.window import ReadWindow, Version
+from coordlfs.source import Version
+from coordlfs.window import ReadWindow
 
 
 class AlignedReads:

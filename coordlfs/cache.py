@@ -70,6 +70,7 @@ class Entry:
     path: bytes
     size: int
     mtime_ns: int
+    ctime_ns: int
     #: where the entry's bytes start in the arena
     offset: int
     filled: int = 0
@@ -80,7 +81,10 @@ class Entry:
     progress: trio.Event | None = None
 
     def matches(self, st: os.stat_result) -> bool:
-        return self.size == st.st_size and self.mtime_ns == st.st_mtime_ns
+        """Whether ``st`` (of the file with this entry's key) is the version cached: the
+        inode is the key, so this is the rest of ``source.Version``."""
+        return (self.size, self.mtime_ns, self.ctime_ns) == (st.st_size, st.st_mtime_ns,
+                                                             st.st_ctime_ns)
 
 
 def _key_name(key: Key) -> str:
@@ -199,7 +203,8 @@ class MinioCache:
         try:
             size = int(record["size"])
             entry = Entry(os.fsencode(record["path"]), size, int(record["mtime_ns"]),
-                          int(record["offset"]), filled=size, complete=True)
+                          int(record["ctime_ns"]), int(record["offset"]), filled=size,
+                          complete=True)
             return _key_of(name), entry
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
@@ -256,7 +261,8 @@ class MinioCache:
                             "streamed until the next mount")
                 self._full_logged = True
             return None
-        entry = Entry(path, st.st_size, st.st_mtime_ns, self.end, progress=trio.Event())
+        entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, self.end,
+                      progress=trio.Event())
         self.entries[key] = entry
         self.used += entry.size
         self.end += entry.size
@@ -379,7 +385,7 @@ class MinioCache:
     @staticmethod
     def _record(key: Key, entry: Entry) -> dict:
         return {"key": _key_name(key), "path": os.fsdecode(entry.path), "size": entry.size,
-                "mtime_ns": entry.mtime_ns, "offset": entry.offset}
+                "mtime_ns": entry.mtime_ns, "ctime_ns": entry.ctime_ns, "offset": entry.offset}
 
     def _journal(self, record: dict) -> None:
         """Append a record. A journal that cannot take it (a full filesystem) is removed

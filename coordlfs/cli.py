@@ -14,6 +14,7 @@ from coordlfs.config import (
     DEFAULT_MAX_FILE_SHARE,
     DEFAULT_PEER_TIMEOUT,
     DEFAULT_PREFETCH_DEPTH,
+    DEFAULT_REVALIDATE,
     DEFAULT_STAGING_SIZE,
     DEFAULT_WINDOW_SIZE,
     MountConfig,
@@ -105,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=DEFAULT_PEER_TIMEOUT,
                    help="after this a peer counts as down and the reader reads local storage "
                         f"(default {DEFAULT_PEER_TIMEOUT:g})")
+    m.add_argument("--revalidate", metavar="SECONDS", type=float, default=DEFAULT_REVALIDATE,
+                   help="where the source cannot be watched for changes (network filesystems, "
+                        "inotify limits): how long names and attributes are trusted "
+                        f"(default {DEFAULT_REVALIDATE:g})")
     m.add_argument("--cache-dir", metavar="DIR",
                    help="directory for cached bytes, on tmpfs (default under /dev/shm/coordlfs)")
     m.add_argument("--keep-cache", action="store_true",
@@ -192,8 +197,11 @@ def resolve_mount(args: argparse.Namespace) -> MountConfig:
     log_file = args.log or (None if args.foreground else default_log_file(mountpoint))
     if not 0 <= args.prefetch_depth <= 64:
         raise UserError(f"bad --prefetch-depth {args.prefetch_depth}: 0 to 64")
+    if not 0.1 <= args.revalidate <= 3600:
+        raise UserError(f"bad --revalidate {args.revalidate:g}: 0.1 to 3600 seconds")
     return MountConfig(source, mountpoint, cache_size, max_file, cache_dir, window,
-                       args.prefetch_depth, staging, keep_cache=args.keep_cache,
+                       args.prefetch_depth, staging, revalidate_s=args.revalidate,
+                       keep_cache=args.keep_cache,
                        allow_other=args.allow_other,
                        log_file=log_file and os.path.abspath(log_file), debug=args.debug,
                        **_resolve_cluster(args))
@@ -235,7 +243,8 @@ def _daemon_argv(config: MountConfig) -> list[str]:
             "--max-file-size", str(config.max_file_size), "--cache-dir", config.cache_dir,
             "--window-size", str(config.window_size),
             "--prefetch-depth", str(config.prefetch_depth),
-            "--staging-size", str(config.staging_size)]
+            "--staging-size", str(config.staging_size),
+            "--revalidate", str(config.revalidate_s)]
     if config.log_file:
         argv += ["--log", config.log_file]
     if config.listen:
@@ -257,8 +266,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
                f"{' (default: 50% of RAM)' if args.cache_size is None else ''} in "
                f"{config.cache_dir}")
     if not args.foreground:
-        spawn_daemon(_daemon_argv(config), config.log_file or "")
-        print(f"coordlfs: mounted {summary}; log {config.log_file}")
+        freshness = spawn_daemon(_daemon_argv(config), config.log_file or "")
+        print(f"coordlfs: mounted {summary}; {freshness}; log {config.log_file}")
         return 0
     return _run_foreground(config, args.ready_fd, summary)
 
@@ -271,12 +280,12 @@ def _run_foreground(config: MountConfig, ready_fd: int | None, summary: str) -> 
             os.write(ready_fd, line.encode() + b"\n")
             os.close(ready_fd)
         elif line.startswith("ok"):
-            print(f"coordlfs: mounted {summary}", flush=True)
+            print(f"coordlfs: mounted {summary}; {line[2:].strip()}", flush=True)
 
     setup_logging(config.log_file, config.debug)
     try:
         daemon = Daemon(config)
-        daemon.run(lambda: report("ok"))
+        daemon.run(lambda note: report(f"ok {note}"))
     except UserError as e:
         if ready_fd is None:
             raise

@@ -24,6 +24,9 @@ DEFAULT_STAGING_SIZE = 2 << 30
 DEFAULT_PREFETCH_DEPTH = 4
 #: Seconds a peer may take to connect or answer before the reader reads local storage.
 DEFAULT_PEER_TIMEOUT = 2.0
+#: Seconds the kernel may trust names and attributes of a source that cannot be watched
+#: (``coordlfs.freshness``): how late a change there may show.
+DEFAULT_REVALIDATE = 1.0
 
 
 @dataclass(slots=True)
@@ -47,6 +50,7 @@ class MountConfig:
     secret_file: str | None = None
     insecure: bool = False
     peer_timeout: float = DEFAULT_PEER_TIMEOUT
+    revalidate_s: float = DEFAULT_REVALIDATE
 
 
 def default_cache_dir(source: str) -> str:

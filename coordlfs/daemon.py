@@ -93,7 +93,7 @@ class Daemon:
                                      self.peers.caches_here)
         self.ops = Operations(self.source, self.cache, self.stats.reads, self.control,
                               AlignedReads(self.groups, self.window, self.prefetcher),
-                              self.peers)
+                              self.peers, config.revalidate_s)
 
     def _cluster(self, config: MountConfig) -> tuple[Peers, PeerServer | None]:
         """The peers and the server for them; with no --listen, a cluster of one."""
@@ -135,11 +135,14 @@ class Daemon:
             "prefetch": self.prefetcher.status(),
             "prep": self.prep.status(),
             "inodes": len(self.ops.inodes),
+            "freshness": self.ops.freshness.status(),
             "marks": [m.name for m in self.stats.marks],
             **self.groups.status(),
         }
 
-    def run(self, ready: Callable[[], None]) -> None:
+    def run(self, ready: Callable[[str], None]) -> None:
+        """Mount and serve until unmounted; ``ready`` is told, once the mount is live, how
+        changes of the source reach it."""
         try:
             warm = self.cache.load(self.source)
             log.info("source %s, cache %s: %d bytes of %d in %d warm entries",
@@ -159,6 +162,7 @@ class Daemon:
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s", self.config.mountpoint)
         finally:
+            self.ops.freshness.close()
             self._close()
             self.prep.close()
 
@@ -168,19 +172,20 @@ class Daemon:
         self.cache.close(keep=self.config.keep_cache)
         self.source.close()
 
-    async def _serve(self, ready: Callable[[], None]) -> None:
+    async def _serve(self, ready: Callable[[str], None]) -> None:
         async with trio.open_nursery() as nursery:
             self.ops.nursery = nursery
             nursery.start_soon(self._terminate_on_signal)
             nursery.start_soon(self._reap_members)
             nursery.start_soon(self.prefetcher.run)
             nursery.start_soon(self.peers.run)
+            nursery.start_soon(self.ops.freshness.run)
             if self.server is not None:
                 nursery.start_soon(self.server.run)
             nursery.start_soon(functools.partial(
                 trio.to_thread.run_sync, _tune_read_ahead, self.config.mountpoint,
                 abandon_on_cancel=True))
-            ready()
+            ready(self.ops.freshness.summary())
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
 

@@ -24,17 +24,14 @@ from coordlfs import CONTROL_NAME
 from coordlfs.aligned_reads import AlignedReads
 from coordlfs.cache import Entry, MinioCache
 from coordlfs.control_server import ControlHandle, ControlServer
+from coordlfs.freshness import WATCHED_TIMEOUT, Freshness
 from coordlfs.groups import Member
 from coordlfs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable, Key
 from coordlfs.peers import PeerLink, Peers
-from coordlfs.source import Source, SourceReader
+from coordlfs.source import Source, SourceReader, Version
 from coordlfs.stats import ReadCounters
 
 log = logging.getLogger(__name__)
-
-#: Seconds the kernel may keep entries and attributes (positive and negative). A dataset is
-#: read-mostly; a file changed in place is still noticed on open (see ``open``).
-TIMEOUT = 3600.0
 
 #: Files up to this size that MinIO does not cache are read from the source whole, on their
 #: first request, and kept by the handle until it is closed: a reader reading in small pieces
@@ -88,8 +85,8 @@ class FileHandle:
         return self.st.st_dev, self.st.st_ino
 
     @property
-    def version(self) -> tuple[int, int]:
-        return self.st.st_size, self.st.st_mtime_ns
+    def version(self) -> Version:
+        return Version.of(self.st)
 
     def close(self) -> None:
         if self.reader is not None:
@@ -99,6 +96,7 @@ class FileHandle:
 @dataclass(slots=True, eq=False)
 class DirHandle:
     path: bytes
+    #: ``.`` and ``..`` first, then the directory's entries, as the source listed them
     entries: list[tuple[bytes, os.stat_result]]
 
 
@@ -108,7 +106,8 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, source: Source, cache: MinioCache, counters: ReadCounters,
-                 control: ControlServer, aligned: AlignedReads, peers: Peers) -> None:
+                 control: ControlServer, aligned: AlignedReads, peers: Peers,
+                 revalidate_s: float) -> None:
         super().__init__()
         self.source = source
         self.cache = cache
@@ -118,6 +117,7 @@ class Operations(pyfuse3.Operations):
         self.aligned = aligned
         root = source.lstat(b"")
         self.inodes = InodeTable((root.st_dev, root.st_ino))
+        self.freshness = Freshness(source, self.inodes, revalidate_s)
         self._handles: dict[int, FileHandle | DirHandle | ControlHandle] = {}
         self._next_fh = 1
         #: Fills outlive the read that started them; set by the daemon before serving.
@@ -131,8 +131,7 @@ class Operations(pyfuse3.Operations):
                      "st_blksize", "st_blocks", "st_atime_ns", "st_mtime_ns", "st_ctime_ns"):
             setattr(attr, name, getattr(st, name))
         attr.st_ino = inode
-        attr.entry_timeout = TIMEOUT
-        attr.attr_timeout = TIMEOUT
+        attr.entry_timeout = attr.attr_timeout = self.freshness.timeout
         return attr
 
     def _control_attr(self) -> pyfuse3.EntryAttributes:
@@ -141,8 +140,7 @@ class Operations(pyfuse3.Operations):
         attr.st_mode = stat.S_IFREG | 0o666
         attr.st_nlink = 1
         attr.st_blksize = 4096
-        attr.entry_timeout = TIMEOUT
-        attr.attr_timeout = TIMEOUT
+        attr.entry_timeout = attr.attr_timeout = WATCHED_TIMEOUT
         return attr
 
     def _child(self, parent: int, name: bytes) -> bytes:
@@ -151,8 +149,8 @@ class Operations(pyfuse3.Operations):
 
     def _known(self, st: os.stat_result, path: bytes) -> int:
         """The inode for a source stat result, noting the version the kernel now sees."""
-        inode = self.inodes.inode_for((st.st_dev, st.st_ino), path)
-        self.inodes[inode].version = (st.st_size, st.st_mtime_ns)
+        inode = self.inodes.inode_for((st.st_dev, st.st_ino), path, stat.S_ISDIR(st.st_mode))
+        self.inodes[inode].version = Version.of(st)
         return inode
 
     def _node_path(self, inode: int) -> bytes:
@@ -170,14 +168,14 @@ class Operations(pyfuse3.Operations):
         elif name == b"..":
             path = self._node_path(parent_inode).rpartition(b"/")[0]
         else:
-            self._node_path(parent_inode)
+            self.freshness.watch(parent_inode, self._node_path(parent_inode))
             path = self._child(parent_inode, name)
         try:
             st = self.source.lstat(path)
         except FileNotFoundError:
             negative = pyfuse3.EntryAttributes()
             negative.st_ino = 0
-            negative.entry_timeout = TIMEOUT
+            negative.entry_timeout = self.freshness.timeout
             return negative
         inode = self._known(st, path)
         self.inodes.ref(inode)
@@ -199,8 +197,8 @@ class Operations(pyfuse3.Operations):
 
     def forget(self, inode_list: list[tuple[int, int]]) -> None:
         for inode, count in inode_list:
-            if inode != CONTROL_INODE:
-                self.inodes.forget(inode, count)
+            if inode != CONTROL_INODE and self.inodes.forget(inode, count):
+                self.freshness.unwatch(inode)
 
     @guarded
     async def readlink(self, inode: int, ctx: Any) -> bytes:
@@ -244,6 +242,7 @@ class Operations(pyfuse3.Operations):
     @guarded
     async def opendir(self, inode: int, ctx: Any) -> int:
         path = self._node_path(inode)
+        self.freshness.watch(inode, path)
         entries = await trio.to_thread.run_sync(self.source.scan, path)
         return self._new_handle(DirHandle(path, entries))
 
@@ -254,11 +253,22 @@ class Operations(pyfuse3.Operations):
         base = handle.path
         for index in range(start_id, len(handle.entries)):
             name, st = handle.entries[index]
+            if index < 2:  # "." and "..": the kernel takes no lookup count for them
+                inode = self._dot_inode(handle, st)
+                if not pyfuse3.readdir_reply(token, name, self._attr(inode, st), index + 1):
+                    break
+                continue
             inode = self._known(st, base + b"/" + name if base else name)
             if not pyfuse3.readdir_reply(token, name, self._attr(inode, st), index + 1):
                 self.inodes.drop_if_unreferenced(inode)
                 break
             self.inodes.ref(inode)
+
+    def _dot_inode(self, handle: DirHandle, st: os.stat_result) -> int:
+        """The inode number ``.`` or ``..`` shows: the directory's, its parent's if the
+        kernel knows it, and the root's above the root."""
+        found = self.inodes.find((st.st_dev, st.st_ino))
+        return found if found is not None else ROOT_INODE
 
     @guarded
     async def releasedir(self, fh: int) -> None:
@@ -280,12 +290,12 @@ class Operations(pyfuse3.Operations):
         node = self.inodes[inode]
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
-        changed = node.version != (st.st_size, st.st_mtime_ns)
+        changed = node.version != Version.of(st)
         if changed:
             # The kernel holds old attributes and maybe old pages: drop both before the reader
             # sees this open succeed (attributes only here; keep_cache=False drops the pages).
             log.info("source file %s changed; invalidating", os.fsdecode(node.path))
-            node.version = (st.st_size, st.st_mtime_ns)
+            node.version = Version.of(st)
             pyfuse3.invalidate_inode(inode, attr_only=True)
         handle = FileHandle(inode, node.path, st, self.cache.lookup((st.st_dev, st.st_ino), st))
         handle.member, held = self.aligned.opened(ctx.pid, node.path, handle.key, handle.version,

@@ -8,7 +8,10 @@ counts); ``forget`` drops it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+from coordlfs.source import Version
 
 ROOT_INODE = 1
 CONTROL_INODE = 2
@@ -23,8 +26,8 @@ class Node:
     #: A path that reached this inode (the latest; with hard links any of them will do).
     path: bytes
     lookups: int = 0
-    #: (size, mtime_ns) last shown to the kernel, to notice a source file that changed.
-    version: tuple[int, int] = (-1, -1)
+    #: the version last shown to the kernel, to notice a source file that changed
+    version: Version | None = None
 
 
 class InodeTable:
@@ -39,28 +42,52 @@ class InodeTable:
     def __getitem__(self, inode: int) -> Node:
         return self._nodes[inode]
 
-    def inode_for(self, key: Key, path: bytes) -> int:
-        """The inode of ``key``, creating it with no lookups yet; remembers ``path``."""
+    def items(self) -> Iterator[tuple[int, Node]]:
+        return iter(self._nodes.items())
+
+    def find(self, key: Key) -> int | None:
+        return self._by_key.get(key)
+
+    def inode_for(self, key: Key, path: bytes, is_dir: bool = False) -> int:
+        """The inode of ``key``, creating it with no lookups yet; remembers ``path``.
+
+        A directory met under a new path was renamed in the source: the kernel may still hold
+        nodes beneath it, which must be found under the new path too.
+        """
         inode = self._by_key.get(key)
         if inode is None:
             inode = self._next
             self._next += 1
             self._by_key[key] = inode
             self._nodes[inode] = Node(key, path)
-        else:
-            self._nodes[inode].path = path
+            return inode
+        node = self._nodes[inode]
+        if node.path != path:
+            if is_dir and inode != ROOT_INODE:
+                self._moved(node.path, path)
+            node.path = path
         return inode
+
+    def _moved(self, old: bytes, new: bytes) -> None:
+        """Rewrite the paths below directory ``old``: rare, so a scan of the table."""
+        prefix = old + b"/"
+        for node in self._nodes.values():
+            if node.path.startswith(prefix):
+                node.path = new + node.path[len(old) :]
 
     def ref(self, inode: int) -> None:
         self._nodes[inode].lookups += 1
 
-    def forget(self, inode: int, count: int) -> None:
+    def forget(self, inode: int, count: int) -> bool:
+        """Whether the node is gone now."""
         node = self._nodes.get(inode)
         if node is None or inode == ROOT_INODE:
-            return
+            return False
         node.lookups -= count
         if node.lookups <= 0:
             self.drop(inode)
+            return True
+        return False
 
     def drop_if_unreferenced(self, inode: int) -> None:
         if inode != ROOT_INODE and self._nodes[inode].lookups == 0:

@@ -22,7 +22,7 @@ import trio
 
 from coordlfs.cache import MinioCache
 from coordlfs.groups import Group, Groups
-from coordlfs.source import Source
+from coordlfs.source import Source, Version
 from coordlfs.stats import ReadCounters
 from coordlfs.window import ReadWindow
 
@@ -120,7 +120,7 @@ class Prefetcher:
                 size = 0
                 return
             self.in_flight_bytes += size
-            await self._into_window(group, key, path, (st.st_size, st.st_mtime_ns))
+            await self._into_window(group, key, path, Version.of(st))
         except OSError as e:  # gone or unreadable: a real read will report it
             log.debug("read-ahead of %r skipped: %s", path, e)
         except Exception:
@@ -131,13 +131,13 @@ class Prefetcher:
             self.poke()
 
     async def _into_window(self, group: Group, key: Any, path: bytes,
-                           version: tuple[int, int]) -> None:
+                           version: Version) -> None:
         self.window.claim(key)
         data = None
         try:
             reader = await trio.to_thread.run_sync(self.source.open_reader, path)
             try:
-                data = await trio.to_thread.run_sync(reader.pread, 0, version[0])
+                data = await trio.to_thread.run_sync(reader.pread, 0, version.size)
             finally:
                 reader.close()
             self.counters.files_from_source += 1

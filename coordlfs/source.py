@@ -12,10 +12,14 @@ and otherwise drop the pages we read with posix_fadvise(DONTNEED).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import mmap
 import os
 import stat
 import threading
+from collections.abc import Iterator
+from typing import NamedTuple
 
 from coordlfs.errors import UserError
 
@@ -24,7 +28,28 @@ from coordlfs.errors import UserError
 DIRECT_ALIGN = 4096
 
 
+#: Paths at least this long are walked a piece at a time (``Source._resolved``): a path
+#: handed to one system call must be shorter than PATH_MAX (4096), but a dataset may nest
+#: deeper, and through the mount the kernel never sends whole paths.
+_WALK_AT = 3840
+_WALK_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
 _local = threading.local()
+
+
+class Version(NamedTuple):
+    """What identifies one version of a source file. A rewrite in place changes the ctime
+    even when the writer puts size and mtime back, and a replacement by rename changes the
+    inode, so no change can pass as none (size and mtime alone miss both)."""
+
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> Version:
+        return cls(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _aligned_buffer(size: int) -> mmap.mmap:
@@ -64,14 +89,45 @@ class Source:
     def close(self) -> None:
         os.close(self.root_fd)
 
+    @contextlib.contextmanager
+    def _resolved(self, path: bytes) -> Iterator[tuple[int, bytes]]:
+        """A directory descriptor and a name within it that reach ``path``.
+
+        Short paths (nearly all) are relative to the root descriptor. A longer one is walked
+        a piece of at most ``_WALK_AT`` bytes at a time with ``openat``, no piece through a
+        symlink at its end, so a tree nested past PATH_MAX reads as it does in the source.
+        """
+        if len(path) < _WALK_AT:
+            yield self.root_fd, _at(path)
+            return
+        opened: list[int] = []
+        try:
+            fd, rest = self.root_fd, path
+            while len(rest) >= _WALK_AT:
+                cut = rest.rfind(b"/", 0, _WALK_AT)
+                if cut <= 0:
+                    raise OSError(errno.ENAMETOOLONG, "file name too long")
+                fd = os.open(rest[:cut], _WALK_FLAGS, dir_fd=fd)
+                opened.append(fd)
+                rest = rest[cut + 1 :]
+            yield fd, rest
+        finally:
+            for fd in opened:
+                os.close(fd)
+
     def lstat(self, path: bytes) -> os.stat_result:
-        return os.stat(_at(path), dir_fd=self.root_fd, follow_symlinks=False)
+        with self._resolved(path) as (dir_fd, name):
+            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
 
     def scan(self, path: bytes) -> list[tuple[bytes, os.stat_result]]:
-        """Names and attributes of a directory's entries (it may hold many thousands)."""
-        fd = os.open(_at(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.root_fd)
+        """Names and attributes of a directory's entries (it may hold many thousands),
+        ``.`` and ``..`` first, as the source lists them."""
+        with self._resolved(path) as (dir_fd, name):
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=dir_fd)
         try:
-            entries = []
+            entries = [(dot, os.stat(dot, dir_fd=fd, follow_symlinks=False))
+                       for dot in (b".", b"..")]
             with os.scandir(fd) as it:
                 for entry in it:
                     try:
@@ -83,14 +139,26 @@ class Source:
             os.close(fd)
 
     def readlink(self, path: bytes) -> bytes:
-        return os.readlink(path, dir_fd=self.root_fd)
+        with self._resolved(path) as (dir_fd, name):
+            return os.readlink(name, dir_fd=dir_fd)
+
+    @contextlib.contextmanager
+    def proc_path(self, path: bytes) -> Iterator[bytes]:
+        """A /proc/self/fd path that reaches ``path`` through our descriptors, for the calls
+        that take no dir_fd (xattrs, inotify); they must not follow a symlink at its end."""
+        if len(path) < _WALK_AT:
+            yield self._proc_prefix + path
+            return
+        with self._resolved(path) as (dir_fd, name):
+            yield b"/proc/self/fd/%d/%s" % (dir_fd, name)
 
     def getxattr(self, path: bytes, name: bytes) -> bytes:
-        # xattr calls take no dir_fd; /proc/self/fd/N/... resolves through our root descriptor.
-        return os.getxattr(self._proc_prefix + path, name, follow_symlinks=False)
+        with self.proc_path(path) as proc:
+            return os.getxattr(proc, name, follow_symlinks=False)
 
     def listxattr(self, path: bytes) -> list[bytes]:
-        names = os.listxattr(self._proc_prefix + path, follow_symlinks=False)
+        with self.proc_path(path) as proc:
+            names = os.listxattr(proc, follow_symlinks=False)
         return [os.fsencode(n) for n in names]
 
     def statvfs(self) -> os.statvfs_result:
@@ -99,14 +167,15 @@ class Source:
     def open_reader(self, path: bytes) -> SourceReader:
         """Open a regular file for reading; blocking, so call it from a worker thread."""
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(path, flags | os.O_DIRECT, dir_fd=self.root_fd)
-            direct = True
-        except OSError as e:
-            if e.errno != 22:  # EINVAL: this filesystem has no O_DIRECT
-                raise
-            fd = os.open(path, flags, dir_fd=self.root_fd)
-            direct = False
+        with self._resolved(path) as (dir_fd, name):
+            try:
+                fd = os.open(name, flags | os.O_DIRECT, dir_fd=dir_fd)
+                direct = True
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # this filesystem has no O_DIRECT
+                    raise
+                fd = os.open(name, flags, dir_fd=dir_fd)
+                direct = False
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise IsADirectoryError(21, "not a regular file")

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import trio
 
 from coordlfs.inodes import Key
+from coordlfs.source import Version  # a held item of another version is never served
 
-#: a source file's (size, mtime_ns): a held item of another version is never served
-Version = tuple[int, int]
 #: Items remembered as read by members while not held (see ``closed``).
 MAX_NOTED = 1 << 16
 
