@@ -296,7 +296,7 @@ class MinioCache:
             finally:
                 copier.close()
             st = copier.final
-            if st is None or not entry.matches(st):
+            if st is None or (st.st_dev, st.st_ino) != key or not entry.matches(st):
                 raise OSError(5, "source file changed while being cached")
             self._journal(self._record(key, entry))
             entry.complete = True
