@@ -265,7 +265,15 @@ class ControlHandle:
     def write(self, data: bytes) -> int:
         """Take written bytes and run the complete requests in them, in order; returns the
         errno the write fails with: 0, the first refused request's, or ENOBUFS (then nothing
-        of ``data`` was taken)."""
+        of ``data`` was taken).
+
+        A line that grows past ``MAX_REQUEST`` is refused whole: its reply is queued, the
+        write stops there (the rest of ``data`` is not looked at) and the descriptor drops
+        what follows up to a newline in a later write, failing those writes with EINVAL too.
+        So no part of it ever runs, even for a writer that sends the rest of a partial write
+        again (the kernel splits a large write, and reports the pieces before a failed one as
+        written).
+        """
         growth = self._would_hold(data) - len(self._pending)
         if growth > 0 and self._server.held + growth > self._limit:
             return errno.ENOBUFS
@@ -275,7 +283,14 @@ class ControlHandle:
         while True:
             newline = data.find(b"\n", start)
             end = len(data) if newline < 0 else newline
-            error = self._take(data[start:end]) or error
+            if self._discarding:
+                error = errno.EINVAL
+            elif len(self._pending) + end - start > MAX_REQUEST:
+                self._refuse_long_line()
+                error = errno.EINVAL
+                break
+            else:
+                self._pending += data[start:end]
             if newline < 0:
                 break
             if not self._discarding:
@@ -286,19 +301,11 @@ class ControlHandle:
         self._account()
         return error
 
-    def _take(self, piece: bytes) -> int:
-        """Add part of a line; one that grows past ``MAX_REQUEST`` is refused (its reply
-        queued once) and dropped up to its newline."""
-        if self._discarding:
-            return errno.EINVAL
-        if len(self._pending) + len(piece) <= MAX_REQUEST:
-            self._pending += piece
-            return 0
-        self._pending.clear()
+    def _refuse_long_line(self) -> None:
+        self._pending = bytearray()
         self._discarding = True
         self._queue(_encode({"ok": False, "error": f"request line longer than {MAX_REQUEST} "
                                                    "bytes: refused whole"}))
-        return errno.EINVAL
 
     def _run(self, line: bytes) -> int:
         if not line.strip():

@@ -199,6 +199,9 @@ def test_a_line_up_to_the_limit_runs_and_a_longer_one_is_refused_whole() -> None
     assert _replies(handle)[0]["ok"]
     assert handle.write(_padded(MAX_REQUEST + 1) + b"\n") == errno.EINVAL
     assert "longer than" in _replies(handle)[0]["error"]
+    # the write stopped at the limit: the descriptor drops bytes up to a newline it sees later
+    assert handle.write(b'{"cmd": "mark", "name": "lost"}\n') == errno.EINVAL
+    assert handle.read(100) == b""
     # over the limit in pieces: its tail, a request in appearance, must not run
     head = b'{"cmd": "help", "pad": "' + b"z" * MAX_REQUEST
     assert handle.write(head[: 1 << 19]) == 0
@@ -211,6 +214,33 @@ def test_a_line_up_to_the_limit_runs_and_a_longer_one_is_refused_whole() -> None
     assert _replies(handle)[0]["mark"]["name"] == "fine"
     handle.close()
     assert server.held == 0
+
+
+def test_a_writer_sending_the_rest_again_never_runs_the_tail() -> None:
+    """The kernel splits a large write and reports the pieces before a failed one as written:
+    a buffered writer then sends the failed piece again. Nothing of the refused line runs, and
+    the request after it runs once."""
+    server = _server()
+    handle = ControlHandle(server, OWNER, 1)
+    line = b'{"cmd": "help", "pad": "' + b"z" * MAX_REQUEST + b'"}'
+    data = line + b'\n{"cmd": "mark", "name": "after"}\n'
+    piece = 1 << 17  # FUSE's usual largest write
+    sent = 0
+    while sent < len(data):
+        error = handle.write(data[sent:sent + piece])
+        if error == 0:
+            sent += piece
+        elif sent < len(line) - piece:
+            raise AssertionError(f"refused at {sent}, before the limit")
+        else:
+            assert error == errno.EINVAL
+            break
+    retried = data[sent:]  # the failed piece, sent again (its first write failed: no more)
+    assert handle.write(retried) == errno.EINVAL
+    replies = _replies(handle)
+    assert "longer than" in replies[0]["error"]
+    assert [r.get("mark", {}).get("name") for r in replies[1:]] == ["after"]
+    assert [m["name"] for m in _ask(server, b'{"cmd": "marks"}')[0]["marks"]] == ["after"]
 
 
 def test_bytes_held_by_all_handles_are_bounded_and_freed_on_close() -> None:
