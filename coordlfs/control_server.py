@@ -294,7 +294,8 @@ class ControlHandle:
             if newline < 0:
                 break
             if not self._discarding:
-                error = self._run(bytes(self._pending)) or error
+                answered = self._run(bytes(self._pending))
+                error = error or answered
             self._pending.clear()
             self._discarding = False
             start = newline + 1

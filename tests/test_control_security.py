@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from conftest import OTHER_UID, force_unmount, random_source
 
-from coordlfs.control import Control
+from coordlfs.control import Control, ControlError
 from coordlfs.control_server import MAX_HELD, MAX_REQUEST
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
@@ -115,6 +115,10 @@ def _other_user_session(path: str, root_member: int, root_prep_member: int) -> d
     prep = {"cmd": "prep.join", "samples": 8, "batch_size": 4, "group": "theirs", "pid": me}
     out: dict[str, Any] = {"status": json.loads(open(path, "rb").read())}
     out["mark"] = ask(path, {"cmd": "mark", "name": "x"})
+    try:
+        Control(os.path.dirname(path)).mark("y")
+    except ControlError as e:  # the client reads the refusal's reply
+        out["client_mark"] = str(e)
     out["join_pid_1"] = ask(path, {"cmd": "group.join", "group": "g", "pid": 1})
     out["prep_pid_1"] = ask(path, {**prep, "pid": 1, "hang_timeout_s": 86400})
     out["leave_roots"] = ask(path, {"cmd": "group.leave", "member": root_member})
@@ -147,6 +151,7 @@ def test_another_user_reads_the_status_but_acts_only_for_itself(shared_mount) ->
     seen = as_user(OTHER_UID, lambda: _other_user_session(path, root_member, root_prep))
 
     assert seen["status"]["pid"] == m.pid  # anyone who sees the mount reads the status
+    assert "mount-wide" in seen.get("client_mark", "")
     for key, words in (("mark", "mount-wide"), ("join_pid_1", "process 1 belongs"),
                        ("prep_pid_1", "process 1 belongs"),
                        ("leave_roots", f"member {root_member} belongs"),

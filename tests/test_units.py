@@ -174,7 +174,8 @@ def test_control_handle_status_then_request() -> None:
 
 
 def test_requests_in_one_write_are_answered_in_order() -> None:
-    handle = ControlHandle(_server(), OWNER, 1)
+    server = _server()
+    handle = ControlHandle(server, OWNER, 1)
     assert handle.write(b'{"cmd": "mark", "name": "a", "id": 1}\n\n'
                         b'{"cmd": "marks", "id": 2}\n') == 0
     first, second = _replies(handle)
@@ -184,6 +185,9 @@ def test_requests_in_one_write_are_answered_in_order() -> None:
     assert handle.write(b'nope\n{"cmd": "mark", "name": "b"}\n') == errno.EINVAL
     refused, marked = _replies(handle)
     assert not refused["ok"] and marked["mark"]["name"] == "b"
+    stranger = ControlHandle(server, STRANGER, 1)
+    assert stranger.write(b'{"cmd": "mark", "name": "s"}\nnope\n') == errno.EACCES  # first
+    assert [r["ok"] for r in _replies(stranger)] == [False, False]
 
 
 def _padded(size: int) -> bytes:
