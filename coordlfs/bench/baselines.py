@@ -5,9 +5,9 @@ memory with no syscall: the most a pyfuse3 + trio filesystem can deliver on this
 coordlfs's cache hits are judged against it. ``passthrough`` keeps nothing and preads the
 source on every read, inline like a naive filesystem would: what coordlfs saves.
 
-Both mount with the same options and timeouts as coordlfs (``keep_cache`` left at pyfuse3's
-default, entry and attribute timeouts of ``coordlfs.fs.TIMEOUT``), so the only difference
-measured is where the bytes come from.
+Both mount with the same options and timeouts as coordlfs on a watched source (``keep_cache``
+left at pyfuse3's default, entry and attribute timeouts of ``coordlfs.freshness.WATCHED_TIMEOUT``),
+so the only difference measured is where the bytes come from.
 
     python -m coordlfs.bench.baselines {memfs|passthrough} SOURCE MOUNTPOINT
 
@@ -28,7 +28,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from coordlfs.fs import TIMEOUT
+from coordlfs.freshness import WATCHED_TIMEOUT
 
 _STAT_FIELDS = ("st_mode", "st_nlink", "st_uid", "st_gid", "st_rdev", "st_size", "st_blksize",
                 "st_blocks", "st_atime_ns", "st_mtime_ns", "st_ctime_ns")
@@ -47,8 +47,7 @@ def _attr(inode: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
     for name in _STAT_FIELDS:
         setattr(attr, name, getattr(st, name))
     attr.st_ino = inode
-    attr.entry_timeout = TIMEOUT
-    attr.attr_timeout = TIMEOUT
+    attr.entry_timeout = attr.attr_timeout = WATCHED_TIMEOUT
     return attr
 
 
