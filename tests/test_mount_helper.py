@@ -87,14 +87,16 @@ class Target:
 
 
 @pytest.fixture
-def target(tmp_path: Path, helper: Path) -> Iterator[Target]:
-    """A source with data and an empty mountpoint; always unmounted afterwards."""
+def target(tmp_path: Path, helper: Path, daemon_logs: list[Path]) -> Iterator[Target]:
+    """A source with data and an empty mountpoint; always unmounted afterwards, its log
+    checked for errors (``daemon_logs``)."""
     source, mountpoint = tmp_path / "data", tmp_path / "mnt"
     source.mkdir()
     mountpoint.mkdir()
     make_dataset(source, 40)
     cache = Path("/dev/shm") / f"coordlfs-test-{uuid.uuid4().hex[:12]}"
     t = Target(source, mountpoint, cache, tmp_path / "mount.log")
+    daemon_logs.append(t.log)
     try:
         yield t
     finally:
