@@ -29,6 +29,7 @@ from coordlfs.control_server import (
     ControlServer,
     Refused,
     RequestError,
+    member_id,
     process_id,
     require,
 )
@@ -314,12 +315,7 @@ def register_commands(server: ControlServer, groups: Groups) -> None:
     """
 
     def mine(request: dict, caller: Caller) -> int:
-        """The request's member id, once the caller may act on that member."""
-        member_id = require(request, "member", int)
-        member = groups.members.get(member_id)
-        if member is not None:
-            caller.use(member.uid, f"member {member_id}")
-        return member_id
+        return member_id(request, caller, groups.members, "member")
 
     def join(request: dict, caller: Caller) -> dict:
         seed = require(request, "seed", int, optional=True)

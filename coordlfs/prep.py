@@ -43,6 +43,7 @@ from coordlfs.control_server import (
     Handler,
     Refused,
     RequestError,
+    member_id,
     process_id,
     require,
 )
@@ -556,12 +557,7 @@ def register_commands(server: ControlServer, prep: Prep) -> None:
         return value
 
     def mine(request: dict, caller: Caller) -> int:
-        """The request's member id, once the caller may act on that member."""
-        member_id = require(request, "member", int)
-        member = prep.members.get(member_id)
-        if member is not None:
-            caller.use(member.uid, f"prep member {member_id}")
-        return member_id
+        return member_id(request, caller, prep.members, "prep member")
 
     def reserve(request: dict, caller: Caller) -> dict:
         size = require(request, "bytes", int)
