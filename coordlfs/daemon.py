@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import resource
 import signal
 import sys
 import time
@@ -24,7 +25,7 @@ from coordlfs.fs import Operations
 from coordlfs.groups import Groups
 from coordlfs.groups import register_commands as register_group_commands
 from coordlfs.mounting import set_read_ahead
-from coordlfs.peer_server import PeerServer, listen_socket
+from coordlfs.peer_server import PeerServer, connection_cap, listen_socket
 from coordlfs.peer_server import register_commands as register_peer_commands
 from coordlfs.peers import Peers
 from coordlfs.placement import find_self, parse_address, read_secret
@@ -64,8 +65,24 @@ def _tune_read_ahead(mountpoint: str) -> None:
         log.info("read-ahead of %s stays at the kernel default: %s", mountpoint, e)
 
 
+def raise_descriptor_limit() -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard limit: every file a local reader has open
+    and every peer connection holds a descriptor here, and the soft default (often 1024)
+    would make readers meet EMFILE long before the machine runs short. Peer connections are
+    capped at a share of it (``peer_server.connection_cap``), so the rest stays theirs."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError) as e:  # a hard limit the kernel will not grant
+            log.warning("descriptor limit stays at %d (hard %d): %s", soft, hard, e)
+            return
+    log.info("descriptor limit %d", hard)
+
+
 class Daemon:
     def __init__(self, config: MountConfig) -> None:
+        raise_descriptor_limit()
         self.config = config
         self.stats = Stats()
         self.source = Source(config.source)
@@ -107,7 +124,7 @@ class Daemon:
             log.warning("%s is not in --peers: this node caches nothing for the others",
                         listen)
         server = PeerServer(listen_socket(listen), secret, config.peer_timeout, self.source,
-                            self.cache)
+                            self.cache, connection_cap(len(nodes)))
         return Peers(nodes, me, secret, config.peer_timeout, self.stats.reads), server
 
     def status(self) -> dict[str, Any]:

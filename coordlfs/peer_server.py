@@ -10,7 +10,11 @@ Everything a peer sends is hostile until proven otherwise: the connection must p
 handshake within the timeout, frames are bounded and checksummed (``peer_wire``), and a path
 must name a regular file inside the dataset through no symlink. A bad request is refused
 alone; a broken frame or an unexpected kind closes the connection. Nothing a peer sends can
-stop the mount.
+stop the mount, or take the descriptors its local readers need: connections are capped
+(``connection_cap``; one more is told BUSY and closed), a frame that trickles in or out
+slower than the timeout closes its connection, and so does one idle for
+``peer_wire.idle_timeout``. Refusals are logged at most once per ``LOG_INTERVAL_S``, with the
+number of those not logged, so a stranger cannot grow the log.
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ import contextlib
 import errno
 import logging
 import os
+import resource
 import socket
 import stat
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -32,10 +39,13 @@ from coordlfs.errors import UserError
 from coordlfs.peer_wire import (
     Fail,
     FrameStream,
+    FrameTimeout,
     Get,
+    IdleTimeout,
     Kind,
     ProtocolError,
     encode_fail,
+    idle_timeout,
     server_handshake,
 )
 from coordlfs.peers import Peers
@@ -54,25 +64,75 @@ class _Waiting(NamedTuple):
 #: Requests one connection may have in progress; more wait for one to finish (the peer's
 #: reads of a whole epoch must not become thousands of tasks here).
 MAX_IN_PROGRESS = 32
+#: Peer connections served at once, at least: a cluster needs one per other node (two for
+#: a moment while one reconnects), so the cap is ``max(MIN_CONNECTIONS, 2 * nodes)``...
+MIN_CONNECTIONS = 64
+#: ... but never more than this share of the descriptor limit: the rest is kept for what the
+#: mount's local readers open (source files, the cache), which must never meet EMFILE.
+DESCRIPTOR_SHARE = 4
+#: Seconds between two log lines about refused connections or requests.
+LOG_INTERVAL_S = 10.0
+
+
+def connection_cap(nodes: int) -> int:
+    """Peer connections to serve at once, for a cluster of ``nodes`` under this process's
+    soft RLIMIT_NOFILE (which the daemon raised to the hard limit when it started)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    share = (1 << 20 if soft == resource.RLIM_INFINITY else soft) // DESCRIPTOR_SHARE
+    return max(1, min(max(MIN_CONNECTIONS, 2 * nodes), share))
+
+
+class RateLimitedLog:
+    """Log at most one line per ``interval`` seconds; the next line logged says how many
+    were left out, so a flood is visible in the log without filling it."""
+
+    def __init__(self, logger: logging.Logger, level: int, interval: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger, self.level, self.interval, self.clock = logger, level, interval, clock
+        self.suppressed = 0
+        self._next = -float("inf")
+
+    def __call__(self, message: str, *args: object) -> None:
+        now = self.clock()
+        if now < self._next:
+            self.suppressed += 1
+            return
+        if self.suppressed:
+            message += f" ({self.suppressed} more not logged in the last {self.interval:g} s)"
+            self.suppressed = 0
+        self._next = now + self.interval
+        self.logger.log(self.level, message, *args)
 
 
 @dataclass(slots=True)
 class ServedStats:
+    #: connections admitted (handshake attempted)
     connections: int = 0
     requests: int = 0
     bytes: int = 0
     misses: int = 0
     stale: int = 0
-    #: connections that failed the handshake or broke the protocol, and refused requests
+    #: connections that failed the handshake, broke the protocol or a frame timeout, and
+    #: refused requests
     refused: int = 0
+    #: connections told BUSY and closed because ``max_connections`` were open
+    turned_away: int = 0
+    #: authenticated connections closed after the idle timeout
+    idle_closed: int = 0
+    open_connections: int = 0
+    max_connections: int = 0
 
 
 def listen_socket(address: Address) -> socket.socket:
-    """Bind now, before the mount exists, so a port in use is a one-line error at mount time."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    """Bind now, before the mount exists, so a port in use is a one-line error at mount time.
+    An IPv6 socket takes IPv4 connections too (``[::]:PORT`` listens on every address)."""
+    where = resolve(address)
+    sock = socket.socket(where.family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((resolve(address), address.port))
+        if where.family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(where.sockaddr)
         sock.listen(128)
     except OSError as e:
         sock.close()
@@ -81,15 +141,20 @@ def listen_socket(address: Address) -> socket.socket:
 
 
 class PeerServer:
+    """Serves peers on ``sock``: ``timeout`` bounds the handshake and every frame,
+    ``idle_timeout(timeout)`` an authenticated connection with no frame, and at most
+    ``max_connections`` are open at once."""
+
     def __init__(self, sock: socket.socket, secret: bytes, timeout: float, source: Source,
-                 cache: MinioCache) -> None:
+                 cache: MinioCache, max_connections: int = MIN_CONNECTIONS) -> None:
         self.sock = sock
         self.secret = secret
         self.timeout = timeout
         self.source = source
         self.cache = cache
-        self.stats = ServedStats()
+        self.stats = ServedStats(max_connections=max_connections)
         self.nursery: trio.Nursery | None = None
+        self._refused = RateLimitedLog(log, logging.WARNING, LOG_INTERVAL_S)
 
     async def run(self) -> None:
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self.sock))
@@ -98,31 +163,62 @@ class PeerServer:
             await trio.serve_listeners(self._connection, [listener])
 
     async def _connection(self, stream: trio.SocketStream) -> None:
-        self.stats.connections += 1
-        frames = FrameStream(stream)
         peer = _name(stream)
+        if self.stats.open_connections >= self.stats.max_connections:
+            await self._turn_away(stream, peer)
+            return
+        self.stats.open_connections += 1
+        self.stats.connections += 1
+        frames = FrameStream(stream, frame_timeout=self.timeout)
         try:
-            with trio.fail_after(self.timeout):
-                await server_handshake(frames, self.secret)
-            async with trio.open_nursery() as requests:
-                await self._serve_frames(frames, requests, peer)
-        except (ProtocolError, trio.TooSlowError) as e:
-            self.stats.refused += 1
-            log.warning("peer connection from %s refused: %s", peer, e or "handshake timed out")
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-            log.info("peer connection from %s lost: %s", peer, e)
+            if await self._admit(frames, peer):
+                async with trio.open_nursery() as requests:
+                    await self._serve_frames(frames, requests, peer)
         except Exception:  # a bug here must cost one connection, never the mount
             log.exception("peer connection from %s failed", peer)
         finally:
+            self.stats.open_connections -= 1
             await trio.aclose_forcefully(stream)
+
+    async def _turn_away(self, stream: trio.SocketStream, peer: str) -> None:
+        """Tell a connection past the cap that this node is busy (the peer reads its own
+        storage and retries after its backoff) and close it at once."""
+        self.stats.turned_away += 1
+        self._refused("peer connection from %s turned away: %d connections open, the most "
+                      "served at once", peer, self.stats.open_connections)
+        with trio.move_on_after(self.timeout), contextlib.suppress(
+                trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            await FrameStream(stream).send(Kind.FAIL, 0, encode_fail(
+                Fail.BUSY, f"{self.stats.open_connections} peer connections open, the most "
+                           "served at once"))
+        await trio.aclose_forcefully(stream)
+
+    async def _admit(self, frames: FrameStream, peer: str) -> bool:
+        """The handshake, within the timeout; any failure (not only a wrong proof: also
+        silence, garbage or a reset) is a refusal, logged rate-limited since a stranger
+        can cause any number of them."""
+        try:
+            with trio.fail_after(self.timeout):
+                await server_handshake(frames, self.secret)
+            return True
+        except trio.TooSlowError:
+            reason = f"no handshake within {self.timeout:g} s"
+        except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError,
+                OSError) as e:
+            reason = str(e) or e.__class__.__name__
+        self.stats.refused += 1
+        self._refused("peer connection from %s refused: %s", peer, reason)
+        return False
 
     async def _serve_frames(self, frames: FrameStream, requests: trio.Nursery,
                             peer: str) -> None:
-        """Read requests until the peer hangs up; a broken frame ends the connection (caught
-        here, inside the nursery, so that its requests' tasks stop with it)."""
+        """Read requests until the peer hangs up or stays idle; a broken or too slow frame
+        ends the connection (caught here, inside the nursery, so that its requests' tasks
+        stop with it)."""
         limit = trio.CapacityLimiter(MAX_IN_PROGRESS)
+        idle = idle_timeout(self.timeout)
         try:
-            while (frame := await frames.receive()) is not None:
+            while (frame := await frames.receive(idle)) is not None:
                 if frame.kind == Kind.PING:
                     await frames.send(Kind.PONG, frame.request_id)
                 elif frame.kind == Kind.GET:
@@ -131,20 +227,26 @@ class PeerServer:
                         token = object()
                         await limit.acquire_on_behalf_of(token)
                         requests.start_soon(self._request, frames, frame.request_id, answer,
-                                            limit, token)
+                                            limit, token, peer)
                     else:
                         await frames.send(answer[0], frame.request_id, answer[1])
                 else:
                     raise ProtocolError(f"unexpected {frame.kind.name} frame")
+        except IdleTimeout as e:
+            self.stats.idle_closed += 1
+            log.debug("peer connection from %s closed: %s", peer, e)
         except ProtocolError as e:
-            self.stats.refused += 1
-            log.warning("peer connection from %s closed: %s", peer, e)
+            self._broken(peer, e)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             log.info("peer connection from %s lost: %s", peer, e)
         requests.cancel_scope.cancel()
 
+    def _broken(self, peer: str, e: ProtocolError) -> None:
+        self.stats.refused += 1
+        self._refused("peer connection from %s closed: %s", peer, e)
+
     async def _request(self, frames: FrameStream, request_id: int, waiting: _Waiting,
-                       limit: trio.CapacityLimiter, token: object) -> None:
+                       limit: trio.CapacityLimiter, token: object, peer: str) -> None:
         try:
             try:
                 kind, payload = await self._answer_when_filled(waiting)
@@ -155,6 +257,9 @@ class PeerServer:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError,
                                      OSError):
                 await frames.send(kind, request_id, payload)
+        except FrameTimeout as e:  # it does not read: closing ends its connection handler
+            self._broken(peer, e)
+            await trio.aclose_forcefully(frames.stream)
         finally:
             limit.release_on_behalf_of(token)
 
@@ -168,7 +273,7 @@ class PeerServer:
             st = self._regular_file(request.path)
         except ProtocolError as e:
             self.stats.refused += 1
-            log.warning("refused a peer request: %s", e)
+            self._refused("refused a peer request: %s", e)
             return Kind.FAIL, encode_fail(Fail.REFUSED, str(e))
         except OSError as e:
             self.stats.misses += 1
@@ -221,7 +326,7 @@ def _name(stream: trio.SocketStream) -> str:
         host, port = stream.socket.getpeername()[:2]
     except OSError:
         return "?"
-    return f"{host}:{port}"
+    return str(Address(host, port))
 
 
 def register_commands(control: ControlServer, peers: Peers, server: PeerServer | None) -> None:

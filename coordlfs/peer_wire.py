@@ -31,7 +31,14 @@ the shared secret without ever sending it; ``|`` is concatenation, HMAC is HMAC-
 
 Fresh nonces on both sides defeat replay, and the distinct labels stop one side's proof
 from being reflected as the other's. An insecure pair simply uses ``secret=b""`` on both
-sides; a side with a secret and one without fail each other's handshake.
+sides; a side with a secret and one without fail each other's handshake. A server that has
+no room for another connection sends FAIL BUSY instead of HELLO and hangs up.
+
+Time limits: a frame, once its first byte has come (or, sending, once it starts to go out),
+must be complete within the stream's ``frame_timeout`` (the mount's ``--peer-timeout``), so a
+peer that trickles bytes or stops reading holds nothing for long; and a connection on which
+no frame starts for ``idle_timeout(peer_timeout)`` is closed by the server (clients close
+theirs at half that, first).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import contextlib
 import enum
 import hashlib
 import hmac
+import math
 import secrets
 import struct
 from dataclasses import dataclass
@@ -63,6 +71,15 @@ MAX_FAIL_MESSAGE = 200
 _JOIN_BELOW = 64 << 10
 NONCE_SIZE = 32
 _READ_SIZE = 1 << 16
+#: A connection idle this many peer timeouts is closed by the server: long enough that a
+#: job's pauses between reads (an evaluation, a checkpoint) rarely cost a reconnection (one
+#: round trip), short enough that dead or idle peers do not hold descriptors for long.
+IDLE_TIMEOUTS = 10
+
+
+def idle_timeout(peer_timeout: float) -> float:
+    """Seconds the server keeps an authenticated connection on which no frame starts."""
+    return IDLE_TIMEOUTS * peer_timeout
 
 
 class Kind(enum.IntEnum):
@@ -92,6 +109,15 @@ class AuthError(ProtocolError):
     """The other side could not prove it holds the secret."""
 
 
+class FrameTimeout(ProtocolError):
+    """A frame took longer than the frame timeout to arrive or to go out: the peer trickles
+    bytes or does not read. Part of a frame may have passed, so the stream is out of step."""
+
+
+class IdleTimeout(Exception):
+    """No frame started within the idle timeout; the stream is still in step."""
+
+
 @dataclass(frozen=True, slots=True)
 class Frame:
     kind: Kind
@@ -103,11 +129,13 @@ class FrameStream:
     """Frames over a trio stream: any number of tasks may send, but only one may receive
     at a time (the connection's reader task), since frames are cut from a shared buffer.
 
-    After a ProtocolError the stream is out of step with the peer: close it.
+    After a ProtocolError (a FrameTimeout too) the stream is out of step with the peer:
+    close it. ``frame_timeout`` bounds each frame once it has started, both ways.
     """
 
-    def __init__(self, stream: trio.abc.Stream) -> None:
+    def __init__(self, stream: trio.abc.Stream, frame_timeout: float = math.inf) -> None:
         self.stream = stream
+        self.frame_timeout = frame_timeout
         self._buffer = bytearray()
         self._send_lock = trio.Lock()
 
@@ -122,16 +150,34 @@ class FrameStream:
         header = HEADER.pack(MAGIC, VERSION, kind, request_id, len(payload),
                              xxhash.xxh64_intdigest(payload))
         async with self._send_lock:
-            if len(payload) > _JOIN_BELOW:
-                await self.stream.send_all(header)
-                await self.stream.send_all(payload)
-            else:
-                await self.stream.send_all(header + payload)
+            with trio.move_on_after(self.frame_timeout) as scope:
+                if len(payload) > _JOIN_BELOW:
+                    await self.stream.send_all(header)
+                    await self.stream.send_all(payload)
+                else:
+                    await self.stream.send_all(header + payload)
+        if scope.cancelled_caught:
+            raise FrameTimeout(f"the peer took more than {self.frame_timeout:g} s to take a "
+                               f"{Kind(kind).name} frame of {len(payload)} bytes")
 
-    async def receive(self) -> Frame | None:
-        """The next frame, or None when the peer closed the connection between frames."""
-        if not await self._fill(HEADER.size):
+    async def receive(self, idle_timeout: float = math.inf) -> Frame | None:
+        """The next frame, or None when the peer closed the connection between frames.
+        IdleTimeout if no byte of it comes within ``idle_timeout``; FrameTimeout if, once its
+        first byte is here, the rest takes longer than the frame timeout."""
+        with trio.move_on_after(idle_timeout) as idle:
+            started = await self._fill(1)
+        if idle.cancelled_caught:
+            raise IdleTimeout(f"no frame for {idle_timeout:g} s")
+        if not started:
             return None
+        with trio.move_on_after(self.frame_timeout):
+            return await self._frame()
+        raise FrameTimeout(f"a frame took more than {self.frame_timeout:g} s to arrive "
+                           f"({len(self._buffer)} bytes of it came)")
+
+    async def _frame(self) -> Frame:
+        """Cut one whole frame from the stream, its first byte already buffered."""
+        await self._fill(HEADER.size)
         magic, version, kind, request_id, length, digest = HEADER.unpack_from(self._buffer)
         if magic != MAGIC:
             raise ProtocolError(f"bad magic {magic!r}, not a coordlfs peer")
@@ -200,6 +246,8 @@ async def client_handshake(fs: FrameStream, secret: bytes) -> None:
     sends requests to (or trusts data from) an impostor. Raises AuthError on failure;
     wrap in ``trio.fail_after``, a silent server would otherwise hang us."""
     frame = await fs.receive()
+    if frame is not None and frame.kind == Kind.FAIL:  # BUSY: it has no room for us now
+        raise ProtocolError(f"peer turned us away: {decode_fail(frame.payload)[1]}")
     if frame is None or frame.kind != Kind.HELLO or len(frame.payload) != NONCE_SIZE:
         raise ProtocolError("peer did not start the handshake with HELLO")
     server_nonce, client_nonce = frame.payload, secrets.token_bytes(NONCE_SIZE)

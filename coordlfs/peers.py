@@ -5,7 +5,10 @@ with many requests in flight, opened on first use. Any fault (refused connection
 handshake, a reply later than ``timeout``, a bad checksum, a wrong length, garbage, a closed
 connection) marks the peer down: every request in flight on it gets ``None`` and the reader
 reads local storage instead, so a fault costs a reader at most the timeout. A down peer is
-retried after a backoff that doubles from 1 s to 30 s. ``Peers`` ranks the nodes for a file
+retried after a backoff that doubles from 1 s to 30 s. A link with nothing in flight for half
+the server's idle timeout (``peer_wire.idle_timeout``) closes its connection itself, before
+the server would, and reconnects at the next request; a server that closes a connection
+with nothing in flight is not a fault either. ``Peers`` ranks the nodes for a file
 (``placement``) and keeps the counters the status shows.
 """
 
@@ -22,12 +25,15 @@ import trio
 from coordlfs.peer_wire import (
     MAX_CHUNK,
     Fail,
+    Frame,
     FrameStream,
     Get,
+    IdleTimeout,
     Kind,
     ProtocolError,
     client_handshake,
     decode_fail,
+    idle_timeout,
 )
 from coordlfs.placement import Address, owner, ranking, resolve
 from coordlfs.stats import ReadCounters
@@ -118,9 +124,11 @@ class PeerLink:
                 raise PeerDown(self.stats.last_error)
             try:
                 with trio.fail_after(self.timeout):
-                    ip = await trio.to_thread.run_sync(resolve, self.address,
-                                                       abandon_on_cancel=True)
-                    stream = FrameStream(await trio.open_tcp_stream(ip, self.address.port))
+                    where = await trio.to_thread.run_sync(resolve, self.address,
+                                                          abandon_on_cancel=True)
+                    stream = FrameStream(await trio.open_tcp_stream(where.host,
+                                                                    self.address.port),
+                                         frame_timeout=self.timeout)
                     try:
                         await client_handshake(stream, self.secret)
                     except BaseException:
@@ -136,9 +144,10 @@ class PeerLink:
             return stream
 
     async def _receive(self, stream: FrameStream) -> None:
-        """Hand each reply to the request that waits for it, until the connection fails."""
+        """Hand each reply to the request that waits for it, until the connection fails or
+        stays idle (then it is closed without marking the peer down)."""
         try:
-            while (frame := await stream.receive()) is not None:
+            while (frame := await self._next_frame(stream)) is not None:
                 if frame.kind not in (Kind.DATA, Kind.FAIL, Kind.PONG):
                     raise ProtocolError(f"unexpected {frame.kind.name} frame")
                 pending = self._pending.get(frame.request_id)
@@ -146,10 +155,34 @@ class PeerLink:
                     continue  # its reader gave up (timeout); the link is being closed anyway
                 pending.kind, pending.payload = frame.kind, frame.payload
                 pending.done.set()
+            if not self._pending:
+                await self._close_idle(stream, "closed by the peer while idle")
+                return
             reason = "connection closed by the peer"
+        except IdleTimeout:
+            await self._close_idle(stream, "idle")
+            return
         except Exception as e:  # whatever broke, the link goes down, never the mount
             reason = _describe(e)
         await self._fail(stream, reason)
+
+    async def _next_frame(self, stream: FrameStream) -> Frame | None:
+        """The next frame; IdleTimeout once nothing has been in flight for half the
+        server's idle timeout."""
+        while True:
+            try:
+                return await stream.receive(idle_timeout(self.timeout) / 2)
+            except IdleTimeout:
+                if not self._pending:
+                    raise
+
+    async def _close_idle(self, stream: FrameStream, why: str) -> None:
+        """Close an idle connection: not a fault, the next request reconnects."""
+        if self._stream is stream:
+            self._stream = None
+            log.debug("peer %s: connection %s, closed", self.address, why)
+        with trio.CancelScope(shield=True):
+            await trio.aclose_forcefully(stream.stream)
 
     async def _fail(self, stream: FrameStream, reason: str) -> None:
         """Close ``stream`` (if it is still the current one) and fail its requests."""

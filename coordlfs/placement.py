@@ -13,7 +13,9 @@ find a file, and when the list changes only the files of the nodes that came or 
 1/N of them for one node added to N.
 
 Nodes are named by their ``HOST:PORT`` entry exactly as written in ``--peers``, so every node
-hashes the same strings whatever its own view of DNS.
+hashes the same strings whatever its own view of DNS. An IPv6 address is written in brackets,
+``[::1]:7878`` or ``[fe80::1%eth0]:7878``; a name is resolved to its IPv4 address when it has
+one, else to its IPv6 address, the same way for listening and for connecting.
 """
 
 from __future__ import annotations
@@ -36,20 +38,40 @@ MIN_SECRET, MAX_SECRET = 16, 4096
 
 @dataclass(frozen=True, slots=True)
 class Address:
+    """A node as written in ``--listen``/``--peers``; an IPv6 ``host`` is kept without its
+    brackets and printed with them, so ``str`` gives back the entry as written."""
+
     host: str
     port: int
 
     def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
 def parse_address(text: str, what: str) -> Address:
-    """``HOST:PORT`` (IPv4 address or name; IPv6 is not supported)."""
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 \
-            or ":" in host or any(c.isspace() for c in host):
-        raise UserError(f"bad {what} {text!r}: expected HOST:PORT with a port 1-65535")
+    """``HOST:PORT``: an IPv4 address or a name, or an IPv6 address in brackets
+    (``[::1]:7878``, ``[::]:7878``, ``[fe80::1%eth0]:7878``)."""
+    text = text.strip()
+    host, sep, port = text.rpartition(":")
+    expected = f"bad {what} {text!r}: expected HOST:PORT with a port 1-65535"
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(expected)
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        if not _is_ipv6(host):
+            raise UserError(f"bad {what} {text!r}: [{host}] is not an IPv6 address")
+    elif ":" in host:
+        raise UserError(f"{expected}; an IPv6 address goes in brackets, as [::1]:7878")
+    elif "[" in host or "]" in host or any(c.isspace() for c in host):
+        raise UserError(expected)
     return Address(host, int(port))
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
+    except ValueError:
+        return False
 
 
 def parse_peers(text: str) -> tuple[Address, ...]:
@@ -63,47 +85,90 @@ def parse_peers(text: str) -> tuple[Address, ...]:
     return peers
 
 
-def resolve(address: Address) -> str:
-    """The IPv4 address of ``address.host``; UserError if it does not resolve."""
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """An address as ``getaddrinfo`` gives it: the socket family and the address to bind or
+    connect to (for IPv6 with its flow info and scope, which a link-local address needs)."""
+
+    family: socket.AddressFamily
+    sockaddr: tuple
+
+    @property
+    def ip(self) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+        return ipaddress.ip_address(self.sockaddr[0])
+
+    @property
+    def host(self) -> str:
+        """The address as a string ``getaddrinfo`` (and so ``trio.open_tcp_stream``) takes
+        back: a link-local IPv6 address keeps its scope as ``%N``."""
+        scope = self.sockaddr[3] if len(self.sockaddr) == 4 else 0
+        return f"{self.sockaddr[0]}%{scope}" if scope else self.sockaddr[0]
+
+    def with_port(self, port: int) -> tuple:
+        return (self.sockaddr[0], port, *self.sockaddr[2:])
+
+
+def resolve(address: Address) -> Resolved:
+    """Where ``address`` is: an IP literal as written, a name's IPv4 address if it has one,
+    else its IPv6 address (so listening and connecting agree on the family); UserError if it
+    does not resolve."""
     try:
-        return socket.getaddrinfo(address.host, address.port, socket.AF_INET,
-                                  socket.SOCK_STREAM)[0][4][0]
-    except (OSError, IndexError) as e:
+        infos = socket.getaddrinfo(address.host, address.port, socket.AF_UNSPEC,
+                                   socket.SOCK_STREAM)
+    except OSError as e:
         raise UserError(f"cannot resolve peer {address}: {e}") from None
+    found = [info for info in infos if info[0] == socket.AF_INET] or \
+        [info for info in infos if info[0] == socket.AF_INET6]
+    if not found:
+        raise UserError(f"cannot resolve peer {address}: no IPv4 or IPv6 address")
+    return Resolved(found[0][0], found[0][4])
 
 
 def is_loopback(address: Address) -> bool:
     try:
-        return ipaddress.ip_address(resolve(address)).is_loopback
+        ip = resolve(address).ip
     except UserError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return ip.is_loopback or bool(mapped and mapped.is_loopback)
 
 
-def _is_local(ip: str) -> bool:
-    """Whether ``ip`` belongs to this host (in this network namespace): binding to it works."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+def _is_local(where: Resolved) -> bool:
+    """Whether ``where`` belongs to this host (in this network namespace): binding to it works."""
+    with socket.socket(where.family, socket.SOCK_DGRAM) as probe:
         try:
-            probe.bind((ip, 0))
+            probe.bind(where.with_port(0))
         except OSError:
             return False
     return True
+
+
+def _answers_at(listen: Resolved, peer: Resolved) -> bool:
+    """Whether a socket bound to ``listen`` takes connections made to ``peer`` (same port):
+    the same address, or a wildcard of the same family, or ``::`` (which takes IPv4 too,
+    since the listening socket is made dual-stack) and an address of this host."""
+    if peer.host == listen.host:
+        return True
+    if not listen.ip.is_unspecified:
+        return False
+    return (peer.family == listen.family or listen.family == socket.AF_INET6) and \
+        _is_local(peer)
 
 
 def find_self(listen: Address, peers: tuple[Address, ...]) -> Address | None:
     """The entry of ``peers`` that is this node: its port is ours and its address is the one we
     listen on (or, listening on every address, one of this host's). None: this node caches
     for nobody but itself and only asks the others."""
-    listen_ip = resolve(listen)
+    where = resolve(listen)
     mine = []
     for peer in peers:
         if peer.port != listen.port:
             continue
         try:
-            ip = resolve(peer)
+            there = resolve(peer)
         except UserError:
             continue  # a name that does not resolve here is another node's problem
-        wildcard = ipaddress.ip_address(listen_ip).is_unspecified
-        if ip == listen_ip or (wildcard and _is_local(ip)):
+        if _answers_at(where, there):
             mine.append(peer)
     if len(mine) > 1:
         raise UserError(f"--peers names this node twice: {', '.join(map(str, mine))}")

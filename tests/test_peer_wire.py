@@ -21,12 +21,15 @@ from coordlfs.peer_wire import (
     Fail,
     Frame,
     FrameStream,
+    FrameTimeout,
     Get,
+    IdleTimeout,
     Kind,
     ProtocolError,
     client_handshake,
     decode_fail,
     encode_fail,
+    idle_timeout,
     server_handshake,
 )
 
@@ -227,6 +230,71 @@ def test_clean_eof_is_none():
         fs = FrameStream(b)
         assert await fs.receive() == Frame(Kind.PONG, 3, b"")
         assert await fs.receive() is None
+    run(main)
+
+
+# --- time limits ---------------------------------------------------------------------------
+
+def test_a_frame_trickled_in_slower_than_the_frame_timeout_is_refused():
+    """After the handshake a sender of one byte a second held the connection forever."""
+    frame_bytes = header(Kind.PING, 0)
+
+    async def main():
+        client, server = await tcp_pair()
+        fs = FrameStream(server, frame_timeout=0.3)
+
+        async def trickle():
+            for i in range(len(frame_bytes)):  # 22 bytes at 0.1 s: 2.2 s, far past 0.3 s
+                await client.send_all(frame_bytes[i:i + 1])
+                await trio.sleep(0.1)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trickle)
+            started = trio.current_time()
+            with pytest.raises(FrameTimeout, match=r"more than 0\.3 s"):
+                await fs.receive()
+            assert trio.current_time() - started < 1.5  # well before the frame was complete
+            nursery.cancel_scope.cancel()
+        await client.aclose()
+        await server.aclose()
+    run(main)
+
+
+def test_a_quiet_stream_is_idle_and_a_prompt_frame_is_not():
+    async def main():
+        client, server = await tcp_pair()
+        sender, fs = FrameStream(client), FrameStream(server, frame_timeout=0.3)
+        with pytest.raises(IdleTimeout):
+            await fs.receive(idle_timeout=0.2)
+        await sender.send(Kind.PING, 5)  # idle for long, then a whole frame: no timeout
+        assert await fs.receive(idle_timeout=0.2) == Frame(Kind.PING, 5, b"")
+        await sender.aclose()
+        assert await fs.receive(idle_timeout=0.2) is None
+        await fs.aclose()
+    run(main)
+    assert idle_timeout(2.0) > 2.0 * 5  # idle is many frame timeouts: a pause is no fault
+
+
+def test_sending_to_a_peer_that_does_not_read_times_out():
+    async def main():
+        client, server = await tcp_pair()
+        fs = FrameStream(server, frame_timeout=0.3)
+        with pytest.raises(FrameTimeout, match="to take a DATA frame"):
+            for i in range(256):  # 256 MiB: far more than the sockets' buffers hold
+                await fs.send(Kind.DATA, i, bytes(MAX_CHUNK))
+        await client.aclose()
+        await server.aclose()
+    run(main, timeout=20)
+
+
+def test_a_busy_server_is_a_clear_error_for_the_client():
+    async def main():
+        client, server = await tcp_pair()
+        await FrameStream(server).send(Kind.FAIL, 0, encode_fail(Fail.BUSY, "64 open"))
+        with pytest.raises(ProtocolError, match="turned us away: 64 open"):
+            await client_handshake(FrameStream(client), SECRET)
+        await client.aclose()
+        await server.aclose()
     run(main)
 
 

@@ -6,8 +6,10 @@ real processes (``fake_peer.py``); hostile requests go over real TCP to a real m
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import resource
 import shutil
 import signal
 import socket
@@ -29,6 +31,7 @@ from coordlfs.control import Control
 from coordlfs.errors import UserError
 from coordlfs.mounting import process_alive
 from coordlfs.order import epoch_order
+from coordlfs.peer_server import LOG_INTERVAL_S, RateLimitedLog, connection_cap
 from coordlfs.peer_wire import (
     GET_HEADER,
     HEADER,
@@ -44,6 +47,7 @@ from coordlfs.peer_wire import (
 from coordlfs.placement import (
     Address,
     find_self,
+    is_loopback,
     owner,
     parse_address,
     parse_peers,
@@ -53,9 +57,9 @@ from coordlfs.placement import (
 HERE = Path(__file__).parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -76,12 +80,14 @@ def copies(tmp_path: Path, count: int, files: int = 120) -> tuple[list[Path], di
 
 
 def cluster(mount: Callable[..., Mount], roots: list[Path], *options: str,
-            ports: list[int] | None = None, start: int | None = None) -> list[Mount]:
-    """A mount per root (the first ``start`` of them), each listening on its port with every
-    port in --peers."""
-    ports = ports or [free_port() for _ in roots]
-    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
-    return [mount(root, "--listen", f"127.0.0.1:{port}", "--peers", peers, *options)
+            ports: list[int] | None = None, start: int | None = None,
+            host: str = "127.0.0.1", enter: tuple[str, ...] = ()) -> list[Mount]:
+    """A mount per root (the first ``start`` of them), each listening on its port of
+    ``host`` with every port in --peers; each started behind ``enter`` (such as prlimit)."""
+    ports = ports or [free_port(host) for _ in roots]
+    where = str(Address(host, 0))[:-2]  # an IPv6 host in brackets
+    peers = ",".join(f"{where}:{p}" for p in ports)
+    return [mount(root, "--listen", f"{where}:{port}", "--peers", peers, *options, enter=enter)
             for root, port in list(zip(roots, ports, strict=True))[:start]]
 
 
@@ -118,10 +124,63 @@ def test_owner_is_stable_balanced_and_moves_little() -> None:
 @pytest.mark.parametrize(("text", "message"), [
     ("host", "expected HOST:PORT"), ("host:0", "port 1-65535"), ("host:99999", "port 1-65535"),
     (":80", "expected HOST:PORT"), ("a b:80", "expected HOST:PORT"), ("::1:80", "HOST:PORT"),
+    ("::1:80", r"in brackets, as \[::1\]:7878"), ("[::1]", "expected HOST:PORT"),
+    ("[host]:80", "not an IPv6 address"), ("[127.0.0.1]:80", "not an IPv6 address"),
+    ("[::1:80", "expected HOST:PORT"), ("h]:80", "expected HOST:PORT"), ("[]:80", "IPv6"),
 ])
 def test_bad_addresses_are_refused(text: str, message: str) -> None:
     with pytest.raises(UserError, match=message):
         parse_address(text, "peer")
+
+
+@pytest.mark.parametrize(("text", "host", "port"), [
+    ("[::1]:7878", "::1", 7878), ("[::]:7878", "::", 7878),
+    ("[fe80::1%eth0]:7878", "fe80::1%eth0", 7878), (" [2001:db8::7]:1 ", "2001:db8::7", 1),
+    ("127.0.0.1:7878", "127.0.0.1", 7878), ("host1:7878", "host1", 7878),
+])
+def test_addresses_ipv4_ipv6_and_names(text: str, host: str, port: int) -> None:
+    """IPv6 literals in brackets (``--listen [::]:PORT`` was refused as unparsable); printed
+    back as written, since placement hashes the entries' text."""
+    address = parse_address(text, "peer")
+    assert address == Address(host, port) and str(address) == text.strip()
+
+
+def test_ipv6_loopback_and_finding_this_node() -> None:
+    assert is_loopback(Address("::1", 7001)) and is_loopback(Address("127.0.0.1", 7001))
+    assert not is_loopback(Address("::", 7001)) and not is_loopback(Address("2001:db8::1", 1))
+    peers = parse_peers("[::1]:7001,[::1]:7002,[2001:db8::7]:7001,127.0.0.1:7003")
+    assert find_self(Address("::1", 7002), peers) == Address("::1", 7002)
+    assert find_self(Address("::", 7001), peers) == Address("::1", 7001)  # db8: not here
+    assert find_self(Address("::", 7003), peers) == Address("127.0.0.1", 7003)  # dual-stack
+    assert find_self(Address("0.0.0.0", 7001), peers) is None  # IPv4 only: not [::1]
+    with pytest.raises(UserError, match="names this node twice"):
+        find_self(Address("::", 7001), parse_peers("[::1]:7001,[0::1]:7001"))
+
+
+def test_refusals_are_logged_at_most_once_per_interval(caplog) -> None:
+    now = [0.0]
+    limited = RateLimitedLog(logging.getLogger("coordlfs.test"), logging.WARNING, 10.0,
+                             clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="coordlfs.test"):
+        for i in range(1000):
+            now[0] = i * 0.05  # 1000 refusals in 50 s
+            limited("refused %d", i)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 5 and lines[0] == "refused 0"
+    assert lines[1] == "refused 200 (199 more not logged in the last 10 s)"
+
+
+def test_the_connection_cap_leaves_most_descriptors_to_readers() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+        assert connection_cap(2) == 64 and connection_cap(100) == 200
+        assert connection_cap(256) == 256  # a quarter of 1024, however many nodes
+        resource.setrlimit(resource.RLIMIT_NOFILE, (100, hard))
+        assert connection_cap(2) == 25
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert LOG_INTERVAL_S >= 1
 
 
 def test_peer_lists_and_finding_this_node() -> None:
@@ -429,6 +488,10 @@ def test_bad_peer_options_are_one_line_errors(tmp_path: Path) -> None:
         (["--listen", "127.0.0.1:7001", "--secret-file", str(tmp_path / "none")],
          "cannot read secret file"),
         (["--listen", "localhost", "--insecure"], "expected HOST:PORT"),
+        (["--listen", "::1:7001", "--insecure"], "an IPv6 address goes in brackets"),
+        (["--listen", "[::]:7001", "--insecure"], "loopback addresses only"),
+        (["--listen", "[::1]:7001", "--peers", "[::1]:7001,[2001:db8::1]:7001", "--insecure"],
+         "loopback addresses only"),
         (["--listen", "127.0.0.1:7001", "--insecure", "--peer-timeout", "0"], "--peer-timeout"),
         (["--listen", "127.0.0.1:7001", "--insecure", "--peers", "127.0.0.1:7001,localhost:7001"],
          "names this node twice"),
