@@ -72,6 +72,9 @@ MIN_CONNECTIONS = 64
 DESCRIPTOR_SHARE = 4
 #: Seconds between two log lines about refused connections or requests.
 LOG_INTERVAL_S = 10.0
+#: Seconds to wait before accepting again when the process is out of descriptors or memory.
+ACCEPT_RETRY_S = 0.1
+_ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 def connection_cap(nodes: int) -> int:
@@ -160,7 +163,23 @@ class PeerServer:
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self.sock))
         async with trio.open_nursery() as nursery:
             self.nursery = nursery  # fills started for peers outlive their request
-            await trio.serve_listeners(self._connection, [listener])
+            async with trio.open_nursery() as connections:
+                while True:
+                    if (stream := await self._accept(listener)) is not None:
+                        connections.start_soon(self._connection, stream)
+
+    async def _accept(self, listener: trio.SocketListener) -> trio.SocketStream | None:
+        """The next connection; None after a pause when the process is out of descriptors
+        or memory (local readers hold them: the connection waits in the backlog), logged
+        rate-limited where ``trio.serve_listeners`` logs an ERROR ten times a second."""
+        try:
+            return await listener.accept()
+        except OSError as e:
+            if e.errno not in _ACCEPT_RESOURCE_ERRNOS:
+                raise
+            self._refused("cannot accept peer connections now: %s", e.strerror or e)
+            await trio.sleep(ACCEPT_RETRY_S)
+            return None
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         peer = _name(stream)

@@ -78,9 +78,10 @@ def log_lines(path: Path, words: str) -> list[str]:
 async def join(port: int, authenticate: bool) -> FrameStream | None:
     """One peer connection: returned open if the server admitted it (after the handshake, or
     after its HELLO when not authenticating), None if it was told BUSY and closed."""
-    frames = FrameStream(await trio.open_tcp_stream("127.0.0.1", port))
+    with trio.fail_after(10):  # a daemon out of descriptors never accepts, or says HELLO
+        frames = FrameStream(await trio.open_tcp_stream("127.0.0.1", port))
     try:
-        with trio.fail_after(10):  # a daemon out of descriptors never says HELLO
+        with trio.fail_after(10):
             if authenticate:
                 await client_handshake(frames, b"")
                 return frames

@@ -31,7 +31,13 @@ from coordlfs.control import Control
 from coordlfs.errors import UserError
 from coordlfs.mounting import process_alive
 from coordlfs.order import epoch_order
-from coordlfs.peer_server import LOG_INTERVAL_S, RateLimitedLog, connection_cap
+from coordlfs.peer_server import (
+    LOG_INTERVAL_S,
+    PeerServer,
+    RateLimitedLog,
+    connection_cap,
+    listen_socket,
+)
 from coordlfs.peer_wire import (
     GET_HEADER,
     HEADER,
@@ -168,6 +174,42 @@ def test_refusals_are_logged_at_most_once_per_interval(caplog) -> None:
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 5 and lines[0] == "refused 0"
     assert lines[1] == "refused 200 (199 more not logged in the last 10 s)"
+
+
+def test_out_of_descriptors_the_server_waits_and_logs_once(caplog) -> None:
+    """When local readers hold every descriptor, accept fails with EMFILE: the server retries
+    (the peer waits in the backlog) and says so once, where trio's serve_listeners logged an
+    ERROR ten times a second; once a descriptor is free the peer is served."""
+    sock = listen_socket(Address("127.0.0.1", 0))
+    server = PeerServer(sock, b"", 2.0, None, None)  # type: ignore[arg-type]  # handshake only
+    client = socket.socket()
+    client.settimeout(10)
+
+    async def main() -> bytes:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            await trio.sleep(0.1)
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            used = {int(fd) for fd in os.listdir("/proc/self/fd")}
+            lowest_free = min(set(range(len(used) + 1)) - used)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # no new one
+            try:
+                client.connect(sock.getsockname())  # completed by the kernel, not accepted
+                await trio.sleep(1.0)  # ten retries
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            hello = await trio.to_thread.run_sync(client.recv, HEADER.size)
+            nursery.cancel_scope.cancel()
+        return hello
+
+    with caplog.at_level(logging.INFO):
+        hello = trio.run(main)
+    client.close()
+    assert hello[:4] == MAGIC and hello[5] == Kind.HELLO
+    lines = [r for r in caplog.records if "accept" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING, lines
+    assert "Too many open files" in lines[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_the_connection_cap_leaves_most_descriptors_to_readers() -> None:
