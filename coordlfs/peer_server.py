@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import resource
@@ -341,11 +342,14 @@ class PeerServer:
 
 
 def _name(stream: trio.SocketStream) -> str:
+    """The peer's address for the log; an IPv4 peer of a dual-stack (``[::]``) socket as
+    IPv4, not ``[::ffff:a.b.c.d]``."""
     try:
         host, port = stream.socket.getpeername()[:2]
     except OSError:
         return "?"
-    return str(Address(host, port))
+    mapped = getattr(ipaddress.ip_address(host), "ipv4_mapped", None)
+    return str(Address(str(mapped) if mapped else host, port))
 
 
 def register_commands(control: ControlServer, peers: Peers, server: PeerServer | None) -> None:

@@ -332,3 +332,34 @@ def test_a_node_listening_on_every_address_serves_ipv6_and_ipv4_peers(mount,
     assert a.status()["peers"]["links"][f"127.0.0.1:{pb}"]["bytes"] > 0
     with socket.create_connection(("127.0.0.1", pa), timeout=10) as s:  # IPv4 too
         assert s.recv(HEADER.size)[:4] == MAGIC
+
+
+def test_idle_connections_closed_by_either_side_are_no_fault(mount, tmp_path: Path) -> None:
+    """A's --peer-timeout is short: its link to B closes itself after idle_timeout(0.3)/2, and
+    its server closes B's idle link (B's own limit is far longer) after idle_timeout(0.3).
+    Neither close marks a peer down; the next miss reconnects."""
+    roots, sizes = copies(tmp_path, 2)
+    ports = [free_port(), free_port()]
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    nodes = [mount(root, "--listen", f"127.0.0.1:{port}", "--peers", peers, "--insecure",
+                   "--peer-timeout", timeout)
+             for root, port, timeout in zip(roots, ports, ("0.3", "5"), strict=True)]
+    others = [f"127.0.0.1:{ports[1]}", f"127.0.0.1:{ports[0]}"]
+
+    def links() -> list[dict]:
+        return [m.status()["peers"]["links"][other] for m, other in zip(nodes, others,
+                                                                          strict=True)]
+
+    names = sorted(sizes)
+    want = source_digests(roots[0], sizes)
+    for part in (names[:len(names) // 2], names[len(names) // 2:]):
+        before = [reads(m)["bytes_from_peers"] for m in nodes]
+        for m in nodes:
+            assert read_files(m.mountpoint, part) == {n: want[n] for n in part}
+        assert all(link["state"] == "up" and link["failures"] == 0 for link in links())
+        assert all(reads(m)["bytes_from_peers"] > b for m, b in zip(nodes, before, strict=True))
+        deadline = time.monotonic() + 30  # both close after idle_timeout(0.3) = 3 s at most
+        while any(link["state"] == "up" for link in links()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [link["state"] for link in links()] == ["idle", "idle"]
+    assert nodes[0].status()["served"]["idle_closed"] >= 1  # B's link, closed by A's server
