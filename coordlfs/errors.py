@@ -1,9 +1,11 @@
 """Errors that reach a user as one line, never as a traceback."""
 
+import argparse
 import signal
 import sys
 from collections.abc import Callable
 from types import FrameType
+from typing import NoReturn
 
 
 class UserError(Exception):
@@ -11,6 +13,13 @@ class UserError(Exception):
 
     The CLI prints ``coordlfs: <message>`` and exits non-zero; nothing else catches it.
     """
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line that points at ``--help``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _interrupt(_signum: int, _frame: FrameType | None) -> None:

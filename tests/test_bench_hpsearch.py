@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from coordlfs.bench import jpegs
+from coordlfs.bench import build_parser, jpegs
 from coordlfs.bench.cgroup import cgroup_of
 from coordlfs.bench.hpsearch import (
     ConfigResult,
@@ -37,7 +37,6 @@ from coordlfs.bench.jpegs import (
     ensure_jpegs,
     to_tensor,
 )
-from coordlfs.cli import build_parser
 from coordlfs.errors import UserError
 from coordlfs.mounting import mount_at
 
@@ -180,7 +179,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
 
 
 def test_missing_packages_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    settings = settings_from(build_parser().parse_args(["bench", "hpsearch"]))
+    settings = settings_from(build_parser().parse_args(["hpsearch"]))
     real = importlib.util.find_spec
     for missing, named in (("PIL", "Pillow"), ("torch", "torch"),
                            ("coordlfs.shared_prep", "SharedPrepLoader")):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import json
+import subprocess
+import sys
 
 import pyfuse3
 import pytest
@@ -300,3 +302,15 @@ def test_guard_turns_exceptions_into_errnos() -> None:
         with pytest.raises(pyfuse3.FUSEError) as info:
             trio.run(handler)
         assert info.value.errno == code
+
+
+@pytest.mark.parametrize("command", ["mount", "stats", "umount", "mark", "stagger"])
+def test_the_product_loads_no_benchmark(command: str) -> None:
+    """Only `coordlfs bench` imports coordlfs.bench: the daemon and the everyday commands
+    carry none of it."""
+    probe = ("import sys\nfrom coordlfs.cli import main\n"
+             f"try:\n    main([{command!r}, '--help'])\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in sys.modules if m.startswith('coordlfs.bench')))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip().splitlines()[-1] == "[]"

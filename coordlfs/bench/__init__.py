@@ -3,9 +3,39 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 from types import ModuleType
 
-from coordlfs.errors import UserError
+from coordlfs.errors import Parser, UserError, exit_status
+
+#: ``coordlfs bench NAME``: the module in this package that runs it
+BENCHMARKS = {"aligned": "aligned", "cluster": "cluster", "epochs": "epochs", "fio": "fio",
+              "hits": "hits", "hpsearch": "hpsearch", "overhead": "overhead",
+              "stagger": "staggering"}
+
+
+def module_of(name: str) -> ModuleType:
+    return importlib.import_module(f"{__name__}.{BENCHMARKS[name]}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``coordlfs bench``'s arguments. Only this command loads the benchmark modules: the
+    rest of the product (mount, the daemon, stats) never imports them."""
+    parser = Parser(prog="coordlfs bench", description=__doc__)
+    sub = parser.add_subparsers(dest="bench", required=True, parser_class=Parser)
+    for name in BENCHMARKS:
+        module = module_of(name)
+        assert module.__doc__
+        module.add_arguments(sub.add_parser(name, help=module.__doc__.splitlines()[0]))
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """``coordlfs bench ARGS``. SIGTERM cleans up as Ctrl-C does: a bench holds cgroups,
+    throttles and mounts."""
+    args = build_parser().parse_args(argv)
+    return exit_status("coordlfs", lambda: run_bench(module_of(args.bench), args),
+                       sigterm_interrupts=True)
 
 
 def run_bench(module: ModuleType, args: argparse.Namespace) -> int:
