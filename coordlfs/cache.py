@@ -157,10 +157,10 @@ class MinioCache:
             raise UserError(f"cannot use cache directory {directory}: {e.strerror}") from None
         #: hits are slices of this: no syscall and no copy in the daemon
         self._view = memoryview(self._arena)
-        self._full_logged = False
+        self._span_logged = False
         #: the cache's filesystem ran out of room: no new entries until it has room again
         self.full = False
-        self._full_warned = False
+        self._no_room_warned = False
         #: the journal could not be written: it is gone, and a restart starts cold
         self._journal_lost = False
 
@@ -256,10 +256,10 @@ class MinioCache:
         if self.used + st.st_size > self.capacity or (self.full and not self._room_is_back()):
             return None
         if self.end + st.st_size > self.arena_size:
-            if not self._full_logged:
+            if not self._span_logged:
                 log.warning("the arena's offsets are used up by dropped entries: new files are "
                             "streamed until the next mount")
-                self._full_logged = True
+                self._span_logged = True
             return None
         entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, self.end,
                       progress=trio.Event())
@@ -339,11 +339,11 @@ class MinioCache:
         self.full = True
         message = ("cache directory %s is full (%s): new files are read from the source "
                    "until it has room again")
-        if self._full_warned:
+        if self._no_room_warned:
             log.info(message, self.directory, error.strerror)
         else:
             log.warning(message, self.directory, error.strerror)
-            self._full_warned = True
+            self._no_room_warned = True
 
     def _room_is_back(self) -> bool:
         st = os.fstatvfs(self.dir_fd)

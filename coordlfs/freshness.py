@@ -28,7 +28,7 @@ import pyfuse3
 import trio
 
 from coordlfs.inodes import ROOT_INODE, InodeTable
-from coordlfs.source import Source
+from coordlfs.source import Source, proc_path
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ _IN_Q_OVERFLOW, _IN_IGNORED = 0x4000, 0x8000
 _IN_ONLYDIR, _IN_DONT_FOLLOW, _IN_EXCL_UNLINK = 0x01000000, 0x02000000, 0x04000000
 _EVENTS = (_IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO
            | _IN_CREATE | _IN_DELETE)
+_WATCH_MASK = _EVENTS | _IN_ONLYDIR | _IN_DONT_FOLLOW | _IN_EXCL_UNLINK
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of NUL-padded name
 _READ_SIZE = 1 << 16
 #: After a batch of events, wait this long for more before invalidating: a writer makes
@@ -127,9 +128,8 @@ class Freshness:
         """
         if self.fd < 0 or inode in self._wd_of:
             return
-        with self.source.proc_path(path) as proc:
-            wd = _libc.inotify_add_watch(self.fd, proc, _EVENTS | _IN_ONLYDIR | _IN_DONT_FOLLOW
-                                         | _IN_EXCL_UNLINK)
+        wd = self.source.at(path, lambda dir_fd, name: _libc.inotify_add_watch(
+            self.fd, proc_path(dir_fd, name), _WATCH_MASK))
         if wd < 0:
             err = ctypes.get_errno()
             if err in (errno.ENOENT, errno.ENOTDIR):

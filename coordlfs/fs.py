@@ -254,7 +254,7 @@ class Operations(pyfuse3.Operations):
         for index in range(start_id, len(handle.entries)):
             name, st = handle.entries[index]
             if index < 2:  # "." and "..": the kernel takes no lookup count for them
-                inode = self._dot_inode(handle, st)
+                inode = self._dot_inode(st)
                 if not pyfuse3.readdir_reply(token, name, self._attr(inode, st), index + 1):
                     break
                 continue
@@ -264,7 +264,7 @@ class Operations(pyfuse3.Operations):
                 break
             self.inodes.ref(inode)
 
-    def _dot_inode(self, handle: DirHandle, st: os.stat_result) -> int:
+    def _dot_inode(self, st: os.stat_result) -> int:
         """The inode number ``.`` or ``..`` shows: the directory's, its parent's if the
         kernel knows it, and the root's above the root."""
         found = self.inodes.find((st.st_dev, st.st_ino))
@@ -290,12 +290,13 @@ class Operations(pyfuse3.Operations):
         node = self.inodes[inode]
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
-        changed = node.version != Version.of(st)
+        version = Version.of(st)
+        changed = node.version != version
         if changed:
             # The kernel holds old attributes and maybe old pages: drop both before the reader
             # sees this open succeed (attributes only here; keep_cache=False drops the pages).
             log.info("source file %s changed; invalidating", os.fsdecode(node.path))
-            node.version = Version.of(st)
+            node.version = version
             pyfuse3.invalidate_inode(inode, attr_only=True)
         handle = FileHandle(inode, node.path, st, self.cache.lookup((st.st_dev, st.st_ino), st))
         handle.member, held = self.aligned.opened(ctx.pid, node.path, handle.key, handle.version,

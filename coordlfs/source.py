@@ -12,14 +12,13 @@ and otherwise drop the pages we read with posix_fadvise(DONTNEED).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import mmap
 import os
 import stat
 import threading
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 from coordlfs.errors import UserError
 
@@ -28,13 +27,14 @@ from coordlfs.errors import UserError
 DIRECT_ALIGN = 4096
 
 
-#: Paths at least this long are walked a piece at a time (``Source._resolved``): a path
+#: Paths at least this long are walked a piece at a time (``Source.at``): a path
 #: handed to one system call must be shorter than PATH_MAX (4096), but a dataset may nest
 #: deeper, and through the mount the kernel never sends whole paths.
 _WALK_AT = 3840
 _WALK_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 _local = threading.local()
+T = TypeVar("T")
 
 
 class Version(NamedTuple):
@@ -67,8 +67,10 @@ def _aligned_buffer(size: int) -> mmap.mmap:
     return buf
 
 
-def _at(path: bytes) -> bytes:
-    return path or b"."
+def proc_path(dir_fd: int, name: bytes) -> bytes:
+    """A path for the calls that take no dir_fd (xattrs, inotify): ``name`` in ``dir_fd``
+    through /proc; like ``name`` relative to ``dir_fd``, it must not be followed at its end."""
+    return b"/proc/self/fd/%d/%s" % (dir_fd, name)
 
 
 class Source:
@@ -84,22 +86,20 @@ class Source:
             raise UserError(f"source {path} is not a directory") from None
         except OSError as e:
             raise UserError(f"cannot open source {path}: {e.strerror}") from None
-        self._proc_prefix = b"/proc/self/fd/%d/" % self.root_fd
 
     def close(self) -> None:
         os.close(self.root_fd)
 
-    @contextlib.contextmanager
-    def _resolved(self, path: bytes) -> Iterator[tuple[int, bytes]]:
-        """A directory descriptor and a name within it that reach ``path``.
+    def at(self, path: bytes, call: Callable[[int, bytes], T]) -> T:
+        """``call(dir_fd, name)`` with a directory descriptor and a name in it that reach
+        ``path``, never through a symlink at the end of ``name``.
 
-        Short paths (nearly all) are relative to the root descriptor. A longer one is walked
-        a piece of at most ``_WALK_AT`` bytes at a time with ``openat``, no piece through a
-        symlink at its end, so a tree nested past PATH_MAX reads as it does in the source.
+        Short paths (nearly all, and the hot ones: lookup, getattr, open) go straight to the
+        root descriptor. A longer one is walked a piece of at most ``_WALK_AT`` bytes at a
+        time with ``openat``, so a tree nested past PATH_MAX reads as it does in the source.
         """
         if len(path) < _WALK_AT:
-            yield self.root_fd, _at(path)
-            return
+            return call(self.root_fd, path or b".")
         opened: list[int] = []
         try:
             fd, rest = self.root_fd, path
@@ -110,21 +110,20 @@ class Source:
                 fd = os.open(rest[:cut], _WALK_FLAGS, dir_fd=fd)
                 opened.append(fd)
                 rest = rest[cut + 1 :]
-            yield fd, rest
+            return call(fd, rest)
         finally:
             for fd in opened:
                 os.close(fd)
 
     def lstat(self, path: bytes) -> os.stat_result:
-        with self._resolved(path) as (dir_fd, name):
-            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return self.at(path, lambda dir_fd, name: os.stat(name, dir_fd=dir_fd,
+                                                          follow_symlinks=False))
 
     def scan(self, path: bytes) -> list[tuple[bytes, os.stat_result]]:
         """Names and attributes of a directory's entries (it may hold many thousands),
         ``.`` and ``..`` first, as the source lists them."""
-        with self._resolved(path) as (dir_fd, name):
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         dir_fd=dir_fd)
+        fd = self.at(path, lambda dir_fd, name: os.open(
+            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd))
         try:
             entries = [(dot, os.stat(dot, dir_fd=fd, follow_symlinks=False))
                        for dot in (b".", b"..")]
@@ -139,26 +138,15 @@ class Source:
             os.close(fd)
 
     def readlink(self, path: bytes) -> bytes:
-        with self._resolved(path) as (dir_fd, name):
-            return os.readlink(name, dir_fd=dir_fd)
-
-    @contextlib.contextmanager
-    def proc_path(self, path: bytes) -> Iterator[bytes]:
-        """A /proc/self/fd path that reaches ``path`` through our descriptors, for the calls
-        that take no dir_fd (xattrs, inotify); they must not follow a symlink at its end."""
-        if len(path) < _WALK_AT:
-            yield self._proc_prefix + path
-            return
-        with self._resolved(path) as (dir_fd, name):
-            yield b"/proc/self/fd/%d/%s" % (dir_fd, name)
+        return self.at(path, lambda dir_fd, name: os.readlink(name, dir_fd=dir_fd))
 
     def getxattr(self, path: bytes, name: bytes) -> bytes:
-        with self.proc_path(path) as proc:
-            return os.getxattr(proc, name, follow_symlinks=False)
+        return self.at(path, lambda dir_fd, at: os.getxattr(proc_path(dir_fd, at), name,
+                                                            follow_symlinks=False))
 
     def listxattr(self, path: bytes) -> list[bytes]:
-        with self.proc_path(path) as proc:
-            names = os.listxattr(proc, follow_symlinks=False)
+        names = self.at(path, lambda dir_fd, at: os.listxattr(proc_path(dir_fd, at),
+                                                              follow_symlinks=False))
         return [os.fsencode(n) for n in names]
 
     def statvfs(self) -> os.statvfs_result:
@@ -167,15 +155,16 @@ class Source:
     def open_reader(self, path: bytes) -> SourceReader:
         """Open a regular file for reading; blocking, so call it from a worker thread."""
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-        with self._resolved(path) as (dir_fd, name):
+
+        def opened(dir_fd: int, name: bytes) -> tuple[int, bool]:
             try:
-                fd = os.open(name, flags | os.O_DIRECT, dir_fd=dir_fd)
-                direct = True
+                return os.open(name, flags | os.O_DIRECT, dir_fd=dir_fd), True
             except OSError as e:
                 if e.errno != errno.EINVAL:  # this filesystem has no O_DIRECT
                     raise
-                fd = os.open(name, flags, dir_fd=dir_fd)
-                direct = False
+                return os.open(name, flags, dir_fd=dir_fd), False
+
+        fd, direct = self.at(path, opened)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise IsADirectoryError(21, "not a regular file")
