@@ -329,19 +329,21 @@ class Prep:
 
     def reserve(self, member_id: int, batch: int, size: int) -> dict[str, Any]:
         """Room in the staging area for a batch the member claimed, and the file to write it
-        to; ``full`` means retry once other members used some. A batch over the member's
-        user's share of the staging area (``share``) is refused: waiting would not help."""
+        to; ``full`` means retry once batches were published or used: the area is full, or
+        the user's other reservations fill its share (``share``). A batch larger than the
+        share is refused: waiting would not help."""
         member, epoch = self._in_epoch(member_id)
         self._claimed_by(epoch, batch, member)
         earlier = epoch.reserved.get(batch, 0)  # a batch may reserve again
         share = self.share(member.uid)
-        if self._reserved_by(member.uid) - earlier + size > share:
+        if size > share:
             raise RequestError(
                 f"a batch of {size} bytes does not fit this user's share of the staging area "
                 f"({share} of {self.capacity} bytes, shared by the users preparing now): "
                 "raise --staging-size")
         others = self.used - earlier
-        if others + size > self.capacity:
+        if (others + size > self.capacity
+                or self._reserved_by(member.uid) - earlier + size > share):
             self.counters["full"] += 1
             return {"full": True, "used_bytes": self.used, "capacity_bytes": self.capacity}
         self.used = others
