@@ -116,7 +116,10 @@ def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         view, offset = view[written:], offset + written
 
 
-class MinioCache:
+class WholeFileCache:
+    """MinIO's policy (the CoorDL paper): whole files, kept until unmount, never evicted, so
+    that no epoch's random order can thrash what the cache holds."""
+
     def __init__(self, directory: str, capacity: int, max_file_size: int,
                  counters: ReadCounters) -> None:
         self.directory = directory

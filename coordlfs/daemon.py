@@ -17,7 +17,7 @@ import trio
 
 from coordlfs import PROTOCOL_VERSION, __version__
 from coordlfs.aligned_reads import AlignedReads
-from coordlfs.cache import MinioCache
+from coordlfs.cache import WholeFileCache
 from coordlfs.config import MountConfig
 from coordlfs.control_server import ControlServer
 from coordlfs.errors import UserError
@@ -86,7 +86,7 @@ class Daemon:
         self.config = config
         self.stats = Stats()
         self.source = Source(config.source)
-        self.cache = MinioCache(config.cache_dir, config.cache_size, config.max_file_size,
+        self.cache = WholeFileCache(config.cache_dir, config.cache_size, config.max_file_size,
                                 self.stats.reads)
         try:
             self._assemble(config)

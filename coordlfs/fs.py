@@ -22,7 +22,7 @@ import trio
 
 from coordlfs import CONTROL_NAME
 from coordlfs.aligned_reads import AlignedReads
-from coordlfs.cache import Entry, MinioCache
+from coordlfs.cache import Entry, WholeFileCache
 from coordlfs.control_server import ControlHandle, ControlServer
 from coordlfs.freshness import WATCHED_TIMEOUT, Freshness
 from coordlfs.groups import Member
@@ -105,7 +105,7 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, source: Source, cache: MinioCache, counters: ReadCounters,
+    def __init__(self, source: Source, cache: WholeFileCache, counters: ReadCounters,
                  control: ControlServer, aligned: AlignedReads, peers: Peers,
                  revalidate_s: float) -> None:
         super().__init__()

@@ -33,8 +33,8 @@ from coordlfs.control_server import (
     process_id,
     require,
 )
-from coordlfs.mounting import process_alive
 from coordlfs.order import SEED_LIMIT, epoch_order
+from coordlfs.processes import process_alive
 
 MAX_NAME = 128
 #: How far up the process tree a reader is looked for: the job, its DataLoader workers, and

@@ -9,10 +9,10 @@ import select
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 from coordlfs.errors import UserError
+from coordlfs.processes import wait_exit
 
 #: Seconds ``umount`` waits for the daemon to exit after the kernel let go of the mount.
 EXIT_WAIT = 30.0
@@ -163,22 +163,3 @@ def unmount(mountpoint: str, pid: int | None, lazy: bool) -> None:
     if pid is not None and not wait_exit(pid, EXIT_WAIT):
         raise UserError(f"unmounted {mountpoint}, but daemon {pid} has not exited after "
                         f"{EXIT_WAIT:.0f}s")
-
-
-def wait_exit(pid: int, timeout: float) -> bool:
-    """Wait until ``pid`` has exited; False on timeout. A zombie counts as exited: the
-    daemon is not our child, so we cannot reap it."""
-    deadline = time.monotonic() + timeout
-    while process_alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

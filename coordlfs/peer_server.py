@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import trio
 
-from coordlfs.cache import Entry, MinioCache
+from coordlfs.cache import Entry, WholeFileCache
 from coordlfs.control_server import Access, Caller, ControlServer, RequestError, require
 from coordlfs.errors import UserError
 from coordlfs.peer_wire import (
@@ -150,7 +150,7 @@ class PeerServer:
     ``max_connections`` are open at once."""
 
     def __init__(self, sock: socket.socket, secret: bytes, timeout: float, source: Source,
-                 cache: MinioCache, max_connections: int = MIN_CONNECTIONS) -> None:
+                 cache: WholeFileCache, max_connections: int = MIN_CONNECTIONS) -> None:
         self.sock = sock
         self.secret = secret
         self.timeout = timeout

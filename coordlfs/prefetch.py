@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from coordlfs.cache import MinioCache
+from coordlfs.cache import WholeFileCache
 from coordlfs.groups import Group, Groups
 from coordlfs.source import Source, Version
 from coordlfs.stats import ReadCounters
@@ -35,7 +35,7 @@ MAX_ITEM = 1 << 20
 
 
 class Prefetcher:
-    def __init__(self, groups: Groups, window: ReadWindow, cache: MinioCache, source: Source,
+    def __init__(self, groups: Groups, window: ReadWindow, cache: WholeFileCache, source: Source,
                  counters: ReadCounters, depth: int,
                  caches_here: Callable[[bytes], bool] = lambda _path: True) -> None:
         self.groups = groups

@@ -48,8 +48,8 @@ from coordlfs.control_server import (
     require,
 )
 from coordlfs.groups import name_argument
-from coordlfs.mounting import process_alive
 from coordlfs.order import SEED_LIMIT, batch_count
+from coordlfs.processes import process_alive
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ import xxhash
 from coordlfs.bench.counters import drop_caches  # noqa: F401 (tests import it from here)
 from coordlfs.bench.dataset import DatasetSpec, ensure_dataset
 from coordlfs.bench.mounts import logged_errors
-from coordlfs.mounting import mount_at, process_alive, wait_exit
+from coordlfs.mounting import mount_at
+from coordlfs.processes import process_alive, wait_exit
 
 COORDLFS = [sys.executable, "-m", "coordlfs"]
 

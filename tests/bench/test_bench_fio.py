@@ -35,7 +35,7 @@ def test_defaults_match_the_issue() -> None:
     settings = _settings()
     assert (settings.files, settings.size, settings.jobs) == (2000, 112 << 10, 4)
     assert (settings.shards, settings.shard_size) == (4, 256 << 20)
-    assert settings.job_dir == Path(__file__).resolve().parents[1] / "scripts" / "fio"
+    assert settings.job_dir == Path(__file__).resolve().parents[2] / "scripts" / "fio"
 
 
 def test_files_are_rounded_down_to_whole_shares() -> None:
@@ -75,7 +75,7 @@ def test_needs_fio(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_wrapper_refuses_non_root_in_one_line() -> None:
     """As root, a copy runs as nobody: the checkout may live where nobody cannot enter."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench-fio"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench-fio"
     if os.geteuid() == 0:
         with reachable_by_anyone(script) as (copy,):
             result = run_as_other_user([copy])

@@ -17,7 +17,7 @@ from conftest import digests, force_unmount, make_dataset
 
 from coordlfs.mounting import wait_exit
 
-MOUNT_DIR = Path(__file__).resolve().parents[1] / "mount"
+MOUNT_DIR = Path(__file__).resolve().parents[2] / "mount"
 HELPER = MOUNT_DIR / "mount.fuse.coordlfs"
 LINK = Path("/sbin/mount.fuse.coordlfs")
 MiB = 1024 * 1024

@@ -1,4 +1,4 @@
-"""SharedPrepLoader on a real mount: jobs are real processes (tests/prep_job.py) that read the
+"""SharedPrepLoader on a real mount: jobs are real processes (tests/mount/prep_job.py) that read the
 mount's files in DataLoader workers and share their batches through the staging area."""
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ from coordlfs.bench.netns import cluster_network
 from coordlfs.config import default_cache_dir
 from coordlfs.control import Control
 from coordlfs.errors import UserError
-from coordlfs.mounting import process_alive
 from coordlfs.order import epoch_order
 from coordlfs.peer_server import (
     LOG_INTERVAL_S,
@@ -59,6 +58,7 @@ from coordlfs.placement import (
     parse_peers,
     read_secret,
 )
+from coordlfs.processes import process_alive
 
 HERE = Path(__file__).parent
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from coordlfs.cache import MinioCache
+from coordlfs.cache import WholeFileCache
 from coordlfs.errors import UserError
 from coordlfs.source import Source
 from coordlfs.stats import ReadCounters
@@ -23,11 +23,11 @@ def files(tmp_path: Path) -> Path:
     return src
 
 
-def _cache(tmp_path: Path, capacity: int, max_file: int = 1 << 30) -> MinioCache:
-    return MinioCache(str(tmp_path / "cache"), capacity, max_file, ReadCounters())
+def _cache(tmp_path: Path, capacity: int, max_file: int = 1 << 30) -> WholeFileCache:
+    return WholeFileCache(str(tmp_path / "cache"), capacity, max_file, ReadCounters())
 
 
-def _fill_all(cache: MinioCache, source: Source, names: list[str]) -> list[bool]:
+def _fill_all(cache: WholeFileCache, source: Source, names: list[str]) -> list[bool]:
     async def go() -> list[bool]:
         done = []
         async with trio.open_nursery() as nursery:

@@ -100,7 +100,7 @@ def test_default_log_directory(daemon_logs):
 
 def test_the_suite_fails_a_test_whose_daemon_logged_an_unexpected_error(tmp_path: Path) -> None:
     """The rule itself, in a pytest of its own with this suite's conftest."""
-    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    shutil.copy(Path(__file__).parents[1] / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_logs.py").write_text(TEST_FILE)
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              "-p", "no:warnings",

@@ -18,7 +18,7 @@ from coordlfs.bench.aligned import (
     calibrate,
     summarize,
 )
-from coordlfs.bench.staggering import profile_from
+from coordlfs.bench.stagger import profile_from
 from coordlfs.stagger import optimal_delay, standalone_runtime
 
 

@@ -1,0 +1,28 @@
+"""Other processes, known by pid: alive or gone.
+
+Below the CLI, the daemon's memberships and the tests alike, which all outlive or watch
+processes that are not their children.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def wait_exit(pid: int, timeout: float) -> bool:
+    """Wait until ``pid`` has exited; False on timeout. A zombie counts as exited: the
+    daemon is not our child, so we cannot reap it."""
+    deadline = time.monotonic() + timeout
+    while process_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
