@@ -239,9 +239,7 @@ class PeerServer:
         idle = idle_timeout(self.timeout)
         try:
             while (frame := await frames.receive(idle)) is not None:
-                if frame.kind == Kind.PING:
-                    await frames.send(Kind.PONG, frame.request_id)
-                elif frame.kind == Kind.GET:
+                if frame.kind == Kind.GET:
                     answer = self._answer_now(frame.payload)
                     if isinstance(answer, _Waiting):  # a fill in progress: answer in a task
                         token = object()

@@ -18,7 +18,7 @@ A header that announces more than MAX_PAYLOAD is refused before its payload is r
 hostile peer cannot make us allocate. Payloads by kind: GET is ``!QqQI`` (source file size,
 mtime_ns, offset, length <= MAX_CHUNK) followed by the path, raw POSIX bytes relative to
 the dataset root; DATA is the bytes of the range; FAIL is one code byte (Fail) and a UTF-8
-message of at most 200 bytes; PING and PONG are empty liveness probes.
+message of at most 200 bytes.
 
 Handshake (every frame with request id 0), proving both ways that the other side holds
 the shared secret without ever sending it; ``|`` is concatenation, HMAC is HMAC-SHA256::
@@ -89,8 +89,6 @@ class Kind(enum.IntEnum):
     GET = 4
     DATA = 5
     FAIL = 6
-    PING = 7
-    PONG = 8
 
 
 class Fail(enum.IntEnum):

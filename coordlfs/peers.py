@@ -148,7 +148,7 @@ class PeerLink:
         stays idle (then it is closed without marking the peer down)."""
         try:
             while (frame := await self._next_frame(stream)) is not None:
-                if frame.kind not in (Kind.DATA, Kind.FAIL, Kind.PONG):
+                if frame.kind not in (Kind.DATA, Kind.FAIL):
                     raise ProtocolError(f"unexpected {frame.kind.name} frame")
                 pending = self._pending.get(frame.request_id)
                 if pending is None:

@@ -125,14 +125,14 @@ def test_round_trip_over_tcp():
         async def send_all():
             for i, payload in enumerate(payloads):
                 await sender.send(Kind.DATA, i, payload)
-            await sender.send(Kind.PING, (1 << 32) - 1, memoryview(b""))
+            await sender.send(Kind.GET, (1 << 32) - 1, memoryview(b""))
             await sender.aclose()
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(send_all)
             for i, payload in enumerate(payloads):
                 assert await receiver.receive() == Frame(Kind.DATA, i, payload)
-            assert await receiver.receive() == Frame(Kind.PING, (1 << 32) - 1, b"")
+            assert await receiver.receive() == Frame(Kind.GET, (1 << 32) - 1, b"")
             assert await receiver.receive() is None
         await receiver.aclose()
     run(main)
@@ -225,10 +225,10 @@ def test_clean_eof_is_none():
     async def main():
         assert await receive_raw(b"", True) is None
         a, b = trio.testing.memory_stream_pair()
-        await FrameStream(a).send(Kind.PONG, 3)
+        await FrameStream(a).send(Kind.DATA, 3)
         await a.aclose()
         fs = FrameStream(b)
-        assert await fs.receive() == Frame(Kind.PONG, 3, b"")
+        assert await fs.receive() == Frame(Kind.DATA, 3, b"")
         assert await fs.receive() is None
     run(main)
 
@@ -237,7 +237,7 @@ def test_clean_eof_is_none():
 
 def test_a_frame_trickled_in_slower_than_the_frame_timeout_is_refused():
     """After the handshake a sender of one byte a second held the connection forever."""
-    frame_bytes = header(Kind.PING, 0)
+    frame_bytes = header(Kind.GET, 0)
 
     async def main():
         client, server = await tcp_pair()
@@ -266,8 +266,8 @@ def test_a_quiet_stream_is_idle_and_a_prompt_frame_is_not():
         sender, fs = FrameStream(client), FrameStream(server, frame_timeout=0.3)
         with pytest.raises(IdleTimeout):
             await fs.receive(idle_timeout=0.2)
-        await sender.send(Kind.PING, 5)  # idle for long, then a whole frame: no timeout
-        assert await fs.receive(idle_timeout=0.2) == Frame(Kind.PING, 5, b"")
+        await sender.send(Kind.GET, 5)  # idle for long, then a whole frame: no timeout
+        assert await fs.receive(idle_timeout=0.2) == Frame(Kind.GET, 5, b"")
         await sender.aclose()
         assert await fs.receive(idle_timeout=0.2) is None
         await fs.aclose()
@@ -309,10 +309,10 @@ async def handshake(server_secret: bytes, client_secret: bytes
     outcome = await both(lambda: server_handshake(server_fs, server_secret),
                          lambda: client_handshake(client_fs, client_secret))
     if outcome == (None, None):  # the connection is usable afterwards
-        await client_fs.send(Kind.PING, 1)
-        assert await server_fs.receive() == Frame(Kind.PING, 1, b"")
-        await server_fs.send(Kind.PONG, 1)
-        assert await client_fs.receive() == Frame(Kind.PONG, 1, b"")
+        await client_fs.send(Kind.GET, 1)
+        assert await server_fs.receive() == Frame(Kind.GET, 1, b"")
+        await server_fs.send(Kind.DATA, 1)
+        assert await client_fs.receive() == Frame(Kind.DATA, 1, b"")
     await client_fs.aclose()
     await server_fs.aclose()
     return *outcome, server_rec, client_rec
@@ -325,8 +325,8 @@ def test_handshake_succeeds(secret: bytes):
         assert server_result is None and client_result is None
         server_frames = await frames_in(bytes(server_rec.sent))
         client_frames = await frames_in(bytes(client_rec.sent))
-        assert [f.kind for f in server_frames] == [Kind.HELLO, Kind.WELCOME, Kind.PONG]
-        assert [f.kind for f in client_frames] == [Kind.AUTH, Kind.PING]
+        assert [f.kind for f in server_frames] == [Kind.HELLO, Kind.WELCOME, Kind.DATA]
+        assert [f.kind for f in client_frames] == [Kind.AUTH, Kind.GET]
     run(main)
 
 
