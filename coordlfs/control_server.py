@@ -31,7 +31,7 @@ import errno
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -353,17 +353,6 @@ def require(request: dict[str, Any], name: str, kind: type, optional: bool = Fal
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise RequestError(f'"{name}" must be {_KINDS.get(kind, kind.__name__)}')
     return value
-
-
-def member_id(request: dict[str, Any], caller: Caller, members: Mapping[int, Any],
-              what: str) -> int:
-    """The request's ``"member"`` id, once the caller may act on that member (each member
-    records the ``uid`` that created it). An unknown id passes: the command reports it."""
-    member = require(request, "member", int)
-    found = members.get(member)
-    if found is not None:
-        caller.use(found.uid, f"{what} {member}")
-    return member
 
 
 def process_id(request: dict[str, Any], caller: Caller, key: str = "pid") -> int:

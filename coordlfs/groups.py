@@ -23,20 +23,19 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from coordlfs import membership
 from coordlfs.control_server import (
     Access,
     Caller,
     ControlServer,
-    Refused,
     RequestError,
-    member_id,
     process_id,
     require,
 )
+from coordlfs.membership import Memberships, job_argument, member_argument, name_argument
 from coordlfs.order import SEED_LIMIT, epoch_order
 from coordlfs.processes import process_alive
 
-MAX_NAME = 128
 #: How far up the process tree a reader is looked for: the job, its DataLoader workers, and
 #: helper processes of those.
 ANCESTRY_DEPTH = 4
@@ -55,15 +54,8 @@ class EpochProfile:
 
 
 @dataclass(slots=True)
-class Member:
-    id: int
-    group: str
-    pid: int
-    job: str
+class Member(membership.Member):
     joined: float
-    #: the uid that created the membership: only it (or root, or the mount's owner) may act
-    #: on it
-    uid: int
     #: the epoch the member said it started (``group.epoch``), and the furthest position in
     #: that epoch's order it has opened
     epoch: int = -1
@@ -75,12 +67,8 @@ class Member:
 
 
 @dataclass(slots=True)
-class Group:
-    name: str
+class Group(membership.Group[Member]):
     seed: int
-    #: the uid of the job that created it: a group's members are all this user's
-    uid: int
-    members: dict[int, Member] = field(default_factory=dict)
     #: the dataset's files (paths relative to the mount), as the members index them; the
     #: order of an epoch is ``epoch_order(seed, epoch, len(files))`` over this list
     files: list[bytes] = field(default_factory=list)
@@ -115,13 +103,6 @@ def parent_pid(pid: int) -> int | None:
         return None
 
 
-def name_argument(request: dict[str, Any], key: str) -> str:
-    value = require(request, key, str)
-    if not 0 < len(value) <= MAX_NAME or not value.isprintable():
-        raise RequestError(f'"{key}" must be 1 to {MAX_NAME} printable characters')
-    return value
-
-
 def _count(request: dict[str, Any], key: str) -> int:
     value = require(request, key, int)
     if value < 0:
@@ -136,13 +117,10 @@ def _seconds(request: dict[str, Any], key: str) -> float:
     return float(value)
 
 
-class Groups:
+class Groups(Memberships[Group, Member]):
     def __init__(self, alive: Callable[[int], bool] = process_alive) -> None:
-        self.groups: dict[str, Group] = {}
-        self.members: dict[int, Member] = {}
+        super().__init__(alive)
         self.profiles: dict[tuple[str, int], dict[int, EpochProfile]] = {}
-        self._alive = alive
-        self._next_id = 1
         #: reader pid -> member (or None); cleared when membership changes
         self._readers: dict[int, Member | None] = {}
         #: called with each member that leaves or dies (the read window drops its claims)
@@ -154,33 +132,21 @@ class Groups:
              uid: int | None = None) -> Member:
         """Add ``pid`` (a process of ``uid``, default the daemon's) to group ``name``."""
         uid = os.getuid() if uid is None else uid
-        if not self._alive(pid):
-            raise RequestError(f"no process {pid}")
-        group = self.groups.get(name)
+        group = self.group_to_join(name, pid, uid)
         if group is None:
-            group = self.groups[name] = Group(name, secrets.randbelow(SEED_LIMIT)
-                                              if seed is None else seed, uid)
-        elif group.uid != uid:
-            raise Refused(f"group {name!r} belongs to another user: a group's members are "
-                          "one user's jobs")
+            group = Group(name, uid, secrets.randbelow(SEED_LIMIT) if seed is None else seed)
         elif seed is not None and seed != group.seed:
             raise RequestError(f"group {name!r} has seed {group.seed}; join without a seed "
                                "to take it")
-        member = Member(self._next_id, name, pid, job, time.time(), uid)
-        self._next_id += 1
+        member = Member(self.new_id(), name, pid, job, uid, time.time())
         for other in group.members.values():
             other.partners.add(job)
-        group.members[member.id] = member
-        self.members[member.id] = member
+        self.enrol(group, member)
         self._readers.clear()
         return member
 
     def leave(self, member_id: int) -> None:
-        member = self.members.pop(member_id, None)
-        if member is None:
-            raise RequestError(f"no member {member_id}")
-        group = self.groups[member.group]
-        del group.members[member_id]
+        member, group = self.unenrol(member_id)
         if not group.members:
             del self.groups[member.group]
         self._readers.clear()
@@ -189,7 +155,7 @@ class Groups:
 
     def reap(self) -> list[Member]:
         """Drop members whose process is gone; returns them."""
-        dead = [m for m in self.members.values() if not self._alive(m.pid)]
+        dead = self.dead()
         for member in dead:
             self.leave(member.id)
         return dead
@@ -227,7 +193,7 @@ class Groups:
     def add_files(self, member_id: int, offset: int, paths: list[bytes], total: int) -> Group:
         """Take part of the dataset's file list from one member. Members may send theirs at
         the same time, each in chunks; the first complete list becomes the group's."""
-        member = self._member(member_id)
+        member = self.member(member_id)
         group = self.groups[member.group]
         if group.total_files is not None and group.total_files != total:
             raise RequestError(f"group {group.name!r} has {group.total_files} files, not "
@@ -249,7 +215,7 @@ class Groups:
         return group
 
     def start_epoch(self, member_id: int, epoch: int) -> None:
-        member = self._member(member_id)
+        member = self.member(member_id)
         group = self.groups[member.group]
         member.epoch, member.position = epoch, -1
         member.partners = {m.job for m in group.members.values() if m.id != member.id}
@@ -271,12 +237,6 @@ class Groups:
         lead = group.lead()
         member.position = max(member.position, group.position_of[item])
         return member.position > lead
-
-    def _member(self, member_id: int) -> Member:
-        member = self.members.get(member_id)
-        if member is None:
-            raise RequestError(f"no member {member_id}")
-        return member
 
     # -- profiles ---------------------------------------------------------------------
 
@@ -315,14 +275,14 @@ def register_commands(server: ControlServer, groups: Groups) -> None:
     """
 
     def mine(request: dict, caller: Caller) -> int:
-        return member_id(request, caller, groups.members, "member")
+        return member_argument(request, caller, groups)
 
     def join(request: dict, caller: Caller) -> dict:
         seed = require(request, "seed", int, optional=True)
         if seed is not None and not 0 <= seed < SEED_LIMIT:
             raise RequestError('"seed" must be in [0, 2**64)')
         pid = process_id(request, caller)
-        job = name_argument(request, "job") if request.get("job") is not None else f"pid-{pid}"
+        job = job_argument(request, pid)
         member = groups.join(name_argument(request, "group"), pid, job, seed, caller.uid)
         group = groups.groups[member.group]
         return {"group": group.name, "seed": group.seed, "member": member.id,

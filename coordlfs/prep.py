@@ -36,18 +36,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordlfs import membership
 from coordlfs.control_server import (
     Access,
     Caller,
     ControlServer,
     Handler,
-    Refused,
     RequestError,
-    member_id,
     process_id,
     require,
 )
-from coordlfs.groups import name_argument
+from coordlfs.membership import Memberships, job_argument, member_argument, name_argument
 from coordlfs.order import SEED_LIMIT, batch_count
 from coordlfs.processes import process_alive
 
@@ -88,15 +87,11 @@ class Epoch:
 
 
 @dataclass(slots=True)
-class PrepMember:
-    id: int
-    group: str
-    pid: int
-    job: str
+class PrepMember(membership.Member):
+    """A job in a prep group; its reservations count against its uid's share of the staging
+    area."""
+
     last_seen: float
-    #: the uid that created the membership: only it (or root, or the mount's owner) may act
-    #: on it, and its reservations count against that user's share of the staging area
-    uid: int
     #: asked for its next epoch and waits for the group to start it
     waiting_since: float | None = None
     epoch: int | None = None
@@ -116,8 +111,7 @@ class PrepMember:
 
 
 @dataclass(slots=True)
-class PrepGroup:
-    name: str
+class PrepGroup(membership.Group[PrepMember]):
     number: int
     samples: int
     batch_size: int
@@ -127,9 +121,6 @@ class PrepGroup:
     #: the seed of the batches' order: epoch e's batches are ``coordlfs.order.epoch_order(seed,
     #: e, samples)`` cut into ``batch_size`` pieces
     seed: int
-    #: the uid of the job that created it: a group's members are all this user's
-    uid: int
-    members: dict[int, PrepMember] = field(default_factory=dict)
     epoch: Epoch | None = None
     last_epoch: int = -1
 
@@ -138,23 +129,23 @@ class PrepGroup:
         return batch_count(self.samples, self.batch_size, self.drop_last)
 
 
-class Prep:
+class Prep(Memberships[PrepGroup, PrepMember]):
     """Every prep group of the mount, their epochs, and the staging area's bound."""
+
+    group_noun = "prep group"
+    member_noun = "prep member"
 
     def __init__(self, capacity: int, root: str = STAGING_ROOT,
                  alive: Callable[[int], bool] = process_alive,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(alive)
         self.capacity = capacity
         self.directory = os.path.join(root, str(os.getpid()))
-        self.groups: dict[str, PrepGroup] = {}
-        self.members: dict[int, PrepMember] = {}
         self.used = 0
         self.peak = 0
         self.counters = {"published": 0, "released": 0, "taken_over": 0, "expelled": 0,
                          "full": 0}
-        self._alive = alive
         self._clock = clock
-        self._next_id = 1
         self._next_group = 1
         _remove_stale(root)
 
@@ -165,17 +156,11 @@ class Prep:
              uid: int | None = None) -> PrepMember:
         """Add ``pid`` (a process of ``uid``, default the daemon's) to prep group ``name``."""
         uid = os.getuid() if uid is None else uid
-        if not self._alive(pid):
-            raise RequestError(f"no process {pid}")
-        group = self.groups.get(name)
+        group = self.group_to_join(name, pid, uid)
         if group is None:
-            group = self.groups[name] = PrepGroup(name, self._next_group, samples, batch_size,
-                                                  drop_last, min_members, hang_floor_s,
-                                                  secrets.randbelow(SEED_LIMIT), uid)
+            group = PrepGroup(name, uid, self._next_group, samples, batch_size, drop_last,
+                              min_members, hang_floor_s, secrets.randbelow(SEED_LIMIT))
             self._next_group += 1
-        elif group.uid != uid:
-            raise Refused(f"prep group {name!r} belongs to another user: a group's members "
-                          "are one user's jobs")
         elif (group.samples, group.batch_size, group.drop_last) != (samples, batch_size,
                                                                      drop_last):
             raise RequestError(
@@ -183,19 +168,14 @@ class Prep:
                 f"{group.batch_size} (drop_last {str(group.drop_last).lower()}); a job "
                 "must use the same dataset, batch size and drop_last to share batches")
         group.min_members = max(group.min_members, min_members)
-        now = self._clock()
-        member = PrepMember(self._next_id, name, pid, job, now, uid,
-                            rng=random.Random(self._next_id))
-        self._next_id += 1
-        group.members[member.id] = member
-        self.members[member.id] = member
+        member_id = self.new_id()
+        member = PrepMember(member_id, name, pid, job, uid, self._clock(),
+                            rng=random.Random(member_id))
+        self.enrol(group, member)
         return member
 
     def leave(self, member_id: int, why: str = "left") -> None:
-        member = self._member(member_id)
-        group = self.groups[member.group]
-        del self.members[member_id]
-        del group.members[member_id]
+        member, group = self.unenrol(member_id)
         log.info("prep member %d (%s, pid %d) of group %s %s", member.id, member.job,
                  member.pid, group.name, why)
         epoch = group.epoch
@@ -218,16 +198,12 @@ class Prep:
     def tick(self) -> list[PrepMember]:
         """Drop members whose process is gone or that stopped asking; returns them."""
         now = self._clock()
-        gone = []
-        for member in list(self.members.values()):
-            if not self._alive(member.pid):
-                self.leave(member.id, "is gone")
-            elif self._hung(member, now):
-                self.counters["expelled"] += 1
-                self.leave(member.id, f"sent nothing for {now - member.last_seen:.1f} s: "
-                                      "expelled")
-            else:
-                continue
+        gone = self.dead()
+        for member in gone:
+            self.leave(member.id, "is gone")
+        for member in [m for m in self.members.values() if self._hung(m, now)]:
+            self.counters["expelled"] += 1
+            self.leave(member.id, f"sent nothing for {now - member.last_seen:.1f} s: expelled")
             gone.append(member)
         for group in list(self.groups.values()):
             self._maybe_start_epoch(group, now)
@@ -454,14 +430,11 @@ class Prep:
     def _batch_path(epoch: Epoch, batch: int, member_id: int) -> str:
         return os.path.join(epoch.directory, f"{batch}-{member_id}.pt")
 
-    def _member(self, member_id: int) -> PrepMember:
-        member = self.members.get(member_id)
-        if member is None:
-            raise RequestError(f"no prep member {member_id} (left, died or was expelled)")
-        return member
+    def missing(self, member_id: int) -> str:
+        return f"no prep member {member_id} (left, died or was expelled)"
 
     def _seen(self, member_id: int) -> PrepMember:
-        member = self._member(member_id)
+        member = self.member(member_id)
         member.last_seen = self._clock()
         return member
 
@@ -542,7 +515,7 @@ def register_commands(server: ControlServer, prep: Prep) -> None:
         if isinstance(floor, bool) or not isinstance(floor, int | float) or not (
                 0.1 <= floor <= 86400):
             raise RequestError('"hang_timeout_s" must be seconds from 0.1 to 86400')
-        job = name_argument(request, "job") if request.get("job") is not None else f"pid-{pid}"
+        job = job_argument(request, pid)
         member = prep.join(name_argument(request, "group"), pid, job, samples, batch_size,
                            drop_last, min_members, float(floor), caller.uid)
         group = prep.groups[member.group]
@@ -559,7 +532,7 @@ def register_commands(server: ControlServer, prep: Prep) -> None:
         return value
 
     def mine(request: dict, caller: Caller) -> int:
-        return member_id(request, caller, prep.members, "prep member")
+        return member_argument(request, caller, prep)
 
     def reserve(request: dict, caller: Caller) -> dict:
         size = require(request, "bytes", int)
