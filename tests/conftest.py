@@ -3,27 +3,28 @@
 from __future__ import annotations
 
 import contextlib
-import json
+import itertools
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import xxhash
 
-from coordlfs.bench.counters import drop_caches  # noqa: F401 (tests import it from here)
-from coordlfs.bench.dataset import DatasetSpec, ensure_dataset
-from coordlfs.bench.mounts import logged_errors
-from coordlfs.mounting import mount_at
-from coordlfs.processes import process_alive, wait_exit
+from coordlfs.errors import UserError
+from coordlfs.testbed.dataset import DatasetSpec, ensure_dataset
+from coordlfs.testbed.logs import logged_errors
+from coordlfs.testbed.mounts import Mount, mounted
+from coordlfs.testbed.mounts import stop_daemon as force_unmount
+from coordlfs.testbed.storage import drop_caches
+
+#: Tests import these from here.
+__all__ = ["Mount", "drop_caches", "force_unmount"]
 
 COORDLFS = [sys.executable, "-m", "coordlfs"]
 
@@ -116,7 +117,7 @@ def run_as_other_user(argv: Sequence[str | os.PathLike[str]],
 
 
 def make_dataset(root: Path, files: int, seed: int = 0) -> dict[str, int]:
-    """Image-sized files in class folders (coordlfs.bench.dataset); relative path -> size."""
+    """Image-sized files in class folders (coordlfs.testbed.dataset); relative path -> size."""
     return dict(ensure_dataset(root, DatasetSpec(files, classes=4, seed=seed)).files)
 
 
@@ -140,73 +141,27 @@ def digests(root: Path) -> dict[str, str]:
     return out
 
 
-@dataclass
-class Mount:
-    source: Path
-    mountpoint: Path
-    cache_dir: Path
-    log: Path
-    pid: int
-
-    def status(self) -> dict:
-        return json.loads((self.mountpoint / ".coordlfs").read_bytes())
-
-
-def force_unmount(mountpoint: Path, pid: int | None) -> None:
-    """Lazy unmount, then SIGTERM, then SIGKILL: whatever state the test left the mount in.
-
-    An unmounted daemon gets a few seconds to exit by itself first, so that its log is
-    complete (and its shutdown not cut short) when the test's logs are read.
-    """
-    subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
-    if pid is None:
-        return
-    for sig, wait in ((None, 5.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        if not process_alive(pid):
-            return
-        if sig is not None:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                return
-        wait_exit(pid, wait)
-
-
 @pytest.fixture
 def mount(tmp_path: Path, daemon_logs: list[Path]) -> Iterator:
-    """Factory: ``mount(source, *options)`` mounts coordlfs for real and returns a Mount.
+    """Factory: ``mount(source, *options)`` mounts coordlfs for real (``testbed.mounts``)
+    and returns a Mount; after the test every mount is taken down, its daemon stopped, and
+    each log is checked for errors (``daemon_logs``)."""
+    with contextlib.ExitStack() as stack:
+        made = itertools.count()
 
-    Each mount's log is checked for errors after the test (``daemon_logs``)."""
-    made: list[Mount] = []
-    tried: list[Path] = []
-    cache_dirs: list[Path] = []
+        def _mount(source: Path, *options: str, mountpoint: Path | None = None,
+                   cache_dir: Path | None = None, enter: tuple[str, ...] = ()) -> Mount:
+            n = next(made)
+            log = tmp_path / f"mount{n}.log"
+            daemon_logs.append(log)
+            try:
+                return stack.enter_context(mounted(
+                    source, mountpoint or tmp_path / f"mnt{n}", log, *options,
+                    cache_dir=cache_dir, enter=enter))
+            except UserError as e:
+                pytest.fail(f"{e}\n{log.read_text() if log.exists() else ''}")
 
-    def _mount(source: Path, *options: str, mountpoint: Path | None = None,
-               cache_dir: Path | None = None, enter: tuple[str, ...] = ()) -> Mount:
-        n = len(made)
-        mp = mountpoint or tmp_path / f"mnt{n}"
-        mp.mkdir(exist_ok=True)
-        cache = cache_dir or Path("/dev/shm") / f"coordlfs-test-{uuid.uuid4().hex[:12]}"
-        cache_dirs.append(cache)
-        log = tmp_path / f"mount{n}.log"
-        daemon_logs.append(log)
-        tried.append(mp)
-        result = run_cli("mount", str(source), str(mp), "--cache-dir", str(cache),
-                         "--log", str(log), *options, enter=enter)
-        assert result.returncode == 0, result.stderr + (log.read_text() if log.exists() else "")
-        status = json.loads((mp / ".coordlfs").read_bytes())
-        m = Mount(source, mp, cache, log, status["pid"])
-        made.append(m)
-        return m
-
-    yield _mount
-    for m in made:
-        force_unmount(m.mountpoint, m.pid)
-    for mp in tried:  # a mount that failed half-way (a timeout) may have left its daemon
-        if mount_at(str(mp)) is not None:
-            force_unmount(mp, None)
-    for cache in cache_dirs:
-        shutil.rmtree(cache, ignore_errors=True)
+        yield _mount
 
 
 @pytest.fixture

@@ -29,10 +29,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from coordlfs.bench.cgroup import memory_cgroup, remove_stale
 from coordlfs.bench.children import running, stop_children
-from coordlfs.bench.counters import drop_caches, process_bytes_read
-from coordlfs.bench.dataset import Dataset, epoch_orders
+from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.epochs import (
     DAEMON_BASE_BYTES,
     DAEMON_BYTES_PER_FILE,
@@ -44,13 +42,16 @@ from coordlfs.bench.epochs import (
     load_dataset,
     parse_throttle,
 )
-from coordlfs.bench.mounts import coordlfs_mount
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.control import Control
 from coordlfs.errors import UserError
 from coordlfs.order import epoch_order
 from coordlfs.sizes import format_size
 from coordlfs.stagger import JobProfile, optimal_delay, standalone_runtime
+from coordlfs.testbed.cgroup import memory_cgroup, remove_stale
+from coordlfs.testbed.dataset import Dataset, epoch_orders
+from coordlfs.testbed.mounts import mounted
+from coordlfs.testbed.storage import drop_caches
 
 CGROUP_PREFIX = "coordlfs-aligned"
 SYSTEMS = ("page cache", "coordlfs", "coordlfs aligned", "coordlfs staggered")
@@ -229,9 +230,9 @@ def run_system(system: str, plan: Plan, dataset: Dataset, cache: int, window: in
         base, group = dataset.root, None
         if system != "page cache":
             base = work / "mnt"
-            control = stack.enter_context(coordlfs_mount(
-                dataset.root, base, cache, work / "mount.log", "--window-size", str(window)))
-            daemon = control.status()["pid"]
+            daemon = stack.enter_context(mounted(
+                dataset.root, base, work / "mount.log", "--cache-size", str(cache),
+                "--window-size", str(window))).pid
             cgroup.add(daemon)
             storage_pids.append(daemon)
             group = f"bench-{os.getpid()}" if system != "coordlfs" else None

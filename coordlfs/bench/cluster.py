@@ -3,7 +3,7 @@
 Each node has its own copy of the dataset (as each server of a cluster has its own disk),
 its own storage throttle and memory budget (a cgroup), its own reader processes and, for
 coordlfs, its own mount whose daemon lives in the node's network namespace
-(``coordlfs.bench.netns``) behind a link shaped with tc. Every epoch the nodes read the shares
+(``coordlfs.testbed.netns``) behind a link shaped with tc. Every epoch the nodes read the shares
 ``DistributedSampler`` would give them (``epoch_order(seed, epoch)[rank::N]``) at the same
 time, and the epoch ends when the slowest node finishes, as synchronous training does. Three
 systems: the page cache; MinIO alone (each node caches what it reads); MinIO with peers (a
@@ -34,10 +34,8 @@ import trio
 
 from coordlfs.bench.aligned import Plan as JobPlan
 from coordlfs.bench.aligned import budget_for
-from coordlfs.bench.cgroup import memory_cgroup, remove_stale
 from coordlfs.bench.children import running
-from coordlfs.bench.counters import drop_caches, process_bytes_read
-from coordlfs.bench.dataset import Dataset
+from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.epochs import (
     Readers,
     add_training_arguments,
@@ -46,10 +44,6 @@ from coordlfs.bench.epochs import (
     load_dataset,
     parse_throttle,
 )
-from coordlfs.bench.mounts import coordlfs_mount
-from coordlfs.bench.netns import Node, cluster_network, rate_bits
-from coordlfs.bench.netns import check_can_run as check_netns
-from coordlfs.bench.netns import remove_stale as remove_stale_network
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.control import Control
 from coordlfs.errors import UserError
@@ -58,6 +52,13 @@ from coordlfs.peer_wire import MAX_CHUNK, Get, Kind
 from coordlfs.peers import PeerLink
 from coordlfs.placement import Address, owner
 from coordlfs.sizes import format_size
+from coordlfs.testbed.cgroup import memory_cgroup, remove_stale
+from coordlfs.testbed.dataset import Dataset
+from coordlfs.testbed.mounts import mounted
+from coordlfs.testbed.netns import Node, cluster_network, rate_bits
+from coordlfs.testbed.netns import check_can_run as check_netns
+from coordlfs.testbed.netns import remove_stale as remove_stale_network
+from coordlfs.testbed.storage import drop_caches
 
 CGROUP_PREFIX = "coordlfs-cluster"
 SYSTEMS = ("page cache", "minio", "minio+peers")
@@ -185,9 +186,10 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                                 "--secret-file", str(_secret(work))]
                     enter = net[i].enter()
                 base = work / f"mnt{i}"
-                control = stack.enter_context(coordlfs_mount(
-                    root, base, plan.cache, work / f"mount{i}.log", *options, enter=enter))
-                daemon = control.status()["pid"]
+                mount = stack.enter_context(mounted(
+                    root, base, work / f"mount{i}.log", "--cache-size", str(plan.cache),
+                    *options, enter=enter))
+                daemon, control = mount.pid, mount.control
                 cgroup.add(daemon)
                 storage_pids.append([daemon])
                 controls.append(control)
@@ -308,8 +310,9 @@ def throughput(work: Path) -> dict[str, float]:
     cache = 2 * THROUGHPUT_BYTES
     with contextlib.ExitStack() as stack:
         for i, root in enumerate(roots):
-            stack.enter_context(coordlfs_mount(
-                root, work / f"tpmnt{i}", cache, work / f"tp{i}.log", "--listen",
+            stack.enter_context(mounted(
+                root, work / f"tpmnt{i}", work / f"tp{i}.log", "--cache-size", str(cache),
+                "--listen",
                 str(nodes[i]), "--peers", peers, "--insecure", "--max-file-size", str(cache)))
         (work / "tpmnt1" / name).read_bytes()  # node 1 caches it
         drop_caches()

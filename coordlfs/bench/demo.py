@@ -37,22 +37,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from coordlfs.bench.cgroup import memory_cgroup, remove_stale
-from coordlfs.bench.counters import (
-    BlockDevice,
-    block_device,
-    drop_caches,
-    measure_reads,
-    process_bytes_read,
-)
-from coordlfs.bench.dataset import Dataset, DatasetSpec, ensure_dataset, epoch_orders
+from coordlfs.bench.counters import measure_reads, process_bytes_read
 from coordlfs.bench.locking import exclusive
-from coordlfs.bench.mounts import coordlfs_mount, unmount_if_mounted
 from coordlfs.bench.reading import read_files
 from coordlfs.control import Control
 from coordlfs.errors import UserError, exit_status
 from coordlfs.mounting import free_space
 from coordlfs.sizes import format_size, parse_size
+from coordlfs.testbed.cgroup import memory_cgroup, remove_stale
+from coordlfs.testbed.dataset import Dataset, DatasetSpec, ensure_dataset, epoch_orders
+from coordlfs.testbed.mounts import mounted, unmount_if_mounted
+from coordlfs.testbed.storage import BlockDevice, block_device, drop_caches
 
 DEFAULT_DIR = "/var/tmp/coordlfs-demo"
 #: Our cgroups are ``<prefix>-<pid>[-daemon]``, so that a later run can remove a killed run's.
@@ -256,9 +251,9 @@ def run_coordlfs(dataset: Dataset, orders: list[list[str]], budget: int, device:
     print("coordlfs (same reader and limit, caches dropped before each epoch):", flush=True)
     mountpoint = workdir / "mnt"
     with contextlib.ExitStack() as stack:
-        control = stack.enter_context(
-            coordlfs_mount(dataset.root, mountpoint, budget, workdir / "mount.log"))
-        daemon = control.status()["pid"]
+        mount = stack.enter_context(mounted(dataset.root, mountpoint, workdir / "mount.log",
+                                            "--cache-size", str(budget)))
+        daemon, control = mount.pid, mount.control
         if read_bps is not None:
             stack.enter_context(memory_cgroup(f"{CGROUP_PREFIX}-{os.getpid()}-daemon", None,
                                               daemon, read_bps=read_bps,

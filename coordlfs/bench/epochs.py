@@ -31,15 +31,16 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from coordlfs.bench.cgroup import Cgroup, memory_cgroup, remove_stale
 from coordlfs.bench.children import running, stop_children
-from coordlfs.bench.counters import drop_caches, process_bytes_read
-from coordlfs.bench.dataset import Dataset, DatasetSpec, ensure_dataset, epoch_orders
-from coordlfs.bench.mounts import coordlfs_mount
+from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.bench.reading import read_files
 from coordlfs.errors import UserError
 from coordlfs.sizes import format_size, parse_size
+from coordlfs.testbed.cgroup import Cgroup, memory_cgroup, remove_stale
+from coordlfs.testbed.dataset import Dataset, DatasetSpec, ensure_dataset, epoch_orders
+from coordlfs.testbed.mounts import mounted
+from coordlfs.testbed.storage import drop_caches
 
 CGROUP_PREFIX = "coordlfs-epochs"
 #: Batches each reader works ahead of the trainer (DataLoader's prefetch_factor).
@@ -353,8 +354,9 @@ def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path) 
         capacity = cache_size_for(budget, dataset, memory, settings.readers)
         print(f"  coordlfs cache {format_size(capacity)} = budget {format_size(budget)} - "
               f"readers {format_size(memory)} - daemon and page headroom", flush=True)
-        with coordlfs_mount(dataset.root, mountpoint, capacity, work / "mount.log") as control:
-            daemon = control.status()["pid"]
+        with mounted(dataset.root, mountpoint, work / "mount.log",
+                     "--cache-size", str(capacity)) as mount:
+            daemon = mount.pid
             cgroup.add(daemon)
             cgroup.set_memory_limit(budget)
             drop_caches()

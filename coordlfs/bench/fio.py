@@ -45,15 +45,15 @@ from pathlib import Path
 from typing import Any
 
 from coordlfs.bench.children import stop_group
-from coordlfs.bench.counters import drop_caches
-from coordlfs.bench.dataset import clear_dataset, intact, read_manifest, write_manifest
 from coordlfs.bench.locking import exclusive
-from coordlfs.bench.mounts import coordlfs_mount, unmount_if_mounted
 from coordlfs.bench.reading import read_files
 from coordlfs.control import Control
 from coordlfs.errors import UserError, exit_status
 from coordlfs.mounting import free_space
 from coordlfs.sizes import format_size, parse_size
+from coordlfs.testbed.dataset import clear_dataset, intact, read_manifest, write_manifest
+from coordlfs.testbed.mounts import mounted, unmount_if_mounted
+from coordlfs.testbed.storage import drop_caches
 
 DEFAULT_DIR = "/var/tmp/coordlfs-fio"
 #: The job files, in the checkout this package is installed from (editable, by scripts/setup).
@@ -70,7 +70,7 @@ READ_BUFFER = 1 << 20
 #: The metadata job's PRERUN: drop the caches after fio's set-up stat'ed every file, so that
 #: its stats are cold lookups (the same drop_caches as before every run).
 DROP_CACHES_COMMAND = (f"{shlex.quote(sys.executable)} -c "
-                       "'from coordlfs.bench.counters import drop_caches; drop_caches()'")
+                       "'from coordlfs.testbed.storage import drop_caches; drop_caches()'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +297,7 @@ def expected_ios(settings: Settings, job: Job) -> int:
 def prepare_layout(settings: Settings, scratch: Path) -> bool:
     """Have fio lay out the files in ``settings.data``; returns True if they were reused.
 
-    The directory carries a dataset manifest (``coordlfs.bench.dataset``'s), written as
+    The directory carries a dataset manifest (``coordlfs.testbed.dataset``'s), written as
     incomplete before fio starts and complete after, so that files of other settings or of
     an interrupted run are removed and laid out again, and a directory that is not ours is
     never touched.
@@ -375,8 +375,9 @@ def measure(settings: Settings) -> dict[str, Any]:
         targets = {"source": settings.data, "coordlfs": settings.mountpoint}
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {
             (job.name, target): [] for job in JOBS for target in TARGETS}
-        with coordlfs_mount(settings.data, settings.mountpoint, capacity,
-                            settings.directory / "mount.log") as control:
+        with mounted(settings.data, settings.mountpoint, settings.directory / "mount.log",
+                     "--cache-size", str(capacity)) as mount:
+            control = mount.control
             print(f"bench-fio: warming coordlfs's cache ({format_size(settings.total_bytes)})",
                   flush=True)
             status = warm(settings, control)

@@ -34,15 +34,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
-from coordlfs.bench.dataset import DatasetSpec, ensure_dataset
-from coordlfs.bench.mounts import log_size, warn_of_logged_errors
 from coordlfs.bench.reading import read_files
 from coordlfs.daemon import READ_AHEAD_KB
 from coordlfs.errors import UserError
-from coordlfs.mounting import mount_at, set_read_ahead
+from coordlfs.mounting import set_read_ahead
 from coordlfs.sizes import format_size, parse_size, physical_memory
+from coordlfs.testbed.dataset import DatasetSpec, ensure_dataset
+from coordlfs.testbed.logs import log_size, warn_of_logged_errors
+from coordlfs.testbed.mounts import mounted, stop_daemon, uninterrupted
 
 #: The goal from the issue: cache-served hits at 90% of the bare pyfuse3 ceiling or better.
 GOAL = 0.9
@@ -50,7 +52,6 @@ GOAL = 0.9
 CHUNK = 1 << 20
 #: Seconds a daemon may take to mount (memfs first loads the whole dataset into memory).
 START_TIMEOUT = 300.0
-STOP_TIMEOUT = 30.0
 #: Seconds one measured run may take before the benchmark gives up on a hung mount.
 RUN_TIMEOUT = 600.0
 #: Attempts at a run before one disturbed by someone else's drop_caches is kept anyway.
@@ -279,40 +280,30 @@ def _wait_ready(name: str, process: subprocess.Popen, log: str) -> None:
     raise UserError(f"{name} did not mount: {_log_tail(log)}")
 
 
-def _stop(process: subprocess.Popen, mountpoint: str) -> None:
-    """SIGTERM (the daemon unmounts), then lazy unmount and SIGKILL if it does not."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True)
-            process.kill()
-            process.wait()
-    if mount_at(mountpoint) is not None:
-        subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True)
-    if process.stdout is not None:
-        process.stdout.close()
-
-
 @contextlib.contextmanager
-def daemon(name: str, argv: list[str], mountpoint: str, log: str) -> Iterator[subprocess.Popen]:
-    """Run a foreground FUSE daemon until the block ends; it is always stopped and unmounted.
-
-    Its own session keeps a Ctrl-C at the terminal away from it: we stop it, by its pid.
+def baseline(kind: str, source: str, mountpoint: str, log: str) -> Iterator[int]:
+    """Serve a bare pyfuse3 baseline (``coordlfs.bench.baselines``) until the block ends;
+    yields its pid. It is not coordlfs, so ``coordlfs mount`` cannot start it: it runs in the
+    foreground and says ``ready`` on stdout. It stops as every test and bench daemon does
+    (``stop_daemon``); its own session keeps a Ctrl-C at the terminal away from it.
     Errors it logged are a warning on stderr: its log goes with the bench's directory.
     """
     offset = log_size(log)
     with open(log, "ab") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", *argv], stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.PIPE, stderr=log_file,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "coordlfs.bench.baselines", kind, source, mountpoint],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_file,
+            start_new_session=True)
     try:
-        _wait_ready(name, process, log)
-        yield process
+        _wait_ready(kind, process, log)
+        yield process.pid
     finally:
-        _stop(process, mountpoint)
-        warn_of_logged_errors(log, offset, name, kept=False)
+        with uninterrupted():
+            stop_daemon(mountpoint, process.pid)
+            process.wait()
+            assert process.stdout is not None
+            process.stdout.close()
+            warn_of_logged_errors(log, offset, kind, kept=False)
 
 
 # -- measuring ----------------------------------------------------------------------------
@@ -578,14 +569,6 @@ class Bench:
             return json.loads(f.read())
 
 
-def _coordlfs_argv(settings: Settings, dataset: Dataset, mountpoint: str, cache_dir: str,
-                   log: str) -> list[str]:
-    # Room for everything with a margin, and no per-file limit: every file must be a hit.
-    room = str(dataset.total_bytes + (64 << 20))
-    return ["coordlfs", "mount", dataset.root, mountpoint, "--foreground", "--cache-size", room,
-            "--max-file-size", room, "--cache-dir", cache_dir, "--log", log]
-
-
 def _check_memory(dataset: Dataset) -> None:
     # tmpfs copy + memfs's dict + coordlfs's cache + page cache of the warm cases
     need = 5 * dataset.total_bytes
@@ -613,12 +596,15 @@ def _start_all(stack: contextlib.ExitStack, settings: Settings, dataset: Dataset
         os.mkdir(mountpoint)
         stack.callback(os.rmdir, mountpoint)  # runs after the unmount below: an empty dir
         log = os.path.join(work, f"{system}.log")
-        if system == "coordlfs":
-            argv = _coordlfs_argv(settings, dataset, mountpoint, cache_dir, log)
-        else:
-            argv = ["coordlfs.bench.baselines", system, dataset.root, mountpoint]
         print(f"mounting {system} on {mountpoint}", flush=True)
-        pids[system] = stack.enter_context(daemon(system, argv, mountpoint, log)).pid
+        if system == "coordlfs":
+            # Room for everything with a margin, and no per-file limit: every file a hit.
+            room = str(dataset.total_bytes + (64 << 20))
+            pids[system] = stack.enter_context(mounted(
+                Path(dataset.root), Path(mountpoint), Path(log), "--cache-size", room,
+                "--max-file-size", room, cache_dir=Path(cache_dir))).pid
+        else:
+            pids[system] = stack.enter_context(baseline(system, dataset.root, mountpoint, log))
         set_read_ahead(mountpoint, settings.read_ahead_kb)
         roots[system] = mountpoint
     return roots, pids

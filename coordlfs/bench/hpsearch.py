@@ -53,18 +53,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from coordlfs.bench.cgroup import controller_root, memory_cgroup, remove_stale
 from coordlfs.bench.children import running, stop_group
-from coordlfs.bench.counters import block_device, drop_caches, process_bytes_read
-from coordlfs.bench.dataset import Dataset
+from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.epochs import parse_throttle
 from coordlfs.bench.locking import exclusive
-from coordlfs.bench.mounts import coordlfs_mount, unmount_if_mounted
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.bench.reading import read_files
 from coordlfs.errors import UserError
 from coordlfs.order import batch_count
 from coordlfs.sizes import format_size
+from coordlfs.testbed.cgroup import controller_root, memory_cgroup, remove_stale
+from coordlfs.testbed.dataset import Dataset
+from coordlfs.testbed.mounts import mounted, unmount_if_mounted
+from coordlfs.testbed.storage import block_device, drop_caches
 
 CGROUP_PREFIX = "coordlfs-hpsearch"
 REGIMES = ("memory", "storage")
@@ -388,9 +389,8 @@ def run_config(images: Dataset, settings: Settings, regime: str, mode: str, coun
     cache = total if regime == "memory" else int(total * settings.cache)
     mountpoint = work / "mnt"
     with contextlib.ExitStack() as stack:
-        control = stack.enter_context(coordlfs_mount(images.root, mountpoint, cache,
-                                                     work / "mount.log"))
-        daemon = control.status()["pid"]
+        daemon = stack.enter_context(mounted(images.root, mountpoint, work / "mount.log",
+                                             "--cache-size", str(cache))).pid
         if regime == "memory":
             read_files(images.paths(mountpoint), bytearray(1 << 20))
         elif settings.throttle:

@@ -25,8 +25,8 @@ import torch
 from PIL import Image, ImageFilter
 from torch.utils.data import Dataset as TorchDataset
 
-from coordlfs.bench.dataset import Dataset, intact, read_manifest, rewrite, write_manifest
 from coordlfs.errors import UserError
+from coordlfs.testbed.dataset import Dataset, intact, read_manifest, rewrite, write_manifest
 
 #: Bumped when the images made from a spec change, so old datasets are remade.
 FORMAT = 1
@@ -100,7 +100,7 @@ def _listed(manifest: dict | None, spec: ImageSpec) -> list[tuple[str, int]] | N
 def ensure_jpegs(root: str | os.PathLike[str], spec: ImageSpec) -> Dataset:
     """The dataset of ``spec`` at ``root``: reused if intact, else (re)generated.
 
-    As ``coordlfs.bench.dataset.ensure_dataset``: a directory holding anything but a dataset
+    As ``coordlfs.testbed.dataset.ensure_dataset``: a directory holding anything but a dataset
     of ours is never touched, and one left half-written is remade. JPEG sizes are known only
     once encoded, so the complete manifest lists them.
     """

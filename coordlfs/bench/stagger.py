@@ -20,15 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from coordlfs.bench.aligned import CGROUP_PREFIX, Jobs, Plan, busy_per_iteration
-from coordlfs.bench.cgroup import memory_cgroup, remove_stale
 from coordlfs.bench.children import running
-from coordlfs.bench.counters import drop_caches
-from coordlfs.bench.dataset import Dataset
 from coordlfs.bench.epochs import check_can_run, load_dataset, parse_throttle
-from coordlfs.bench.mounts import coordlfs_mount
 from coordlfs.errors import UserError
 from coordlfs.sizes import format_size
 from coordlfs.stagger import JobProfile, delay_table, optimal_delay, standalone_runtime
+from coordlfs.testbed.cgroup import memory_cgroup, remove_stale
+from coordlfs.testbed.dataset import Dataset
+from coordlfs.testbed.mounts import mounted
+from coordlfs.testbed.storage import drop_caches
 
 DELAYS = [d / 10 for d in range(11)]
 
@@ -74,9 +74,9 @@ def run_pair(setup: Setup, which: tuple[int, ...], delays: tuple[float, ...]) \
     with memory_cgroup(name, None, None, read_bps=plan.throttle,
                        throttle_path=throttle_path) as cgroup, contextlib.ExitStack() as stack:
         base = setup.work / "mnt"
-        control = stack.enter_context(coordlfs_mount(setup.dataset.root, base, cache,
-                                                     setup.work / "mount.log"))
-        cgroup.add(control.status()["pid"])
+        cgroup.add(stack.enter_context(mounted(setup.dataset.root, base,
+                                               setup.work / "mount.log",
+                                               "--cache-size", str(cache))).pid)
         jobs = stack.enter_context(running(Jobs(plan, setup.dataset, str(base),
                                                 f"bench-{os.getpid()}",
                                                 tuple(setup.computes[w] for w in which),

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from coordlfs.bench.dataset import Dataset, DatasetSpec
 from coordlfs.bench.epochs import (
     DAEMON_BASE_BYTES,
     DAEMON_BYTES_PER_FILE,
@@ -25,6 +24,7 @@ from coordlfs.bench.epochs import (
 )
 from coordlfs.errors import UserError
 from coordlfs.mounting import mount_at
+from coordlfs.testbed.dataset import Dataset, DatasetSpec
 
 
 def test_budget_as_fraction_or_bytes() -> None:

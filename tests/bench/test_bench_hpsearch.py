@@ -18,7 +18,6 @@ import torch
 from PIL import Image
 
 from coordlfs.bench import build_parser, jpegs
-from coordlfs.bench.cgroup import cgroup_of
 from coordlfs.bench.hpsearch import (
     ConfigResult,
     check_can_run,
@@ -39,6 +38,7 @@ from coordlfs.bench.jpegs import (
 )
 from coordlfs.errors import UserError
 from coordlfs.mounting import mount_at
+from coordlfs.testbed.cgroup import cgroup_of
 
 BENCH = [sys.executable, "-m", "coordlfs", "bench", "hpsearch"]
 

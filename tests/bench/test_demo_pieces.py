@@ -12,18 +12,14 @@ from pathlib import Path
 import pytest
 from conftest import force_unmount
 
-from coordlfs.bench import cgroup as cgroup_mod
-from coordlfs.bench import counters
-from coordlfs.bench.cgroup import cgroup_of, memory_cgroup, remove_stale
-from coordlfs.bench.counters import (
-    block_device,
-    measure_reads,
-    parse_stat,
-    process_bytes_read,
-)
-from coordlfs.bench.dataset import MANIFEST, DatasetSpec, ensure_dataset, file_contents
+from coordlfs.bench.counters import measure_reads, process_bytes_read
 from coordlfs.errors import UserError
 from coordlfs.mounting import mount_at
+from coordlfs.testbed import cgroup as cgroup_mod
+from coordlfs.testbed import storage
+from coordlfs.testbed.cgroup import cgroup_of, memory_cgroup, remove_stale
+from coordlfs.testbed.dataset import MANIFEST, DatasetSpec, ensure_dataset, file_contents
+from coordlfs.testbed.storage import block_device, parse_stat
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="needs root")
@@ -116,14 +112,14 @@ def test_partition_resolves_to_its_disk(tmp_path: Path, monkeypatch: pytest.Monk
     links = tmp_path / "dev-block"
     links.mkdir()
     (links / "252:1").symlink_to(part)
-    monkeypatch.setattr(counters, "SYS_DEV_BLOCK", links)
+    monkeypatch.setattr(storage, "SYS_DEV_BLOCK", links)
 
-    device = counters.device_by_number(252, 1)
+    device = storage.device_by_number(252, 1)
     assert device is not None and device.name == "vdb1" and device.is_partition
     assert device.bytes_read() == 40 * 512
     whole = device.whole_disk()
     assert (whole.name, whole.number, whole.bytes_read()) == ("vdb", "252:0", 100 * 512)
-    assert counters.device_by_number(252, 7) is None
+    assert storage.device_by_number(252, 7) is None
 
 
 def test_tmpfs_is_not_a_block_device() -> None:

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from coordlfs.bench import netns
-from coordlfs.bench.netns import Node, check_can_run, cluster_network, rate_bits, remove_stale
 from coordlfs.errors import UserError
+from coordlfs.testbed import netns
+from coordlfs.testbed.netns import Node, check_can_run, cluster_network, rate_bits, remove_stale
 
 try:
     check_can_run()

@@ -25,7 +25,6 @@ import trio
 import xxhash
 from conftest import Mount, digests, drop_caches, force_unmount, make_dataset, run_cli
 
-from coordlfs.bench.netns import cluster_network
 from coordlfs.config import default_cache_dir
 from coordlfs.control import Control
 from coordlfs.errors import UserError
@@ -59,6 +58,7 @@ from coordlfs.placement import (
     read_secret,
 )
 from coordlfs.processes import process_alive
+from coordlfs.testbed.netns import cluster_network
 
 HERE = Path(__file__).parent
 

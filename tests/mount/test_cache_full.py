@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import digests, drop_caches
 
-from coordlfs.bench.dataset import DatasetSpec, ensure_dataset
+from coordlfs.testbed.dataset import DatasetSpec, ensure_dataset
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coordlfs.bench.mounts import log_size, logged_errors, warn_of_logged_errors
+from coordlfs.testbed.logs import log_size, logged_errors, warn_of_logged_errors
 
 LOG = """\
 2024-11-23 04:40:00,100 INFO coordlfs: mounted /src on /mnt

@@ -415,7 +415,7 @@ def test_lookup_counts_and_forget(mount, tmp_path: Path) -> None:
 
 def test_hits_are_answered_while_slow_misses_are_pending(mount, tmp_path: Path) -> None:
     """A real slow disk: the daemon's reads are throttled to 1 MiB/s by a blkio cgroup."""
-    from coordlfs.bench.cgroup import memory_cgroup
+    from coordlfs.testbed.cgroup import memory_cgroup
 
     src = random_source(tmp_path, hot=256 << 10, slow=6 << 20)
     m = mount(src, "--cache-size", "64M", "--max-file-size", "64M")

@@ -306,11 +306,12 @@ def test_guard_turns_exceptions_into_errnos() -> None:
 
 @pytest.mark.parametrize("command", ["mount", "stats", "umount", "mark", "stagger"])
 def test_the_product_loads_no_benchmark(command: str) -> None:
-    """Only `coordlfs bench` imports coordlfs.bench: the daemon and the everyday commands
-    carry none of it."""
-    probe = ("import sys\nfrom coordlfs.cli import main\n"
+    """Only `coordlfs bench` imports coordlfs.bench, and only benchmarks and tests import
+    coordlfs.testbed: the daemon and the everyday commands carry none of either."""
+    probe = ("import sys\nimport coordlfs.daemon\nfrom coordlfs.cli import main\n"
              f"try:\n    main([{command!r}, '--help'])\nexcept SystemExit:\n    pass\n"
-             "print(sorted(m for m in sys.modules if m.startswith('coordlfs.bench')))")
+             "print(sorted(m for m in sys.modules\n"
+             "             if m.startswith(('coordlfs.bench', 'coordlfs.testbed'))))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip().splitlines()[-1] == "[]"

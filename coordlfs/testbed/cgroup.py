@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from coordlfs.bench.counters import block_device
 from coordlfs.errors import UserError
+from coordlfs.testbed.storage import block_device
 
 #: Where cgroup v1 hierarchies are mounted, one directory per controller.
 CGROUP_V1 = Path("/sys/fs/cgroup")
