@@ -8,38 +8,18 @@ import os
 import sys
 from typing import Any
 
-from coordlfs import __version__
-from coordlfs.config import (
-    DEFAULT_MAX_FILE_SHARE,
-    DEFAULT_PEER_TIMEOUT,
-    DEFAULT_PREFETCH_DEPTH,
-    DEFAULT_REVALIDATE,
-    DEFAULT_STAGING_SIZE,
-    DEFAULT_WINDOW_SIZE,
-    MountConfig,
-    default_cache_dir,
-    default_cache_size,
-    default_log_file,
-)
+from coordlfs import __version__, options
+from coordlfs.config import MountConfig
 from coordlfs.control import Control, ControlError
 from coordlfs.errors import Parser, UserError, exit_status
 from coordlfs.mounting import (
     check_directory,
     check_mountpoint_free,
-    free_space,
     mount_at,
     spawn_daemon,
     unmount,
-    usable_room,
 )
-from coordlfs.placement import (
-    find_self,
-    is_loopback,
-    parse_address,
-    parse_peers,
-    read_secret,
-)
-from coordlfs.sizes import format_size, parse_size
+from coordlfs.sizes import format_size
 from coordlfs.stagger import (
     JobProfile,
     catalog_job,
@@ -69,50 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"coordlfs {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
-    m = sub.add_parser("mount", help="mount SOURCE read-only on MOUNTPOINT with the MinIO cache")
+    m = sub.add_parser("mount", help="mount SOURCE read-only on MOUNTPOINT with the MinIO cache",
+                       description="Mount SOURCE read-only on MOUNTPOINT with the MinIO cache; "
+                                   "return once the mount is live.")
     m.add_argument("source")
     m.add_argument("mountpoint")
-    m.add_argument("--cache-size", metavar="SIZE",
-                   help="cache capacity: bytes with K/M/G/T suffix, or N%% of RAM (default 50%%)")
-    m.add_argument("--max-file-size", metavar="SIZE",
-                   help="files larger than this are streamed, never cached (default: a quarter "
-                        "of the cache)")
-    m.add_argument("--window-size", metavar="SIZE",
-                   help="memory for items an aligned job read until its group has read them "
-                        "(default 256M; 0 turns the window off)")
-    m.add_argument("--prefetch-depth", metavar="N", type=int,
-                   default=DEFAULT_PREFETCH_DEPTH,
-                   help="storage requests in flight reading ahead of an aligned group "
-                        f"(default {DEFAULT_PREFETCH_DEPTH}; 0 turns read-ahead off)")
-    m.add_argument("--staging-size", metavar="SIZE",
-                   help="shared memory for batches prep-sharing jobs prepared for each other "
-                        "(default 2G; producers wait when it is full)")
-    m.add_argument("--listen", metavar="HOST:PORT",
-                   help="serve the files this node caches to its peers on this address")
-    m.add_argument("--peers", metavar="HOST:PORT,...",
-                   help="every node of the cluster, this one included, the same list on each: "
-                        "a miss is fetched from the node that caches the file")
-    m.add_argument("--secret-file", metavar="FILE",
-                   help="shared secret that peers prove they hold (mode 600, 16+ bytes)")
-    m.add_argument("--insecure", action="store_true",
-                   help="peers without a secret (loopback addresses only, for tests)")
-    m.add_argument("--peer-timeout", metavar="SECONDS", type=float,
-                   default=DEFAULT_PEER_TIMEOUT,
-                   help="after this a peer counts as down and the reader reads local storage "
-                        f"(default {DEFAULT_PEER_TIMEOUT:g})")
-    m.add_argument("--revalidate", metavar="SECONDS", type=float, default=DEFAULT_REVALIDATE,
-                   help="where the source cannot be watched for changes (network filesystems, "
-                        "inotify limits): how long names and attributes are trusted "
-                        f"(default {DEFAULT_REVALIDATE:g})")
-    m.add_argument("--cache-dir", metavar="DIR",
-                   help="directory for cached bytes, on tmpfs (default under /dev/shm/coordlfs)")
-    m.add_argument("--keep-cache", action="store_true",
-                   help="keep the cached bytes after unmount, for the next mount of this source")
-    m.add_argument("-f", "--foreground", action="store_true", help="do not detach")
-    m.add_argument("--allow-other", action="store_true", help="let other users read the mount")
-    m.add_argument("--log", metavar="FILE", help="log file (default: stderr in the foreground)")
-    m.add_argument("--debug", action="store_true", help="log at debug level")
-    m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    options.add_arguments(m)
+    # For the mount(8) helper (mount/mount.fuse.coordlfs): mount -f and mount -s.
+    m.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)
+    m.add_argument("--sloppy", action="store_true", help=argparse.SUPPRESS)
 
     u = sub.add_parser("umount", help="unmount and wait for the daemon to exit")
     u.add_argument("mountpoint")
@@ -155,129 +100,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_mount(args: argparse.Namespace) -> MountConfig:
+def cmd_mount(args: argparse.Namespace) -> int:
+    given = options.given(args, args.sloppy)
+    values = options.parse(given)
+    if args.fake:  # mount -f: the options are checked, nothing is mounted
+        return 0
     source = check_directory(args.source, "source")
     mountpoint = check_directory(args.mountpoint, "mountpoint")
     check_mountpoint_free(mountpoint)
-    cache_dir = os.path.abspath(args.cache_dir) if args.cache_dir else default_cache_dir(source)
-    if args.cache_size is None:
-        cache_size = default_cache_size()
-    else:
-        cache_size = parse_size(args.cache_size, "--cache-size")
-    room = usable_room(free_space(cache_dir))
-    if cache_size > room and not os.path.isdir(cache_dir):
-        print(f"coordlfs: warning: --cache-size {format_size(cache_size)} is more than the "
-              f"{format_size(room)} free for {cache_dir} (less a margin); using "
-              f"{format_size(room)}",
-              file=sys.stderr)
-        cache_size = room
-    if args.max_file_size is None:
-        max_file = int(cache_size * DEFAULT_MAX_FILE_SHARE)
-    else:
-        max_file = parse_size(args.max_file_size, "--max-file-size")
-    window = (DEFAULT_WINDOW_SIZE if args.window_size is None
-              else parse_size(args.window_size, "--window-size"))
-    staging = (DEFAULT_STAGING_SIZE if args.staging_size is None
-               else parse_size(args.staging_size, "--staging-size"))
-    if staging <= 0:
-        raise UserError(f"bad --staging-size {args.staging_size}: must be more than 0")
-    log_file = args.log or (None if args.foreground else default_log_file(mountpoint))
-    if not 0 <= args.prefetch_depth <= 64:
-        raise UserError(f"bad --prefetch-depth {args.prefetch_depth}: 0 to 64")
-    if not 0.1 <= args.revalidate <= 3600:
-        raise UserError(f"bad --revalidate {args.revalidate:g}: 0.1 to 3600 seconds")
-    return MountConfig(source, mountpoint, cache_size, max_file, cache_dir, window,
-                       args.prefetch_depth, staging, revalidate_s=args.revalidate,
-                       keep_cache=args.keep_cache,
-                       allow_other=args.allow_other,
-                       log_file=log_file and os.path.abspath(log_file), debug=args.debug,
-                       **_resolve_cluster(args))
-
-
-def _resolve_cluster(args: argparse.Namespace) -> dict[str, Any]:
-    """The peer options, checked here so that mistakes are one line before anything mounts;
-    the daemon reads the secret file itself, so the secret never travels in argv."""
-    if args.listen is None and args.peers is None:
-        if args.secret_file or args.insecure:
-            raise UserError("--secret-file and --insecure go with --listen and --peers")
-        return {}
-    if args.listen is None:
-        raise UserError("--peers needs --listen HOST:PORT, where this node serves the others")
-    listen = parse_address(args.listen, "--listen")
-    peers = parse_peers(args.peers) if args.peers is not None else ()
-    if args.insecure:
-        if args.secret_file:
-            raise UserError("give --secret-file or --insecure, not both")
-        outside = [str(a) for a in (listen, *peers) if not is_loopback(a)]
-        if outside:
-            raise UserError(f"--insecure is allowed on loopback addresses only, not "
-                            f"{', '.join(outside)}; give --secret-file FILE")
-    elif args.secret_file is None:
-        raise UserError("peers need --secret-file FILE holding a shared secret (or "
-                        "--insecure, on loopback only)")
-    else:
-        read_secret(args.secret_file)
-    if not 0 < args.peer_timeout <= 60:
-        raise UserError(f"bad --peer-timeout {args.peer_timeout:g}: more than 0, at most 60 s")
-    find_self(listen, peers)  # a node named twice is refused now
-    return {"listen": str(listen), "peers": tuple(str(p) for p in peers),
-            "secret_file": args.secret_file and os.path.abspath(args.secret_file),
-            "insecure": args.insecure, "peer_timeout": args.peer_timeout}
-
-
-def _daemon_argv(config: MountConfig) -> list[str]:
-    argv = ["mount", config.source, config.mountpoint, "--cache-size", str(config.cache_size),
-            "--max-file-size", str(config.max_file_size), "--cache-dir", config.cache_dir,
-            "--window-size", str(config.window_size),
-            "--prefetch-depth", str(config.prefetch_depth),
-            "--staging-size", str(config.staging_size),
-            "--revalidate", str(config.revalidate_s)]
-    if config.log_file:
-        argv += ["--log", config.log_file]
-    if config.listen:
-        argv += ["--listen", config.listen, "--peer-timeout", str(config.peer_timeout)]
-    if config.peers:
-        argv += ["--peers", ",".join(config.peers)]
-    if config.secret_file:
-        argv += ["--secret-file", config.secret_file]
-    for flag, on in (("--keep-cache", config.keep_cache), ("--allow-other", config.allow_other),
-                     ("--insecure", config.insecure), ("--debug", config.debug)):
-        if on:
-            argv.append(flag)
-    return argv
-
-
-def cmd_mount(args: argparse.Namespace) -> int:
-    config = resolve_mount(args)
+    config = options.resolve(values, source, mountpoint)
     summary = (f"{config.source} on {config.mountpoint}, cache {format_size(config.cache_size)}"
-               f"{' (default: 50% of RAM)' if args.cache_size is None else ''} in "
+               f"{'' if 'cache_size' in given else ' (default: 50% of RAM)'} in "
                f"{config.cache_dir}")
-    if not args.foreground:
-        freshness = spawn_daemon(_daemon_argv(config), config.log_file or "")
+    if not values.get("foreground"):
+        freshness = spawn_daemon(config)
         print(f"coordlfs: mounted {summary}; {freshness}; log {config.log_file}")
         return 0
-    return _run_foreground(config, args.ready_fd, summary)
+    return _run_foreground(config, summary)
 
 
-def _run_foreground(config: MountConfig, ready_fd: int | None, summary: str) -> int:
+def _run_foreground(config: MountConfig, summary: str) -> int:
     from coordlfs.daemon import Daemon, setup_logging
 
-    def report(line: str) -> None:
-        if ready_fd is not None:
-            os.write(ready_fd, line.encode() + b"\n")
-            os.close(ready_fd)
-        elif line.startswith("ok"):
-            print(f"coordlfs: mounted {summary}; {line[2:].strip()}", flush=True)
-
     setup_logging(config.log_file, config.debug)
-    try:
-        daemon = Daemon(config)
-        daemon.run(lambda note: report(f"ok {note}"))
-    except UserError as e:
-        if ready_fd is None:
-            raise
-        report(f"error {e}")
-        return 1
+    Daemon(config).run(lambda note: print(f"coordlfs: mounted {summary}; {note}", flush=True))
     return 0
 
 

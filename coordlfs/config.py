@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import xxhash
 
@@ -51,6 +52,16 @@ class MountConfig:
     insecure: bool = False
     peer_timeout: float = DEFAULT_PEER_TIMEOUT
     revalidate_s: float = DEFAULT_REVALIDATE
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> MountConfig:
+        """The config ``to_json`` wrote: how the detached daemon receives the values its parent
+        resolved (and printed), instead of parsing and resolving options a second time."""
+        values = json.loads(text)
+        return cls(**{**values, "peers": tuple(values["peers"])})
 
 
 def default_cache_dir(source: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from coordlfs.config import MountConfig
 from coordlfs.errors import UserError
 from coordlfs.processes import wait_exit
 
@@ -114,21 +116,26 @@ def usable_room(free: int) -> int:
     return max(0, free - max(4 << 20, free // 50))
 
 
-def spawn_daemon(argv: list[str], log_file: str) -> str:
-    """Start ``coordlfs mount --foreground`` in the background; return its ready message.
+def spawn_daemon(config: MountConfig) -> str:
+    """Start the daemon (``coordlfs.detached``) in the background; return its ready message.
 
-    The daemon reports on a pipe once the mount is live, or why it failed, so that
-    ``coordlfs mount`` returns only when the mount can be used and reports every failure.
+    The config goes to it as JSON on its stdin: exactly the values resolved (and printed)
+    here, with no second parse. It reports on a pipe once the mount is live, or why it
+    failed, so that ``coordlfs mount`` returns only when the mount can be used and reports
+    every failure.
     """
+    log_file = config.log_file or ""
     read_end, write_end = os.pipe()
     os.makedirs(os.path.dirname(log_file), exist_ok=True)
     with open(log_file, "ab") as log:
         child = subprocess.Popen(
-            [sys.executable, "-m", "coordlfs", *argv, "--foreground", "--ready-fd",
-             str(write_end)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(write_end,),
+            [sys.executable, "-m", "coordlfs.detached", str(write_end)],
+            stdin=subprocess.PIPE, stdout=log, stderr=log, pass_fds=(write_end,),
             start_new_session=True)
     os.close(write_end)
+    assert child.stdin is not None
+    with contextlib.suppress(BrokenPipeError), child.stdin:  # if it died, it says so below
+        child.stdin.write(config.to_json().encode())
     with os.fdopen(read_end, "rb") as pipe:
         message = b""
         while not message.endswith(b"\n"):

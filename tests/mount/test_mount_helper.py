@@ -149,13 +149,14 @@ def test_bad_option_is_one_line_error(target: Target, option: str, says: str) ->
     assert fstype_at(target.mountpoint) is None
 
 
-def test_cluster_options_map_to_flags(helper: Path) -> None:
-    result = run(str(helper), "/data", "/mnt/data", "-f", "-v", "-o",
-                 "listen=0.0.0.0:7878,peers=h1:7878+h2:7878,secret_file=/etc/s,peer_timeout=1,"
-                 "insecure")
+def test_options_go_to_coordlfs_as_given(helper: Path) -> None:
+    """The helper passes -o through (several -o joined) and -f as --fake, -s as --sloppy;
+    that the options mean their flags is tests/unit/test_options.py's."""
+    options = ("listen=0.0.0.0:7878,peers=h1:7878+h2:7878,secret_file=/etc/s,peer_timeout=1,"
+               "insecure")
+    result = run(str(helper), "/data", "/mnt/data", "-fsv", "-o", options, "-odebug")
     assert result.returncode == 0, result.stderr
-    assert ("--listen 0.0.0.0:7878 --peers h1:7878,h2:7878 --secret-file /etc/s "
-            "--peer-timeout 1 --insecure") in result.stderr
+    assert f"mount /data /mnt/data -o {options},debug --sloppy --fake" in result.stderr
 
 
 def test_examples_are_accepted(helper: Path) -> None:

@@ -1,0 +1,163 @@
+"""The option table (coordlfs.options): flags and -o mean the same, errors are one line, the
+config reaches the daemon whole, and the READMEs list exactly the table's options."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from coordlfs.cli import build_parser
+from coordlfs.config import DEFAULT_MAX_FILE_SHARE, MountConfig
+from coordlfs.errors import UserError
+from coordlfs.options import OPTIONS, given, parse, parse_mount_options, resolve
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def options_of(*argv: str) -> dict:
+    """The parsed values of ``coordlfs mount /src /mnt ARGV``."""
+    args = build_parser().parse_args(["mount", "/src", "/mnt", *argv])
+    return parse(given(args, args.sloppy))
+
+
+def test_mount_options_mean_their_flags() -> None:
+    """Moved from the helper's test: cluster options in -o (peers joined by '+') are the
+    flags."""
+    from_o = options_of("-o", "listen=0.0.0.0:7878,peers=h1:7878+h2:7878,secret_file=/etc/s,"
+                              "peer_timeout=1,insecure")
+    from_flags = options_of("--listen", "0.0.0.0:7878", "--peers", "h1:7878,h2:7878",
+                            "--secret-file", "/etc/s", "--peer-timeout", "1", "--insecure")
+    assert from_o == from_flags == {"listen": "0.0.0.0:7878", "peers": ("h1:7878", "h2:7878"),
+                                    "secret_file": "/etc/s", "peer_timeout": 1.0,
+                                    "insecure": True}
+
+
+SAMPLES = {"listen": "127.0.0.1:7", "peers": "127.0.0.1:7+127.0.0.1:8"}
+
+
+def test_every_mount_option_has_its_flag() -> None:
+    for option in OPTIONS:
+        if not option.in_mount_options:
+            continue
+        text = SAMPLES.get(option.name, "7") if option.parse else None
+        item = option.name if text is None else f"{option.name}={text}"
+        flag = [option.flag] if text is None else [option.flag, text.replace("+", ",")]
+        assert options_of("-o", item) == options_of(*flag), option.name
+
+
+def test_later_values_and_flags_win() -> None:
+    assert options_of("-o", "cache_size=1M,cache_size=2M") == {"cache_size": 2 << 20}
+    assert options_of("-o", "cache_size=1M", "-o", "cache_size=3M") == {"cache_size": 3 << 20}
+    assert options_of("-o", "cache_size=1M", "--cache-size", "4M") == {"cache_size": 4 << 20}
+
+
+def test_generic_mount_options_are_ignored() -> None:
+    assert parse_mount_options(["defaults,ro,noauto,nofail,_netdev,nosuid,nodev,,user",
+                                "x-systemd.requires-mounts-for=/data,comment=x,debug"]) == {
+        "debug": True}
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["-o", "bogus=1"], "unknown option 'bogus=1' (known: cache_size=SIZE,"),
+    (["-o", "foreground"], "unknown option 'foreground'"),
+    (["-o", "cache_size"], "option cache_size needs a value (cache_size=SIZE)"),
+    (["-o", "cache_size="], "option cache_size needs a value"),
+    (["-o", "keep_cache=yes"], "option keep_cache takes no value"),
+    (["-o", "cache_size=8Q"], "bad --cache-size '8Q'"),
+    (["--cache-size=-1G"], "bad --cache-size"),
+    (["-o", "staging_size=0"], "bad --staging-size 0: must be more than 0"),
+    (["--prefetch-depth", "65"], "bad --prefetch-depth 65: 0 to 64"),
+    (["--prefetch-depth", "two"], "bad --prefetch-depth 'two'"),
+    (["--revalidate", "0"], "bad --revalidate 0: 0.1 to 3600 seconds"),
+    (["-o", "peer_timeout=61"], "bad --peer-timeout 61: more than 0, at most 60 s"),
+    (["--peer-timeout", "0"], "bad --peer-timeout 0"),
+    (["--listen", "localhost"], "expected HOST:PORT"),
+    (["-o", "peers=127.0.0.1:1+127.0.0.1:1"], "--peers names a node twice"),
+])
+def test_bad_options_are_one_line_errors(argv: list[str], says: str) -> None:
+    with pytest.raises(UserError) as error:
+        options_of(*argv)
+    assert says in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_sloppy_skips_unknown_options() -> None:
+    assert options_of("--sloppy", "-o", "bogus=1,cache_size=1K") == {"cache_size": 1024}
+
+
+def test_defaults_and_the_config(tmp_path: Path) -> None:
+    config = resolve(options_of("-o", "cache_size=8M,cache_dir=cache", "-f"),
+                     str(tmp_path), str(tmp_path))
+    assert config.cache_size == 8 << 20
+    assert config.max_file_size == int((8 << 20) * DEFAULT_MAX_FILE_SHARE)
+    assert config.cache_dir == str(Path.cwd() / "cache")
+    assert config.log_file is None  # foreground: stderr
+    defaults = {f.name: f.default for f in dataclasses.fields(MountConfig)
+                if f.default is not dataclasses.MISSING}
+    assert {name: getattr(config, name) for name in defaults} == defaults
+    detached = resolve(options_of("--log", "x.log"), str(tmp_path), str(tmp_path))
+    assert detached.log_file == str(Path.cwd() / "x.log")
+
+
+def test_the_config_reaches_the_daemon_whole() -> None:
+    config = MountConfig("/s", "/m", 1, 2, "/c", listen="127.0.0.1:1",
+                         peers=("127.0.0.1:1", "127.0.0.1:2"), insecure=True, revalidate_s=0.5)
+    assert MountConfig.from_json(config.to_json()) == config
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--peers", "127.0.0.1:7001"], "--peers needs --listen"),
+    (["--insecure"], "go with --listen"),
+    (["--listen", "127.0.0.1:7001"], "--secret-file"),
+    (["--listen", "0.0.0.0:7001", "--insecure"], "loopback addresses only"),
+    (["--listen", "127.0.0.1:7001", "--insecure", "--secret-file", "/s"], "not both"),
+    (["-o", "listen=127.0.0.1:7001,insecure,peers=127.0.0.1:7001+localhost:7001"],
+     "names this node twice"),
+])
+def test_cluster_options_are_checked_together(tmp_path: Path, argv: list[str],
+                                              says: str) -> None:
+    with pytest.raises(UserError, match=re.escape(says)):
+        resolve(options_of(*argv), str(tmp_path), str(tmp_path))
+
+
+def test_help_lists_every_option_once() -> None:
+    mount = build_parser()._subparsers._group_actions[0].choices["mount"]  # type: ignore[union-attr]
+    text = mount.format_help()
+    for option in OPTIONS:
+        assert text.count(f"{option.flag}") >= 1, option.flag
+        default = option.stated_default()
+        assert not default or default.replace(" ", "") in text.replace(" ", "").replace(
+            "\n", ""), option.name
+    assert "--fake" not in text and "--sloppy" not in text and "--ready-fd" not in text
+
+
+def readme_rows(path: Path, heading: str) -> dict[str, tuple[str, str]]:
+    """The option table after ``heading``: flag -> (spelling in -o, meaning), backticks off."""
+    text = path.read_text()
+    rows = {}
+    for line in text[text.index(heading):].splitlines()[1:]:
+        if rows and not line.startswith("|"):
+            break
+        if not line.startswith("| `"):
+            continue
+        cells = line.strip("|").split("|")
+        names, in_o, meaning = (cell.strip().replace("`", "") for cell in cells)
+        for name in names.split(", "):
+            rows[name.split()[0]] = (in_o, meaning)
+    return rows
+
+
+def test_readme_option_table_is_the_table() -> None:
+    rows = readme_rows(ROOT / "README.md", "`coordlfs mount SOURCE MOUNTPOINT` options")
+    flags = {"-o", *(option.flag for option in OPTIONS), *(o.short for o in OPTIONS if o.short)}
+    assert set(rows) == flags
+    assert [flag for flag in rows if flag.startswith("--")] == [o.flag for o in OPTIONS]
+    for option in OPTIONS:
+        in_o, meaning = rows[option.flag]
+        assert in_o == (option.mount_option if option.in_mount_options else ""), option.name
+        default = option.stated_default()
+        if default:
+            assert re.search(rf"default {re.escape(default)}(?![\w.])", meaning), option.name
