@@ -16,7 +16,6 @@ import pyfuse3
 import trio
 
 from coordlfs import PROTOCOL_VERSION, __version__
-from coordlfs.aligned_reads import AlignedReads
 from coordlfs.cache import WholeFileCache
 from coordlfs.config import MountConfig
 from coordlfs.control_server import ControlServer
@@ -32,6 +31,7 @@ from coordlfs.placement import find_self, parse_address, read_secret
 from coordlfs.prefetch import Prefetcher
 from coordlfs.prep import Prep
 from coordlfs.prep import register_commands as register_prep_commands
+from coordlfs.readers import AlignedReads
 from coordlfs.source import Source
 from coordlfs.stats import Stats, register_commands
 from coordlfs.window import ReadWindow
@@ -191,7 +191,7 @@ class Daemon:
 
     async def _serve(self, ready: Callable[[str], None]) -> None:
         async with trio.open_nursery() as nursery:
-            self.ops.nursery = nursery
+            self.ops.readers.nursery = nursery
             nursery.start_soon(self._terminate_on_signal)
             nursery.start_soon(self._reap_members)
             nursery.start_soon(self.prefetcher.run)

@@ -21,24 +21,17 @@ import pyfuse3
 import trio
 
 from coordlfs import CONTROL_NAME
-from coordlfs.aligned_reads import AlignedReads
-from coordlfs.cache import Entry, WholeFileCache
+from coordlfs.cache import WholeFileCache
 from coordlfs.control_server import ControlHandle, ControlServer
 from coordlfs.freshness import WATCHED_TIMEOUT, Freshness
 from coordlfs.groups import Member
 from coordlfs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable, Key
-from coordlfs.peers import PeerLink, Peers
-from coordlfs.source import Source, SourceReader, Version
+from coordlfs.peers import Peers
+from coordlfs.readers import AlignedReads, Reader, Readers
+from coordlfs.source import Source, Version
 from coordlfs.stats import ReadCounters
 
 log = logging.getLogger(__name__)
-
-#: Files up to this size that MinIO does not cache are read from the source whole, on their
-#: first request, and kept by the handle until it is closed: a reader reading in small pieces
-#: costs one storage read, and a request the kernel repeats (its page was reclaimed before
-#: the reader copied it, common when memory is tight) costs none. Larger files stream by
-#: the kernel's own readahead; the handle keeps only the last range.
-STREAM_WHOLE = 1 << 20
 
 _CONTROL_NAME = os.fsencode(CONTROL_NAME)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
@@ -69,28 +62,14 @@ class FileHandle:
     inode: int
     path: bytes
     st: os.stat_result
-    entry: Entry | None = None
-    reader: SourceReader | None = None
+    #: where its bytes come from (``coordlfs.readers``); set at open
+    reader: Reader = None  # type: ignore[assignment]
     #: the aligned-group member that opened it, if any
     member: Member | None = None
-    #: the last bytes streamed from the source (or taken from the group's read window), and
-    #: where they start in the file
-    window: bytes = b""
-    window_offset: int = 0
-    #: the peer serving this file's bytes (chosen at the first miss), if any
-    peer: PeerLink | None = None
 
     @property
     def key(self) -> Key:
         return self.st.st_dev, self.st.st_ino
-
-    @property
-    def version(self) -> Version:
-        return Version.of(self.st)
-
-    def close(self) -> None:
-        if self.reader is not None:
-            self.reader.close()
 
 
 @dataclass(slots=True, eq=False)
@@ -111,17 +90,14 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.source = source
         self.cache = cache
-        self.peers = peers
         self.counters = counters
         self.control = control
-        self.aligned = aligned
+        self.readers = Readers(source, cache, counters, peers, aligned)
         root = source.lstat(b"")
         self.inodes = InodeTable((root.st_dev, root.st_ino))
         self.freshness = Freshness(source, self.inodes, revalidate_s)
         self._handles: dict[int, FileHandle | DirHandle | ControlHandle] = {}
         self._next_fh = 1
-        #: Fills outlive the read that started them; set by the daemon before serving.
-        self.nursery: trio.Nursery | None = None
 
     # -- attributes ---------------------------------------------------------------
 
@@ -298,11 +274,8 @@ class Operations(pyfuse3.Operations):
             log.info("source file %s changed; invalidating", os.fsdecode(node.path))
             node.version = version
             pyfuse3.invalidate_inode(inode, attr_only=True)
-        handle = FileHandle(inode, node.path, st, self.cache.lookup((st.st_dev, st.st_ino), st))
-        handle.member, held = self.aligned.opened(ctx.pid, node.path, handle.key, handle.version,
-                                                  cached=handle.entry is not None)
-        if held is not None:
-            handle.window = held
+        handle = FileHandle(inode, node.path, st)
+        handle.reader = self.readers.opened(handle, ctx.pid)
         return pyfuse3.FileInfo(fh=self._new_handle(handle), keep_cache=not changed)
 
     @guarded
@@ -314,84 +287,15 @@ class Operations(pyfuse3.Operations):
         size = max(0, min(size, handle.st.st_size - off))
         if size == 0:
             return b""
-        entry = handle.entry
-        if entry is not None and entry.complete:
+        reader = handle.reader
+        entry = reader.entry
+        if entry is not None and entry.complete:  # the hit, inline: no coroutine of its own
             data = self.cache.data(entry, off, size)
             self.counters.cache_hits += 1
             self.counters.bytes_from_cache += len(data)
             return data
         self.counters.misses += 1
-        if entry is None and handle.reader is None and not handle.window:
-            # once a handle streams (or took its bytes from the group's window or a peer), it
-            # keeps on
-            await self._first_miss(handle, off, size)
-            entry = handle.entry
-        if entry is not None and await self.cache.wait_for(entry, off + size):
-            return self.cache.data(entry, off, size)
-        return await self._stream(handle, off, size)
-
-    async def _first_miss(self, handle: FileHandle, off: int, size: int) -> None:
-        """Decide where the handle's bytes come from: a peer ranked before this node for the
-        file (``coordlfs.placement``), else MinIO here if it has room, else a peer ranked
-        after this node, else local storage (``_stream``)."""
-        before, after = (self.peers.candidates(handle.path)
-                         if handle.st.st_size <= self.cache.max_file_size else ([], []))
-        if await self._from_peers(handle, before, off, size):
-            return
-        assert self.nursery is not None
-        handle.entry = self.cache.start_fill(handle.key, handle.path, handle.st, self.source,
-                                             self.nursery)
-        if handle.entry is None:
-            await self._from_peers(handle, after, off, size)
-
-    async def _from_peers(self, handle: FileHandle, links: list[PeerLink], off: int,
-                          size: int) -> bool:
-        """The first of ``links`` that serves the range (a small file whole) into the handle's
-        window."""
-        if handle.st.st_size <= STREAM_WHOLE:
-            off, size = 0, handle.st.st_size
-        for link in links:
-            data = await self.peers.read(link, handle.path, handle.st, off, size)
-            if data is not None:
-                handle.peer, handle.window, handle.window_offset = link, data, off
-                self.peers.counted_file(link)
-                return True
-        return False
-
-    async def _stream(self, handle: FileHandle, off: int, size: int) -> bytes | memoryview:
-        """Serve a range straight from the source: the file is not (or cannot be) cached."""
-        handle.entry = None
-        start = off - handle.window_offset
-        if start < 0 or off + size > handle.window_offset + len(handle.window):
-            if handle.st.st_size <= STREAM_WHOLE:
-                handle.window, handle.window_offset = await self._whole(handle), 0
-            else:
-                handle.window = await self._source_range(handle, off, size)
-                handle.window_offset = off
-            start = off - handle.window_offset
-        return memoryview(handle.window)[start : start + size]
-
-    async def _whole(self, handle: FileHandle) -> bytes:
-        def fetch() -> Awaitable[bytes]:
-            return self._source_range(handle, 0, handle.st.st_size)
-
-        if handle.member is None:
-            return await fetch()
-        return await self.aligned.whole(handle.member, handle.key, handle.version, fetch)
-
-    async def _source_range(self, handle: FileHandle, off: int, size: int) -> bytes:
-        """The bytes from the handle's peer, else from local storage."""
-        if handle.peer is not None:
-            data = await self.peers.read(handle.peer, handle.path, handle.st, off, size)
-            if data is not None:
-                return data
-            handle.peer = None  # down or changed there: this handle reads locally from now on
-        if handle.reader is None:
-            handle.reader = await trio.to_thread.run_sync(self.source.open_reader, handle.path)
-            self.counters.files_from_source += 1
-        data = await trio.to_thread.run_sync(handle.reader.pread, off, size)
-        self.counters.bytes_from_source += len(data)
-        return data
+        return await reader.read(off, size)
 
     @guarded
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -407,9 +311,9 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         handle = self._handles.pop(fh)
         if isinstance(handle, FileHandle):
-            if handle.member is not None and not handle.window:
-                self.aligned.closed(handle.member, handle.key)
-            handle.close()
+            if handle.member is not None and not handle.reader.holds_bytes:
+                self.readers.aligned.closed(handle.member, handle.key)
+            handle.reader.close()
         elif isinstance(handle, ControlHandle):
             handle.close()  # gives back the bytes it held to the control file's bound
 
