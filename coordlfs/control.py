@@ -4,6 +4,10 @@
     ctl = Control("/mnt/data")
     ctl.mark("epoch-1")
     print(ctl.stats(since="epoch-1")["reads"]["bytes_from_source"])
+
+Commands are sent by their declaration in ``coordlfs.control_spec`` (``call``), so a misspelt
+command or argument fails here; ``request`` sends any command by name, for a mount newer than
+this client.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import os
 import warnings
 from typing import Any
 
-from coordlfs import CONTROL_NAME
+from coordlfs import CONTROL_NAME, control_spec
+from coordlfs.control_spec import Command
 from coordlfs.errors import UserError
 from coordlfs.mounting import mount_at
 
@@ -68,42 +73,51 @@ class Control:
             raise ControlError(reply.get("error", "request failed"))
         return reply
 
+    def call(self, command: Command, **args: Any) -> dict[str, Any]:
+        """Send ``command`` with ``args``, its declared arguments (a required one missing or
+        one it does not take is a ValueError: a bug in the caller, not the mount's to say)."""
+        declared = {a.name for a in command.args}
+        missing = {a.name for a in command.args if not a.optional} - args.keys()
+        if args.keys() - declared or missing:
+            raise ValueError(f"{command.name} takes {sorted(declared)}, not {sorted(args)}")
+        return self.request(command.name, **args)
+
     def stats(self, since: str | None = None, until: str | None = None) -> dict[str, Any]:
-        return self.request("stats", since=since, until=until)["stats"]
+        return self.call(control_spec.STATS, since=since, until=until)["stats"]
 
     def mark(self, name: str) -> dict[str, Any]:
-        return self.request("mark", name=name)["mark"]
+        return self.call(control_spec.MARK, name=name)["mark"]
 
     def marks(self) -> list[dict[str, Any]]:
-        return self.request("marks")["marks"]
+        return self.call(control_spec.MARKS)["marks"]
 
     def join_group(self, group: str, job: str | None = None, seed: int | None = None,
                    pid: int | None = None) -> dict[str, Any]:
         """Join (or create) an aligned group; the reply has its ``seed`` and our ``member`` id."""
-        return self.request("group.join", group=group, job=job, seed=seed,
-                            pid=os.getpid() if pid is None else pid)
+        return self.call(control_spec.GROUP_JOIN, group=group, job=job, seed=seed,
+                         pid=os.getpid() if pid is None else pid)
 
     def leave_group(self, member: int) -> None:
-        self.request("group.leave", member=member)
+        self.call(control_spec.GROUP_LEAVE, member=member)
 
     def register_files(self, member: int, paths: list[str]) -> bool:
         """Tell the group the dataset's files (relative to the mount) in index order, so the
         mount can read ahead; returns whether the group now knows the whole list."""
         reply: dict[str, Any] = {"complete": not paths}
         for start in range(0, len(paths), FILES_PER_REQUEST):
-            reply = self.request("group.files", member=member, offset=start, total=len(paths),
-                                 paths=paths[start:start + FILES_PER_REQUEST])
+            reply = self.call(control_spec.GROUP_FILES, member=member, offset=start,
+                              total=len(paths), paths=paths[start:start + FILES_PER_REQUEST])
             if reply["complete"]:
                 break  # another member registered the list first
         return bool(reply["complete"])
 
     def start_epoch(self, member: int, epoch: int) -> None:
-        self.request("group.epoch", member=member, epoch=epoch)
+        self.call(control_spec.GROUP_EPOCH, member=member, epoch=epoch)
 
     def report_profile(self, job: str, epoch: int, steps: int, wait_s: float, step_s: float,
                        pid: int | None = None) -> dict[str, Any]:
-        return self.request("profile", job=job, epoch=epoch, steps=steps, wait_s=wait_s,
-                            step_s=step_s, pid=os.getpid() if pid is None else pid)["profile"]
+        return self.call(control_spec.PROFILE, job=job, epoch=epoch, steps=steps, wait_s=wait_s,
+                         step_s=step_s, pid=os.getpid() if pid is None else pid)["profile"]
 
 
 def find_mount(path: str | os.PathLike[str]) -> str | None:

@@ -10,23 +10,27 @@ Protocol (version 1), plain file I/O so that any language can use it:
   request also fails the write itself with EINVAL, a refused one with EACCES, so a shell user
   sees an error too. A request's ``"id"`` is echoed.
 
+Commands are declared in ``coordlfs.control_spec``; the server checks a request's arguments
+from the declaration and hands the handler their values.
+
 Who may do what (the mount may be shared with ``--allow-other``): the caller is the uid that
-opened the descriptor. Every command is registered with an ``Access``: anyone may run a READ
+opened the descriptor. Every command is declared with an ``Access``: anyone may run a READ
 command (they report, change nothing); an OWN command acts only for the caller's own processes
-and on memberships the caller created (its handler checks with ``Caller.act_for`` and
-``Caller.use``); any other command is mount-wide and needs root or the mount's owner.
+and on memberships the caller created (``Caller.act_for`` checks a pid argument, handlers check
+memberships with ``Caller.use``); any other command is mount-wide and needs root or the mount's
+owner.
 
 Memory: the bytes a descriptor holds (a partial request line, unread replies) are bounded per
 descriptor and, for all descriptors together, by ``MAX_HELD``; a write past the bound fails with
 ENOBUFS and nothing of it is kept.
 
-Later capabilities add commands with ``ControlServer.register``; names are ``noun`` or
-``noun.verb`` (``group.join``), and replies only ever gain keys.
+Later capabilities declare commands in ``coordlfs.control_spec`` and attach their handlers
+with ``ControlServer.serve``; names are ``noun`` or ``noun.verb`` (``group.join``), and replies
+only ever gain keys.
 """
 
 from __future__ import annotations
 
-import enum
 import errno
 import json
 import logging
@@ -34,6 +38,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from coordlfs.control_spec import COMMANDS, Access, Command, Refused, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -51,30 +57,6 @@ MAX_HELD = 16 << 20
 MAX_HELD_UNPRIVILEGED = MAX_HELD // 2
 #: Deepest nesting of arrays and objects in a request; deeper is malformed.
 MAX_DEPTH = 32
-
-
-class RequestError(Exception):
-    """A request the daemon refuses; the message goes back to the client (EINVAL)."""
-
-    errno = errno.EINVAL
-
-
-class Refused(RequestError):
-    """A request the caller may not make (another user's process or membership, or a
-    mount-wide command from a user other than root or the mount's owner)."""
-
-    errno = errno.EACCES
-
-
-class Access(enum.Enum):
-    """Who may run a command."""
-
-    #: anyone who can see the mount: the command reports state and changes nothing
-    READ = "anyone"
-    #: anyone, for their own processes and memberships (the handler checks the caller)
-    OWN = "anyone, for their own processes and memberships"
-    #: root and the mount's owner only: the command changes the mount for everyone
-    MOUNT = "root or the mount's owner"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +107,7 @@ def process_uids(pid: int) -> tuple[int, int] | None:
     return None
 
 
+#: A command's handler: the request's checked arguments (``Command.validate``) and its caller.
 Handler = Callable[[dict[str, Any], Caller], dict[str, Any]]
 
 
@@ -173,15 +156,16 @@ class ControlServer:
         self.owner_uid = os.getuid() if owner_uid is None else owner_uid
         #: bytes held by every open ControlHandle together
         self.held = 0
-        self._commands: dict[str, tuple[Handler, str, Access]] = {}
-        self.register("status", lambda _r, _c: {"status": self.snapshot()},
-                      "the mount's status", Access.READ)
-        self.register("help", self._help, "the commands this mount understands", Access.READ)
+        self._commands: dict[str, tuple[Command, Handler]] = {}
+        self.serve("status", lambda _a, _c: {"status": self.snapshot()})
+        self.serve("help", self._help)
 
-    def register(self, name: str, handler: Handler, summary: str,
-                 access: Access = Access.MOUNT) -> None:
-        """Add a command; mount-wide unless said otherwise, so a new command is safe."""
-        self._commands[name] = (handler, summary, access)
+    def serve(self, name: str, handler: Handler) -> None:
+        """Answer the command declared as ``name`` in ``coordlfs.control_spec``."""
+        self.add(COMMANDS[name], handler)
+
+    def add(self, command: Command, handler: Handler) -> None:
+        self._commands[command.name] = (command, handler)
 
     def caller(self, uid: int, pid: int) -> Caller:
         return Caller(uid, pid, privileged=uid in (0, self.owner_uid))
@@ -191,11 +175,11 @@ class ControlServer:
         return {**self.status(), "control": {"held_bytes": self.held,
                                              "limit_bytes": MAX_HELD}}
 
-    def _help(self, _request: dict[str, Any], _caller: Caller) -> dict[str, Any]:
-        return {"commands": {name: summary for name, (_h, summary, _a) in
-                             self._commands.items()},
-                "access": {name: access.value for name, (_h, _s, access) in
-                           self._commands.items()}}
+    def _help(self, _args: dict[str, Any], _caller: Caller) -> dict[str, Any]:
+        commands = [command for command, _handler in self._commands.values()]
+        return {"commands": {c.name: c.help() for c in commands},
+                "access": {c.name: c.access.value for c in commands},
+                "arguments": {c.name: [a.doc() for a in c.args] for c in commands}}
 
     def handle(self, line: bytes, caller: Caller | None = None) -> tuple[bytes, int]:
         """Answer one request line for ``caller`` (None: the mount's owner, as an in-process
@@ -210,11 +194,11 @@ class ControlServer:
                 raise RequestError('request needs "cmd", a command name')
             if name not in self._commands:
                 raise RequestError(f"unknown command {name!r} (try help)")
-            handler, _summary, access = self._commands[name]
-            if access is Access.MOUNT and not caller.privileged:
+            command, handler = self._commands[name]
+            if command.access is Access.MOUNT and not caller.privileged:
                 raise Refused(f"{name} is mount-wide: only root or the mount's owner (uid "
                               f"{self.owner_uid}) may run it")
-            reply, error = {"ok": True, **handler(request, caller)}, 0
+            reply, error = {"ok": True, **handler(command.validate(request, caller), caller)}, 0
         except RequestError as e:
             reply, error = {"ok": False, "error": str(e)}, e.errno
         except Exception as e:  # a bug in one command must not take the mount down
@@ -339,26 +323,3 @@ class ControlHandle:
         self._pending = bytearray()
         self._out = bytearray()
         self._account()
-
-
-_KINDS = {int: "an integer", str: "a string", list: "a list", bool: "true or false",
-          dict: "an object", float: "a number"}
-
-
-def require(request: dict[str, Any], name: str, kind: type, optional: bool = False) -> Any:
-    """A request argument of the given JSON type, or a RequestError naming what is wrong."""
-    value = request.get(name)
-    if value is None and optional:
-        return None
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise RequestError(f'"{name}" must be {_KINDS.get(kind, kind.__name__)}')
-    return value
-
-
-def process_id(request: dict[str, Any], caller: Caller, key: str = "pid") -> int:
-    """The request's process id: a positive integer naming one of the caller's processes."""
-    pid = require(request, key, int)
-    if pid <= 0:
-        raise RequestError(f'"{key}" must be a process id')
-    caller.act_for(pid)
-    return pid

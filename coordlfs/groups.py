@@ -24,15 +24,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from coordlfs import membership
-from coordlfs.control_server import (
-    Access,
-    Caller,
-    ControlServer,
-    RequestError,
-    process_id,
-    require,
-)
-from coordlfs.membership import Memberships, job_argument, member_argument, name_argument
+from coordlfs.control_server import Caller, ControlServer
+from coordlfs.control_spec import RequestError
+from coordlfs.membership import Memberships, job_name
 from coordlfs.order import SEED_LIMIT, epoch_order
 from coordlfs.processes import process_alive
 
@@ -101,20 +95,6 @@ def parent_pid(pid: int) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _count(request: dict[str, Any], key: str) -> int:
-    value = require(request, key, int)
-    if value < 0:
-        raise RequestError(f'"{key}" must not be negative')
-    return value
-
-
-def _seconds(request: dict[str, Any], key: str) -> float:
-    value = request.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:
-        raise RequestError(f'"{key}" must be a number of seconds >= 0')
-    return float(value)
 
 
 class Groups(Memberships[Group, Member]):
@@ -268,58 +248,38 @@ class Groups(Memberships[Group, Member]):
 
 
 def register_commands(server: ControlServer, groups: Groups) -> None:
-    """``group.join``, ``group.leave``, ``group.list`` and ``profile`` on the control file.
+    """``group.*`` and ``profile`` on the control file. A job joins for one of its user's own
+    processes; only the user who created a membership (or root, or the mount's owner) may send
+    its files, epochs or leave."""
 
-    A job joins for one of its user's own processes; only the user who created a membership
-    (or root, or the mount's owner) may send its files, epochs or leave.
-    """
-
-    def mine(request: dict, caller: Caller) -> int:
-        return member_argument(request, caller, groups)
-
-    def join(request: dict, caller: Caller) -> dict:
-        seed = require(request, "seed", int, optional=True)
-        if seed is not None and not 0 <= seed < SEED_LIMIT:
-            raise RequestError('"seed" must be in [0, 2**64)')
-        pid = process_id(request, caller)
-        job = job_argument(request, pid)
-        member = groups.join(name_argument(request, "group"), pid, job, seed, caller.uid)
+    def join(args: dict, caller: Caller) -> dict:
+        job = job_name(args["job"], args["pid"])
+        member = groups.join(args["group"], args["pid"], job, args["seed"], caller.uid)
         group = groups.groups[member.group]
         return {"group": group.name, "seed": group.seed, "member": member.id,
                 "members": [_public(m) for m in group.members.values()]}
 
-    def leave(request: dict, caller: Caller) -> dict:
-        groups.leave(mine(request, caller))
+    def leave(args: dict, caller: Caller) -> dict:
+        groups.leave(groups.owned(args["member"], caller))
         return {}
 
-    def files(request: dict, caller: Caller) -> dict:
-        paths = require(request, "paths", list)
-        if not all(isinstance(p, str) and p and not p.startswith("/") and "\0" not in p
-                   for p in paths):
-            raise RequestError('"paths" must be paths relative to the mount')
-        group = groups.add_files(mine(request, caller), _count(request, "offset"),
-                                 [os.fsencode(p) for p in paths], _count(request, "total"))
+    def files(args: dict, caller: Caller) -> dict:
+        group = groups.add_files(groups.owned(args["member"], caller), args["offset"],
+                                 [os.fsencode(p) for p in args["paths"]], args["total"])
         return {"files": len(group.files), "complete": group.has_order}
 
-    def epoch(request: dict, caller: Caller) -> dict:
-        groups.start_epoch(mine(request, caller), _count(request, "epoch"))
+    def epoch(args: dict, caller: Caller) -> dict:
+        groups.start_epoch(groups.owned(args["member"], caller), args["epoch"])
         return {}
 
-    def profile(request: dict, caller: Caller) -> dict:
-        pid = process_id(request, caller)
-        record = groups.record_profile(name_argument(request, "job"), pid, _count(request, "epoch"),
-                                       _count(request, "steps"), _seconds(request, "wait_s"),
-                                       _seconds(request, "step_s"))
+    def profile(args: dict, _caller: Caller) -> dict:
+        record = groups.record_profile(args["job"], args["pid"], args["epoch"], args["steps"],
+                                       args["wait_s"], args["step_s"])
         return {"profile": asdict(record)}
 
-    own = Access.OWN
-    server.register("group.join", join, 'join (or create) a group: "group", "pid", optional '
-                                        '"job" and "seed"; replies the seed and members', own)
-    server.register("group.leave", leave, 'leave a group: "member"', own)
-    server.register("group.files", files, 'register the dataset\'s files in index order, in '
-                                          'chunks: "member", "offset", "total", "paths"', own)
-    server.register("group.epoch", epoch, 'a member starts an epoch: "member", "epoch"', own)
-    server.register("group.list", lambda _r, _c: groups.status(),
-                    "groups, members and profiles", Access.READ)
-    server.register("profile", profile, 'add a job\'s step profile: "job", "pid", "epoch", '
-                                        '"steps", "wait_s", "step_s"', own)
+    server.serve("group.join", join)
+    server.serve("group.leave", leave)
+    server.serve("group.files", files)
+    server.serve("group.epoch", epoch)
+    server.serve("group.list", lambda _a, _c: groups.status())
+    server.serve("profile", profile)

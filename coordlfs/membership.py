@@ -13,11 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from coordlfs.control_server import Caller, Refused, RequestError, require
+from coordlfs.control_server import Caller
+from coordlfs.control_spec import Refused, RequestError
 from coordlfs.processes import process_alive
-
-#: Longest group or job name, characters.
-MAX_NAME = 128
 
 
 @dataclass(slots=True)
@@ -46,28 +44,9 @@ class Group(Generic[M]):
 G = TypeVar("G", bound=Group[Any])
 
 
-def name_argument(request: dict[str, Any], key: str) -> str:
-    """A group's or job's name from a request: short and printable."""
-    value = require(request, key, str)
-    if not 0 < len(value) <= MAX_NAME or not value.isprintable():
-        raise RequestError(f'"{key}" must be 1 to {MAX_NAME} printable characters')
-    return value
-
-
-def job_argument(request: dict[str, Any], pid: int) -> str:
-    """A member's job name: the one the request gives, else its pid's."""
-    return name_argument(request, "job") if request.get("job") is not None else f"pid-{pid}"
-
-
-def member_argument(request: dict[str, Any], caller: Caller,
-                    memberships: Memberships[Any, Any]) -> int:
-    """The request's ``"member"`` id, once ``caller`` may act on it: it created the
-    membership, or is root or the mount's owner. An unknown id passes: the command says so."""
-    member_id = require(request, "member", int)
-    found = memberships.members.get(member_id)
-    if found is not None:
-        caller.use(found.uid, f"{memberships.member_noun} {member_id}")
-    return member_id
+def job_name(job: str | None, pid: int) -> str:
+    """A member's job name: the one it gave, else its pid's."""
+    return job if job is not None else f"pid-{pid}"
 
 
 class Memberships(Generic[G, M]):
@@ -119,6 +98,14 @@ class Memberships(Generic[G, M]):
 
     def missing(self, member_id: int) -> str:
         return f"no {self.member_noun} {member_id}"
+
+    def owned(self, member_id: int, caller: Caller) -> int:
+        """``member_id``, once ``caller`` may act on it: it created the membership, or is root
+        or the mount's owner. An unknown id passes: the command says there is none."""
+        found = self.members.get(member_id)
+        if found is not None:
+            caller.use(found.uid, f"{self.member_noun} {member_id}")
+        return member_id
 
     def dead(self) -> list[M]:
         """The members whose process is gone."""

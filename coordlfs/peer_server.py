@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import trio
 
 from coordlfs.cache import Entry, WholeFileCache
-from coordlfs.control_server import Access, Caller, ControlServer, RequestError, require
+from coordlfs.control_server import Caller, ControlServer
 from coordlfs.errors import UserError
 from coordlfs.peer_wire import (
     Fail,
@@ -355,16 +355,11 @@ def register_commands(control: ControlServer, peers: Peers, server: PeerServer |
     path), so a job or tool can see where its files come from. Both only report: anyone may
     run them."""
 
-    def owner(request: dict, _caller: Caller) -> dict:
-        path = require(request, "path", str)
-        if not path or path.startswith("/") or "\0" in path:
-            raise RequestError('"path" must be a path relative to the mount')
-        link = peers.owner_of(os.fsencode(path))
+    def owner(args: dict, _caller: Caller) -> dict:
+        link = peers.owner_of(os.fsencode(args["path"]))
         return {"owner": str(link.address) if link else (str(peers.me) if peers.me else None),
                 "here": link is None}
 
-    control.register("peer.list", lambda _r, _c: {"peers": peers.status(),
-                                                  "served": server.status() if server else None},
-                     "the peers, their health and counters, and what this node served",
-                     Access.READ)
-    control.register("peer.owner", owner, 'the node that caches a file: "path"', Access.READ)
+    control.serve("peer.list", lambda _a, _c: {"peers": peers.status(),
+                                               "served": server.status() if server else None})
+    control.serve("peer.owner", owner)

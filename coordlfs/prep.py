@@ -37,16 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordlfs import membership
-from coordlfs.control_server import (
-    Access,
-    Caller,
-    ControlServer,
-    Handler,
-    RequestError,
-    process_id,
-    require,
-)
-from coordlfs.membership import Memberships, job_argument, member_argument, name_argument
+from coordlfs.control_server import Caller, ControlServer
+from coordlfs.control_spec import RequestError
+from coordlfs.membership import Memberships, job_name
 from coordlfs.order import SEED_LIMIT, batch_count
 from coordlfs.processes import process_alive
 
@@ -56,8 +49,6 @@ log = logging.getLogger(__name__)
 STAGING_ROOT = "/dev/shm/coordlfs-prep"
 #: A member is expelled after this many times its measured seconds per batch without a request.
 HANG_FACTOR = 20.0
-#: The least hang timeout, seconds, unless a group asks for another (``hang_timeout_s``).
-DEFAULT_HANG_FLOOR_S = 30.0
 #: Weight of the newest interval in a member's running mean seconds per batch.
 EWMA_WEIGHT = 0.2
 
@@ -500,24 +491,13 @@ def register_commands(server: ControlServer, prep: Prep) -> None:
     processes; only the user who created a membership (or root, or the mount's owner) may act
     on it."""
 
-    def join(request: dict, caller: Caller) -> dict:
-        pid = process_id(request, caller)
-        samples = _positive(request, "samples")
-        batch_size = _positive(request, "batch_size")
-        drop_last = bool(require(request, "drop_last", bool, optional=True))
-        if drop_last and samples < batch_size:
+    def join(args: dict, caller: Caller) -> dict:
+        pid, samples, batch_size = args["pid"], args["samples"], args["batch_size"]
+        if args["drop_last"] and samples < batch_size:
             raise RequestError('with "drop_last" there must be at least one full batch')
-        min_members = request.get("min_members", 1)
-        if isinstance(min_members, bool) or not isinstance(min_members, int) or not (
-                1 <= min_members <= 1024):
-            raise RequestError('"min_members" must be an integer from 1 to 1024')
-        floor = request.get("hang_timeout_s", DEFAULT_HANG_FLOOR_S)
-        if isinstance(floor, bool) or not isinstance(floor, int | float) or not (
-                0.1 <= floor <= 86400):
-            raise RequestError('"hang_timeout_s" must be seconds from 0.1 to 86400')
-        job = job_argument(request, pid)
-        member = prep.join(name_argument(request, "group"), pid, job, samples, batch_size,
-                           drop_last, min_members, float(floor), caller.uid)
+        member = prep.join(args["group"], pid, job_name(args["job"], pid), samples, batch_size,
+                           args["drop_last"], args["min_members"], args["hang_timeout_s"],
+                           caller.uid)
         group = prep.groups[member.group]
         return {"member": member.id, "group": group.name, "batches": group.batches,
                 "seed": group.seed,
@@ -525,57 +505,18 @@ def register_commands(server: ControlServer, prep: Prep) -> None:
                 "staging_capacity_bytes": prep.capacity,
                 "staging_share_bytes": prep.share(caller.uid)}
 
-    def batch_of(request: dict) -> int:
-        value = require(request, "batch", int)
-        if value < 0:
-            raise RequestError('"batch" must not be negative')
-        return value
+    def mine(args: dict, caller: Caller) -> int:
+        return prep.owned(args["member"], caller)
 
-    def mine(request: dict, caller: Caller) -> int:
-        return member_argument(request, caller, prep)
-
-    def reserve(request: dict, caller: Caller) -> dict:
-        size = require(request, "bytes", int)
-        if size <= 0:
-            raise RequestError('"bytes" must be positive')
-        return prep.reserve(mine(request, caller), batch_of(request), size)
-
-    def next_batch(request: dict, caller: Caller) -> dict:
-        done = request.get("done", [])
-        if not isinstance(done, list) or not all(
-                isinstance(b, int) and not isinstance(b, bool) for b in done):
-            raise RequestError('"done" must be a list of batch numbers')
-        return prep.next(mine(request, caller), done)
-
-    def leave(request: dict, caller: Caller) -> dict:
-        prep.leave(mine(request, caller))
+    def leave(args: dict, caller: Caller) -> dict:
+        prep.leave(mine(args, caller))
         return {}
 
-    commands: list[tuple[str, Handler, str]] = [
-        ("prep.join", join, 'join (or create) a prep group: "group", "pid", "samples", '
-                            '"batch_size", optional "drop_last", "job", "min_members", '
-                            '"hang_timeout_s"'),
-        ("prep.epoch", lambda r, c: prep.start_epoch(mine(r, c)),
-         'ask for the next epoch: "member"; replies "epoch" once it runs, else "wait"'),
-        ("prep.claim", lambda r, c: prep.claim(mine(r, c)),
-         'take a batch to prepare: "member"; replies "batch" (null: none left)'),
-        ("prep.reserve", reserve, 'room for a claimed batch: "member", "batch", "bytes"; '
-                                  'replies the "path" to write, or "full"'),
-        ("prep.publish", lambda r, c: prep.publish(mine(r, c), batch_of(r)),
-         'a claimed batch is written: "member", "batch"'),
-        ("prep.next", next_batch, 'acknowledge "done" batches and take the next: "member", '
-                                  '"done"; replies "batch" and "path", "wait" or "end"'),
-        ("prep.leave", leave, 'leave a prep group: "member"'),
-    ]
-    for name, handler, summary in commands:
-        server.register(name, handler, summary, Access.OWN)
-    server.register("prep.list", lambda _r, _c: prep.status(),
-                    "prep groups, members and the staging area", Access.READ)
-
-
-def _positive(request: dict[str, Any], key: str) -> int:
-    value = require(request, key, int)
-    if not 0 < value < 1 << 40:
-        raise RequestError(f'"{key}" must be a positive integer')
-    return value
-
+    server.serve("prep.join", join)
+    server.serve("prep.epoch", lambda a, c: prep.start_epoch(mine(a, c)))
+    server.serve("prep.claim", lambda a, c: prep.claim(mine(a, c)))
+    server.serve("prep.reserve", lambda a, c: prep.reserve(mine(a, c), a["batch"], a["bytes"]))
+    server.serve("prep.publish", lambda a, c: prep.publish(mine(a, c), a["batch"]))
+    server.serve("prep.next", lambda a, c: prep.next(mine(a, c), a["done"]))
+    server.serve("prep.leave", leave)
+    server.serve("prep.list", lambda _a, _c: prep.status())

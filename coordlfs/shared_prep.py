@@ -35,7 +35,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from coordlfs import control_spec as spec
 from coordlfs.control import Control, ControlError, control_for, dataset_root
+from coordlfs.control_spec import Command
 from coordlfs.errors import UserError
 from coordlfs.order import SEED_LIMIT, batch_count, batches_of, epoch_order
 
@@ -105,7 +107,7 @@ class _Claims(Sampler[list[int]]):
             self.ids.append(self.first)
             yield self.batches[self.first]
         while not self.stopping.is_set():
-            batch = self.link.request("prep.claim").get("batch")
+            batch = self.link.call(spec.PREP_CLAIM).get("batch")
             if batch is None:
                 return
             self.ids.append(batch)
@@ -121,8 +123,8 @@ class _Link:
     def __init__(self, control: Control, member: int) -> None:
         self.control, self.member = control, member
 
-    def request(self, cmd: str, **args: Any) -> dict[str, Any]:
-        return self.control.request(cmd, member=self.member, **args)
+    def call(self, command: Command, **args: Any) -> dict[str, Any]:
+        return self.control.call(command, member=self.member, **args)
 
 
 class SharedPrepLoader:
@@ -195,7 +197,7 @@ class SharedPrepLoader:
         if self.hang_timeout is not None:
             args["hang_timeout_s"] = self.hang_timeout
         try:
-            reply = self._control.request("prep.join", **args)
+            reply = self._control.call(spec.PREP_JOIN, **args)
         except UserError as e:
             warnings.warn(f"coordlfs: cannot join prep group {self.group_name!r} ({e}); "
                           "preparing every batch in this job", stacklevel=3)
@@ -208,7 +210,7 @@ class SharedPrepLoader:
         if link is not None:
             self._rejoin = True
             with contextlib.suppress(UserError):
-                link.request("prep.leave")
+                link.call(spec.PREP_LEAVE)
 
     def _drop_link(self, why: str) -> None:
         """Go on alone: expelled (leaving is then a no-op), or the mount refused what the
@@ -297,7 +299,7 @@ class SharedPrepLoader:
     def _wait_for_epoch(self, link: _Link) -> int:
         poll = _Poll()
         while True:
-            reply = link.request("prep.epoch")
+            reply = link.call(spec.PREP_EPOCH)
             if "epoch" in reply:
                 return int(reply["epoch"])
             poll.wait()
@@ -307,7 +309,7 @@ class SharedPrepLoader:
         done: list[int] = []
         while True:
             producer.check()
-            reply = link.request("prep.next", done=done)
+            reply = link.call(spec.PREP_NEXT, done=done)
             done = []
             if reply.get("end"):
                 return
@@ -388,7 +390,7 @@ class _Producer:
                     return
             # Nothing left to claim: wait for batches that others claimed and may not deliver.
             while not self._stopping.is_set():
-                reply = self.link.request("prep.claim")
+                reply = self.link.call(spec.PREP_CLAIM)
                 if reply.get("batch") is not None:
                     first = reply["batch"]
                     break
@@ -406,11 +408,11 @@ class _Producer:
             poll.wait()
         torch.save(batch, room["path"])
         self.own[number] = batch
-        self.link.request("prep.publish", batch=number)
+        self.link.call(spec.PREP_PUBLISH, batch=number)
         self.loader.prepared += 1
 
     def _reserve(self, number: int, size: int) -> dict[str, Any]:
         try:
-            return self.link.request("prep.reserve", batch=number, bytes=size)
+            return self.link.call(spec.PREP_RESERVE, batch=number, bytes=size)
         except ControlError as e:
             raise StagingRefused(str(e)) from None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, fields
 
-from coordlfs.control_server import Access, Caller, ControlServer, RequestError, require
+from coordlfs.control_server import Caller, ControlServer
+from coordlfs.control_spec import RequestError
 
 
 @dataclass(slots=True)
@@ -73,24 +74,16 @@ def register_commands(server: ControlServer, stats: Stats) -> None:
     """``stats`` (optionally between marks), ``mark`` and ``marks`` on the control file.
     Anyone may read the counters; a mark is mount-wide (root or the mount's owner)."""
 
-    def stats_cmd(request: dict, _caller: Caller) -> dict:
-        since = require(request, "since", str, optional=True)
-        until = require(request, "until", str, optional=True)
+    def stats_cmd(args: dict, _caller: Caller) -> dict:
         try:
-            return {"stats": stats.between(since, until)}
+            return {"stats": stats.between(args["since"], args["until"])}
         except KeyError as e:
             raise RequestError(f"no mark named {e.args[0]!r}") from None
 
-    def mark_cmd(request: dict, _caller: Caller) -> dict:
-        mark = stats.mark(require(request, "name", str))
+    def mark_cmd(args: dict, _caller: Caller) -> dict:
+        mark = stats.mark(args["name"])
         return {"mark": asdict(mark)}
 
-    def marks_cmd(_request: dict, _caller: Caller) -> dict:
-        return {"marks": [asdict(m) for m in stats.marks]}
-
-    server.register("stats", stats_cmd, 'read counters; "since"/"until" name marks',
-                    Access.READ)
-    server.register("mark", mark_cmd, 'record a named point such as an epoch boundary: "name"',
-                    Access.MOUNT)
-    server.register("marks", marks_cmd, "every mark with the counters at that point",
-                    Access.READ)
+    server.serve("stats", stats_cmd)
+    server.serve("mark", mark_cmd)
+    server.serve("marks", lambda _a, _c: {"marks": [asdict(m) for m in stats.marks]})

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from coordlfs.control_server import ControlServer, RequestError
+from coordlfs.control_server import ControlServer
+from coordlfs.control_spec import RequestError
 from coordlfs.prep import HANG_FACTOR, Prep, register_commands
 
 

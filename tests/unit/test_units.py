@@ -17,10 +17,10 @@ from coordlfs.control_server import (
     MAX_HELD_UNPRIVILEGED,
     MAX_REPLIES,
     MAX_REQUEST,
-    Access,
     ControlHandle,
     ControlServer,
 )
+from coordlfs.control_spec import Access, Command
 from coordlfs.errors import UserError
 from coordlfs.fs import guarded
 from coordlfs.inodes import ROOT_INODE, InodeTable
@@ -156,7 +156,7 @@ def test_mount_wide_commands_need_root_or_the_owner() -> None:
 
 def test_a_new_command_is_mount_wide_unless_said_otherwise() -> None:
     server = _server()
-    server.register("knob", lambda _r, _c: {}, "a setting")
+    server.add(Command("knob", "a setting"), lambda _a, _c: {})
     assert server.handle(b'{"cmd": "knob"}', server.caller(STRANGER, 1))[1] == errno.EACCES
 
 
