@@ -96,15 +96,10 @@ class Option:
 
 def _short_size(n: int) -> str:
     """``256M`` for 256 MiB: the spelling a user would write."""
-    for unit in "TGMK":
-        scale = 1 << (10 * ("KMGT".index(unit) + 1))
-        if n and n % scale == 0:
-            return f"{n // scale}{unit}"
+    for shift, unit in ((40, "T"), (30, "G"), (20, "M"), (10, "K")):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
     return str(n)
-
-
-def _size(text: str, flag: str) -> int:
-    return parse_size(text, flag)
 
 
 def _size_above_zero(text: str, flag: str) -> int:
@@ -169,10 +164,10 @@ RUN = "the mount"
 #: Every option of ``coordlfs mount``, in the order of ``--help`` and the README's table.
 OPTIONS: tuple[Option, ...] = (
     Option("cache_size", "cache capacity: bytes with a K/M/G/T suffix (powers of 1024) or N% "
-           "of RAM; never more than the cache directory's free space", _size, "SIZE",
+           "of RAM; never more than the cache directory's free space", parse_size, "SIZE",
            default=lambda values: default_cache_size(), default_text="50% of RAM",
            settle=_fit_free_space),
-    Option("max_file_size", "larger files are streamed from the source, never cached", _size,
+    Option("max_file_size", "larger files are streamed from the source, never cached", parse_size,
            "SIZE", default=lambda values: int(values["cache_size"] * DEFAULT_MAX_FILE_SHARE),
            default_text="a quarter of the cache"),
     Option("cache_dir", "where cached bytes live, on tmpfs", _path, "DIR",
@@ -185,7 +180,8 @@ OPTIONS: tuple[Option, ...] = (
            _number(float, 0.1, 3600, unit=" seconds"), "SECONDS", default=DEFAULT_REVALIDATE,
            field="revalidate_s"),
     Option("window_size", "memory for items an aligned job read until the rest of its group "
-           "has read them; 0: off", _size, "SIZE", default=DEFAULT_WINDOW_SIZE, section=GROUPS),
+           "has read them; 0: off", parse_size, "SIZE", default=DEFAULT_WINDOW_SIZE,
+           section=GROUPS),
     Option("prefetch_depth", "storage requests in flight reading ahead of an aligned group; "
            "0: off", _number(int, 0, 64), "N", default=DEFAULT_PREFETCH_DEPTH, section=GROUPS),
     Option("staging_size", "shared memory for batches prep-sharing jobs prepared for each "
@@ -225,19 +221,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="options as mount(8) and fstab give them: the names below with underscores, "
              "KEY=VALUE or a bare switch, separated by commas (cache_size=40G,keep_cache; "
              "peers joined with +); a flag given as well wins")
-    groups: dict[str, argparse._ArgumentGroup] = {}
+    groups = {option.section: parser.add_argument_group(option.section) for option in OPTIONS}
     for option in OPTIONS:
-        group = groups.get(option.section) or groups.setdefault(
-            option.section, parser.add_argument_group(option.section))
         default = option.stated_default()
         text = f"{option.help} (default {default})" if default else option.help
         names = [option.short, option.flag] if option.short else [option.flag]
-        if option.parse is None:
-            group.add_argument(*names, dest=option.name, action="store_true", default=None,
-                               help=text.replace("%", "%%"))
-        else:
-            group.add_argument(*names, dest=option.name, metavar=option.metavar,
-                               help=text.replace("%", "%%"))
+        kind = ({"action": "store_true", "default": None} if option.parse is None
+                else {"metavar": option.metavar})
+        groups[option.section].add_argument(*names, dest=option.name,
+                                            help=text.replace("%", "%%"), **kind)
 
 
 def parse_mount_options(items: Iterable[str], sloppy: bool = False) -> dict[str, str | bool]:
@@ -287,14 +279,14 @@ class _Resolution(dict):
     """The values by name; an option not yet resolved is, on first use, its given value or
     its default, then settled: options resolve in the order they depend on each other."""
 
-    def __init__(self, values: Values, known: Values) -> None:
+    def __init__(self, given: Values, known: Values) -> None:
         super().__init__(known)
-        self.values = values
+        self.given = given
 
     def __missing__(self, name: str) -> Any:
         option = BY_NAME[name]
-        if name in self.values:
-            value = self.values[name]
+        if name in self.given:
+            value = self.given[name]
         else:
             value = option.default(self) if callable(option.default) else option.default
         if option.settle is not None:
