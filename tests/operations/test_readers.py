@@ -1,0 +1,271 @@
+"""The data path of ``Operations``, in-process: which reader each handle gets, the bytes it
+serves and what the read counters say."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import xxhash
+from inprocess import CHUNK, Mount, ctx, mounted, write_files
+
+from coordlfs.peer_wire import Get, Kind
+from coordlfs.peers import PeerDown, PeerLink, Peers
+from coordlfs.placement import parse_address
+from coordlfs.readers import (
+    STREAM_WHOLE,
+    CacheReader,
+    FirstMiss,
+    PeerReader,
+    StreamReader,
+    WindowReader,
+)
+from coordlfs.stats import ReadCounters
+
+MiB = 1 << 20
+
+
+def requests(size: int, chunk: int = CHUNK) -> int:
+    return -(-size // chunk)
+
+
+def counted(m: Mount) -> dict[str, int]:
+    return {k: v for k, v in m.counters.snapshot().items() if v}
+
+
+def test_a_miss_fills_the_cache_and_the_next_open_hits(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    data = write_files(tmp_path / "src", {"a.bin": 3 * MiB + 5})["a.bin"]
+    with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch) as m:
+        async def body() -> None:
+            fh = await m.open("a.bin")
+            assert isinstance(m.reader(fh), FirstMiss)
+            assert xxhash.xxh64(await m.read_all(fh)).digest() == xxhash.xxh64(data).digest()
+            assert isinstance(m.reader(fh), CacheReader)
+            await m.ops.release(fh)
+            await m.filled()
+            assert counted(m) == {"misses": requests(len(data)), "files_from_source": 1,
+                                  "bytes_from_source": len(data)}
+            fh = await m.open("a.bin")
+            reader = m.reader(fh)
+            assert isinstance(reader, CacheReader) and reader.entry is not None
+            assert reader.entry.complete
+            assert await m.read_all(fh) == data
+            await m.ops.release(fh)
+            assert counted(m) == {"misses": requests(len(data)), "files_from_source": 1,
+                                  "bytes_from_source": len(data),
+                                  "cache_hits": requests(len(data)),
+                                  "bytes_from_cache": len(data)}
+            assert m.cache.used == len(data)
+
+        m.run(body)
+
+
+def test_concurrent_openers_of_a_filling_file_share_one_storage_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = write_files(tmp_path / "src", {"a.bin": 2 * MiB})["a.bin"]
+    with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch) as m:
+        async def body() -> None:
+            first, second = await m.open("a.bin"), await m.open("a.bin")
+            assert bytes(await m.ops.read(first, 0, 4096)) == data[:4096]
+            assert isinstance(m.reader(second), FirstMiss)  # chosen at its own first miss
+            assert await m.read_all(second) == data
+            assert isinstance(m.reader(second), CacheReader)
+            assert m.reader(second).entry is m.reader(first).entry
+            for fh in (first, second):
+                await m.ops.release(fh)
+            await m.filled()
+            assert m.counters.files_from_source == 1
+            assert m.counters.bytes_from_source == len(data)
+
+        m.run(body)
+
+
+def test_a_file_larger_than_the_cache_takes_streams_by_ranges(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = write_files(tmp_path / "src", {"big.bin": 3 * MiB + 1})["big.bin"]
+    with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch,
+                 max_file_size=MiB) as m:
+        async def body() -> None:
+            fh = await m.open("big.bin")
+            assert await m.read_all(fh) == data
+            reader = m.reader(fh)
+            assert isinstance(reader, StreamReader)
+            last = (requests(len(data)) - 1) * CHUNK
+            assert (reader.offset, len(reader.data)) == (last, len(data) - last)
+            # a request the kernel repeats for the last range costs no storage read
+            assert bytes(await m.ops.read(fh, last, CHUNK)) == data[last:]
+            await m.ops.release(fh)
+            assert counted(m) == {"misses": requests(len(data)) + 1, "files_from_source": 1,
+                                  "bytes_from_source": len(data)}
+            assert m.cache.used == 0 and not m.cache.entries
+
+        m.run(body)
+
+
+def test_a_small_file_without_room_is_read_whole_once(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    data = write_files(tmp_path / "src", {"a.bin": 300_000})["a.bin"]
+    assert len(data) <= STREAM_WHOLE
+    with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch, cache_size=0) as m:
+        async def body() -> None:
+            fh = await m.open("a.bin")
+            assert await m.read_all(fh, chunk=4096) == data
+            assert bytes(await m.ops.read(fh, 0, 4096)) == data[:4096]  # asked again
+            assert isinstance(m.reader(fh), StreamReader)
+            await m.ops.release(fh)
+            assert counted(m) == {"misses": requests(len(data), 4096) + 1,
+                                  "files_from_source": 1, "bytes_from_source": len(data)}
+
+        m.run(body)
+
+
+def test_release_closes_the_readers_source_file(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    write_files(tmp_path / "src", {"a.bin": 5000})
+    with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch, cache_size=0) as m:
+        async def body() -> None:
+            fds = len(os.listdir("/proc/self/fd"))
+            fh = await m.open("a.bin")
+            await m.read_all(fh)
+            assert len(os.listdir("/proc/self/fd")) == fds + 1
+            await m.ops.release(fh)
+            assert len(os.listdir("/proc/self/fd")) == fds
+
+        m.run(body)
+
+
+def test_a_changed_source_file_is_invalidated_dropped_and_read_anew(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    old = write_files(tmp_path / "src", {"a.bin": 100_000})["a.bin"]
+    with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch) as m:
+        async def body() -> None:
+            attr = await m.lookup("a.bin")
+            assert await m.read_file("a.bin") == old
+            await m.filled()
+            kept = await m.open("a.bin")  # opened before the change: keeps the old view
+            new = os.urandom(120_000)
+            (tmp_path / "src" / "a.bin").write_bytes(new)
+            info = await m.ops.open(attr.st_ino, os.O_RDONLY, ctx())
+            assert not info.keep_cache and m.kernel.invalidated == [attr.st_ino]
+            assert not m.cache.entries  # the old version's entry is dropped
+            assert isinstance(m.reader(info.fh), FirstMiss)
+            assert await m.read_all(info.fh) == new
+            await m.ops.release(info.fh)
+            # the dropped entry is never read again: the old handle streams the source
+            assert bytes(await m.ops.read(kept, 0, 10)) == new[:10]
+            assert isinstance(m.reader(kept), CacheReader)
+            await m.ops.release(kept)
+
+        m.run(body)
+
+
+def test_the_group_window_serves_the_second_member(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    data = write_files(tmp_path / "src", {"a.bin": 200_000})["a.bin"]
+    with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch, cache_size=0,
+                 window_size=MiB) as m:
+        first = m.groups.join("g", 1001, "first", 7)
+        second = m.groups.join("g", 1002, "second", None)
+
+        async def body() -> None:
+            assert await m.read_file("a.bin", pid=first.pid) == data
+            assert m.window.used == len(data)
+            fh = await m.open("a.bin", pid=second.pid)
+            assert isinstance(m.reader(fh), WindowReader)
+            assert await m.read_all(fh) == data
+            await m.ops.release(fh)
+            assert m.window.used == 0 and m.window.hits == 1
+            assert m.counters.files_from_source == 1
+            assert m.counters.bytes_from_source == len(data)
+
+        m.run(body)
+
+
+class FakeLink(PeerLink):
+    """A peer whose cache holds ``files``, answering ``answers`` requests and then down."""
+
+    def __init__(self, files: dict[bytes, bytes], answers: int) -> None:
+        super().__init__(parse_address("127.0.0.1:9", "peer"), b"", 1.0)
+        self.files = files
+        self.answers = answers
+
+    async def get(self, request: Get) -> tuple[Kind, bytes]:
+        if self.answers <= 0:
+            raise PeerDown("gone")
+        self.answers -= 1
+        self.stats.requests += 1
+        return Kind.DATA, self.files[request.path][request.offset:
+                                                   request.offset + request.length]
+
+
+class OnePeer(Peers):
+    """A cluster of this node and ``link``, ranked before (or after) this node for every
+    file."""
+
+    def __init__(self, counters: ReadCounters, link: FakeLink, before: bool) -> None:
+        super().__init__((), None, b"", 1.0, counters)
+        self.links = {link.address: link}
+        self.link, self.before = link, before
+
+    def candidates(self, path: bytes) -> tuple[list[PeerLink], list[PeerLink]]:
+        return ([self.link], []) if self.before else ([], [self.link])
+
+
+def test_a_peer_ranked_before_this_node_serves_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = write_files(tmp_path / "src", {"a.bin": 300_000})["a.bin"]
+    link = FakeLink({b"a.bin": data}, answers=10)
+    with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch,
+                 peers=lambda c: OnePeer(c, link, before=True)) as m:
+        async def body() -> None:
+            fh = await m.open("a.bin")
+            assert await m.read_all(fh, chunk=4096) == data
+            assert isinstance(m.reader(fh), PeerReader)
+            await m.ops.release(fh)
+            assert link.stats.requests == 1  # a small file whole, in one request
+            assert counted(m) == {"misses": requests(len(data), 4096), "files_from_peers": 1,
+                                  "bytes_from_peers": len(data)}
+            assert not m.cache.entries
+
+        m.run(body)
+
+
+def test_a_peer_ranked_after_this_node_serves_only_when_the_cache_is_full(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = write_files(tmp_path / "src", {"a.bin": 300_000, "b.bin": 300_000})
+    link = FakeLink({os.fsencode(k): v for k, v in data.items()}, answers=10)
+    with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch, cache_size=400_000,
+                 peers=lambda c: OnePeer(c, link, before=False)) as m:
+        async def body() -> None:
+            for name, chosen in (("a.bin", CacheReader), ("b.bin", PeerReader)):
+                fh = await m.open(name)
+                assert await m.read_all(fh) == data[name]
+                assert isinstance(m.reader(fh), chosen), name
+                await m.ops.release(fh)
+            await m.filled()
+            assert m.counters.files_from_source == 1 and m.counters.files_from_peers == 1
+
+        m.run(body)
+
+
+def test_a_peer_that_fails_mid_file_hands_the_rest_to_local_storage(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    size = 2 * MiB
+    data = write_files(tmp_path / "src", {"big.bin": size})["big.bin"]
+    link = FakeLink({b"big.bin": data}, answers=3)
+    with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch,
+                 peers=lambda c: OnePeer(c, link, before=True)) as m:
+        async def body() -> None:
+            fh = await m.open("big.bin")
+            assert await m.read_all(fh) == data
+            reader = m.reader(fh)
+            assert isinstance(reader, PeerReader)
+            await m.ops.release(fh)
+            from_peer = 3 * CHUNK
+            assert counted(m) == {"misses": requests(size), "files_from_peers": 1,
+                                  "bytes_from_peers": from_peer, "files_from_source": 1,
+                                  "bytes_from_source": size - from_peer}
+
+        m.run(body)
