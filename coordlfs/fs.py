@@ -1,9 +1,12 @@
-"""The pyfuse3 ``Operations``: a thin layer over the source, inode table, cache and control.
+"""The pyfuse3 ``Operations``: a thin layer over the source, inode table, readers and control.
 
 pyfuse3 runs every handler on one trio thread, and any exception other than FUSEError kills
 the whole filesystem; ``guarded`` turns such an exception into EIO for that one request and a
-log line. Nothing here blocks on data: source reads run in worker threads (see cache.py), and
-only metadata calls, which the source's dentry and inode caches answer, run inline.
+log line. This module keeps metadata and the open handles; where a handle's bytes come from
+is its reader's business (``coordlfs.readers``), apart from the cache hit, answered inline.
+Nothing here blocks on data: source reads run in worker threads (see readers.py and
+cache.py), and only metadata calls, which the source's dentry and inode caches answer, run
+inline.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 import os
 import stat
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import pyfuse3
@@ -62,8 +65,8 @@ class FileHandle:
     inode: int
     path: bytes
     st: os.stat_result
-    #: where its bytes come from (``coordlfs.readers``); set at open
-    reader: Reader = None  # type: ignore[assignment]
+    #: where its bytes come from (``coordlfs.readers``); set at open, once the handle exists
+    reader: Reader = field(init=False)
     #: the aligned-group member that opened it, if any
     member: Member | None = None
 

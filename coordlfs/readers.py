@@ -9,7 +9,8 @@ of the file to local storage itself, so ``Operations.read`` only ever asks its h
 A new source of bytes is a new class here, never another field on the handle.
 
 The cache hit stays inline in ``Operations.read`` (``Reader.entry``): it runs at the bare
-pyfuse3 ceiling, where another coroutine per request would show.
+pyfuse3 ceiling, where another coroutine per request would show. ``AlignedReads`` is what a
+member of an aligned group adds to opening, streaming and closing a file.
 """
 
 from __future__ import annotations
@@ -236,12 +237,12 @@ class Readers:
         handle.member, held = self.aligned.opened(pid, handle.path, key, Version.of(st),
                                                   cached=entry is not None)
         if entry is not None:
-            return self.cached(entry, handle)
+            return self._cached(entry, handle)
         if held is not None:
             return WindowReader(self, handle, held)
         return FirstMiss(self, handle)
 
-    def cached(self, entry: Entry, handle: Handle) -> CacheReader:
+    def _cached(self, entry: Entry, handle: Handle) -> CacheReader:
         return CacheReader(self.cache, entry, lambda: StreamReader(self, handle))
 
     async def choose(self, handle: Handle, off: int, size: int) -> Reader:
@@ -256,7 +257,7 @@ class Readers:
         assert self.nursery is not None
         entry = self.cache.start_fill(key_of(st), path, st, self.source, self.nursery)
         if entry is not None:
-            return self.cached(entry, handle)
+            return self._cached(entry, handle)
         peer = await self._from_peers(handle, after, off, size)
         return peer if peer is not None else StreamReader(self, handle)
 
