@@ -3,6 +3,7 @@ serves and what the read counters say."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import xxhash
 from inprocess import CHUNK, Mount, ctx, mounted, write_files
 
+from coordlfs import cache as cache_module
 from coordlfs.peer_wire import Get, Kind
 from coordlfs.peers import PeerDown, PeerLink, Peers
 from coordlfs.placement import parse_address
@@ -78,6 +80,28 @@ def test_concurrent_openers_of_a_filling_file_share_one_storage_read(
             await m.filled()
             assert m.counters.files_from_source == 1
             assert m.counters.bytes_from_source == len(data)
+
+        m.run(body)
+
+
+def test_a_failed_fill_hands_its_readers_to_the_source(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    data = write_files(tmp_path / "src", {"a.bin": 300_000})["a.bin"]
+
+    def broken(_copier: object, _offset: int) -> int:
+        raise OSError(errno.EIO, "the disk went away")
+
+    monkeypatch.setattr(cache_module._Copier, "step", broken)
+    with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch) as m:
+        async def body() -> None:
+            fh = await m.open("a.bin")
+            assert await m.read_all(fh) == data
+            reader = m.reader(fh)
+            assert isinstance(reader, CacheReader) and reader.holds_bytes
+            await m.ops.release(fh)
+            assert not m.cache.entries and m.cache.used == 0
+            assert counted(m) == {"misses": requests(len(data)), "files_from_source": 2,
+                                  "bytes_from_source": len(data)}
 
         m.run(body)
 
