@@ -32,26 +32,29 @@ DEFAULT_REVALIDATE = 1.0
 
 @dataclass(slots=True)
 class MountConfig:
+    """The values ``coordlfs.options.resolve`` settled, every one (the defaults are the option
+    table's: none here, so that no default lives in two places)."""
+
     source: str
     mountpoint: str
     cache_size: int
     max_file_size: int
     cache_dir: str
-    window_size: int = DEFAULT_WINDOW_SIZE
-    prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
-    staging_size: int = DEFAULT_STAGING_SIZE
-    keep_cache: bool = False
-    allow_other: bool = False
-    log_file: str | None = None
-    debug: bool = False
+    window_size: int
+    prefetch_depth: int
+    staging_size: int
+    keep_cache: bool
+    allow_other: bool
+    log_file: str | None
+    debug: bool
     #: partitioned caching: where to serve peers (HOST:PORT), every node of the cluster (the
     #: same list on each), the shared secret's file (None only with ``insecure``)
-    listen: str | None = None
-    peers: tuple[str, ...] = ()
-    secret_file: str | None = None
-    insecure: bool = False
-    peer_timeout: float = DEFAULT_PEER_TIMEOUT
-    revalidate_s: float = DEFAULT_REVALIDATE
+    listen: str | None
+    peers: tuple[str, ...]
+    secret_file: str | None
+    insecure: bool
+    peer_timeout: float
+    revalidate_s: float
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

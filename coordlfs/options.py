@@ -129,6 +129,8 @@ def _number(kind: type, low: float, high: float, *, low_open: bool = False,
 
 
 def _path(text: str, flag: str) -> str:
+    if not text:
+        raise UserError(f"{flag} needs a path")
     return os.path.abspath(text)
 
 

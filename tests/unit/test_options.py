@@ -3,14 +3,21 @@ config reaches the daemon whole, and the READMEs list exactly the table's option
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
 from coordlfs.cli import build_parser
-from coordlfs.config import DEFAULT_MAX_FILE_SHARE, MountConfig
+from coordlfs.config import (
+    DEFAULT_MAX_FILE_SHARE,
+    DEFAULT_PEER_TIMEOUT,
+    DEFAULT_PREFETCH_DEPTH,
+    DEFAULT_REVALIDATE,
+    DEFAULT_STAGING_SIZE,
+    DEFAULT_WINDOW_SIZE,
+    MountConfig,
+)
 from coordlfs.errors import UserError
 from coordlfs.options import OPTIONS, given, parse, parse_mount_options, resolve
 
@@ -75,6 +82,7 @@ def test_generic_mount_options_are_ignored() -> None:
     (["-o", "peer_timeout=61"], "bad --peer-timeout 61: more than 0, at most 60 s"),
     (["--peer-timeout", "0"], "bad --peer-timeout 0"),
     (["--listen", "localhost"], "expected HOST:PORT"),
+    (["--cache-dir", ""], "--cache-dir needs a path"),
     (["-o", "peers=127.0.0.1:1+127.0.0.1:1"], "--peers names a node twice"),
 ])
 def test_bad_options_are_one_line_errors(argv: list[str], says: str) -> None:
@@ -95,16 +103,20 @@ def test_defaults_and_the_config(tmp_path: Path) -> None:
     assert config.max_file_size == int((8 << 20) * DEFAULT_MAX_FILE_SHARE)
     assert config.cache_dir == str(Path.cwd() / "cache")
     assert config.log_file is None  # foreground: stderr
-    defaults = {f.name: f.default for f in dataclasses.fields(MountConfig)
-                if f.default is not dataclasses.MISSING}
-    assert {name: getattr(config, name) for name in defaults} == defaults
+    assert (config.window_size, config.prefetch_depth, config.staging_size,
+            config.peer_timeout, config.revalidate_s) == (
+        DEFAULT_WINDOW_SIZE, DEFAULT_PREFETCH_DEPTH, DEFAULT_STAGING_SIZE,
+        DEFAULT_PEER_TIMEOUT, DEFAULT_REVALIDATE)
+    assert not (config.keep_cache or config.allow_other or config.debug or config.insecure)
+    assert (config.listen, config.peers, config.secret_file) == (None, (), None)
     detached = resolve(options_of("--log", "x.log"), str(tmp_path), str(tmp_path))
     assert detached.log_file == str(Path.cwd() / "x.log")
 
 
-def test_the_config_reaches_the_daemon_whole() -> None:
-    config = MountConfig("/s", "/m", 1, 2, "/c", listen="127.0.0.1:1",
-                         peers=("127.0.0.1:1", "127.0.0.1:2"), insecure=True, revalidate_s=0.5)
+def test_the_config_reaches_the_daemon_whole(tmp_path: Path) -> None:
+    config = resolve(options_of("-o", "listen=127.0.0.1:1,peers=127.0.0.1:1+127.0.0.1:2,"
+                                      "insecure,revalidate=0.5,cache_size=1M"),
+                     str(tmp_path), str(tmp_path))
     assert MountConfig.from_json(config.to_json()) == config
 
 
