@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing
 import os
 import signal
@@ -29,26 +28,16 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from coordlfs.bench.children import running, stop_children
+from coordlfs.bench import harness
+from coordlfs.bench.children import EpochMarks, Readers, batch_paths, running, stop_children
 from coordlfs.bench.counters import process_bytes_read
-from coordlfs.bench.epochs import (
-    DAEMON_BASE_BYTES,
-    DAEMON_BYTES_PER_FILE,
-    PAGE_HEADROOM_PER_READER,
-    Readers,
-    add_training_arguments,
-    batches_of,
-    check_can_run,
-    load_dataset,
-    parse_throttle,
-)
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.control import Control
 from coordlfs.errors import UserError
 from coordlfs.order import epoch_order
 from coordlfs.sizes import format_size
 from coordlfs.stagger import JobProfile, optimal_delay, standalone_runtime
-from coordlfs.testbed.cgroup import memory_cgroup, remove_stale
+from coordlfs.testbed.cgroup import memory_cgroup
 from coordlfs.testbed.dataset import Dataset, epoch_orders
 from coordlfs.testbed.mounts import mounted
 from coordlfs.testbed.storage import drop_caches
@@ -58,18 +47,14 @@ SYSTEMS = ("page cache", "coordlfs", "coordlfs aligned", "coordlfs staggered")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", help="an existing dataset directory (default: generate one)")
-    parser.add_argument("--make", default="3000:110K", metavar="N:SIZE",
-                        help="generate N files of mean SIZE (default 3000:110K)")
-    parser.add_argument("--work", default="/var/tmp/coordlfs-aligned",
-                        help="work directory on disk for generated data and the mount")
+    harness.add_dataset_arguments(parser, "aligned", make="3000:110K")
     parser.add_argument("--jobs", default="2,4", help="job counts to run (default 2,4)")
     parser.add_argument("--cache", type=float, default=0.25,
                         help="MinIO cache as a fraction of the dataset (default 0.25)")
     parser.add_argument("--window", type=float, default=0.1,
                         help="read window as a fraction of the dataset (default 0.1)")
-    add_training_arguments(parser, readers=2, readers_help="reader processes per job",
-                           compute_ms=20.0)
+    harness.add_training_arguments(parser, readers=2, readers_help="reader processes per job",
+                                   compute_ms=20.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +94,7 @@ def _job_main(conn: Connection, plan: Plan, index: int, dataset: Dataset, base: 
                 if member is not None:
                     control.start_epoch(member, number - 1)
                 seconds, waited, got = group_of_readers.epoch(
-                    batches_of(order, Path(base), plan.batch), compute_s)
+                    batch_paths(order, base, plan.batch), compute_s)
                 conn.send(("epoch", number, time.monotonic(), seconds, waited, got))
             conn.send(("done",))
             conn.recv()  # stop: the readers' counters are read until then
@@ -119,6 +104,16 @@ def _job_main(conn: Connection, plan: Plan, index: int, dataset: Dataset, base: 
 
 @dataclass(slots=True)
 class Jobs:
+    """Training jobs side by side, each a forked process with ``Readers`` of its own.
+
+    The same shape as every bench's children (``children.running`` starts and stops them;
+    storage per epoch is ``EpochMarks``, as for ``bench hpsearch``'s jobs), but its own
+    messages on the pipe: a job runs its epochs by itself and reports each one (pids, then
+    epoch ends, done, or an error), where readers answer one batch at a time. Forked rather
+    than fresh interpreters, as hpsearch's torch jobs must be: nothing here needs torch, and
+    the jobs share the dataset's names without passing them.
+    """
+
     plan: Plan
     dataset: Dataset
     base: str
@@ -161,11 +156,11 @@ class Jobs:
             ) -> tuple[list[list[tuple[float, float, float]]], list[int]]:
         """Start every job at once. Returns, per job and epoch, (finished at on the monotonic
         clock, seconds, stall seconds), and ``storage()`` read as the last job finished each
-        epoch."""
+        epoch, as bytes per epoch."""
         for conn in self.conns:
             conn.send("go")
         epochs: list[list[tuple[float, float, float]]] = [[] for _ in self.conns]
-        marks: list[int] = []
+        marks = EpochMarks(storage, [0] * len(self.conns))
         running = list(self.conns)
         while running:
             ready = wait(running, timeout=600)
@@ -182,9 +177,8 @@ class Jobs:
                     raise UserError(f"job {j} read {got} bytes in an epoch, the dataset has "
                                     f"{self.dataset.total_bytes}")
                 epochs[j].append((at, seconds, waited))
-                if all(len(e) >= len(epochs[j]) for e in epochs):
-                    marks.append(storage())
-        return epochs, marks
+                marks.ended(j, len(epochs[j]))
+        return epochs, marks.per_epoch()
 
     def stop(self) -> None:
         stop_children(self.conns, self.procs, "stop")
@@ -215,8 +209,9 @@ class SystemResult:
 
 def budget_for(dataset: Dataset, cache: int, window: int, plan: Plan) -> int:
     """The memory budget both systems get: the cache and window plus coordlfs's overhead."""
-    return (cache + window + DAEMON_BASE_BYTES + DAEMON_BYTES_PER_FILE * len(dataset.files)
-            + PAGE_HEADROOM_PER_READER * plan.readers * plan.jobs)
+    return (cache + window + harness.DAEMON_BASE_BYTES
+            + harness.DAEMON_BYTES_PER_FILE * len(dataset.files)
+            + harness.PAGE_HEADROOM_PER_READER * plan.readers * plan.jobs)
 
 
 def run_system(system: str, plan: Plan, dataset: Dataset, cache: int, window: int,
@@ -245,9 +240,9 @@ def run_system(system: str, plan: Plan, dataset: Dataset, cache: int, window: in
         pids = storage_pids or jobs.reader_pids
         before = sum(process_bytes_read(pid) for pid in pids)
         started = time.monotonic()
-        epochs, marks = jobs.run(lambda: sum(process_bytes_read(pid) for pid in pids) - before)
+        epochs, per_epoch = jobs.run(
+            lambda: sum(process_bytes_read(pid) for pid in pids) - before)
     ends = [max(job[e][0] for job in epochs) - started for e in range(plan.epochs)]
-    per_epoch = [b - a for a, b in zip([0, *marks], marks, strict=False)]
     result = SystemResult(system, plan.jobs, per_epoch,
                           [round(job[-1][0] - started, 3) for job in epochs],
                           round(max(ends), 3),
@@ -328,34 +323,29 @@ def summarize(runs: list[dict[int, dict[str, SystemResult]]]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_can_run()
+    harness.require_root("bench aligned", harness.TRAINING_NEEDS)
     try:
         counts = sorted({int(n) for n in args.jobs.split(",")})
     except ValueError:
         raise UserError(f"bad --jobs {args.jobs!r}: job counts such as 2,4") from None
-    if not counts or counts[0] < 1 or min(args.epochs, args.readers, args.batch,
-                                          args.repeat) < 1:
-        raise UserError("--jobs, --epochs, --readers, --batch and --repeat must be at least 1")
-    if not 0 < args.cache < 1 or not 0 <= args.window < 1 or args.compute_ms < 0:
-        raise UserError("--cache and --window are fractions of the dataset in [0, 1); "
-                        "--compute-ms must not be negative")
-    throttle = parse_throttle(args.throttle)
-    work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    remove_stale(CGROUP_PREFIX)
-    dataset = load_dataset(args)
+    if not counts or counts[0] < 1:
+        raise UserError(f"bad --jobs {args.jobs!r}: job counts must be at least 1")
+    harness.check_training_arguments(args)
+    if not 0 < args.cache < 1 or not 0 <= args.window < 1:
+        raise UserError("--cache and --window are fractions of the dataset in [0, 1)")
+    throttle = harness.parse_throttle(args.throttle)
+    work = harness.work_dir(args.work, cgroups=CGROUP_PREFIX)
+    dataset = harness.load_dataset(args)
     cache, window = int(dataset.total_bytes * args.cache), int(dataset.total_bytes * args.window)
-    print(f"dataset {dataset.root}: {len(dataset.files)} files, "
-          f"{format_size(dataset.total_bytes)}; cache {format_size(cache)}, window "
-          f"{format_size(window)}; throttle "
-          f"{format_size(throttle) + '/s' if throttle else 'none'}", flush=True)
+    print(f"{harness.describe_dataset(dataset)}; cache {format_size(cache)}, window "
+          f"{format_size(window)}; throttle {harness.describe_throttle(throttle)}", flush=True)
+
     def plan_for(jobs: int) -> Plan:
         return Plan(jobs, args.epochs, args.readers, args.batch, args.compute_ms / 1000,
                     args.seed, throttle)
 
     runs: list[dict[int, dict[str, SystemResult]]] = []
-    for number in range(1, args.repeat + 1):
-        print(f"run {number} of {args.repeat}", flush=True)
+    for _number in harness.repeated(args.repeat):
         by_count: dict[int, dict[str, SystemResult]] = {}
         alone = run_system("coordlfs aligned", plan_for(1), dataset, cache, window, work)
         for n in counts:
@@ -374,18 +364,13 @@ def run(args: argparse.Namespace) -> int:
                                               delays)
         runs.append(by_count)
     summary = summarize(runs)
-    for key, value in summary.items():
-        if not key.endswith("_runs"):
-            print(f"{key} {value}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "dataset": {"root": str(dataset.root), "files": len(dataset.files),
-                        "bytes": dataset.total_bytes},
-            "cache_bytes": cache, "window_bytes": window,
-            "settings": {k: v for k, v in vars(args).items() if k not in ("func",)
-                         and isinstance(v, int | float | str | type(None))},
-            "runs": [{str(n): {s: asdict(r) for s, r in systems.items()}
-                      for n, systems in run_.items()} for run_ in runs],
-            "summary": summary,
-        }, indent=1) + "\n")
+    harness.print_summary(summary)
+    harness.write_report(args.json, {
+        "dataset": harness.dataset_record(dataset),
+        "cache_bytes": cache, "window_bytes": window,
+        "settings": harness.plain_settings(args),
+        "runs": [{str(n): {s: asdict(r) for s, r in systems.items()}
+                  for n, systems in run_.items()} for run_ in runs],
+        "summary": summary,
+    })
     return 0

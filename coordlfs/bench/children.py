@@ -7,15 +7,24 @@ Ctrl-C or SIGTERM, must not leave one behind reading a mount it is about to unmo
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol, TypeVar
 
+from coordlfs.bench.reading import read_files
+from coordlfs.errors import UserError
+from coordlfs.order import batches_of
+
 #: Seconds a process group gets to go after SIGTERM before SIGKILL.
 STOP_WAIT_S = 10
+#: Batches each reader works ahead of the trainer (DataLoader's prefetch_factor).
+PREFETCH = 2
 
 
 class Children(Protocol):
@@ -60,3 +69,97 @@ def stop_group(process: subprocess.Popen[str]) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+@dataclass(slots=True)
+class EpochMarks:
+    """Storage bytes per epoch of jobs that run side by side: ``storage()`` is read as the
+    last job ends each epoch, since jobs drift apart and an epoch's bytes are those read
+    while its slowest job finished it."""
+
+    storage: Callable[[], int]
+    #: per job, the epochs it has ended
+    done: list[int]
+    marks: list[int] = field(default_factory=list)
+
+    def ended(self, job: int, epoch: int) -> None:
+        self.done[job] = epoch
+        while len(self.marks) < min(self.done):
+            self.marks.append(self.storage())
+
+    def per_epoch(self) -> list[int]:
+        return [b - a for a, b in zip([0, *self.marks], self.marks, strict=False)]
+
+
+# -- readers fed batch by batch -------------------------------------------------------------
+
+def batch_paths(order: list[str], base: str | os.PathLike[str], batch: int) -> list[list[str]]:
+    """An epoch's batches of paths under ``base``, in the order, as a DataLoader cuts them."""
+    paths = [os.path.join(base, rel) for rel in order]
+    return [[paths[i] for i in indices]
+            for indices in batches_of(list(range(len(paths))), batch, drop_last=False)]
+
+
+def _reader_main(conn: Connection) -> None:
+    """A reader process: read each batch of paths it is sent, reply with the bytes read."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us, without a traceback
+    buf = bytearray(1 << 20)
+    conn.send("ready")
+    while (batch := conn.recv()) is not None:
+        conn.send(read_files(batch, buf))
+
+
+@dataclass(slots=True)
+class Readers:
+    """``count`` reader processes, fed batch by batch as a DataLoader feeds its workers."""
+
+    count: int
+    procs: list[Any] = field(default_factory=list)
+    conns: list[Connection] = field(default_factory=list)
+
+    def start(self) -> None:
+        context = multiprocessing.get_context("fork")
+        for _ in range(self.count):
+            parent, child = context.Pipe()
+            proc = context.Process(target=_reader_main, args=(child,), daemon=True)
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        for conn in self.conns:
+            if conn.recv() != "ready":
+                raise UserError("a reader process failed to start")
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def epoch(self, batches: list[list[str]], compute_s: float) -> tuple[float, float, int]:
+        """Run one epoch; returns (seconds, seconds the trainer waited for data, bytes)."""
+        try:
+            return self._epoch(batches, compute_s)
+        except (EOFError, OSError) as e:
+            raise UserError(f"a reader process died ({e.__class__.__name__}): killed for "
+                            "memory in its cgroup, or a read failed") from None
+
+    def _epoch(self, batches: list[list[str]], compute_s: float) -> tuple[float, float, int]:
+        start = time.perf_counter()
+        for j in range(min(len(batches), PREFETCH * self.count)):
+            self.conns[j % self.count].send(batches[j])
+        waited, total = 0.0, 0
+        for i in range(len(batches)):
+            before = time.perf_counter()
+            conn = self.conns[i % self.count]
+            if not conn.poll(600):
+                raise UserError("a reader made no progress for 10 minutes")
+            total += conn.recv()
+            waited += time.perf_counter() - before
+            ahead = i + PREFETCH * self.count
+            if ahead < len(batches):
+                conn.send(batches[ahead])
+            if compute_s:
+                time.sleep(compute_s)
+        return time.perf_counter() - start, waited, total
+
+    def stop(self) -> None:
+        stop_children(self.conns, self.procs, None)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing
 import os
 import shutil
@@ -32,18 +31,11 @@ from typing import Any
 
 import trio
 
+from coordlfs.bench import harness
 from coordlfs.bench.aligned import Plan as JobPlan
 from coordlfs.bench.aligned import budget_for
-from coordlfs.bench.children import running
+from coordlfs.bench.children import Readers, batch_paths, running
 from coordlfs.bench.counters import process_bytes_read
-from coordlfs.bench.epochs import (
-    Readers,
-    add_training_arguments,
-    batches_of,
-    check_can_run,
-    load_dataset,
-    parse_throttle,
-)
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.control import Control
 from coordlfs.errors import UserError
@@ -52,7 +44,7 @@ from coordlfs.peer_wire import MAX_CHUNK, Get, Kind
 from coordlfs.peers import PeerLink
 from coordlfs.placement import Address, owner
 from coordlfs.sizes import format_size
-from coordlfs.testbed.cgroup import memory_cgroup, remove_stale
+from coordlfs.testbed.cgroup import memory_cgroup
 from coordlfs.testbed.dataset import Dataset
 from coordlfs.testbed.mounts import mounted
 from coordlfs.testbed.netns import Node, cluster_network, rate_bits
@@ -69,11 +61,7 @@ DEPTH = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", help="an existing dataset directory (default: generate one)")
-    parser.add_argument("--make", default="10000:110K", metavar="N:SIZE",
-                        help="generate N files of mean SIZE (default 10000:110K)")
-    parser.add_argument("--work", default="/var/tmp/coordlfs-cluster",
-                        help="work directory on disk: the nodes' dataset copies and mounts")
+    harness.add_dataset_arguments(parser, "cluster", make="10000:110K")
     parser.add_argument("--nodes", type=int, default=2, help="nodes (default 2)")
     parser.add_argument("--cache", type=float, default=0.5,
                         help="each node's cache as a fraction of the dataset (default 0.5)")
@@ -81,8 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tc rate of each node's link (default 10gbit; none: unshaped)")
     parser.add_argument("--no-throughput", dest="throughput", action="store_false",
                         help="skip the loopback throughput part")
-    add_training_arguments(parser, readers=4, readers_help="reader processes per node",
-                           compute_ms=0.0)
+    harness.add_training_arguments(parser, readers=4, readers_help="reader processes per node",
+                                   compute_ms=0.0)
 
 
 @dataclass(slots=True)
@@ -203,8 +191,8 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                 before = [_counters(pids, control)
                           for pids, control in zip(storage_pids, controls, strict=True)]
                 futures = [pool.submit(groups[i].epoch,
-                                       batches_of([names[k] for k in order[i::plan.nodes]],
-                                                  bases[i], plan.batch), plan.compute_s)
+                                       batch_paths([names[k] for k in order[i::plan.nodes]],
+                                                   bases[i], plan.batch), plan.compute_s)
                            for i in range(plan.nodes)]
                 done = [f.result() for f in futures]
                 after = [_counters(pids, control)
@@ -358,49 +346,38 @@ def summarize(runs: list[dict[str, SystemResult]]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_can_run()
+    harness.require_root("bench cluster", harness.TRAINING_NEEDS)
     check_netns()
-    if not 1 <= args.nodes <= 16 or min(args.epochs, args.readers, args.batch,
-                                        args.repeat) < 1:
-        raise UserError("--nodes must be 1 to 16; --epochs, --readers, --batch and --repeat "
-                        "at least 1")
-    if not 0 < args.cache <= 1 or args.compute_ms < 0:
-        raise UserError("--cache is a fraction of the dataset in (0, 1]; --compute-ms must "
-                        "not be negative")
+    if not 1 <= args.nodes <= 16:
+        raise UserError(f"bad --nodes {args.nodes}: 1 to 16")
+    harness.check_training_arguments(args)
+    if not 0 < args.cache <= 1:
+        raise UserError("--cache is a fraction of the dataset in (0, 1]")
     link = None if args.link == "none" else args.link
     if link is not None:
         rate_bits(link)
-    throttle = parse_throttle(args.throttle)
-    work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    remove_stale(CGROUP_PREFIX)
+    throttle = harness.parse_throttle(args.throttle)
+    work = harness.work_dir(args.work, cgroups=CGROUP_PREFIX)
     remove_stale_network()
-    dataset = load_dataset(args)
+    dataset = harness.load_dataset(args)
     roots = node_copies(dataset, work, args.nodes)
     cache = int(dataset.total_bytes * args.cache)
     plan = Plan(args.nodes, args.epochs, args.readers, args.batch, args.compute_ms / 1000,
                 args.seed, throttle, link, cache)
-    print(f"dataset {dataset.root}: {len(dataset.files)} files, "
-          f"{format_size(dataset.total_bytes)}; {args.nodes} nodes, each caching "
+    print(f"{harness.describe_dataset(dataset)}; {args.nodes} nodes, each caching "
           f"{format_size(cache)}; link {link or 'unshaped'}; throttle "
-          f"{format_size(throttle) + '/s' if throttle else 'none'} per node", flush=True)
-    runs = []
-    for number in range(1, args.repeat + 1):
-        print(f"run {number} of {args.repeat}", flush=True)
-        runs.append({s: run_system(s, plan, dataset, roots, work) for s in SYSTEMS})
+          f"{harness.describe_throttle(throttle)} per node", flush=True)
+    runs = [{s: run_system(s, plan, dataset, roots, work) for s in SYSTEMS}
+            for _number in harness.repeated(args.repeat)]
     summary = summarize(runs)
     loopback = throughput(work) if args.throughput else None
-    for key, value in summary.items():
-        print(f"{key} {value}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "dataset": {"root": str(dataset.root), "files": len(dataset.files),
-                        "bytes": dataset.total_bytes},
-            "settings": {k: v for k, v in vars(args).items() if k != "func"
-                         and isinstance(v, int | float | str | type(None))},
-            "cache_bytes_per_node": cache,
-            "runs": [{s: asdict(r) for s, r in run_.items()} for run_ in runs],
-            "summary": summary,
-            "loopback_throughput": loopback,
-        }, indent=1) + "\n")
+    harness.print_summary(summary)
+    harness.write_report(args.json, {
+        "dataset": harness.dataset_record(dataset),
+        "settings": harness.plain_settings(args),
+        "cache_bytes_per_node": cache,
+        "runs": [{s: asdict(r) for s, r in run_.items()} for run_ in runs],
+        "summary": summary,
+        "loopback_throughput": loopback,
+    })
     return 0

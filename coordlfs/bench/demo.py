@@ -37,16 +37,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from coordlfs.bench import harness
 from coordlfs.bench.counters import measure_reads, process_bytes_read
-from coordlfs.bench.locking import exclusive
 from coordlfs.bench.reading import read_files
 from coordlfs.control import Control
 from coordlfs.errors import UserError, exit_status
 from coordlfs.mounting import free_space
 from coordlfs.sizes import format_size, parse_size
-from coordlfs.testbed.cgroup import memory_cgroup, remove_stale
+from coordlfs.testbed.cgroup import memory_cgroup
 from coordlfs.testbed.dataset import Dataset, DatasetSpec, ensure_dataset, epoch_orders
-from coordlfs.testbed.mounts import mounted, unmount_if_mounted
+from coordlfs.testbed.mounts import mounted
 from coordlfs.testbed.storage import BlockDevice, block_device, drop_caches
 
 DEFAULT_DIR = "/var/tmp/coordlfs-demo"
@@ -87,7 +87,10 @@ class Reader:
     """A reader process of its own, so a cgroup can hold exactly it and the page cache it fills.
 
     The constructor returns once the process has started up, so that what it allocated and
-    loaded to get there is not charged to the cgroup it is moved into afterwards.
+    loaded to get there is not charged to the cgroup it is moved into afterwards. A fresh
+    interpreter, not a fork like ``children.Readers``: its footprint is measured and charged
+    to the budget, and a fork would carry the bench's own memory with it. Hence also JSON
+    lines on its stdin and stdout rather than a multiprocessing pipe.
     """
 
     def __init__(self) -> None:
@@ -281,14 +284,10 @@ def prepare(args: argparse.Namespace, workdir: Path) -> Dataset:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole demo; returns the report that ``--json`` writes."""
-    if os.geteuid() != 0:
-        raise UserError("the demo needs root: it drops the page cache and makes memory cgroups")
-    workdir = Path(args.dir).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    harness.require_root("the demo", "drops the page cache and makes memory cgroups")
+    workdir = harness.work_dir(args.dir)
     device = block_device(workdir)
-    with exclusive(workdir, "demo"):
-        unmount_if_mounted(workdir / "mnt")  # left by a run that was killed
-        remove_stale(CGROUP_PREFIX)
+    with harness.claimed(workdir, "demo", cgroups=CGROUP_PREFIX):
         dataset = prepare(args, workdir)
         budget = dataset.total_bytes // 2
         print(f"dataset: {len(dataset.files)} files, {format_size(dataset.total_bytes)} "
@@ -370,24 +369,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.files < 2 or args.epochs < 1:
         print("coordlfs demo: --files must be at least 2 and --epochs at least 1",
               file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _interrupt)  # clean up as for Ctrl-C
 
     def body() -> int:
         report = run(args)
         print()
         print(format_report(report))
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        harness.write_report(args.json, report)
         return 0
 
     return exit_status("coordlfs demo", body, "interrupted; unmounted and cleaned up",

@@ -20,78 +20,39 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import multiprocessing
 import os
-import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Connection
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from coordlfs.bench.children import running, stop_children
+from coordlfs.bench import harness
+from coordlfs.bench.children import Readers, batch_paths, running
 from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.ratios import median, ratio
-from coordlfs.bench.reading import read_files
 from coordlfs.errors import UserError
 from coordlfs.sizes import format_size, parse_size
-from coordlfs.testbed.cgroup import Cgroup, memory_cgroup, remove_stale
-from coordlfs.testbed.dataset import Dataset, DatasetSpec, ensure_dataset, epoch_orders
+from coordlfs.testbed.cgroup import Cgroup, memory_cgroup
+from coordlfs.testbed.dataset import Dataset, epoch_orders
 from coordlfs.testbed.mounts import mounted
 from coordlfs.testbed.storage import drop_caches
 
 CGROUP_PREFIX = "coordlfs-epochs"
-#: Batches each reader works ahead of the trainer (DataLoader's prefetch_factor).
-PREFETCH = 2
 #: Seconds between samples of the storage counters, for the throughput plot.
 SAMPLE_S = 0.25
 PLOT_WINDOW_S = 2.0
-#: Daemon memory the cache must leave room for, from ``coordlfs bench overhead``: about 0.5
-#: KiB per inode and 1.1 KiB per cached file, so 2 KiB per file is safe; plus a fixed part.
-DAEMON_BYTES_PER_FILE = 2048
-DAEMON_BASE_BYTES = 8 << 20
-#: Room per reader for the kernel's pages of reads in flight and the source's metadata, above
-#: the cache. 1.1 GiB, budget 50%, 4 readers, arena cache: with 4 MiB per reader, epochs 2
-#: and 3 read 0.61 / 0.59 of the dataset (0.55 expected from the capacity), and the daemon's
-#: process read 20% more from storage than the file bytes it fetched (the source's metadata,
-#: reclaimed and read again); 6 MiB read exactly the uncached rest (0.558), as did 8.
-PAGE_HEADROOM_PER_READER = 6 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", help="an existing dataset directory (default: generate one "
-                                      "with --make in a work directory)")
-    parser.add_argument("--make", default="10000:110K", metavar="N:SIZE",
-                        help="generate N files of mean SIZE (lognormal spread below 1M, equal "
-                             "shard files from 1M up; default 10000:110K)")
-    parser.add_argument("--work", default="/var/tmp/coordlfs-epochs",
-                        help="work directory on disk for generated data and the mount")
+    harness.add_dataset_arguments(parser, "epochs", make="10000:110K")
     parser.add_argument("--budget", default="0.5",
                         help="memory budget: bytes (K/M/G) or a fraction of the dataset "
                              "(default 0.5)")
-    add_training_arguments(parser, readers=4, readers_help="reader processes",
-                           compute_ms=0.0)
+    harness.add_training_arguments(parser, readers=4, readers_help="reader processes",
+                                   compute_ms=0.0)
     parser.add_argument("--plot", metavar="FILE.png",
                         help="plot storage throughput over time and bytes per epoch")
-
-
-def add_training_arguments(parser: argparse.ArgumentParser, readers: int, readers_help: str,
-                           compute_ms: float) -> None:
-    """The options every training-replay benchmark shares (``epochs``, ``aligned``)."""
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--readers", type=int, default=readers,
-                        help=f"{readers_help} (default {readers})")
-    parser.add_argument("--batch", type=int, default=32, help="files per batch (default 32)")
-    parser.add_argument("--compute-ms", type=float, default=compute_ms,
-                        help=f"emulated GPU time per batch (default {compute_ms:g}; 0: read as "
-                             "fast as possible)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--throttle", default="50M",
-                        help="storage read limit per second, or none (default 50M)")
-    parser.add_argument("--repeat", type=int, default=1, help="runs; medians are reported")
-    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,23 +68,9 @@ class Settings:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    for name in ("epochs", "readers", "batch", "repeat"):
-        if getattr(args, name) < 1:
-            raise UserError(f"bad --{name} {getattr(args, name)}: need at least 1")
-    if args.compute_ms < 0:
-        raise UserError(f"bad --compute-ms {args.compute_ms}: must not be negative")
+    harness.check_training_arguments(args)
     return Settings(args.budget, args.epochs, args.readers, args.batch, args.compute_ms,
-                    args.seed, parse_throttle(args.throttle), args.repeat)
-
-
-def parse_throttle(text: str) -> int | None:
-    """``--throttle``: storage read bytes per second, or None for ``none``."""
-    if text == "none":
-        return None
-    rate = parse_size(text, "--throttle")
-    if rate == 0:
-        raise UserError("bad --throttle 0: give a rate, or none")
-    return rate
+                    args.seed, harness.parse_throttle(args.throttle), args.repeat)
 
 
 def budget_bytes(text: str, dataset_bytes: int) -> int:
@@ -139,97 +86,7 @@ def budget_bytes(text: str, dataset_bytes: int) -> int:
     return int(dataset_bytes * fraction)
 
 
-def parse_make(text: str) -> DatasetSpec:
-    count, _, size = text.partition(":")
-    try:
-        files = int(count)
-    except ValueError:
-        raise UserError(f"bad --make {text!r}: expected N:SIZE such as 10000:110K") from None
-    mean = parse_size(size or "110K", "--make size")
-    spec = DatasetSpec(files, mean_bytes=mean, sigma=0.6 if mean < (1 << 20) else 0.0)
-    spec.check()
-    return spec
-
-
-def load_dataset(args: argparse.Namespace) -> Dataset:
-    if args.dir:
-        root = Path(args.dir)
-        if not root.is_dir():
-            raise UserError(f"dataset {args.dir} is not a directory")
-        files = tuple(sorted((str(p.relative_to(root)), p.stat().st_size)
-                             for p in root.rglob("*") if p.is_file() and not p.is_symlink()))
-        if not any(size for _rel, size in files):  # every figure is a share of its bytes
-            raise UserError(f"dataset {args.dir} has no files with data")
-        return Dataset(root.resolve(), DatasetSpec(len(files)), files, reused=True)
-    return ensure_dataset(Path(args.work) / "dataset", parse_make(args.make))
-
-
 # -- readers and trainer -------------------------------------------------------------------
-
-def _reader_main(conn: Connection) -> None:
-    """A reader process: read each batch of paths it is sent, reply with the bytes read."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us, without a traceback
-    buf = bytearray(1 << 20)
-    conn.send("ready")
-    while (batch := conn.recv()) is not None:
-        conn.send(read_files(batch, buf))
-
-
-@dataclass(slots=True)
-class Readers:
-    """``count`` reader processes, fed batch by batch as a DataLoader feeds its workers."""
-
-    count: int
-    procs: list[Any] = field(default_factory=list)
-    conns: list[Connection] = field(default_factory=list)
-
-    def start(self) -> None:
-        context = multiprocessing.get_context("fork")
-        for _ in range(self.count):
-            parent, child = context.Pipe()
-            proc = context.Process(target=_reader_main, args=(child,), daemon=True)
-            proc.start()
-            child.close()
-            self.procs.append(proc)
-            self.conns.append(parent)
-        for conn in self.conns:
-            if conn.recv() != "ready":
-                raise UserError("a reader process failed to start")
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
-    def epoch(self, batches: list[list[str]], compute_s: float) -> tuple[float, float, int]:
-        """Run one epoch; returns (seconds, seconds the trainer waited for data, bytes)."""
-        try:
-            return self._epoch(batches, compute_s)
-        except (EOFError, OSError) as e:
-            raise UserError(f"a reader process died ({e.__class__.__name__}): killed for "
-                            "memory in its cgroup, or a read failed") from None
-
-    def _epoch(self, batches: list[list[str]], compute_s: float) -> tuple[float, float, int]:
-        start = time.perf_counter()
-        for j in range(min(len(batches), PREFETCH * self.count)):
-            self.conns[j % self.count].send(batches[j])
-        waited, total = 0.0, 0
-        for i in range(len(batches)):
-            before = time.perf_counter()
-            conn = self.conns[i % self.count]
-            if not conn.poll(600):
-                raise UserError("a reader made no progress for 10 minutes")
-            total += conn.recv()
-            waited += time.perf_counter() - before
-            ahead = i + PREFETCH * self.count
-            if ahead < len(batches):
-                conn.send(batches[ahead])
-            if compute_s:
-                time.sleep(compute_s)
-        return time.perf_counter() - start, waited, total
-
-    def stop(self) -> None:
-        stop_children(self.conns, self.procs, None)
-
 
 class Sampler:
     """Samples the storage bytes of some processes over time, for the throughput plot."""
@@ -281,11 +138,6 @@ class ConfigResult:
     peak_memory_bytes: int = 0
 
 
-def batches_of(order: list[str], base: Path, batch: int) -> list[list[str]]:
-    paths = [os.path.join(base, rel) for rel in order]
-    return [paths[i:i + batch] for i in range(0, len(paths), batch)]
-
-
 def run_epochs(system: str, group: Readers, storage_pids: list[int], dataset: Dataset,
                base: Path, settings: Settings) -> ConfigResult:
     orders = epoch_orders(dataset, settings.epochs, settings.seed)
@@ -293,7 +145,7 @@ def run_epochs(system: str, group: Readers, storage_pids: list[int], dataset: Da
     with Sampler(storage_pids) as sampler:
         for number, order in enumerate(orders, 1):
             before = sampler.bytes()
-            seconds, waited, got = group.epoch(batches_of(order, base, settings.batch),
+            seconds, waited, got = group.epoch(batch_paths(order, base, settings.batch),
                                                settings.compute_ms / 1000)
             if got != dataset.total_bytes:
                 raise UserError(f"{system}: read {got} bytes in epoch {number}, the dataset "
@@ -339,8 +191,9 @@ def cache_size_for(budget: int, dataset: Dataset, readers_memory: int, readers: 
     kernel needs a little room for pages of reads in flight. Cached bytes cost their size:
     the arena packs them without page rounding.
     """
-    room = (budget - readers_memory - DAEMON_BASE_BYTES - PAGE_HEADROOM_PER_READER * readers
-            - DAEMON_BYTES_PER_FILE * len(dataset.files))
+    room = (budget - readers_memory - harness.DAEMON_BASE_BYTES
+            - harness.PAGE_HEADROOM_PER_READER * readers
+            - harness.DAEMON_BYTES_PER_FILE * len(dataset.files))
     return max(0, room)
 
 
@@ -426,12 +279,6 @@ def plot(path: str, runs: list[tuple[ConfigResult, ConfigResult]]) -> None:
 
 # -- the command ---------------------------------------------------------------------------
 
-def check_can_run() -> None:
-    if os.geteuid() != 0:
-        raise UserError("bench epochs needs root: it drops the page cache, makes memory and "
-                        "blkio cgroups and mounts FUSE")
-
-
 def format_table(runs: list[tuple[ConfigResult, ConfigResult]]) -> str:
     lines = ["system      epoch  seconds  from storage  files/s  stall%"]
     for result in runs[0] if len(runs) == 1 else ():
@@ -444,23 +291,16 @@ def format_table(runs: list[tuple[ConfigResult, ConfigResult]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    check_can_run()
-    work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    remove_stale(CGROUP_PREFIX)
-    dataset = load_dataset(args)
+    harness.require_root("bench epochs", harness.TRAINING_NEEDS)
+    work = harness.work_dir(args.work, cgroups=CGROUP_PREFIX)
+    dataset = harness.load_dataset(args)
     budget = budget_bytes(settings.budget_text, dataset.total_bytes)
-    print(f"dataset {dataset.root}: {len(dataset.files)} files, "
-          f"{format_size(dataset.total_bytes)}; budget {format_size(budget)} "
+    print(f"{harness.describe_dataset(dataset)}; budget {format_size(budget)} "
           f"({budget / dataset.total_bytes:.0%}); throttle "
-          f"{format_size(settings.throttle) + '/s' if settings.throttle else 'none'}",
-          flush=True)
-    runs = []
-    for number in range(1, settings.repeat + 1):
-        print(f"run {number} of {settings.repeat}", flush=True)
-        page_cache = run_page_cache(dataset, budget, settings)
-        ours = run_coordlfs(dataset, budget, settings, work)
-        runs.append((page_cache, ours))
+          f"{harness.describe_throttle(settings.throttle)}", flush=True)
+    runs = [(run_page_cache(dataset, budget, settings),
+             run_coordlfs(dataset, budget, settings, work))
+            for _number in harness.repeated(settings.repeat)]
     summary = summarize(runs)
     if settings.repeat == 1:
         print(format_table(runs))
@@ -469,16 +309,13 @@ def run(args: argparse.Namespace) -> int:
           f"{summary['coordlfs_storage_fraction']} of the dataset per epoch; "
           f"storage_bytes_ratio {summary['storage_bytes_ratio']}, "
           f"epoch_time_ratio {summary['epoch_time_ratio']}")
-    report = {
-        "dataset": {"root": str(dataset.root), "files": len(dataset.files),
-                    "bytes": dataset.total_bytes},
+    harness.write_report(args.json, {
+        "dataset": harness.dataset_record(dataset),
         "budget_bytes": budget,
         "settings": asdict(settings),
         "runs": [{"page_cache": asdict(pc), "coordlfs": asdict(cl)} for pc, cl in runs],
         "summary": summary,
-    }
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    })
     if args.plot:
         plot(args.plot, runs)
     return 0

@@ -34,7 +34,6 @@ import platform
 import re
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,15 +43,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from coordlfs.bench import harness
 from coordlfs.bench.children import stop_group
-from coordlfs.bench.locking import exclusive
 from coordlfs.bench.reading import read_files
 from coordlfs.control import Control
 from coordlfs.errors import UserError, exit_status
 from coordlfs.mounting import free_space
 from coordlfs.sizes import format_size, parse_size
 from coordlfs.testbed.dataset import clear_dataset, intact, read_manifest, write_manifest
-from coordlfs.testbed.mounts import mounted, unmount_if_mounted
+from coordlfs.testbed.mounts import mounted
 from coordlfs.testbed.storage import drop_caches
 
 DEFAULT_DIR = "/var/tmp/coordlfs-fio"
@@ -202,8 +201,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 def check_can_run(settings: Settings) -> None:
     """Root (dropping caches, mounting), fio, and the job files."""
-    if os.geteuid() != 0:
-        raise UserError("bench-fio must run as root: it drops the page cache and mounts coordlfs")
+    harness.require_root("bench fio", "drops the page cache and mounts coordlfs")
     if shutil.which("fio") is None:
         raise UserError("fio not found (install the Debian package fio, or run scripts/setup)")
     missing = [job.name for job in JOBS if not (settings.job_dir / f"{job.name}.fio").is_file()]
@@ -359,10 +357,9 @@ def _paths(settings: Settings, base: Path) -> list[str]:
 def measure(settings: Settings) -> dict[str, Any]:
     """Lay out, mount, warm, then run every job against both targets; returns the report."""
     settings.directory.mkdir(parents=True, exist_ok=True)
-    with exclusive(settings.directory, "bench-fio"), \
+    with harness.claimed(settings.directory, "bench-fio"), \
             tempfile.TemporaryDirectory(prefix="coordlfs-fio-") as scratch_dir:
         scratch = Path(scratch_dir)
-        unmount_if_mounted(settings.mountpoint)  # left by a run that was killed
         print(f"bench-fio: laying out or checking {settings.files} files of "
               f"{format_size(settings.size)} and {settings.shards} shards of "
               f"{format_size(settings.shard_size)} in {settings.data}", flush=True)
@@ -468,23 +465,14 @@ def format_table(report: dict[str, Any], settings: Settings) -> str:
     return "\n".join(lines + notes)
 
 
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def run(args: argparse.Namespace) -> int:
     """The whole benchmark for parsed arguments (``add_arguments``); prints the table."""
     settings = settings_from(args)
     check_can_run(settings)
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # clean up as for Ctrl-C
-    try:
-        report = measure(settings)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    report = measure(settings)
     print()
     print(format_table(report, settings))
-    if settings.json_path:
-        Path(settings.json_path).write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_report(settings.json_path, report)
     return 0
 
 

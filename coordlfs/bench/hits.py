@@ -37,12 +37,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from coordlfs.bench import harness
+from coordlfs.bench.ratios import ratio
 from coordlfs.bench.reading import read_files
 from coordlfs.daemon import READ_AHEAD_KB
 from coordlfs.errors import UserError
 from coordlfs.mounting import set_read_ahead
 from coordlfs.sizes import format_size, parse_size, physical_memory
-from coordlfs.testbed.dataset import DatasetSpec, ensure_dataset
+from coordlfs.testbed.dataset import Dataset, DatasetSpec, ensure_dataset
 from coordlfs.testbed.logs import log_size, warn_of_logged_errors
 from coordlfs.testbed.mounts import mounted, stop_daemon, uninterrupted
 
@@ -154,9 +156,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 def check_can_run() -> None:
     """The benchmark mounts FUSE and tunes the mounts: that needs root and /dev/fuse."""
-    if os.geteuid() != 0:
-        raise UserError("bench hits must run as root: it mounts FUSE filesystems and sets "
-                        "their read-ahead in /sys/class/bdi")
+    harness.require_root("bench hits", "mounts FUSE filesystems and sets their read-ahead "
+                         "in /sys/class/bdi")
     if not os.path.exists("/dev/fuse"):
         raise UserError("/dev/fuse does not exist: this machine cannot mount FUSE filesystems")
     if shutil.which("fusermount3") is None:
@@ -166,31 +167,14 @@ def check_can_run() -> None:
 # -- the dataset --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Dataset:
-    """Equal small files under ``small/`` and, if any, one big file under ``big/``.
-
-    Paths are relative to ``root``, the directory every system serves.
-    """
-
-    root: str
-    small: tuple[str, ...]
-    big: str | None
-    size: int
-    big_size: int
-
-    @property
-    def total_bytes(self) -> int:
-        return len(self.small) * self.size + self.big_size
-
-    def bytes_of(self, rels: list[str]) -> int:
-        return sum(self.big_size if rel == self.big else self.size for rel in rels)
+def small_files(dataset: Dataset) -> list[str]:
+    """The equal small files, relative to the root every system serves."""
+    return [rel for rel, _size in dataset.files if rel != BIG]
 
 
-def _equal_files(directory: str, files: int, size: int) -> list[str]:
-    """``files`` files of exactly ``size`` bytes (a lognormal with no spread), made or reused."""
-    made = ensure_dataset(directory, DatasetSpec(files, mean_bytes=size, sigma=0.0, classes=1))
-    return [os.path.join(os.path.basename(directory), rel) for rel, _size in made.files]
+def big_file(dataset: Dataset) -> str | None:
+    """The big file read sequentially, if there is one."""
+    return BIG if any(rel == BIG for rel, _size in dataset.files) else None
 
 
 def _big_file(directory: str, size: int) -> str:
@@ -209,7 +193,9 @@ def _big_file(directory: str, size: int) -> str:
 
 
 def prepare_dataset(directory: str, files: int, size: int, big_size: int) -> Dataset:
-    """The benchmark's dataset in ``directory``: reused where intact, else (re)written.
+    """The benchmark's dataset in ``directory``: ``files`` files of exactly ``size`` bytes
+    under ``small/`` (a lognormal with no spread) and, unless ``big_size`` is 0, one big file;
+    reused where intact, else (re)written.
 
     The whole directory is mounted, so it may hold nothing but what this benchmark wrote.
     """
@@ -220,9 +206,12 @@ def prepare_dataset(directory: str, files: int, size: int, big_size: int) -> Dat
     if others:
         raise UserError(f"--dir {directory} holds other things than this benchmark's dataset "
                         f"({', '.join(sorted(others))}); give a new or empty directory")
-    small = _equal_files(os.path.join(directory, "small"), files, size)
-    big = _big_file(directory, big_size) if big_size else None
-    return Dataset(directory, tuple(small), big, size, big_size)
+    spec = DatasetSpec(files, mean_bytes=size, sigma=0.0, classes=1)
+    small = ensure_dataset(os.path.join(directory, "small"), spec)
+    big = ((_big_file(directory, big_size), big_size),) if big_size else ()
+    return Dataset(Path(directory), spec,
+                   tuple((os.path.join("small", rel), n) for rel, n in small.files) + big,
+                   small.reused)
 
 
 # -- mounts and daemons -------------------------------------------------------------------
@@ -419,10 +408,6 @@ def columns(readers: tuple[int, ...], big: bool) -> list[tuple[str, int]]:
     return [(str(n), n) for n in readers] + ([("sequential", 0)] if big else [])
 
 
-def ratio(value: float, baseline: float) -> float | None:
-    return value / baseline if baseline > 0 else None
-
-
 def paired_ratio(result: Result, baseline: Result) -> float | None:
     """The median of run-by-run ratios.
 
@@ -541,18 +526,19 @@ class Bench:
     def repeat(self, number: int) -> None:
         """One run of every case; the cases compared with each other run back to back."""
         rng = random.Random(number)
-        for _, key in columns(self.settings.readers, self.dataset.big is not None):
+        big = big_file(self.dataset)
+        for _, key in columns(self.settings.readers, big is not None):
             if key:
-                rels = list(self.dataset.small)
+                rels = small_files(self.dataset)
                 rng.shuffle(rels)
             else:
-                rels = [self.dataset.big]
+                rels = [big] if big else []
             for case in CASES:
                 self.once(case, rels, max(key, 1), key)
 
     def warm_coordlfs(self) -> dict[str, Any]:
         """Read everything once through coordlfs and wait until its cache holds all of it."""
-        everything = list(self.dataset.small) + ([self.dataset.big] if self.dataset.big else [])
+        everything = [rel for rel, _size in self.dataset.files]
         measure(self.paths("coordlfs", everything), 1)
         deadline = time.monotonic() + START_TIMEOUT
         while True:
@@ -612,10 +598,12 @@ def _start_all(stack: contextlib.ExitStack, settings: Settings, dataset: Dataset
 
 def _report(bench: Bench, reads: dict[str, int]) -> dict[str, Any]:
     settings = bench.settings
-    big = bench.dataset.big is not None
+    big_rel = big_file(bench.dataset)
+    big = big_rel is not None
     summary = summarize(bench.results, settings.readers, big)
     print()
-    print(format_table(bench.results, settings.readers, bench.dataset.big_size))
+    print(format_table(bench.results, settings.readers,
+                       bench.dataset.bytes_of([big_rel] if big_rel else [])))
     print()
     for label, key in columns(settings.readers, big):
         what = f"{label} reader{'s' if key > 1 else ''}" if key else "sequential"
@@ -635,44 +623,26 @@ def _report(bench: Bench, reads: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     check_can_run()
-    # SIGTERM unwinds like Ctrl-C, so the mounts and daemons are cleaned up either way.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        return _run(settings)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _run(settings: Settings) -> int:
     dataset = prepare_dataset(settings.directory, settings.files, settings.size,
                               settings.big_size)
     _check_memory(dataset)
     print(f"dataset: {settings.files} files of {format_size(settings.size)}"
-          f"{f' and one of {format_size(settings.big_size)}' if dataset.big else ''} in "
+          f"{f' and one of {format_size(settings.big_size)}' if settings.big_size else ''} in "
           f"{dataset.root}", flush=True)
     with contextlib.ExitStack() as stack:
         work = stack.enter_context(tempfile.TemporaryDirectory(prefix="coordlfs-bench-"))
         bench = Bench(settings, dataset, *_start_all(stack, settings, dataset, work))
         print("filling the coordlfs cache", flush=True)
         before = bench.warm_coordlfs()["reads"]
-        for number in range(settings.repeat):
-            print(f"run {number + 1} of {settings.repeat}", flush=True)
-            bench.repeat(number)
+        for number in harness.repeated(settings.repeat):
+            bench.repeat(number - 1)
         after = bench.status()["reads"]
         reads = {k: after[k] - before[k] for k in after}
         if reads["bytes_from_source"]:
             print(f"warning: coordlfs read {reads['bytes_from_source']} bytes from the source "
                   "during the measured runs; not every read was a cache hit", file=sys.stderr)
-    report = _report(bench, reads)
-    if settings.json_path:
-        with open(settings.json_path, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+    harness.write_report(settings.json_path, _report(bench, reads))
     return 0

@@ -53,18 +53,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from coordlfs.bench.children import running, stop_group
+from coordlfs.bench import harness
+from coordlfs.bench.children import EpochMarks, running, stop_group
 from coordlfs.bench.counters import process_bytes_read
-from coordlfs.bench.epochs import parse_throttle
-from coordlfs.bench.locking import exclusive
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.bench.reading import read_files
 from coordlfs.errors import UserError
 from coordlfs.order import batch_count
 from coordlfs.sizes import format_size
-from coordlfs.testbed.cgroup import controller_root, memory_cgroup, remove_stale
+from coordlfs.testbed.cgroup import controller_root, memory_cgroup
 from coordlfs.testbed.dataset import Dataset
-from coordlfs.testbed.mounts import mounted, unmount_if_mounted
+from coordlfs.testbed.mounts import mounted
 from coordlfs.testbed.storage import block_device, drop_caches
 
 CGROUP_PREFIX = "coordlfs-hpsearch"
@@ -171,7 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "SharedPrepLoader group) (default both)")
     parser.add_argument("--cache", type=_typed(parse_fraction), default=0.5,
                         help="storage regime: cache as a fraction of the dataset (default 0.5)")
-    parser.add_argument("--throttle", type=_typed(parse_throttle), default="50M",
+    parser.add_argument("--throttle", type=_typed(harness.parse_throttle), default="50M",
                         help="storage regime: storage read limit per second, or none "
                              "(default 50M)")
     parser.add_argument("--epochs", type=_typed(_at_least(1)), default=2,
@@ -243,7 +242,12 @@ def _forward(index: int, stream: IO[str], events: queue.Queue) -> None:
 @dataclass(slots=True)
 class Jobs:
     """The job processes of one configuration, each in a session of its own (a Ctrl-C at the
-    terminal is the bench's to handle; it stops them, workers included, by group id)."""
+    terminal is the bench's to handle; it stops them, workers included, by group id).
+
+    Fresh interpreters (``coordlfs.bench.hpsearch_job``), not forks like ``aligned.Jobs``:
+    a job imports torch and forks DataLoader workers, which must not inherit the bench's
+    threads; and a job is a program of its own that speaks JSON lines, so that it can be run
+    and debugged alone. Storage per epoch is ``EpochMarks``, as for aligned jobs."""
 
     argvs: list[list[str]]
     logs: list[Path]
@@ -294,19 +298,16 @@ class Jobs:
         return started
 
     def collect(self, storage: Callable[[], int]) -> tuple[list[dict[str, Any]], list[int]]:
-        """Every job's result, and ``storage()`` read as the last job ended each epoch."""
+        """Every job's result, and the storage bytes of each epoch (``EpochMarks``)."""
         results: list[dict[str, Any] | None] = [None] * len(self.processes)
-        done = [0] * len(self.processes)
-        marks: list[int] = []
+        marks = EpochMarks(storage, [0] * len(self.processes))
         while any(r is None for r in results):
             index, event = self.next_event()
             if event is None:
                 if results[index] is None:  # a job's output ends after its result
                     raise self.failure(index)
             elif event.get("event") == "epoch":
-                done[index] = event["epoch"]
-                while len(marks) < min(done):
-                    marks.append(storage())
+                marks.ended(index, event["epoch"])
             elif event.get("event") == "result":
                 results[index] = event
         for index, process in enumerate(self.processes):
@@ -315,7 +316,7 @@ class Jobs:
             except subprocess.TimeoutExpired:
                 raise UserError(f"job-{index} did not exit {EXIT_TIMEOUT} s after its "
                                 "result") from None
-        return [r for r in results if r is not None], marks
+        return [r for r in results if r is not None], marks.per_epoch()
 
     def stop(self) -> None:
         """Stop every job still running with its group; a job that did not end well may
@@ -407,8 +408,7 @@ def run_config(images: Dataset, settings: Settings, regime: str, mode: str, coun
             drop_caches()
         before = process_bytes_read(daemon)
         started = jobs.go()
-        job_results, marks = jobs.collect(lambda: process_bytes_read(daemon) - before)
-    per_epoch = [b - a for a, b in zip([0, *marks], marks, strict=False)]
+        job_results, per_epoch = jobs.collect(lambda: process_bytes_read(daemon) - before)
     result = ConfigResult(regime, mode, count, number, cache,
                           round(max(r["ended"] for r in job_results) - started, 3),
                           per_epoch, job_results)
@@ -470,9 +470,8 @@ def format_table(results: list[ConfigResult]) -> str:
 
 def check_can_run(settings: Settings) -> None:
     """Root, Pillow and torch, the cgroup controllers a throttle needs, and the shared loader."""
-    if os.geteuid() != 0:
-        raise UserError("bench hpsearch needs root: it mounts FUSE, drops the page cache and "
-                        "throttles storage with a blkio cgroup")
+    harness.require_root("bench hpsearch", "mounts FUSE, drops the page cache and throttles "
+                         "storage with a blkio cgroup")
     missing = [package for module, package in (("PIL", "Pillow"), ("torch", "torch"))
                if importlib.util.find_spec(module) is None]
     if missing:
@@ -492,28 +491,24 @@ def run(args: argparse.Namespace) -> int:
     check_can_run(settings)
     from coordlfs.bench.jpegs import ImageSpec, ensure_jpegs  # Pillow and torch: checked
 
-    work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
+    work = harness.work_dir(args.work)
     (work / "logs").mkdir(exist_ok=True)
     if "storage" in settings.regimes and settings.throttle:
         block_device(work)  # the throttle needs one under the images
-    with exclusive(work, "hpsearch"):
-        unmount_if_mounted(work / "mnt")  # left by a run that was killed
-        remove_stale(CGROUP_PREFIX)
+    with harness.claimed(work, "hpsearch", cgroups=CGROUP_PREFIX):
         files, width, height = args.make
         print(f"images in {work / 'images'}: making or checking {files} JPEGs of "
               f"{width}x{height}", flush=True)
         images = ensure_jpegs(work / "images", ImageSpec(files, width, height))
         storage = (f"; storage regime: cache {settings.cache:g} of the dataset, throttle "
-                   f"{format_size(settings.throttle) + '/s' if settings.throttle else 'none'}"
+                   f"{harness.describe_throttle(settings.throttle)}"
                    if "storage" in settings.regimes else "")
         print(f"dataset: {len(images.files)} JPEGs, {format_size(images.total_bytes)} "
               f"({'reused' if images.reused else 'new'}); jobs "
               f"{','.join(map(str, settings.jobs))}, {settings.workers} worker(s) each, batch "
               f"{settings.batch}, {settings.compute_ms:g} ms per batch{storage}", flush=True)
         results = []
-        for number in range(1, settings.repeat + 1):
-            print(f"run {number} of {settings.repeat}", flush=True)
+        for number in harness.repeated(settings.repeat):
             for regime in settings.regimes:
                 for count in settings.jobs:
                     for mode in settings.modes:
@@ -528,12 +523,10 @@ def run(args: argparse.Namespace) -> int:
                   f"(shared ÷ independent samples/s per job), prep_cpu_ratio "
                   f"{figures[f'prep_cpu_ratio_{n}jobs']} (independent ÷ shared CPU s), "
                   f"storage_bytes_ratio {figures[f'storage_bytes_ratio_{n}jobs']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "dataset": {"root": str(images.root), "files": len(images.files),
-                        "bytes": images.total_bytes, "width": width, "height": height},
-            "settings": asdict(settings),
-            "runs": [r.record() for r in results],
-            "summary": summary,
-        }, indent=1) + "\n")
+    harness.write_report(args.json, {
+        "dataset": {**harness.dataset_record(images), "width": width, "height": height},
+        "settings": asdict(settings),
+        "runs": [r.record() for r in results],
+        "summary": summary,
+    })
     return 0

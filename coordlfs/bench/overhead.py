@@ -9,16 +9,14 @@ in the tmpfs arena; what it allocates beyond them is reported too.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from coordlfs.bench import harness
 from coordlfs.cache import ARENA
-from coordlfs.control import Control
 from coordlfs.errors import UserError
+from coordlfs.testbed.mounts import mounted
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,13 +33,6 @@ def _rss(pid: int) -> int:
     raise UserError(f"no RssAnon for pid {pid}")
 
 
-def _coordlfs(*args: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "coordlfs", *args], capture_output=True,
-                            text=True)
-    if result.returncode != 0:
-        raise UserError(result.stderr.strip() or f"coordlfs {args[0]} failed")
-
-
 def measure(files: int, size: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
         src, mnt = Path(tmp, "src"), Path(tmp, "mnt")
@@ -51,10 +42,9 @@ def measure(files: int, size: int) -> dict[str, float]:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(os.urandom(size))
         cache_dir = Path("/dev/shm", f"coordlfs-overhead-{os.getpid()}")
-        _coordlfs("mount", str(src), str(mnt), "--cache-size", str(2 * files * size),
-                  "--cache-dir", str(cache_dir), "--log", str(Path(tmp, "log")))
-        try:
-            pid = Control(mnt).status()["pid"]
+        with mounted(src, mnt, Path(tmp, "log"), "--cache-size", str(2 * files * size),
+                     cache_dir=cache_dir) as mount:
+            pid = mount.pid
             names = [mnt / p.relative_to(src) for p in src.rglob("f*")]
             start = _rss(pid)
             for name in names:
@@ -64,10 +54,8 @@ def measure(files: int, size: int) -> dict[str, float]:
                 with open(name, "rb") as f:
                     f.read()
             cached = _rss(pid)
-            status = Control(mnt).status()
+            status = mount.status()
             arena = os.stat(cache_dir / ARENA).st_blocks * 512
-        finally:
-            _coordlfs("umount", str(mnt))
     return {
         "files": files,
         "file_bytes": size,
@@ -90,6 +78,5 @@ def run(args: argparse.Namespace) -> int:
           f"(daemon heap; the data is in tmpfs)")
     print(f"tmpfs beyond the data    {result['arena_bytes_per_file_beyond_data']:.1f} bytes "
           f"per cached file of {args.size} bytes (the arena packs them)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    harness.write_report(args.json, result)
     return 0

@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordlfs.bench import harness
 from coordlfs.bench.aligned import CGROUP_PREFIX, Jobs, Plan, busy_per_iteration
 from coordlfs.bench.children import running
-from coordlfs.bench.epochs import check_can_run, load_dataset, parse_throttle
 from coordlfs.errors import UserError
-from coordlfs.sizes import format_size
 from coordlfs.stagger import JobProfile, delay_table, optimal_delay, standalone_runtime
-from coordlfs.testbed.cgroup import memory_cgroup, remove_stale
+from coordlfs.testbed.cgroup import memory_cgroup
 from coordlfs.testbed.dataset import Dataset
 from coordlfs.testbed.mounts import mounted
 from coordlfs.testbed.storage import drop_caches
@@ -34,19 +32,14 @@ DELAYS = [d / 10 for d in range(11)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", help="an existing dataset directory (default: generate one)")
-    parser.add_argument("--make", default="3000:110K", metavar="N:SIZE",
-                        help="generate N files of mean SIZE (default 3000:110K)")
-    parser.add_argument("--work", default="/var/tmp/coordlfs-aligned",
-                        help="work directory on disk for generated data and the mount")
+    harness.add_dataset_arguments(parser, "aligned", make="3000:110K")
     parser.add_argument("--compute-ms", default="40,15", metavar="A,B",
                         help="emulated GPU time per batch of the first and second job "
                              "(default 40,15)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--readers", type=int, default=2, help="reader processes per job")
     parser.add_argument("--batch", type=int, default=32, help="files per batch (default 32)")
-    parser.add_argument("--throttle", default="50M",
-                        help="storage read limit per second, or none (default 50M)")
+    harness.add_throttle_argument(parser)
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
 
 
@@ -85,7 +78,7 @@ def run_pair(setup: Setup, which: tuple[int, ...], delays: tuple[float, ...]) \
             cgroup.add(pid)
         drop_caches()
         started = time.monotonic()
-        epochs, _marks = jobs.run(lambda: 0)
+        epochs, _storage = jobs.run(lambda: 0)
     return [[(at - started, seconds, waited) for at, seconds, waited in job] for job in epochs]
 
 
@@ -116,7 +109,7 @@ def calibrate(setup: Setup) -> tuple[JobProfile, JobProfile, dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_can_run()
+    harness.require_root("bench stagger", harness.TRAINING_NEEDS)
     try:
         computes = tuple(float(x) / 1000 for x in args.compute_ms.split(","))
     except ValueError:
@@ -126,16 +119,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--compute-ms takes two non-negative numbers, A,B")
     if args.epochs < 2 or min(args.readers, args.batch) < 1:
         raise UserError("--epochs must be at least 2, --readers and --batch at least 1")
-    throttle = parse_throttle(args.throttle)
-    work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    remove_stale(CGROUP_PREFIX)
-    dataset = load_dataset(args)
+    throttle = harness.parse_throttle(args.throttle)
+    work = harness.work_dir(args.work, cgroups=CGROUP_PREFIX)
+    dataset = harness.load_dataset(args)
     setup = Setup(dataset, work, Plan(2, args.epochs, args.readers, args.batch, 0.0, 0,
                                       throttle), (computes[0], computes[1]))
-    print(f"dataset {dataset.root}: {len(dataset.files)} files, "
-          f"{format_size(dataset.total_bytes)}; compute {args.compute_ms} ms per batch; "
-          f"throttle {format_size(throttle) + '/s' if throttle else 'none'}", flush=True)
+    print(f"{harness.describe_dataset(dataset)}; compute {args.compute_ms} ms per batch; "
+          f"throttle {harness.describe_throttle(throttle)}", flush=True)
     a, b, raw = calibrate(setup)
     for p in (a, b):
         print(f"  {p.name}: I {p.I * 1000:.1f} ms, W cold {p.W_cold * 1000:.1f} ms, W cached "
@@ -165,20 +155,17 @@ def run(args: argparse.Namespace) -> int:
         "makespan_error_max": round(max(abs(predicted[d] - measured[d]) / measured[d]
                                         for d in DELAYS), 3),
     }
-    for key, value in summary.items():
-        print(f"{key} {value}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "dataset": {"root": str(dataset.root), "files": len(dataset.files),
-                        "bytes": dataset.total_bytes},
-            "settings": {"compute_ms": args.compute_ms, "epochs": args.epochs,
-                         "readers": args.readers, "batch": args.batch, "throttle": throttle},
-            "profiles": {p.name: {"I": p.I, "W_cold": p.W_cold, "W_warm": p.W_warm,
-                                  "W_concurrent": p.W_concurrent, "iterations": p.iterations,
-                                  "epochs": p.epochs} for p in (a, b)},
-            "calibration_runs": raw,
-            "delays": [{"delay": d, "predicted_makespan_s": round(predicted[d], 3),
-                        "measured_makespan_s": round(measured[d], 3)} for d in DELAYS],
-            "summary": summary,
-        }, indent=1) + "\n")
+    harness.print_summary(summary)
+    harness.write_report(args.json, {
+        "dataset": harness.dataset_record(dataset),
+        "settings": {"compute_ms": args.compute_ms, "epochs": args.epochs,
+                     "readers": args.readers, "batch": args.batch, "throttle": throttle},
+        "profiles": {p.name: {"I": p.I, "W_cold": p.W_cold, "W_warm": p.W_warm,
+                              "W_concurrent": p.W_concurrent, "iterations": p.iterations,
+                              "epochs": p.epochs} for p in (a, b)},
+        "calibration_runs": raw,
+        "delays": [{"delay": d, "predicted_makespan_s": round(predicted[d], 3),
+                    "measured_makespan_s": round(measured[d], 3)} for d in DELAYS],
+        "summary": summary,
+    })
     return 0

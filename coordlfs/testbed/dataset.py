@@ -68,6 +68,11 @@ class Dataset:
     def total_bytes(self) -> int:
         return sum(size for _rel, size in self.files)
 
+    def bytes_of(self, rels: Iterable[str]) -> int:
+        """The bytes of some of its files, by relative path."""
+        sizes = dict(self.files)
+        return sum(sizes[rel] for rel in rels)
+
     def paths(self, base: str | os.PathLike[str] | None = None) -> list[str]:
         """Absolute paths of the files under ``base`` (default: the dataset root), e.g. a mount."""
         prefix = os.fspath(base if base is not None else self.root)

@@ -10,17 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from coordlfs.bench.children import batch_paths
 from coordlfs.bench.epochs import (
+    ConfigResult,
+    EpochResult,
+    budget_bytes,
+    cache_size_for,
+    summarize,
+)
+from coordlfs.bench.harness import (
     DAEMON_BASE_BYTES,
     DAEMON_BYTES_PER_FILE,
     PAGE_HEADROOM_PER_READER,
-    ConfigResult,
-    EpochResult,
-    batches_of,
-    budget_bytes,
-    cache_size_for,
     parse_make,
-    summarize,
 )
 from coordlfs.errors import UserError
 from coordlfs.mounting import mount_at
@@ -57,7 +59,7 @@ def test_cache_size_leaves_room_for_the_daemon_and_pages_in_flight() -> None:
 
 
 def test_batches_follow_the_order() -> None:
-    batches = batches_of(["a", "b", "c"], Path("/m"), 2)
+    batches = batch_paths(["a", "b", "c"], Path("/m"), 2)
     assert batches == [["/m/a", "/m/b"], ["/m/c"]]
 
 

@@ -69,28 +69,32 @@ def test_needs_root(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_dataset_is_made_with_exact_sizes_then_reused(tmp_path: Path) -> None:
     directory = str(tmp_path / "ds")
     dataset = hits.prepare_dataset(directory, 5, 1000, 3000)
-    assert len(dataset.small) == 5
-    for rel in dataset.small:
+    small, big_rel = hits.small_files(dataset), hits.big_file(dataset)
+    assert len(small) == 5
+    for rel in small:
         assert os.path.getsize(os.path.join(directory, rel)) == 1000
-    big = os.path.join(directory, dataset.big)
+    assert big_rel is not None
+    big = os.path.join(directory, big_rel)
     assert os.path.getsize(big) == 3000
     assert dataset.total_bytes == 5 * 1000 + 3000
-    assert dataset.bytes_of([dataset.big, dataset.small[0]]) == 4000
+    assert dataset.bytes_of([big_rel, small[0]]) == 4000
 
     before = {rel: os.stat(os.path.join(directory, rel)).st_mtime_ns
-              for rel in (*dataset.small, dataset.big)}
+              for rel in (*small, big_rel)}
     again = hits.prepare_dataset(directory, 5, 1000, 3000)
-    assert again == dataset
+    assert (again.root, again.files, again.reused) == (dataset.root, dataset.files, True)
     assert before == {rel: os.stat(os.path.join(directory, rel)).st_mtime_ns
-                      for rel in (*dataset.small, dataset.big)}
+                      for rel in (*small, big_rel)}
 
 
 def test_dataset_is_remade_when_the_sizes_change(tmp_path: Path) -> None:
     directory = str(tmp_path / "ds")
     hits.prepare_dataset(directory, 3, 1000, 3000)
     dataset = hits.prepare_dataset(directory, 4, 2000, 5000)
-    assert [os.path.getsize(os.path.join(directory, r)) for r in dataset.small] == [2000] * 4
-    assert os.path.getsize(os.path.join(directory, dataset.big)) == 5000
+    assert [os.path.getsize(os.path.join(directory, r))
+            for r in hits.small_files(dataset)] == [2000] * 4
+    assert os.path.getsize(os.path.join(directory, hits.BIG)) == 5000
+    assert hits.big_file(dataset) == hits.BIG
 
 
 def test_dataset_refuses_a_directory_with_other_things(tmp_path: Path) -> None:
@@ -102,7 +106,7 @@ def test_dataset_refuses_a_directory_with_other_things(tmp_path: Path) -> None:
 
 def test_no_big_file_when_its_size_is_zero(tmp_path: Path) -> None:
     dataset = hits.prepare_dataset(str(tmp_path / "ds"), 2, 100, 0)
-    assert dataset.big is None
+    assert hits.big_file(dataset) is None
     assert not (tmp_path / "ds" / "big").exists()
 
 
