@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -147,6 +148,17 @@ def test_bad_option_is_one_line_error(target: Target, option: str, says: str) ->
     log = target.log.read_text() if target.log.exists() else ""
     assert "Traceback" not in result.stderr + log
     assert fstype_at(target.mountpoint) is None
+
+
+def test_coordlfs_mount_takes_the_same_options(target: Target) -> None:
+    """What the helper passes on works without it: `coordlfs mount -o`, a flag winning."""
+    result = run(sys.executable, "-m", "coordlfs", "mount", str(target.source),
+                 str(target.mountpoint), "-o", target.options("cache_size=8M,nofail,debug"),
+                 "--cache-size", "4M")
+    assert result.returncode == 0, result.stderr
+    assert target.check_live()["cache"]["capacity_bytes"] == 4 * MiB
+    assert " DEBUG " in target.log.read_text()
+    target.umount()
 
 
 def test_options_go_to_coordlfs_as_given(helper: Path) -> None:
