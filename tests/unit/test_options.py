@@ -1,5 +1,5 @@
 """The option table (coordlfs.options): flags and -o mean the same, errors are one line, the
-config reaches the daemon whole, and the READMEs list exactly the table's options."""
+config reaches the daemon whole, and the README lists exactly the table's options."""
 
 from __future__ import annotations
 
