@@ -101,12 +101,21 @@ def batch_paths(order: list[str], base: str | os.PathLike[str], batch: int) -> l
 
 
 def _reader_main(conn: Connection) -> None:
-    """A reader process: read each batch of paths it is sent, reply with the bytes read."""
+    """A reader process: read each batch of paths it is sent, reply with the bytes read.
+
+    A read that fails ends the reader with the error as its reply, for the parent to report
+    in one line: no traceback, also when a bench stopped by Ctrl-C takes its mount away while
+    its readers are still in a batch."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us, without a traceback
     buf = bytearray(1 << 20)
     conn.send("ready")
     while (batch := conn.recv()) is not None:
-        conn.send(read_files(batch, buf))
+        try:
+            conn.send(read_files(batch, buf))
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                conn.send(f"{e.__class__.__name__}: {e}")
+            return
 
 
 @dataclass(slots=True)
@@ -152,7 +161,10 @@ class Readers:
             conn = self.conns[i % self.count]
             if not conn.poll(600):
                 raise UserError("a reader made no progress for 10 minutes")
-            total += conn.recv()
+            got = conn.recv()
+            if isinstance(got, str):
+                raise UserError(f"a reader failed: {got}")
+            total += got
             waited += time.perf_counter() - before
             ahead = i + PREFETCH * self.count
             if ahead < len(batches):

@@ -107,12 +107,8 @@ class SystemResult:
 @dataclass(frozen=True, slots=True)
 class Plan:
     nodes: int
-    epochs: int
-    readers: int
-    batch: int
-    compute_s: float
-    seed: int
-    throttle: int | None
+    #: what each node runs: one training job of ``bench aligned``
+    job: JobPlan
     link: str | None
     cache: int
 
@@ -142,9 +138,7 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                work: Path) -> SystemResult:
     names = [rel for rel, _size in dataset.files]
     # a node's budget is that of one job of ``readers`` in ``bench aligned``
-    budget = budget_for(dataset, plan.cache, 0, JobPlan(1, plan.epochs, plan.readers,
-                                                        plan.batch, plan.compute_s, plan.seed,
-                                                        plan.throttle))
+    budget = budget_for(dataset, plan.cache, 0, plan.job)
     with contextlib.ExitStack() as stack:
         net: list[Node] | None = None
         if system == "minio+peers":
@@ -155,9 +149,9 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
         bases: list[Path] = []
         for i, root in enumerate(roots):
             cgroup = stack.enter_context(memory_cgroup(
-                f"{CGROUP_PREFIX}-{os.getpid()}-{i}", None, None, read_bps=plan.throttle,
-                throttle_path=root if plan.throttle else None))
-            group = stack.enter_context(running(Readers(plan.readers)))
+                f"{CGROUP_PREFIX}-{os.getpid()}-{i}", None, None, read_bps=plan.job.throttle,
+                throttle_path=root if plan.job.throttle else None))
+            group = stack.enter_context(running(Readers(plan.job.readers)))
             for pid in group.pids:
                 cgroup.add(pid)
             groups.append(group)
@@ -186,13 +180,13 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
         drop_caches()
         epochs = []
         with ThreadPoolExecutor(plan.nodes) as pool:
-            for epoch in range(plan.epochs):
-                order = epoch_order(plan.seed, epoch, len(names))
+            for epoch in range(plan.job.epochs):
+                order = epoch_order(plan.job.seed, epoch, len(names))
                 before = [_counters(pids, control)
                           for pids, control in zip(storage_pids, controls, strict=True)]
                 futures = [pool.submit(groups[i].epoch,
                                        batch_paths([names[k] for k in order[i::plan.nodes]],
-                                                   bases[i], plan.batch), plan.compute_s)
+                                                   bases[i], plan.job.batch), plan.job.compute_s)
                            for i in range(plan.nodes)]
                 done = [f.result() for f in futures]
                 after = [_counters(pids, control)
@@ -362,8 +356,8 @@ def run(args: argparse.Namespace) -> int:
     dataset = harness.load_dataset(args)
     roots = node_copies(dataset, work, args.nodes)
     cache = int(dataset.total_bytes * args.cache)
-    plan = Plan(args.nodes, args.epochs, args.readers, args.batch, args.compute_ms / 1000,
-                args.seed, throttle, link, cache)
+    plan = Plan(args.nodes, JobPlan(1, args.epochs, args.readers, args.batch,
+                                    args.compute_ms / 1000, args.seed, throttle), link, cache)
     print(f"{harness.describe_dataset(dataset)}; {args.nodes} nodes, each caching "
           f"{format_size(cache)}; link {link or 'unshaped'}; throttle "
           f"{harness.describe_throttle(throttle)} per node", flush=True)

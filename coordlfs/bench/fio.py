@@ -96,22 +96,24 @@ TARGETS = ("source", "coordlfs")
 # -- settings -----------------------------------------------------------------------------
 
 
+#: (option, default, what it is) of the counts and sizes; the default's type parses a value.
+OPTIONS: tuple[tuple[str, int | str, str], ...] = (
+    ("--files", 2000, "small files for the epoch and metadata jobs, rounded down to a multiple "
+                      "of --jobs"),
+    ("--size", "112K", "size of each small file"),
+    ("--jobs", 4, "reader processes of the epoch and metadata jobs, each with its own share of "
+                  "the files"),
+    ("--shards", 4, "shard files, one reader each"),
+    ("--shard-size", "256M", "size of each shard"),
+    ("--runtime", 60, "seconds after which a fio run stops even if it has not read everything"),
+    ("--repeat", 3, "runs per job and target; medians are reported"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--files", type=int, default=2000,
-                        help="small files for the epoch and metadata jobs, rounded down to a "
-                             "multiple of --jobs (default 2000)")
-    parser.add_argument("--size", default="112K", help="size of each small file (default 112K)")
-    parser.add_argument("--jobs", type=int, default=4,
-                        help="reader processes of the epoch and metadata jobs, each with its "
-                             "own share of the files (default 4)")
-    parser.add_argument("--shards", type=int, default=4,
-                        help="shard files, one reader each (default 4)")
-    parser.add_argument("--shard-size", default="256M", help="size of each shard (default 256M)")
-    parser.add_argument("--runtime", type=int, default=60,
-                        help="seconds after which a fio run stops even if it has not read "
-                             "everything (default 60)")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="runs per job and target; medians are reported (default 3)")
+    for option, default, what in OPTIONS:
+        parser.add_argument(option, type=type(default), default=default,
+                            help=f"{what} (default {default})")
     parser.add_argument("--dir", default=DEFAULT_DIR,
                         help=f"work directory: fio's files in DIR/data (kept for later runs), "
                              f"the mount at DIR/mnt (default {DEFAULT_DIR})")

@@ -116,6 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Settings:
+    """The options, checked (``settings_from``): every problem is found before anything is
+    written or mounted."""
+
     files: int
     size: int
     big_size: int

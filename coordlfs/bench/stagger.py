@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Setup:
+    """What every run of the pair shares: each run differs only in which jobs run, and how
+    late the second starts."""
+
     dataset: Dataset
     work: Path
     plan: Plan

@@ -30,6 +30,8 @@ from coordlfs.mounting import mount_at, unmount
 from coordlfs.processes import process_alive, wait_exit
 from coordlfs.testbed.logs import log_size, warn_of_logged_errors
 
+#: The cache directory of a mount given none, named after the process that mounted it.
+CACHE_DIR = "coordlfs-testbed-{}-{}"
 #: Seconds to wait for ``coordlfs mount``.
 CLI_TIMEOUT = 120
 #: Signals that stop a daemon after its unmount, and the seconds each gets: none at first,
@@ -104,9 +106,10 @@ def mounted(source: Path, mountpoint: Path, log: Path, *options: str,
             cache_dir: Path | None = None, enter: Sequence[str] = ()) -> Iterator[Mount]:
     """``coordlfs mount source mountpoint --log log OPTIONS``, run after ``enter`` (such as
     nsenter into a node's network); unmounted, its daemon stopped and its cache directory
-    (default: a fresh one in /dev/shm) removed on exit. A failed mount is a UserError with
-    the client's message. Errors the daemon logged meanwhile are a warning on stderr."""
-    cache = cache_dir or Path("/dev/shm") / f"coordlfs-testbed-{uuid.uuid4().hex[:12]}"
+    (default: a fresh one in /dev/shm, ``CACHE_DIR``) removed on exit. A failed mount is a
+    UserError with the client's message. Errors the daemon logged meanwhile are a warning on
+    stderr."""
+    cache = cache_dir or Path("/dev/shm") / CACHE_DIR.format(os.getpid(), uuid.uuid4().hex[:12])
     mountpoint.mkdir(exist_ok=True)
     taken = mount_at(str(mountpoint)) is not None  # someone else's: coordlfs mount refuses
     offset = log_size(log)

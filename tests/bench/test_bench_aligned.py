@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from benchtools import assert_one_line_errors, small_run
 
 from coordlfs import cli
 from coordlfs.bench import overhead
@@ -119,14 +119,9 @@ def test_the_bench_entry_turns_a_degenerate_measurement_into_one_line(
 def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
     """Two jobs, no throttle: every system reads the dataset, aligned jobs share their reads."""
     daemon_logs.append(tmp_path / "work")
-    out = tmp_path / "aligned.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "coordlfs", "bench", "aligned", "--make", "300:64K",
-         "--work", str(tmp_path / "work"), "--jobs", "2", "--throttle", "none",
-         "--epochs", "2", "--readers", "1", "--compute-ms", "0", "--json", str(out)],
-        capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(out.read_text())
+    report = small_run("aligned", tmp_path / "work", tmp_path / "aligned.json",
+                       "--make", "300:64K", "--jobs", "2", "--throttle", "none",
+                       "--epochs", "2", "--readers", "1", "--compute-ms", "0")
     total = report["dataset"]["bytes"]
     systems = report["runs"][0]["2"]
     assert set(systems) == {"page cache", "coordlfs", "coordlfs aligned", "coordlfs staggered"}
@@ -144,18 +139,10 @@ def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
-    for args in (["--jobs", "two"], ["--cache", "1.5"], ["--jobs", "0"]):
-        result = subprocess.run([sys.executable, "-m", "coordlfs", "bench", "aligned",
-                                 "--work", str(tmp_path), *args],
-                                capture_output=True, text=True, timeout=60)
-        assert result.returncode != 0
-        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert_one_line_errors("aligned", tmp_path, ["--jobs", "two"], ["--cache", "1.5"],
+                           ["--jobs", "0"])
 
 
 def test_bench_stagger_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
-    for args in (["--compute-ms", "x"], ["--compute-ms", "40"], ["--epochs", "1"]):
-        result = subprocess.run([sys.executable, "-m", "coordlfs", "bench", "stagger",
-                                 "--work", str(tmp_path), *args],
-                                capture_output=True, text=True, timeout=60)
-        assert result.returncode != 0
-        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert_one_line_errors("stagger", tmp_path, ["--compute-ms", "x"], ["--compute-ms", "40"],
+                           ["--epochs", "1"])

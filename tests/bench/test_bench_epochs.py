@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from benchtools import BENCH, small_run, stopped_by_sigterm
 
 from coordlfs.bench.children import batch_paths
 from coordlfs.bench.epochs import (
@@ -86,15 +83,9 @@ def test_summary_is_page_cache_over_coordlfs_after_the_first_epoch() -> None:
 def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
     """Everything fits in the budget: after the first epoch neither side reads storage."""
     daemon_logs.append(tmp_path / "work")
-    out = tmp_path / "epochs.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "coordlfs", "bench", "epochs", "--make", "300:64K",
-         "--work", str(tmp_path / "work"), "--budget", "256M", "--throttle", "none",
-         "--epochs", "2", "--readers", "2", "--json", str(out),
-         "--plot", str(tmp_path / "epochs.png")],
-        capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(out.read_text())
+    report = small_run("epochs", tmp_path / "work", tmp_path / "epochs.json", "--make", "300:64K",
+                       "--budget", "256M", "--throttle", "none", "--epochs", "2",
+                       "--readers", "2", "--plot", str(tmp_path / "epochs.png"))
     total = report["dataset"]["bytes"]
     run = report["runs"][0]
     for system in ("page_cache", "coordlfs"):
@@ -112,24 +103,14 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path: Path, daemon_logs: list[Path]) 
     """Stopped by SIGTERM mid-run (as a scheduler stops it): cgroups, throttle and mount go."""
     work = tmp_path / "work"
     daemon_logs.append(work)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "coordlfs", "bench", "epochs", "--make", "600:64K",
-         "--work", str(work), "--budget", "48M", "--readers", "2", "--throttle", "20M",
-         "--epochs", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with stopped_by_sigterm(
+            [*BENCH, "epochs", "--make", "600:64K", "--work", str(work), "--budget", "48M",
+             "--readers", "2", "--throttle", "20M", "--epochs", "5"]) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
             if "coordlfs   epoch 1" in line:  # mounted, readers in the throttled cgroup
-                proc.send_signal(signal.SIGTERM)
                 break
-        _out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 130 and "interrupted" in err, err
-    assert "Traceback" not in err
     assert mount_at(str(work / "mnt")) is None
     for controller in ("memory", "blkio"):
         assert not list(Path("/sys/fs/cgroup", controller).glob(f"coordlfs-epochs-{proc.pid}*"))
-    assert not list(Path("/dev/shm").glob(f"coordlfs-bench-{proc.pid}-*"))
+    assert not list(Path("/dev/shm").glob(f"coordlfs-testbed-{proc.pid}-*"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -12,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchtools import defaults
 from conftest import force_unmount, reachable_by_anyone, run_as_other_user
 
 from coordlfs.bench import fio
@@ -20,12 +20,7 @@ from coordlfs.mounting import mount_at
 
 
 def _settings(**overrides: object) -> fio.Settings:
-    parser = argparse.ArgumentParser()
-    fio.add_arguments(parser)
-    args = parser.parse_args([])
-    for name, value in overrides.items():
-        setattr(args, name, value)
-    return fio.settings_from(args)
+    return fio.settings_from(defaults(fio.add_arguments, **overrides))
 
 
 # -- arguments ------------------------------------------------------------------------------
@@ -175,11 +170,11 @@ def test_tiny_run_measures_every_job_on_both_sides_and_cleans_up(
                 runner.wait()
         if mount_at(str(work / "mnt")) is not None:
             force_unmount(work / "mnt", None)
-        for leftover in Path("/dev/shm").glob(f"coordlfs-bench-{runner.pid}-*"):
+        for leftover in Path("/dev/shm").glob(f"coordlfs-testbed-{runner.pid}-*"):
             shutil.rmtree(leftover, ignore_errors=True)
     assert runner.returncode == 0, stderr
     assert left_mounted is None
-    assert not list(Path("/dev/shm").glob(f"coordlfs-bench-{runner.pid}-*"))
+    assert not list(Path("/dev/shm").glob(f"coordlfs-testbed-{runner.pid}-*"))
     assert "coordlfs/source" in stdout
     report = json.loads(out.read_text())
     measured = {(r["job"], r["target"]): r for r in report["results"]}

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+from benchtools import defaults
 from conftest import run_cli
 
 from coordlfs.bench import hits
@@ -16,12 +17,7 @@ from coordlfs.errors import UserError
 
 
 def _args(**overrides: object) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    hits.add_arguments(parser)
-    args = parser.parse_args([])
-    for name, value in overrides.items():
-        setattr(args, name, value)
-    return args
+    return defaults(hits.add_arguments, **overrides)
 
 
 # -- arguments ------------------------------------------------------------------------------

@@ -307,4 +307,4 @@ def test_demo_cleans_up_when_interrupted(tmp_path: Path) -> None:
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr
     assert not left
-    assert not list(Path("/dev/shm").glob(f"coordlfs-bench-{proc.pid}-*"))
+    assert not list(Path("/dev/shm").glob(f"coordlfs-testbed-{proc.pid}-*"))
