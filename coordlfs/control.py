@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 import warnings
 from typing import Any
 
@@ -25,6 +26,12 @@ from coordlfs.mounting import mount_at
 
 #: Paths per ``group.files`` request, well under the 1 MiB request limit for long paths.
 FILES_PER_REQUEST = 2000
+#: How long a command that may wait (``Command.ready``) waits at the mount for its final
+#: answer, seconds, before the caller gets the answer so far and may ask again.
+WAIT_S = 1.0
+#: The pause after a not-final answer the mount gave at once (too many requests wait
+#: already, or a mount from before waiting), so that asking again does not spin.
+BACKOFF_S = 0.02
 #: A write failing with one of these was answered: the reply says why (malformed, refused).
 _ANSWERED = (errno.EINVAL, errno.EACCES, errno.EPERM)
 
@@ -75,12 +82,21 @@ class Control:
 
     def call(self, command: Command, **args: Any) -> dict[str, Any]:
         """Send ``command`` with ``args``, its declared arguments (a required one missing or
-        one it does not take is a ValueError: a bug in the caller, not the mount's to say)."""
+        one it does not take is a ValueError: a bug in the caller, not the mount's to say).
+
+        A command that may wait blocks until its answer is final or ``WAIT_S`` passed,
+        unless ``args`` say how long (``timeout_s=0``: answer at once)."""
         declared = {a.name for a in command.args}
         missing = {a.name for a in command.args if not a.optional} - args.keys()
         if args.keys() - declared or missing:
             raise ValueError(f"{command.name} takes {sorted(declared)}, not {sorted(args)}")
-        return self.request(command.name, **args)
+        if command.ready is None or "timeout_s" in args:
+            return self.request(command.name, **args)
+        start = time.monotonic()
+        reply = self.request(command.name, timeout_s=WAIT_S, **args)
+        if not command.ready(reply) and time.monotonic() - start < WAIT_S / 2:
+            time.sleep(BACKOFF_S)
+        return reply
 
     def stats(self, since: str | None = None, until: str | None = None) -> dict[str, Any]:
         return self.call(control_spec.STATS, since=since, until=until)["stats"]

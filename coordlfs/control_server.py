@@ -35,9 +35,13 @@ import errno
 import json
 import logging
 import os
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import trio
 
 from coordlfs.control_spec import COMMANDS, Access, Command, Refused, RequestError
 
@@ -57,6 +61,11 @@ MAX_HELD = 16 << 20
 MAX_HELD_UNPRIVILEGED = MAX_HELD // 2
 #: Deepest nesting of arrays and objects in a request; deeper is malformed.
 MAX_DEPTH = 32
+#: Requests that may wait for their answer at once, and of them one user's: a waiting read
+#: holds one of pyfuse3's FUSE workers (99 at most), which the file system's own requests
+#: need. Past either bound a request is answered at once, final or not.
+MAX_WAITING = 32
+MAX_WAITING_PER_USER = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +157,23 @@ def parse(line: bytes) -> dict[str, Any]:
     return request
 
 
+@dataclass(slots=True)
+class Waiting:
+    """A request whose answer is not final yet (``Command.ready``): it is asked again on every
+    change of the daemon's state until it is, or until its deadline."""
+
+    command: Command
+    handler: Handler
+    args: dict[str, Any]
+    caller: Caller
+    request_id: Any
+    #: ``time.monotonic()`` when it is answered, final or not
+    deadline: float
+    #: bytes held for it (its request line)
+    size: int
+    done: bool = False
+
+
 class ControlServer:
     def __init__(self, status: Callable[[], dict[str, Any]],
                  owner_uid: int | None = None) -> None:
@@ -156,7 +182,11 @@ class ControlServer:
         self.owner_uid = os.getuid() if owner_uid is None else owner_uid
         #: bytes held by every open ControlHandle together
         self.held = 0
+        #: waiting requests, by the uid that sent them
+        self.waiting: Counter[int] = Counter()
         self._commands: dict[str, tuple[Command, Handler]] = {}
+        #: set when the state changes, for the waiting requests (made by the first of them)
+        self._change: trio.Event | None = None
         self.serve("status", lambda _a, _c: {"status": self.snapshot()})
         self.serve("help", self._help)
 
@@ -173,7 +203,8 @@ class ControlServer:
     def snapshot(self) -> dict[str, Any]:
         """The status, with what the control file itself holds."""
         return {**self.status(), "control": {"held_bytes": self.held,
-                                             "limit_bytes": MAX_HELD}}
+                                             "limit_bytes": MAX_HELD,
+                                             "waiting": self.waiting.total()}}
 
     def _help(self, _args: dict[str, Any], _caller: Caller) -> dict[str, Any]:
         commands = [command for command, _handler in self._commands.values()]
@@ -181,37 +212,109 @@ class ControlServer:
                 "access": {c.name: c.access.value for c in commands},
                 "arguments": {c.name: [a.doc() for a in c.args] for c in commands}}
 
+    def notify(self) -> None:
+        """The daemon's state changed: waiting requests ask again."""
+        if self._change is not None:
+            self._change.set()
+            self._change = None
+
     def handle(self, line: bytes, caller: Caller | None = None) -> tuple[bytes, int]:
         """Answer one request line for ``caller`` (None: the mount's owner, as an in-process
         caller is); returns the reply line and the errno the write fails with (0: none)."""
+        reply, error, _waiting = self.answer(line, caller, may_wait=False)
+        return reply, error
+
+    def answer(self, line: bytes, caller: Caller | None,
+               may_wait: bool) -> tuple[bytes, int, Waiting | None]:
+        """``handle``; a request that may wait (``may_wait``, a ``"timeout_s"``, room among
+        the waiting) and whose answer is not final comes back as a ``Waiting`` instead."""
         caller = caller or self.caller(self.owner_uid, os.getpid())
         request_id = None
         try:
             request = parse(line)
             request_id = request.get("id")
-            name = request.get("cmd")
-            if not isinstance(name, str):
-                raise RequestError('request needs "cmd", a command name')
-            if name not in self._commands:
-                raise RequestError(f"unknown command {name!r} (try help)")
-            command, handler = self._commands[name]
-            if command.access is Access.MOUNT and not caller.privileged:
-                raise Refused(f"{name} is mount-wide: only root or the mount's owner (uid "
-                              f"{self.owner_uid}) may run it")
-            reply, error = {"ok": True, **handler(command.validate(request, caller), caller)}, 0
+            command, handler = self._command(request.get("cmd"), caller)
+            args = command.validate(request, caller)
         except RequestError as e:
-            reply, error = {"ok": False, "error": str(e)}, e.errno
+            return _encode(_with_id({"ok": False, "error": str(e)}, request_id)), e.errno, None
+        reply, error = self._call(command, handler, args, caller, again=False)
+        if (may_wait and not error and command.ready is not None and not command.ready(reply)
+                and args.get("timeout_s") and self._room_to_wait(caller.uid)):
+            self.waiting[caller.uid] += 1
+            return b"", 0, Waiting(command, handler, args, caller, request_id,
+                                   time.monotonic() + args["timeout_s"], len(line))
+        return _encode(_with_id(reply, request_id)), error, None
+
+    def _command(self, name: Any, caller: Caller) -> tuple[Command, Handler]:
+        if not isinstance(name, str):
+            raise RequestError('request needs "cmd", a command name')
+        if name not in self._commands:
+            raise RequestError(f"unknown command {name!r} (try help)")
+        command, handler = self._commands[name]
+        if command.access is Access.MOUNT and not caller.privileged:
+            raise Refused(f"{name} is mount-wide: only root or the mount's owner (uid "
+                          f"{self.owner_uid}) may run it")
+        return command, handler
+
+    def _call(self, command: Command, handler: Handler, args: dict[str, Any], caller: Caller,
+              again: bool) -> tuple[dict[str, Any], int]:
+        """Run a handler; a command that changes something wakes the waiting requests,
+        unless it is one of them asked ``again`` that is still not final (they would wake
+        each other for ever)."""
+        try:
+            reply, error = {"ok": True, **handler(args, caller)}, 0
+        except RequestError as e:
+            return {"ok": False, "error": str(e)}, e.errno
         except Exception as e:  # a bug in one command must not take the mount down
             log.exception("control command failed")
-            reply, error = {"ok": False, "error": f"internal error: {e}"}, 0
-        if request_id is not None:
-            reply["id"] = request_id
-        return _encode(reply), error
+            return {"ok": False, "error": f"internal error: {e}"}, 0
+        final = command.ready is None or command.ready(reply)
+        if command.access is not Access.READ and (final or not again):
+            self.notify()
+        return reply, error
+
+    def _room_to_wait(self, uid: int) -> bool:
+        return (self.waiting.total() < MAX_WAITING
+                and self.waiting[uid] < MAX_WAITING_PER_USER)
+
+    async def settle(self, waiting: Waiting) -> bytes:
+        """The answer of a waiting request: asked again on every change until it is final
+        or its deadline passed (then the last answer, not final)."""
+        try:
+            while True:
+                if self._change is None:
+                    self._change = trio.Event()
+                change = self._change
+                reply, error = self._call(waiting.command, waiting.handler, waiting.args,
+                                          waiting.caller, again=True)
+                left = waiting.deadline - time.monotonic()
+                if error or left <= 0 or waiting.command.ready(reply):  # type: ignore[misc]
+                    return _encode(_with_id(reply, waiting.request_id))
+                with trio.move_on_after(left):
+                    await change.wait()
+        finally:
+            self.release(waiting)
+
+    def release(self, waiting: Waiting) -> None:
+        """The request no longer waits (answered, or its descriptor closed)."""
+        if not waiting.done:
+            waiting.done = True
+            self.waiting[waiting.caller.uid] -= 1
+
+
+def _with_id(reply: dict[str, Any], request_id: Any) -> dict[str, Any]:
+    if request_id is not None:
+        reply["id"] = request_id
+    return reply
 
 
 class ControlHandle:
     """One open descriptor on the control file: its opener, the partial request line written
     so far, and the replies (or status) not yet read back.
+
+    One request of a descriptor at a time may wait for its answer (``Waiting``): a read then
+    blocks until it is answered, and replies to later requests queue behind it, so replies
+    keep the requests' order. Later requests run at once; they do not wait themselves.
 
     Its bytes count against the server's ``held``: ``close`` gives them back.
     """
@@ -223,6 +326,10 @@ class ControlHandle:
         #: the rest of an over-long line is being dropped, up to its newline
         self._discarding = False
         self._out = bytearray()
+        #: a request waiting for its answer, and the replies queued behind it
+        self._waiting: Waiting | None = None
+        self._later = bytearray()
+        self._reading = trio.Lock()
         self._written = False
         self._status_read = False
         self._held = 0
@@ -233,7 +340,8 @@ class ControlHandle:
 
     def _account(self) -> None:
         """Bring the server's count of held bytes up to date with this handle's."""
-        held = len(self._pending) + len(self._out)
+        held = (len(self._pending) + len(self._out) + len(self._later)
+                + (self._waiting.size if self._waiting else 0))
         self._server.held += held - self._held
         self._held = held
 
@@ -295,24 +403,41 @@ class ControlHandle:
     def _run(self, line: bytes) -> int:
         if not line.strip():
             return 0
-        if len(self._out) > MAX_REPLIES or self._server.held >= self._limit:
+        if (len(self._out) + len(self._later) > MAX_REPLIES
+                or self._server.held >= self._limit):
             return errno.ENOBUFS  # the replies already queued must be read first
-        reply, error = self._server.handle(line, self.caller)
-        self._queue(reply)
+        reply, error, waiting = self._server.answer(line, self.caller,
+                                                    may_wait=self._waiting is None)
+        if waiting is not None:
+            self._waiting = waiting
+            self._account()
+        else:
+            self._queue(reply)
         return error
 
     def _queue(self, reply: bytes) -> None:
-        self._out += reply
+        if self._waiting is not None:
+            self._later += reply
+        else:
+            self._out += reply
         self._account()
 
-    def read(self, size: int) -> bytes:
-        """The next bytes of the replies; on a descriptor never written, of the status."""
+    async def read(self, size: int) -> bytes:
+        """The next bytes of the replies; on a descriptor never written, of the status. With
+        nothing else to read, a waiting request is waited for."""
         if not self._written and not self._status_read:
             status = _encode(self._server.snapshot())
             if self._server.held + len(status) > self._limit:
                 raise OSError(errno.ENOBUFS, "control descriptors hold too many bytes")
             self._status_read = True
             self._queue(status)
+        if not self._out and self._waiting is not None:
+            async with self._reading:  # two readers of one descriptor: one waits, once
+                if self._waiting is not None:
+                    reply = await self._server.settle(self._waiting)
+                    self._waiting = None
+                    self._out += reply + self._later
+                    self._later.clear()
         chunk = bytes(self._out[:size])
         del self._out[:size]
         self._account()
@@ -322,4 +447,8 @@ class ControlHandle:
         """The descriptor is closed: free what it held."""
         self._pending = bytearray()
         self._out = bytearray()
+        self._later = bytearray()
+        if self._waiting is not None:
+            self._server.release(self._waiting)
+            self._waiting = None
         self._account()

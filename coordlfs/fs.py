@@ -285,7 +285,7 @@ class Operations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         handle = self._handles[fh]
         if isinstance(handle, ControlHandle):
-            return handle.read(size)
+            return await handle.read(size)
         assert isinstance(handle, FileHandle)
         size = max(0, min(size, handle.st.st_size - off))
         if size == 0:

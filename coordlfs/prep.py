@@ -83,6 +83,9 @@ class PrepMember(membership.Member):
     area."""
 
     last_seen: float
+    #: a request of this member waits at the mount for its answer until then: a member that
+    #: waits for the mount is not hung
+    waiting_until: float = 0.0
     #: asked for its next epoch and waits for the group to start it
     waiting_since: float | None = None
     epoch: int | None = None
@@ -138,6 +141,9 @@ class Prep(Memberships[PrepGroup, PrepMember]):
                          "full": 0}
         self._clock = clock
         self._next_group = 1
+        #: called after each tick: time passed and members may have gone, so a waiting
+        #: request may have its answer
+        self.on_tick: list[Callable[[], None]] = []
         _remove_stale(root)
 
     # -- membership ------------------------------------------------------------------
@@ -198,6 +204,8 @@ class Prep(Memberships[PrepGroup, PrepMember]):
             gone.append(member)
         for group in list(self.groups.values()):
             self._maybe_start_epoch(group, now)
+        for callback in self.on_tick:
+            callback()
         return gone
 
     def hang_timeout(self, member: PrepMember) -> float:
@@ -206,7 +214,14 @@ class Prep(Memberships[PrepGroup, PrepMember]):
 
     def _hung(self, member: PrepMember, now: float) -> bool:
         busy = self._busy(self.groups[member.group], member)
-        return busy and now - member.last_seen > self.hang_timeout(member)
+        seen = max(member.last_seen, member.waiting_until)
+        return busy and now - seen > self.hang_timeout(member)
+
+    def waits(self, member_id: int, seconds: float) -> None:
+        """A request of the member may wait up to ``seconds`` for its answer."""
+        member = self.members.get(member_id)
+        if member is not None:
+            member.waiting_until = self._clock() + seconds
 
     @staticmethod
     def _busy(group: PrepGroup, member: PrepMember) -> bool:
@@ -506,7 +521,9 @@ def register_commands(server: ControlServer, prep: Prep) -> None:
                 "staging_share_bytes": prep.share(caller.uid)}
 
     def mine(args: dict, caller: Caller) -> int:
-        return prep.owned(args["member"], caller)
+        member_id = prep.owned(args["member"], caller)
+        prep.waits(member_id, args.get("timeout_s", 0.0))
+        return member_id
 
     def leave(args: dict, caller: Caller) -> dict:
         prep.leave(mine(args, caller))
@@ -520,3 +537,4 @@ def register_commands(server: ControlServer, prep: Prep) -> None:
     server.serve("prep.next", lambda a, c: prep.next(mine(a, c), a["done"]))
     server.serve("prep.leave", leave)
     server.serve("prep.list", lambda _a, _c: prep.status())
+    prep.on_tick.append(server.notify)

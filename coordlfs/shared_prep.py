@@ -26,7 +26,6 @@ import pickle
 import random
 import secrets
 import threading
-import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sized
@@ -41,28 +40,11 @@ from coordlfs.control_spec import Command
 from coordlfs.errors import UserError
 from coordlfs.order import SEED_LIMIT, batch_count, batches_of, epoch_order
 
-#: Polling interval bounds while the group has nothing ready, seconds.
-POLL_MIN_S = 0.001
-POLL_MAX_S = 0.02
 #: Staging files hold the batch's tensor bytes plus ``torch.save``'s zip and pickle framing;
 #: a reservation adds this much, and this much per tensor (zip entry, 64-byte alignment), so
 #: the file never outgrows it.
 FRAMING_BYTES = 4 << 10
 FRAMING_PER_TENSOR = 1 << 10
-
-
-class _Poll:
-    """Back-off between polls of the mount: quick while batches flow, gentle while waiting."""
-
-    def __init__(self) -> None:
-        self.delay = POLL_MIN_S
-
-    def wait(self) -> None:
-        time.sleep(self.delay)
-        self.delay = min(POLL_MAX_S, self.delay * 2)
-
-    def reset(self) -> None:
-        self.delay = POLL_MIN_S
 
 
 def local_order(seed: int, epoch: int, n: int) -> list[int]:
@@ -107,7 +89,8 @@ class _Claims(Sampler[list[int]]):
             self.ids.append(self.first)
             yield self.batches[self.first]
         while not self.stopping.is_set():
-            batch = self.link.call(spec.PREP_CLAIM).get("batch")
+            # at once: while this sampler waits, the batches it handed out are not staged
+            batch = self.link.call(spec.PREP_CLAIM, timeout_s=0).get("batch")
             if batch is None:
                 return
             self.ids.append(batch)
@@ -297,15 +280,11 @@ class SharedPrepLoader:
                 self._leave()
 
     def _wait_for_epoch(self, link: _Link) -> int:
-        poll = _Poll()
-        while True:
-            reply = link.call(spec.PREP_EPOCH)
-            if "epoch" in reply:
-                return int(reply["epoch"])
-            poll.wait()
+        while "epoch" not in (reply := link.call(spec.PREP_EPOCH)):
+            pass  # each call waits at the mount for the epoch to start
+        return int(reply["epoch"])
 
     def _consume(self, link: _Link, producer: _Producer, used: set[int]) -> Iterator[Any]:
-        poll = _Poll()
         done: list[int] = []
         while True:
             producer.check()
@@ -314,9 +293,7 @@ class SharedPrepLoader:
             if reply.get("end"):
                 return
             if reply.get("wait"):
-                poll.wait()
-                continue
-            poll.reset()
+                continue  # the mount had no batch for us within its wait
             number = reply["batch"]
             batch = producer.own.pop(number, None)
             if batch is None:
@@ -377,7 +354,6 @@ class _Producer:
             self.error = e
 
     def _produce(self) -> None:
-        poll = _Poll()
         first: int | None = None
         while not self._stopping.is_set():
             claims = _Claims(self.link, self.batches, first, self._stopping)
@@ -396,16 +372,12 @@ class _Producer:
                     break
                 if not reply.get("outstanding"):
                     return
-                poll.wait()
-            poll.reset()
 
     def _stage(self, number: int, batch: Any) -> None:
-        poll = _Poll()
         size = staged_size(batch)
         while (room := self._reserve(number, size))["full"]:
             if self._stopping.is_set():
                 return
-            poll.wait()
         torch.save(batch, room["path"])
         self.own[number] = batch
         self.link.call(spec.PREP_PUBLISH, batch=number)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections import Counter
@@ -17,6 +18,7 @@ import pytest
 import torch
 from conftest import make_dataset, run_cli
 
+from coordlfs import control_spec as spec
 from coordlfs.control import Control, ControlError
 from coordlfs.torch import SharedPrepLoader
 
@@ -228,3 +230,27 @@ def test_bad_staging_size_is_a_one_line_error(tmp_path: Path) -> None:
         result = run_cli("mount", str(tmp_path), str(tmp_path / "mnt"), "--staging-size", size)
         assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1
         assert "staging-size" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_waiting_request_blocks_only_its_reader(mounted) -> None:
+    """``prep.epoch`` waits in the mount (no polling) until the group can start: meanwhile the
+    mount answers other requests and reads; the second member's ask answers both at once."""
+    m, sizes = mounted()
+    control = m.control
+    join = {"group": "g", "pid": os.getpid(), "samples": 4, "batch_size": 2, "min_members": 2}
+    first = control.call(spec.PREP_JOIN, **join)["member"]
+    answers: list[tuple[dict, float]] = []
+    start = time.monotonic()
+    waiter = threading.Thread(target=lambda: answers.append(
+        (control.call(spec.PREP_EPOCH, member=first, timeout_s=5), time.monotonic() - start)))
+    waiter.start()
+    time.sleep(0.3)
+    assert control.status()["control"]["waiting"] == 1
+    path, size = next(iter(sizes.items()))
+    assert len((m.mountpoint / path.relative_to(m.source)).read_bytes()) == size
+    second = control.call(spec.PREP_JOIN, **join)["member"]
+    assert control.call(spec.PREP_EPOCH, member=second)["epoch"] == 0
+    waiter.join(timeout=5)
+    (reply, seconds), = answers
+    assert reply["epoch"] == 0 and 0.3 <= seconds < 2
+    assert control.status()["control"]["waiting"] == 0

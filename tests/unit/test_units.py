@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pyfuse3
 import pytest
 import trio
 
+from coordlfs import control_spec
 from coordlfs.control_server import (
     MAX_DEPTH,
     MAX_HELD,
     MAX_HELD_UNPRIVILEGED,
     MAX_REPLIES,
     MAX_REQUEST,
+    MAX_WAITING,
+    MAX_WAITING_PER_USER,
     ControlHandle,
     ControlServer,
 )
@@ -24,6 +29,8 @@ from coordlfs.control_spec import Access, Command
 from coordlfs.errors import UserError
 from coordlfs.fs import guarded
 from coordlfs.inodes import ROOT_INODE, InodeTable
+from coordlfs.prep import Prep
+from coordlfs.prep import register_commands as register_prep_commands
 from coordlfs.sizes import parse_size, physical_memory
 from coordlfs.stats import Stats, register_commands
 
@@ -101,8 +108,12 @@ def _ask(server: ControlServer, line: bytes, uid: int = OWNER) -> tuple[dict, bo
     return json.loads(reply), error == 0
 
 
+def _read(handle: ControlHandle, size: int) -> bytes:
+    return trio.run(handle.read, size)
+
+
 def _replies(handle: ControlHandle) -> list[dict]:
-    return [json.loads(line) for line in handle.read(1 << 24).splitlines()]
+    return [json.loads(line) for line in _read(handle, 1 << 24).splitlines()]
 
 
 def test_control_commands() -> None:
@@ -151,7 +162,7 @@ def test_mount_wide_commands_need_root_or_the_owner() -> None:
     for line in (b'{"cmd": "status"}', b'{"cmd": "stats"}', b'{"cmd": "marks"}',
                  b'{"cmd": "help"}'):
         assert _ask(server, line, STRANGER)[1], line  # reading is for everyone
-    assert json.loads(ControlHandle(server, STRANGER, 1).read(1 << 16))["version"] == "test"
+    assert json.loads(_read(ControlHandle(server, STRANGER, 1), 1 << 16))["version"] == "test"
 
 
 def test_a_new_command_is_mount_wide_unless_said_otherwise() -> None:
@@ -163,16 +174,16 @@ def test_a_new_command_is_mount_wide_unless_said_otherwise() -> None:
 def test_control_handle_status_then_request() -> None:
     server = _server()
     handle = ControlHandle(server, OWNER, 1)
-    status = handle.read(3) + handle.read(1000)
+    status = _read(handle, 3) + _read(handle, 1000)
     assert json.loads(status)["version"] == "test"
-    assert handle.read(100) == b""
+    assert _read(handle, 100) == b""
     handle = ControlHandle(server, OWNER, 1)
     assert handle.write(b'{"cmd": "mark",') == 0  # a partial line waits for the rest
-    assert handle.read(100) == b""  # written to: no status, no reply yet
+    assert _read(handle, 100) == b""  # written to: no status, no reply yet
     assert handle.write(b' "name": "a"}\n') == 0
-    assert json.loads(handle.read(1 << 16))["mark"]["name"] == "a"
+    assert json.loads(_read(handle, 1 << 16))["mark"]["name"] == "a"
     assert handle.write(b"garbage\n") == errno.EINVAL
-    assert json.loads(handle.read(1 << 16))["ok"] is False
+    assert json.loads(_read(handle, 1 << 16))["ok"] is False
 
 
 def test_requests_in_one_write_are_answered_in_order() -> None:
@@ -207,7 +218,7 @@ def test_a_line_up_to_the_limit_runs_and_a_longer_one_is_refused_whole() -> None
     assert "longer than" in _replies(handle)[0]["error"]
     # the write stopped at the limit: the descriptor drops bytes up to a newline it sees later
     assert handle.write(b'{"cmd": "mark", "name": "lost"}\n') == errno.EINVAL
-    assert handle.read(100) == b""
+    assert _read(handle, 100) == b""
     # over the limit in pieces: its tail, a request in appearance, must not run
     head = b'{"cmd": "help", "pad": "' + b"z" * MAX_REQUEST
     assert handle.write(head[: 1 << 19]) == 0
@@ -266,7 +277,7 @@ def test_bytes_held_by_all_handles_are_bounded_and_freed_on_close() -> None:
     stranger = ControlHandle(server, STRANGER, 1)
     assert stranger.write(b"x") == errno.ENOBUFS
     with pytest.raises(OSError) as info:
-        stranger.read(100)  # the status would not fit either
+        _read(stranger, 100)  # the status would not fit either
     assert info.value.errno == errno.ENOBUFS
     for handle in handles:
         handle.close()
@@ -315,3 +326,103 @@ def test_the_product_loads_no_benchmark(command: str) -> None:
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _waiting_server() -> tuple[ControlServer, dict]:
+    """A server with ``probe``, which may wait until ``set`` gave it a value."""
+    server, state = _server(), {"value": None}
+    server.add(Command("probe", "the value, once set", Access.OWN, (control_spec.WAIT,),
+                       ready=lambda reply: reply["value"] is not None),
+               lambda _a, _c: {"value": state["value"]})
+
+    def put(args: dict, _caller: object) -> dict:
+        state["value"] = args["value"]
+        return {}
+
+    server.add(Command("set", "set the value", Access.OWN,
+                       (control_spec.Arg("value", control_spec.COUNT),)), put)
+    return server, state
+
+
+def test_a_waiting_request_is_answered_when_the_state_changes() -> None:
+    """The reader blocks in read() until another request changes what it waits for; the
+    mount answers other descriptors meanwhile."""
+    server, _state = _waiting_server()
+
+    async def main() -> None:
+        waiter = ControlHandle(server, OWNER, 1)
+        assert waiter.write(b'{"cmd": "probe", "timeout_s": 5, "id": 1}\n{"cmd": "status"}\n') == 0
+        assert server.waiting[OWNER] == 1 and server.snapshot()["control"]["waiting"] == 1
+        async with trio.open_nursery() as nursery:
+            got: list[bytes] = []
+
+            async def read() -> None:
+                got.append(await waiter.read(1 << 16))
+
+            nursery.start_soon(read)
+            await trio.sleep(0.05)
+            assert not got  # still waiting
+            setter = ControlHandle(server, OWNER, 1)
+            assert setter.write(b'{"cmd": "set", "value": 7}\n') == 0
+            assert json.loads(await setter.read(1 << 16))["ok"]
+        first, second = (json.loads(line) for line in got[0].splitlines())
+        assert first == {"ok": True, "value": 7, "id": 1}  # replies keep the requests' order
+        assert "status" in second and server.waiting.total() == 0
+
+    trio.run(main)
+
+
+def test_a_waiting_request_gets_the_answer_so_far_at_its_deadline() -> None:
+    server, _state = _waiting_server()
+
+    async def main() -> None:
+        handle = ControlHandle(server, OWNER, 1)
+        handle.write(b'{"cmd": "probe", "timeout_s": 0.1}\n')
+        start = trio.current_time()
+        assert json.loads(await handle.read(1 << 16)) == {"ok": True, "value": None}
+        assert 0.1 <= trio.current_time() - start < 1
+
+    trio.run(main)
+
+
+def test_waiting_requests_are_bounded_per_user_and_freed_on_close() -> None:
+    server, _state = _waiting_server()
+    handles = [ControlHandle(server, STRANGER, 1) for _ in range(MAX_WAITING_PER_USER + 1)]
+    for handle in handles:
+        assert handle.write(b'{"cmd": "probe", "timeout_s": 5}\n') == 0
+    assert server.waiting[STRANGER] == MAX_WAITING_PER_USER
+    # past the bound the answer comes at once, not final
+    assert json.loads(_read(handles[-1], 1 << 16)) == {"ok": True, "value": None}
+    owner = ControlHandle(server, OWNER, 1)  # another user still may wait
+    assert owner.write(b'{"cmd": "probe", "timeout_s": 5}\n') == 0 and server.waiting[OWNER] == 1
+    held = server.held
+    for handle in [*handles, owner]:
+        handle.close()
+    assert server.waiting.total() == 0 and server.held == 0 < held
+    assert MAX_WAITING_PER_USER < MAX_WAITING
+
+
+def test_a_waiting_prep_request_ends_when_its_member_leaves(tmp_path: Path) -> None:
+    prep = Prep(1 << 20, root=str(tmp_path), alive=lambda _pid: True)
+    server = ControlServer(lambda: {})
+    register_prep_commands(server, prep)
+    member = prep.join("g", 101, "a", 4, 2, False, 2, 30.0).id  # waits for a second member
+
+    async def main() -> None:
+        handle = ControlHandle(server, os.getuid(), 1)
+        handle.write(json.dumps({"cmd": "prep.epoch", "member": member,
+                                 "timeout_s": 5}).encode() + b"\n")
+        async with trio.open_nursery() as nursery:
+            got: list[bytes] = []
+
+            async def read() -> None:
+                got.append(await handle.read(1 << 16))
+
+            nursery.start_soon(read)
+            await trio.sleep(0.05)
+            assert not got and prep.members[member].waiting_until > 0  # waiting: not hung
+            prep.leave(member)
+            prep.tick()  # the daemon's reaper ticks every second
+        assert "no prep member" in json.loads(got[0])["error"]
+
+    trio.run(main)
