@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pyfuse3
@@ -344,28 +345,36 @@ def _waiting_server() -> tuple[ControlServer, dict]:
     return server, state
 
 
+async def _read_waiting(handle: ControlHandle, meanwhile: Callable[[], Awaitable[None]]) -> bytes:
+    """What a read of ``handle`` returns, once ``meanwhile`` ran while it blocked."""
+    got: list[bytes] = []
+
+    async def read() -> None:
+        got.append(await handle.read(1 << 16))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        await trio.sleep(0.05)
+        assert not got  # still waiting
+        await meanwhile()
+    return got[0]
+
+
 def test_a_waiting_request_is_answered_when_the_state_changes() -> None:
     """The reader blocks in read() until another request changes what it waits for; the
     mount answers other descriptors meanwhile."""
     server, _state = _waiting_server()
 
+    async def set_value() -> None:
+        setter = ControlHandle(server, OWNER, 1)
+        assert setter.write(b'{"cmd": "set", "value": 7}\n') == 0
+        assert json.loads(await setter.read(1 << 16))["ok"]
+
     async def main() -> None:
         waiter = ControlHandle(server, OWNER, 1)
         assert waiter.write(b'{"cmd": "probe", "timeout_s": 5, "id": 1}\n{"cmd": "status"}\n') == 0
         assert server.waiting[OWNER] == 1 and server.snapshot()["control"]["waiting"] == 1
-        async with trio.open_nursery() as nursery:
-            got: list[bytes] = []
-
-            async def read() -> None:
-                got.append(await waiter.read(1 << 16))
-
-            nursery.start_soon(read)
-            await trio.sleep(0.05)
-            assert not got  # still waiting
-            setter = ControlHandle(server, OWNER, 1)
-            assert setter.write(b'{"cmd": "set", "value": 7}\n') == 0
-            assert json.loads(await setter.read(1 << 16))["ok"]
-        first, second = (json.loads(line) for line in got[0].splitlines())
+        first, second = map(json.loads, (await _read_waiting(waiter, set_value)).splitlines())
         assert first == {"ok": True, "value": 7, "id": 1}  # replies keep the requests' order
         assert "status" in second and server.waiting.total() == 0
 
@@ -408,21 +417,15 @@ def test_a_waiting_prep_request_ends_when_its_member_leaves(tmp_path: Path) -> N
     register_prep_commands(server, prep)
     member = prep.join("g", 101, "a", 4, 2, False, 2, 30.0).id  # waits for a second member
 
+    async def leave() -> None:
+        assert prep.members[member].waiting_until > 0  # waiting for the mount: not hung
+        prep.leave(member)
+        prep.tick()  # the daemon's reaper ticks every second
+
     async def main() -> None:
         handle = ControlHandle(server, os.getuid(), 1)
         handle.write(json.dumps({"cmd": "prep.epoch", "member": member,
                                  "timeout_s": 5}).encode() + b"\n")
-        async with trio.open_nursery() as nursery:
-            got: list[bytes] = []
-
-            async def read() -> None:
-                got.append(await handle.read(1 << 16))
-
-            nursery.start_soon(read)
-            await trio.sleep(0.05)
-            assert not got and prep.members[member].waiting_until > 0  # waiting: not hung
-            prep.leave(member)
-            prep.tick()  # the daemon's reaper ticks every second
-        assert "no prep member" in json.loads(got[0])["error"]
+        assert "no prep member" in json.loads(await _read_waiting(handle, leave))["error"]
 
     trio.run(main)
