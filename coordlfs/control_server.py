@@ -11,7 +11,10 @@ Protocol (version 1), plain file I/O so that any language can use it:
   sees an error too. A request's ``"id"`` is echoed.
 
 Commands are declared in ``coordlfs.control_spec``; the server checks a request's arguments
-from the declaration and hands the handler their values.
+from the declaration and hands the handler their values. Handlers are synchronous and quick;
+a command declared with ``ready`` may instead wait for its answer (``"timeout_s"``): a write
+never blocks, the read does, until the answer is final (every change of the daemon's state
+asks it again) or the time is up (``Waiting``, ``ControlServer.settle``).
 
 Who may do what (the mount may be shared with ``--allow-other``): the caller is the uid that
 opened the descriptor. Every command is declared with an ``Access``: anyone may run a READ
@@ -20,9 +23,10 @@ and on memberships the caller created (``Caller.act_for`` checks a pid argument,
 memberships with ``Caller.use``); any other command is mount-wide and needs root or the mount's
 owner.
 
-Memory: the bytes a descriptor holds (a partial request line, unread replies) are bounded per
-descriptor and, for all descriptors together, by ``MAX_HELD``; a write past the bound fails with
-ENOBUFS and nothing of it is kept.
+Memory: the bytes a descriptor holds (a partial request line, unread replies, a waiting
+request) are bounded per descriptor and, for all descriptors together, by ``MAX_HELD``; a write
+past the bound fails with ENOBUFS and nothing of it is kept. Waiting requests are bounded per
+user and in all (``MAX_WAITING``); past the bound a request is answered at once.
 
 Later capabilities declare commands in ``coordlfs.control_spec`` and attach their handlers
 with ``ControlServer.serve``; names are ``noun`` or ``noun.verb`` (``group.join``), and replies
