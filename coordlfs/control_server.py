@@ -191,6 +191,8 @@ class ControlServer:
         self._commands: dict[str, tuple[Command, Handler]] = {}
         #: set when the state changes, for the waiting requests (made by the first of them)
         self._change: trio.Event | None = None
+        #: the mount is going: no request waits
+        self.closing = False
         self.serve("status", lambda _a, _c: {"status": self.snapshot()})
         self.serve("help", self._help)
 
@@ -221,6 +223,12 @@ class ControlServer:
         if self._change is not None:
             self._change.set()
             self._change = None
+
+    def close(self) -> None:
+        """The mount is going: waiting requests are answered now (not final), and none
+        waits any more, so that the FUSE loop ends at once."""
+        self.closing = True
+        self.notify()
 
     def handle(self, line: bytes, caller: Caller | None = None) -> tuple[bytes, int]:
         """Answer one request line for ``caller`` (None: the mount's owner, as an in-process
@@ -278,7 +286,7 @@ class ControlServer:
         return reply, error
 
     def _room_to_wait(self, uid: int) -> bool:
-        return (self.waiting.total() < MAX_WAITING
+        return (not self.closing and self.waiting.total() < MAX_WAITING
                 and self.waiting[uid] < MAX_WAITING_PER_USER)
 
     async def settle(self, waiting: Waiting) -> bytes:
@@ -292,7 +300,8 @@ class ControlServer:
                 reply, error = self._call(waiting.command, waiting.handler, waiting.args,
                                           waiting.caller, again=True)
                 left = waiting.deadline - time.monotonic()
-                if error or left <= 0 or waiting.command.ready(reply):  # type: ignore[misc]
+                if (error or left <= 0 or self.closing
+                        or waiting.command.ready(reply)):  # type: ignore[misc]
                     return _encode(_with_id(reply, waiting.request_id))
                 with trio.move_on_after(left):
                     await change.wait()

@@ -221,5 +221,6 @@ class Daemon:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
                 log.info("%s: unmounting", signal.Signals(signum).name)
+                self.control.close()  # requests waiting for their answer get it now
                 pyfuse3.terminate()
                 return

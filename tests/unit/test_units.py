@@ -429,3 +429,22 @@ def test_a_waiting_prep_request_ends_when_its_member_leaves(tmp_path: Path) -> N
         assert "no prep member" in json.loads(await _read_waiting(handle, leave))["error"]
 
     trio.run(main)
+
+
+def test_closing_the_server_answers_waiting_requests_at_once() -> None:
+    """An unmount (SIGTERM) does not wait for requests that wait for their answer."""
+    server, _state = _waiting_server()
+
+    async def main() -> None:
+        handle = ControlHandle(server, OWNER, 1)
+        handle.write(b'{"cmd": "probe", "timeout_s": 5}\n')
+
+        async def close() -> None:
+            server.close()
+
+        reply = await _read_waiting(handle, close)
+        assert json.loads(reply) == {"ok": True, "value": None}
+        handle.write(b'{"cmd": "probe", "timeout_s": 5}\n')  # no request waits any more
+        assert server.waiting.total() == 0
+
+    trio.run(main)
