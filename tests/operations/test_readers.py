@@ -207,6 +207,25 @@ def test_the_group_window_serves_the_second_member(tmp_path: Path,
         m.run(body)
 
 
+def test_a_member_served_by_the_kernels_pages_counts_as_having_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = write_files(tmp_path / "src", {"a.bin": 200_000})["a.bin"]
+    with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch, cache_size=0,
+                 window_size=MiB) as m:
+        first = m.groups.join("g", 1001, "first", 7)
+        second = m.groups.join("g", 1002, "second", None)
+
+        async def body() -> None:
+            opened_early = await m.open("a.bin", pid=second.pid)  # nothing held yet
+            assert await m.read_file("a.bin", pid=first.pid) == data
+            assert m.window.used == len(data)  # held for the second member
+            assert not m.reader(opened_early).holds_bytes
+            await m.ops.release(opened_early)  # it read the kernel's pages instead
+            assert m.window.used == 0 and m.window.hits == 0
+
+        m.run(body)
+
+
 class FakeLink(PeerLink):
     """A peer whose cache holds ``files``, answering ``answers`` requests and then down."""
 
