@@ -4,7 +4,10 @@ It gets its ``MountConfig`` as JSON on stdin, the values its parent resolved and
 that no option is parsed or resolved twice, and reports on the pipe ``READY_FD`` once the mount
 is live (``ok NOTE``) or why it could not mount (``error MESSAGE``)::
 
-    python -m coordlfs.detached READY_FD < config.json
+    python -m coordlfs.detached READY_FD SOURCE MOUNTPOINT < config.json
+
+SOURCE and MOUNTPOINT are not read: they are there so that ``ps`` shows which daemon serves
+which mount.
 """
 
 from __future__ import annotations

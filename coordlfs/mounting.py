@@ -129,7 +129,9 @@ def spawn_daemon(config: MountConfig) -> str:
     os.makedirs(os.path.dirname(log_file), exist_ok=True)
     with open(log_file, "ab") as log:
         child = subprocess.Popen(
-            [sys.executable, "-m", "coordlfs.detached", str(write_end)],
+            # source and mountpoint are there for ps(1) only: which daemon serves which mount
+            [sys.executable, "-m", "coordlfs.detached", str(write_end), config.source,
+             config.mountpoint],
             stdin=subprocess.PIPE, stdout=log, stderr=log, pass_fds=(write_end,),
             start_new_session=True)
     os.close(write_end)
