@@ -292,6 +292,8 @@ class ControlServer:
     async def settle(self, waiting: Waiting) -> bytes:
         """The answer of a waiting request: asked again on every change until it is final
         or its deadline passed (then the last answer, not final)."""
+        ready = waiting.command.ready
+        assert ready is not None  # only a command that may wait is made to
         try:
             while True:
                 if self._change is None:
@@ -300,8 +302,7 @@ class ControlServer:
                 reply, error = self._call(waiting.command, waiting.handler, waiting.args,
                                           waiting.caller, again=True)
                 left = waiting.deadline - time.monotonic()
-                if (error or left <= 0 or self.closing
-                        or waiting.command.ready(reply)):  # type: ignore[misc]
+                if error or left <= 0 or self.closing or ready(reply):
                     return _encode(_with_id(reply, waiting.request_id))
                 with trio.move_on_after(left):
                     await change.wait()

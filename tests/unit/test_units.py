@@ -381,8 +381,13 @@ def test_a_waiting_request_is_answered_when_the_state_changes() -> None:
     trio.run(main)
 
 
-def test_a_waiting_request_gets_the_answer_so_far_at_its_deadline() -> None:
+def test_a_waiting_request_gets_the_answer_so_far_at_its_deadline_or_on_close() -> None:
+    """Past ``timeout_s``, or when the mount is going (SIGTERM), the answer is the one so
+    far; once the server is closed no request waits."""
     server, _state = _waiting_server()
+
+    async def close() -> None:
+        server.close()
 
     async def main() -> None:
         handle = ControlHandle(server, OWNER, 1)
@@ -390,6 +395,10 @@ def test_a_waiting_request_gets_the_answer_so_far_at_its_deadline() -> None:
         start = trio.current_time()
         assert json.loads(await handle.read(1 << 16)) == {"ok": True, "value": None}
         assert 0.1 <= trio.current_time() - start < 1
+        handle.write(b'{"cmd": "probe", "timeout_s": 5}\n')
+        assert json.loads(await _read_waiting(handle, close)) == {"ok": True, "value": None}
+        handle.write(b'{"cmd": "probe", "timeout_s": 5}\n')
+        assert server.waiting.total() == 0
 
     trio.run(main)
 
@@ -430,21 +439,3 @@ def test_a_waiting_prep_request_ends_when_its_member_leaves(tmp_path: Path) -> N
 
     trio.run(main)
 
-
-def test_closing_the_server_answers_waiting_requests_at_once() -> None:
-    """An unmount (SIGTERM) does not wait for requests that wait for their answer."""
-    server, _state = _waiting_server()
-
-    async def main() -> None:
-        handle = ControlHandle(server, OWNER, 1)
-        handle.write(b'{"cmd": "probe", "timeout_s": 5}\n')
-
-        async def close() -> None:
-            server.close()
-
-        reply = await _read_waiting(handle, close)
-        assert json.loads(reply) == {"ok": True, "value": None}
-        handle.write(b'{"cmd": "probe", "timeout_s": 5}\n')  # no request waits any more
-        assert server.waiting.total() == 0
-
-    trio.run(main)
