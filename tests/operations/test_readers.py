@@ -3,8 +3,10 @@ serves and what the read counters say."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import xxhash
 from inprocess import CHUNK, Mount, ctx, mounted, write_files
 
 from coordlfs import cache as cache_module
+from coordlfs.groups import Member
 from coordlfs.peer_wire import Get, Kind
 from coordlfs.peers import PeerDown, PeerLink, Peers
 from coordlfs.placement import parse_address
@@ -185,13 +188,20 @@ def test_a_changed_source_file_is_invalidated_dropped_and_read_anew(
         m.run(body)
 
 
-def test_the_group_window_serves_the_second_member(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+@contextlib.contextmanager
+def group_of_two(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                 ) -> Iterator[tuple[Mount, bytes, Member, Member]]:
+    """A mount with no cache room and a read window, a 200 kB file, two members of a group."""
     data = write_files(tmp_path / "src", {"a.bin": 200_000})["a.bin"]
     with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch, cache_size=0,
                  window_size=MiB) as m:
-        first = m.groups.join("g", 1001, "first", 7)
-        second = m.groups.join("g", 1002, "second", None)
+        yield (m, data, m.groups.join("g", 1001, "first", 7),
+               m.groups.join("g", 1002, "second", None))
+
+
+def test_the_group_window_serves_the_second_member(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    with group_of_two(tmp_path, monkeypatch) as (m, data, first, second):
 
         async def body() -> None:
             assert await m.read_file("a.bin", pid=first.pid) == data
@@ -209,11 +219,7 @@ def test_the_group_window_serves_the_second_member(tmp_path: Path,
 
 def test_a_member_served_by_the_kernels_pages_counts_as_having_read(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = write_files(tmp_path / "src", {"a.bin": 200_000})["a.bin"]
-    with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch, cache_size=0,
-                 window_size=MiB) as m:
-        first = m.groups.join("g", 1001, "first", 7)
-        second = m.groups.join("g", 1002, "second", None)
+    with group_of_two(tmp_path, monkeypatch) as (m, data, first, second):
 
         async def body() -> None:
             opened_early = await m.open("a.bin", pid=second.pid)  # nothing held yet
