@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -46,6 +47,21 @@ READ_AHEAD_KB = 1024
 REAP_INTERVAL_S = 1.0
 
 
+class DroppedReplies(logging.Filter):
+    """pyfuse3 logs an ERROR when the kernel refuses a reply with ENOENT, but that only means
+    the kernel no longer waits for it: the request was interrupted (a reader killed mid-read)
+    or the mount is going away (a release the kernel sent in the background, answered after a
+    lazy unmount). Such a record is kept, as INFO."""
+
+    _ENOENT = os.strerror(errno.ENOENT)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (record.levelno == logging.ERROR and record.msg.endswith("fuse_reply_* failed with %s")
+                and record.args and record.args[-1] == self._ENOENT):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
 def setup_logging(log_file: str | None, debug: bool) -> None:
     if log_file:
         os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
@@ -56,6 +72,9 @@ def setup_logging(log_file: str | None, debug: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if debug else logging.INFO)
+    pyfuse3_log = logging.getLogger("pyfuse3")
+    if not any(isinstance(f, DroppedReplies) for f in pyfuse3_log.filters):
+        pyfuse3_log.addFilter(DroppedReplies())
 
 
 def _tune_read_ahead(mountpoint: str) -> None:

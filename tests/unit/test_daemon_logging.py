@@ -1,0 +1,34 @@
+"""What the daemon's log says of pyfuse3's own records."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from pathlib import Path
+
+from coordlfs.daemon import setup_logging
+
+
+def test_a_reply_the_kernel_no_longer_waits_for_is_no_error(tmp_path: Path) -> None:
+    """Found by the suite: a release the kernel sent in the background, answered just after a
+    lazy unmount, logged "ERROR pyfuse3: fuse_release(): fuse_reply_* failed with No such file
+    or directory" and failed the test whose teardown unmounted."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    log_file = tmp_path / "daemon.log"
+    try:
+        setup_logging(str(log_file), debug=False)
+        pyfuse3_log = logging.getLogger("pyfuse3")
+        pyfuse3_log.error("fuse_release(): fuse_reply_* failed with %s", os.strerror(errno.ENOENT))
+        pyfuse3_log.error("fuse_read(): fuse_reply_* failed with %s", os.strerror(errno.EIO))
+        for handler in root.handlers:
+            handler.flush()
+    finally:
+        for handler in root.handlers:
+            handler.close()
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    lines = log_file.read_text().splitlines()
+    assert any(" INFO pyfuse3: fuse_release(): " in line for line in lines), lines
+    assert any(" ERROR pyfuse3: fuse_read(): " in line for line in lines), lines
