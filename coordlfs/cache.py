@@ -87,6 +87,10 @@ class Entry:
                                                              st.st_ctime_ns)
 
 
+def _no_room(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in _NO_ROOM
+
+
 def _key_name(key: Key) -> str:
     return f"{key[0]:x}-{key[1]:x}"
 
@@ -293,26 +297,48 @@ class WholeFileCache:
                     got = await trio.to_thread.run_sync(copier.step, entry.filled)
                     if got == 0:
                         raise OSError(5, "source file shrank while being cached")
-                    entry.filled += got
-                    self.counters.bytes_from_source += got
-                    self._wake(entry)
+                    self.arrived(entry, got)
             finally:
                 copier.close()
-            st = copier.final
-            if st is None or (st.st_dev, st.st_ino) != key or not entry.matches(st):
-                raise OSError(5, "source file changed while being cached")
-            self._journal(self._record(key, entry))
-            entry.complete = True
         except Exception as e:  # a failed fill must never fail the mount: readers stream
-            if isinstance(e, OSError) and e.errno in _NO_ROOM:
-                self._note_full(e)  # said once, not for every file that fails meanwhile
-            else:
-                log.warning("caching %s failed: %s", os.fsdecode(entry.path), e,
-                            exc_info=not isinstance(e, OSError))
-            self._release(key, entry)
-        except BaseException:  # cancelled at unmount
-            self._release(key, entry)
+            error = self.end_fill(key, entry, None, e)
+        except BaseException as e:  # cancelled at unmount
+            self.end_fill(key, entry, None, e)
             raise
+        else:
+            error = self.end_fill(key, entry, copier.final)
+        if error is not None and not _no_room(error):
+            log.warning("caching %s failed: %s", os.fsdecode(entry.path), error,
+                        exc_info=not isinstance(error, OSError))
+
+    def arrived(self, entry: Entry, got: int) -> None:
+        """``got`` more bytes of a filling entry are in the arena: its readers may go on."""
+        entry.filled += got
+        self.counters.bytes_from_source += got
+        self._wake(entry)
+
+    def end_fill(self, key: Key, entry: Entry, final: os.stat_result | None,
+                 error: BaseException | None = None) -> BaseException | None:
+        """End the fill of a reserved entry, by ``fill`` or by any other filler.
+
+        ``final`` is the source's fstat once every byte is in the arena (None with the
+        ``error`` that stopped the fill): the entry is complete if it still shows the version
+        reserved, else it is given up (punched, its readers sent to the source). Returns why
+        it was given up, or None; a full cache directory is noted here, the rest is for the
+        caller to report.
+        """
+        try:
+            if error is None and (final is None or (final.st_dev, final.st_ino) != key
+                                  or not entry.matches(final)):
+                error = OSError(errno.EIO, "source file changed while being cached")
+            if error is None:
+                self._journal(self._record(key, entry))
+                entry.complete = True
+            else:
+                if _no_room(error):
+                    self._note_full(error)  # said once, not for every file that fails meanwhile
+                self._release(key, entry)
+            return error
         finally:
             self.filling -= 1
             self._wake(entry)
