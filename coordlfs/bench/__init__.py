@@ -9,7 +9,8 @@ from types import ModuleType
 from coordlfs.errors import Parser, UserError, exit_status
 
 #: ``coordlfs bench NAME`` runs the module of that name in this package
-BENCHMARKS = ("aligned", "cluster", "epochs", "fio", "hits", "hpsearch", "overhead", "stagger")
+BENCHMARKS = ("aligned", "cluster", "epochs", "fio", "hits", "hpsearch", "misses", "overhead",
+              "stagger")
 
 
 def module_of(name: str) -> ModuleType:
