@@ -23,6 +23,9 @@ DEFAULT_WINDOW_SIZE = 256 << 20
 DEFAULT_STAGING_SIZE = 2 << 30
 #: Storage requests the read-ahead of an aligned group keeps in flight.
 DEFAULT_PREFETCH_DEPTH = 4
+#: Files the batched fill queue (``prefetch``) reads at once, each whole in one worker thread:
+#: deep enough to keep an SSD's queue busy with small files (measured in docs/benchmarks.md).
+DEFAULT_FILL_DEPTH = 16
 #: Seconds a peer may take to connect or answer before the reader reads local storage.
 DEFAULT_PEER_TIMEOUT = 2.0
 #: Seconds the kernel may trust names and attributes of a source that cannot be watched
@@ -42,6 +45,7 @@ class MountConfig:
     cache_dir: str
     window_size: int
     prefetch_depth: int
+    fill_depth: int
     staging_size: int
     keep_cache: bool
     allow_other: bool

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from coordlfs.config import (
+    DEFAULT_FILL_DEPTH,
     DEFAULT_MAX_FILE_SHARE,
     DEFAULT_PEER_TIMEOUT,
     DEFAULT_PREFETCH_DEPTH,
@@ -181,6 +182,9 @@ OPTIONS: tuple[Option, ...] = (
            "filesystems, inotify limits): how long names and attributes are trusted",
            _number(float, 0.1, 3600, unit=" seconds"), "SECONDS", default=DEFAULT_REVALIDATE,
            field="revalidate_s"),
+    Option("fill_depth", "files read from the source at once filling the cache in the order "
+           "jobs announced (prefetch); bounds the memory of fills in flight to N MiB; 0: off",
+           _number(int, 0, 256), "N", default=DEFAULT_FILL_DEPTH),
     Option("window_size", "memory for items an aligned job read until the rest of its group "
            "has read them; 0: off", parse_size, "SIZE", default=DEFAULT_WINDOW_SIZE,
            section=GROUPS),
