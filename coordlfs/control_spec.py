@@ -54,6 +54,8 @@ class Access(enum.Enum):
     OWN = "anyone, for their own processes and memberships"
     #: root and the mount's owner only: the command changes the mount for everyone
     MOUNT = "root or the mount's owner"
+    #: anyone, for files they may read through the mount (the handler checks each file)
+    FILES = "anyone, for files they may read through the mount"
 
 
 # -- argument kinds: each turns a request's JSON value into the handler's, or says what is wrong
@@ -161,6 +163,31 @@ class RelativePaths:
         return value
 
 
+#: Most paths one ``prefetch`` request may name: a longer order is sent in several requests.
+MAX_PREFETCH_PATHS = 1 << 16
+#: Longest path ``prefetch`` takes, bytes: it is opened in one system call (PATH_MAX).
+MAX_PREFETCH_PATH = 4095
+
+
+class FilePaths:
+    """Paths of files to read, relative to the mount: no empty, ``.`` or ``..`` component,
+    so a path names a file in the tree the mount shows, the way a reader would spell it."""
+
+    def parse(self, name: str, value: Any, _caller: Caller) -> list[str]:
+        if not isinstance(value, list):
+            raise RequestError(f'"{name}" must be a list')
+        if len(value) > MAX_PREFETCH_PATHS:
+            raise RequestError(f'"{name}" may hold at most {MAX_PREFETCH_PATHS} paths per '
+                               "request (send a longer order in several)")
+        for path in value:
+            if not (_relative(path) and len(path.encode("utf-8", "surrogateescape"))
+                    <= MAX_PREFETCH_PATH
+                    and all(part not in ("", ".", "..") for part in path.split("/"))):
+                raise RequestError(f'"{name}": {path!r} is not a path of a file relative to '
+                                   "the mount (no leading /, no empty, . or .. parts)")
+        return value
+
+
 class Batches:
     def parse(self, name: str, value: Any, _caller: Caller) -> list[int]:
         if not isinstance(value, list) or not all(
@@ -261,6 +288,11 @@ PEER_LIST = Command("peer.list", "the peers, their health and counters, and what
 PEER_OWNER = Command("peer.owner", "the node that caches a file", Access.READ,
                      (Arg("path", RelativePath()),), '"owner", "here"')
 
+PREFETCH = Command(
+    "prefetch", "queue files to be read into the cache in this order, many at once (after "
+    "the caller's earlier ones; up to a bound in all)", Access.FILES,
+    (Arg("paths", FilePaths()),), '"queued" (how many were taken)')
+
 PREP_JOIN = Command(
     "prep.join", "join (or create) a prep group for a live process of the caller's",
     Access.OWN,
@@ -301,11 +333,12 @@ PREP_LIST = Command("prep.list", "prep groups, their members and the staging are
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     STATUS, HELP, STATS, MARK, MARKS,
     GROUP_JOIN, GROUP_LEAVE, GROUP_FILES, GROUP_EPOCH, GROUP_LIST, PROFILE,
-    PEER_LIST, PEER_OWNER,
+    PEER_LIST, PEER_OWNER, PREFETCH,
     PREP_JOIN, PREP_EPOCH, PREP_CLAIM, PREP_RESERVE, PREP_PUBLISH, PREP_NEXT, PREP_LEAVE,
     PREP_LIST)}
 
-_ACCESS_WORDS = {Access.READ: "anyone", Access.OWN: "own", Access.MOUNT: "owner"}
+_ACCESS_WORDS = {Access.READ: "anyone", Access.OWN: "own", Access.MOUNT: "owner",
+                 Access.FILES: "reader"}
 
 
 def doc_table() -> str:
