@@ -169,9 +169,20 @@ MAX_PREFETCH_PATHS = 1 << 16
 MAX_PREFETCH_PATH = 4095
 
 
+def _file_path(path: Any) -> bool:
+    """A relative path a reader could open: no empty, ``.`` or ``..`` part, short enough for
+    one system call, and bytes a file name can hold (JSON may carry lone surrogates)."""
+    if not _relative(path) or any(part in ("", ".", "..") for part in path.split("/")):
+        return False
+    try:
+        return len(path.encode("utf-8", "surrogateescape")) <= MAX_PREFETCH_PATH
+    except UnicodeEncodeError:
+        return False
+
+
 class FilePaths:
-    """Paths of files to read, relative to the mount: no empty, ``.`` or ``..`` component,
-    so a path names a file in the tree the mount shows, the way a reader would spell it."""
+    """Paths of files to read, relative to the mount, spelt as a reader would open them: a
+    path names a file in the tree the mount shows and never climbs out of it."""
 
     def parse(self, name: str, value: Any, _caller: Caller) -> list[str]:
         if not isinstance(value, list):
@@ -180,9 +191,7 @@ class FilePaths:
             raise RequestError(f'"{name}" may hold at most {MAX_PREFETCH_PATHS} paths per '
                                "request (send a longer order in several)")
         for path in value:
-            if not (_relative(path) and len(path.encode("utf-8", "surrogateescape"))
-                    <= MAX_PREFETCH_PATH
-                    and all(part not in ("", ".", "..") for part in path.split("/"))):
+            if not _file_path(path):
                 raise RequestError(f'"{name}": {path!r} is not a path of a file relative to '
                                    "the mount (no leading /, no empty, . or .. parts)")
         return value
