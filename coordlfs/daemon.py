@@ -21,6 +21,8 @@ from coordlfs.cache import WholeFileCache
 from coordlfs.config import MountConfig
 from coordlfs.control_server import ControlServer
 from coordlfs.errors import UserError
+from coordlfs.fills import FillQueue
+from coordlfs.fills import register_commands as register_fill_commands
 from coordlfs.fs import Operations
 from coordlfs.groups import Groups
 from coordlfs.groups import register_commands as register_group_commands
@@ -127,6 +129,9 @@ class Daemon:
         self.prefetcher = Prefetcher(self.groups, self.window, self.cache, self.source,
                                      self.stats.reads, config.prefetch_depth,
                                      self.peers.caches_here)
+        self.fills = FillQueue(self.cache, self.source, config.fill_depth,
+                               self.peers.caches_here)
+        register_fill_commands(self.control, self.fills, self.source)
         self.ops = Operations(self.source, self.cache, self.stats.reads, self.control,
                               AlignedReads(self.groups, self.window, self.prefetcher),
                               self.peers, config.revalidate_s)
@@ -169,6 +174,7 @@ class Daemon:
             "served": self.server.status() if self.server else None,
             "read_window": self.window.status(),
             "prefetch": self.prefetcher.status(),
+            "fills": self.fills.status(),
             "prep": self.prep.status(),
             "inodes": len(self.ops.inodes),
             "freshness": self.ops.freshness.status(),
@@ -214,6 +220,7 @@ class Daemon:
             nursery.start_soon(self._terminate_on_signal)
             nursery.start_soon(self._reap_members)
             nursery.start_soon(self.prefetcher.run)
+            nursery.start_soon(self.fills.run)
             nursery.start_soon(self.peers.run)
             nursery.start_soon(self.ops.freshness.run)
             if self.server is not None:
