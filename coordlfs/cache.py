@@ -18,6 +18,12 @@ is punched out.
 
 A file is filled by a background task in chunks; readers wait only until the bytes they asked
 for have arrived, so a large file streams while it is being cached.
+
+Complete entries are also published (``share``) in an index in shared memory
+(``coordlfs.published``), where ``coordlfs.client`` finds them and reads the arena itself.
+A published entry is withdrawn the moment its source file may have changed, and the pages
+of a published entry that is dropped are punched only ``PUNCH_GRACE_S`` later, so that a
+client that found it just before copies its bytes, not zeros.
 """
 
 from __future__ import annotations
@@ -31,13 +37,16 @@ import logging
 import mmap
 import os
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
 
 from coordlfs.errors import UserError
+from coordlfs.freshness import PublishedWatch
 from coordlfs.inodes import Key
+from coordlfs.published import INDEX, IndexWriter, Published
 from coordlfs.source import Source, SourceReader
 from coordlfs.stats import ReadCounters
 
@@ -60,6 +69,9 @@ _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 #: Free room on a full cache filesystem that counts as room again: enough that fills do not
 #: fail again at once. Each new file asks (one statfs, next to a miss's storage read).
 ROOM_BACK = 8 << 20
+#: Seconds between dropping a published entry and punching its pages: a client that found
+#: it just before has that long to copy its bytes (a view kept longer may read zeros).
+PUNCH_GRACE_S = 5.0
 _PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
@@ -76,6 +88,8 @@ class Entry:
     filled: int = 0
     complete: bool = False
     failed: bool = False
+    #: it was published to clients (``WholeFileCache.share``) at some point
+    shared: bool = False
     #: Set (and replaced) each time more bytes arrive; None once the fill has ended, so that
     #: a million cached entries do not each keep an Event.
     progress: trio.Event | None = None
@@ -170,6 +184,13 @@ class WholeFileCache:
         self._no_room_warned = False
         #: the journal could not be written: it is gone, and a restart starts cold
         self._journal_lost = False
+        #: the index for clients and the watch that withdraws from it (``share``)
+        self.index: IndexWriter | None = None
+        self.watch: PublishedWatch | None = None
+        self._source: Source | None = None
+        self._published: dict[bytes, Entry] = {}
+        #: (when, start, end): pages of dropped published entries, punched after the grace
+        self._late_punches: list[tuple[float, int, int]] = []
 
     # -- start and stop ---------------------------------------------------------------
 
@@ -191,7 +212,7 @@ class WholeFileCache:
         except FileNotFoundError:
             pass
         for name in os.listdir(self.dir_fd):  # a torn journal rewrite, or an older layout
-            if name not in (ARENA, JOURNAL):
+            if name not in (ARENA, JOURNAL, INDEX):
                 os.unlink(name, dir_fd=self.dir_fd)
         parsed = (self._parse(name, record) for name, record in records.items())
         for key, entry in sorted((p for p in parsed if p), key=lambda p: p[1].offset):
@@ -203,6 +224,8 @@ class WholeFileCache:
             start = entry.offset + entry.size
         _punch(self.arena_fd, start, self.arena_size)
         self._rewrite_journal()
+        for key, entry in list(self.entries.items()):
+            self._publish(key, entry)
         return len(self.entries)
 
     @staticmethod
@@ -231,6 +254,10 @@ class WholeFileCache:
 
     def close(self, keep: bool) -> None:
         """Remove the cached bytes unless ``keep``; then release the directory lock."""
+        if self.index is not None:
+            self.index.close()
+        if self.watch is not None:
+            self.watch.close()
         self._view.release()
         with contextlib.suppress(BufferError):  # a slice still referenced: unmapped when freed
             self._arena.close()
@@ -249,7 +276,11 @@ class WholeFileCache:
     def lookup(self, key: Key, st: os.stat_result) -> Entry | None:
         """The entry holding this version of the file (complete or being filled), if any."""
         entry = self.entries.get(key)
-        if entry is None or entry.matches(st):
+        if entry is None:
+            return None
+        if entry.matches(st):
+            if entry.complete and entry.path not in self._published and self.index is not None:
+                self._publish(key, entry)  # withdrawn for a change that changed nothing
             return entry
         if entry.complete:
             log.info("source file %s changed; dropping its cache entry", os.fsdecode(entry.path))
@@ -334,6 +365,7 @@ class WholeFileCache:
             if error is None:
                 self._journal(self._record(key, entry))
                 entry.complete = True
+                self._publish(key, entry)
             else:
                 if _no_room(error):
                     self._note_full(error)  # said once, not for every file that fails meanwhile
@@ -359,6 +391,87 @@ class WholeFileCache:
         """
         start = entry.offset + offset
         return self._view[start : start + min(size, entry.size - offset)]
+
+    # -- published to clients ----------------------------------------------------------
+
+    def share(self, source: Source) -> None:
+        """Publish complete entries for ``coordlfs.client`` from now on, and watch ``source``
+        to withdraw them when their files change (``run_shared`` reads the watch)."""
+        self._source = source
+        self.watch = PublishedWatch(source, self._changed)
+        self.index = IndexWriter(self.dir_fd, revalidate=not self.watch.watching)
+
+    def _publish(self, key: Key, entry: Entry) -> None:
+        """Publish a complete entry if its source file still is the version it holds.
+
+        The watch comes first and the version check after it, so that a change between the
+        two cannot go unseen. Where the source cannot be watched, clients compare each hit
+        with the source themselves (the index's ``revalidate``).
+        """
+        if self.index is None or self.watch is None or self._source is None:
+            return
+        covered = self.watch.cover(entry.path)
+        if not self.watch.watching:
+            if not self.index.revalidate:
+                self.index.set_revalidate()
+        elif not covered:
+            return
+        try:
+            st = self._source.lstat(entry.path)
+        except (OSError, ValueError):
+            return
+        if (st.st_dev, st.st_ino) != key or not entry.matches(st):
+            return
+        self.index.publish(entry.path, Published(entry.offset, entry.size, st.st_ino,
+                                                 entry.mtime_ns, entry.ctime_ns))
+        self._published[entry.path] = entry
+        entry.shared = True
+
+    def _withdraw(self, path: bytes) -> None:
+        if self._published.pop(path, None) is not None:
+            assert self.index is not None
+            self.index.withdraw(path)
+
+    def _changed(self, path: bytes, directory: bool) -> None:
+        """The watch saw a change to ``path`` (a file, or a directory and all beneath it)."""
+        self._withdraw(path)
+        if directory:
+            inside = path + b"/" if path else b""
+            for published in [p for p in self._published if p.startswith(inside)]:
+                self._withdraw(published)
+
+    def punch_late(self, now: float) -> None:
+        """Punch the pages of dropped published entries whose grace has passed."""
+        while self._late_punches and self._late_punches[0][0] <= now:
+            _when, start, end = self._late_punches.pop(0)
+            try:
+                _punch(self.arena_fd, start, end)
+            except OSError as e:
+                log.warning("%s", e)
+
+    async def run_shared(self) -> None:
+        """Withdraw published entries whose source changes, and punch dropped ones late."""
+        if self.watch is None:
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.watch.run)
+            while True:
+                await trio.sleep(1.0)
+                self.punch_late(time.monotonic())
+
+    def shared_status(self) -> dict | None:
+        """Where clients find the index and the arena, and what the index holds."""
+        if self.index is None or self.watch is None:
+            return None
+        return {
+            "index": os.path.join(self.directory, INDEX),
+            "arena": os.path.join(self.directory, ARENA),
+            "mode": "revalidate" if self.index.revalidate else "watch",
+            "published": len(self.index),
+            "withdrawn": self.index.withdrawn,
+            "watched_directories": self.watch.directories,
+            "punches_waiting": len(self._late_punches),
+        }
 
     # -- a full filesystem -------------------------------------------------------------
 
@@ -401,6 +514,11 @@ class WholeFileCache:
             self.used -= entry.size
         if was_complete:  # journaled: a restart must not adopt it
             self._journal({"key": _key_name(key), "offset": entry.offset, "dropped": True})
+        if entry.shared:  # a client may be copying from it: withdrawn now, punched later
+            self._withdraw(entry.path)
+            self._late_punches.append((time.monotonic() + PUNCH_GRACE_S, entry.offset,
+                                       entry.offset + entry.size))
+            return
         # Pages shared with a neighbour stay; the neighbour's bytes are in them. The offsets
         # are never handed out again, so pages a failed punch leaves are only memory.
         try:

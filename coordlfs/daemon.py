@@ -110,6 +110,7 @@ class Daemon:
         self.cache = WholeFileCache(config.cache_dir, config.cache_size, config.max_file_size,
                                 self.stats.reads)
         try:
+            self.cache.share(self.source)
             self._assemble(config)
         except BaseException:  # e.g. the peer port is taken: no cache directory left behind
             self._close()
@@ -170,6 +171,7 @@ class Daemon:
                 "full": cache.full,
             },
             "reads": self.stats.reads.snapshot(),
+            "shared": cache.shared_status(),
             "peers": self.peers.status(),
             "served": self.server.status() if self.server else None,
             "read_window": self.window.status(),
@@ -223,13 +225,14 @@ class Daemon:
             nursery.start_soon(self.fills.run)
             nursery.start_soon(self.peers.run)
             nursery.start_soon(self.ops.freshness.run)
+            nursery.start_soon(self.cache.run_shared)
             if self.server is not None:
                 nursery.start_soon(self.server.run)
             nursery.start_soon(functools.partial(
                 trio.to_thread.run_sync, _tune_read_ahead, self.config.mountpoint,
                 abandon_on_cancel=True))
             ready(self.ops.freshness.summary())
-            await pyfuse3.main()
+            await pyfuse3.main(min_tasks=int(os.environ.get("XMT", "1")))
             nursery.cancel_scope.cancel()
 
     async def _reap_members(self) -> None:

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import struct
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyfuse3
@@ -78,15 +79,15 @@ def _unwatchable(fstype: str) -> bool:
     return fstype in _UNWATCHABLE or fstype.startswith("fuse.")
 
 
-class Freshness:
-    def __init__(self, source: Source, inodes: InodeTable, revalidate_s: float) -> None:
+class _Watcher:
+    """One inotify instance on directories of the source, and the loop that reads it."""
+
+    #: seconds to wait after the first event of a batch for more
+    batch_s = 0.0
+
+    def __init__(self, source: Source) -> None:
         self.source = source
-        self.inodes = inodes
-        self.revalidate_s = revalidate_s
-        self._wd_of: dict[int, int] = {}
-        self._inode_of: dict[int, int] = {}
         self.events = 0
-        self.invalidated = 0
         self.fd = -1
         self.reason = ""
         fstype = filesystem_type(source.path)
@@ -97,12 +98,75 @@ class Freshness:
         self.fd = _libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
         if self.fd < 0:
             self._give_up(f"inotify: {os.strerror(ctypes.get_errno())}")
-            return
-        self.watch(ROOT_INODE, b"")
 
     @property
     def watching(self) -> bool:
         return self.fd >= 0
+
+    def _give_up(self, reason: str) -> None:
+        self.reason = reason
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _add_watch(self, path: bytes) -> int | None:
+        """The watch descriptor of a source directory; None if it is gone (the caller's next
+        look at the source says so). Failing otherwise gives up watching (``_give_up``)."""
+        wd = self.source.at(path, lambda dir_fd, name: _libc.inotify_add_watch(
+            self.fd, proc_path(dir_fd, name), _WATCH_MASK))
+        if wd >= 0:
+            return wd
+        err = ctypes.get_errno()
+        if err not in (errno.ENOENT, errno.ENOTDIR):
+            self._give_up(f"cannot watch {os.fsdecode(path) or '.'}: {os.strerror(err)}"
+                          + (" (raise fs.inotify.max_user_watches)" if err == errno.ENOSPC
+                             else ""))
+        return None
+
+    async def run(self) -> None:
+        while self.fd >= 0:
+            await trio.lowlevel.wait_readable(self.fd)
+            if self.batch_s:
+                await trio.sleep(self.batch_s)
+            try:
+                data = os.read(self.fd, _READ_SIZE)
+            except BlockingIOError:
+                continue
+            try:
+                self._handle(data)
+            except Exception:  # an uncaught error here would take the mount down
+                log.exception("handling changes of the source failed")
+
+    def _events(self, data: bytes) -> Iterator[tuple[int, int, bytes]]:
+        """(watch descriptor, mask, name) of each event in what one read returned."""
+        at = 0
+        while at < len(data):
+            wd, mask, _cookie, length = _EVENT.unpack_from(data, at)
+            name = data[at + _EVENT.size : at + _EVENT.size + length].rstrip(b"\0")
+            at += _EVENT.size + length
+            self.events += 1
+            yield wd, mask, name
+
+    def _handle(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Freshness(_Watcher):
+    batch_s = _BATCH_S
+
+    def __init__(self, source: Source, inodes: InodeTable, revalidate_s: float) -> None:
+        self.inodes = inodes
+        self.revalidate_s = revalidate_s
+        self._wd_of: dict[int, int] = {}
+        self._inode_of: dict[int, int] = {}
+        self.invalidated = 0
+        super().__init__(source)
+        self.watch(ROOT_INODE, b"")
 
     @property
     def timeout(self) -> float:
@@ -110,12 +174,9 @@ class Freshness:
         return WATCHED_TIMEOUT if self.watching else self.revalidate_s
 
     def _give_up(self, reason: str) -> None:
-        self.reason = reason
         log.info("not watching the source (%s): names and attributes are revalidated every "
                  "%g s", reason, self.revalidate_s)
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        super()._give_up(reason)
         self._wd_of.clear()
         self._inode_of.clear()
 
@@ -128,18 +189,10 @@ class Freshness:
         """
         if self.fd < 0 or inode in self._wd_of:
             return
-        wd = self.source.at(path, lambda dir_fd, name: _libc.inotify_add_watch(
-            self.fd, proc_path(dir_fd, name), _WATCH_MASK))
-        if wd < 0:
-            err = ctypes.get_errno()
-            if err in (errno.ENOENT, errno.ENOTDIR):
-                return  # gone or replaced: the lookup that follows reports it
-            self._give_up(f"cannot watch {os.fsdecode(path) or '.'}: {os.strerror(err)}"
-                          + (" (raise fs.inotify.max_user_watches)" if err == errno.ENOSPC
-                             else ""))
-            return
-        self._wd_of[inode] = wd
-        self._inode_of[wd] = inode
+        wd = self._add_watch(path)
+        if wd is not None:
+            self._wd_of[inode] = wd
+            self._inode_of[wd] = inode
 
     def unwatch(self, inode: int) -> None:
         """The kernel forgot the directory: nothing it caches depends on it any more."""
@@ -148,28 +201,10 @@ class Freshness:
             self._inode_of.pop(wd, None)
             _libc.inotify_rm_watch(self.fd, wd)
 
-    async def run(self) -> None:
-        while self.fd >= 0:
-            await trio.lowlevel.wait_readable(self.fd)
-            await trio.sleep(_BATCH_S)
-            try:
-                data = os.read(self.fd, _READ_SIZE)
-            except BlockingIOError:
-                continue
-            try:
-                self._handle(data)
-            except Exception:  # an uncaught error here would take the mount down
-                log.exception("handling changes of the source failed")
-
     def _handle(self, data: bytes) -> None:
         names: set[tuple[int, bytes]] = set()
         overflow = False
-        at = 0
-        while at < len(data):
-            wd, mask, _cookie, length = _EVENT.unpack_from(data, at)
-            name = data[at + _EVENT.size : at + _EVENT.size + length].rstrip(b"\0")
-            at += _EVENT.size + length
-            self.events += 1
+        for wd, mask, name in self._events(data):
             if mask & _IN_Q_OVERFLOW:
                 overflow = True
             elif mask & _IN_IGNORED:  # the directory is gone, or we removed the watch
@@ -210,7 +245,79 @@ class Freshness:
         return {"mode": "watch", "watched_directories": len(self._wd_of), "events": self.events,
                 "invalidated": self.invalidated}
 
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+
+class PublishedWatch(_Watcher):
+    """Watches the source for changes to files clients may find in the published index.
+
+    Every directory from the root down to a published file is watched, on an inotify
+    instance of its own (the kernel's watches come and go with its inodes; these stay while
+    anything under them is published). An event naming a file or directory tells
+    ``changed`` its path at once (no batching: a client trusts a published slot until the
+    daemon withdraws it); a watched directory that moves or goes away is forgotten
+    (``forget``), and an overflowed queue reports the root: everything may have changed.
+    """
+
+    def __init__(self, source: Source, changed: Callable[[bytes, bool], None]) -> None:
+        #: called with the path of a changed name and whether it is a watched directory
+        self.changed = changed
+        self._wd_of: dict[bytes, int] = {}
+        self._path_of: dict[int, bytes] = {}
+        super().__init__(source)
+
+    def _give_up(self, reason: str) -> None:
+        log.info("not watching the source for published files (%s): clients compare each "
+                 "hit with the source", reason)
+        super()._give_up(reason)
+        self._wd_of.clear()
+        self._path_of.clear()
+
+    @property
+    def directories(self) -> int:
+        return len(self._wd_of)
+
+    def cover(self, path: bytes) -> bool:
+        """Watch every directory that leads to ``path``; False if the source is not watched
+        (or a directory on the way has gone). Call before checking the file's version, so
+        that no change can fall between the check and the watch."""
+        missing = []
+        parent = path.rpartition(b"/")[0]
+        while self.fd >= 0 and parent not in self._wd_of:
+            missing.append(parent)
+            if not parent:
+                break
+            parent = parent.rpartition(b"/")[0]
+        for directory in reversed(missing):
+            if self.fd < 0:
+                break
+            wd = self._add_watch(directory)
+            if wd is None:
+                return False
+            self._wd_of[directory] = wd
+            self._path_of[wd] = directory
+        return self.fd >= 0
+
+    def forget(self, directory: bytes) -> None:
+        """Stop watching a directory and those under it: their paths are no longer theirs."""
+        inside = directory + b"/" if directory else b""
+        for path in [p for p in self._wd_of if p == directory or p.startswith(inside)]:
+            wd = self._wd_of.pop(path)
+            self._path_of.pop(wd, None)
+            _libc.inotify_rm_watch(self.fd, wd)
+
+    def _handle(self, data: bytes) -> None:
+        for wd, mask, name in self._events(data):
+            if mask & _IN_Q_OVERFLOW:
+                log.warning("the source changed faster than inotify could report; "
+                            "withdrawing every published file")
+                self.changed(b"", True)
+            elif mask & _IN_IGNORED:
+                path = self._path_of.pop(wd, None)
+                if path is not None and self._wd_of.get(path) == wd:
+                    del self._wd_of[path]
+            elif name and wd in self._path_of:
+                parent = self._path_of[wd]
+                path = parent + b"/" + name if parent else name
+                watched = path in self._wd_of
+                self.changed(path, watched)
+                if watched and mask & (_IN_MOVED_FROM | _IN_MOVED_TO | _IN_DELETE):
+                    self.forget(path)

@@ -1,0 +1,263 @@
+"""The index of cached files the daemon publishes in shared memory, for ``coordlfs.client``.
+
+A client that finds a file here slices its bytes out of the arena it maps read-only: no
+system call and no copy per hit. This module holds the layout for both sides: the daemon
+writes (``IndexWriter``), clients read (``IndexReader``); it needs the standard library only,
+as the client does.
+
+The index is one file in the cache directory (``published``): a header, then an
+open-addressed hash table of fixed 64-byte slots, probed linearly. A slot is keyed by the
+BLAKE2b-128 hash of the file's path relative to the mount's root. No path is stored: two of
+n published paths share a hash with probability about n**2 / 2**129 (1e-25 for ten million
+files), far below the odds of a memory error, so a hash match is taken as a path match.
+
+A slot is written seqlock-style: its first word holds a sequence number and a state; the
+writer marks the slot busy, writes the fields, then writes the word with the new state last.
+A reader reads the word, the fields, and the word again, and trusts the fields only if the
+two words are equal and say live. A dropped entry leaves a tombstone. When live slots and
+tombstones fill half the table, the writer builds a larger table in a new file, renames it
+over ``published``, and only then marks the old one retired; a reader checks the retired
+flag after reading a slot, so it never trusts a slot of a table the writer has stopped
+updating, and reopens ``published``. Stores reach other processes in program order on
+x86-64 (TSO), the only order the seqlock relies on.
+
+The header also says whether clients must compare a hit's version with the source
+(``revalidate``): set when the daemon cannot watch the source for changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import struct
+from typing import NamedTuple
+
+#: The index's file name in the cache directory.
+INDEX = "published"
+_PART = INDEX + ".part"
+MAGIC = b"CLFSIDX1"
+#: magic, retired, revalidate, slot count, generation; slots start at HEADER_SIZE
+_HEADER = struct.Struct("<8sQQQQ")
+#: the two words a reader checks on every hit: retired, revalidate
+_FLAGS = struct.Struct("<QQ")
+_FLAGS_AT = 8
+HEADER_SIZE = 64
+#: word (sequence << 2 | state), hash (2 words), arena offset, size, inode, mtime, ctime
+SLOT = struct.Struct("<QQQQQQqq")
+_WORD = struct.Struct("<Q")
+SLOT_SIZE = SLOT.size
+EMPTY, LIVE, DEAD, BUSY = 0, 1, 2, 3
+_HASH = struct.Struct("<QQ")
+#: The smallest table, slots: 4 MiB of index, a quarter of a million files before it grows.
+MIN_SLOTS = 1 << 16
+
+
+def path_hash(path: bytes) -> tuple[int, int]:
+    """The slot key of a path relative to the mount's root."""
+    return _HASH.unpack(hashlib.blake2b(path, digest_size=16).digest())
+
+
+class Published(NamedTuple):
+    """What a slot says about a cached file: where its bytes are and which version they are."""
+
+    offset: int
+    size: int
+    ino: int
+    mtime_ns: int
+    ctime_ns: int
+
+    def matches(self, st: os.stat_result) -> bool:
+        return (self.ino, self.size, self.mtime_ns, self.ctime_ns) == (
+            st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class IndexWriter:
+    """The daemon's side: publish and withdraw complete cache entries."""
+
+    def __init__(self, dir_fd: int, revalidate: bool = False) -> None:
+        self.dir_fd = dir_fd
+        self.revalidate = revalidate
+        #: slot of each published path; the table itself is only ever read by clients
+        self._slots: dict[bytes, int] = {}
+        self._dead = 0
+        self.generation = 0
+        self.withdrawn = 0
+        retire(dir_fd)  # a former daemon's index: its clients must not trust it any more
+        self._map = self._create(MIN_SLOTS)
+        self._mask = MIN_SLOTS - 1
+        self._install()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, path: bytes) -> bool:
+        return path in self._slots
+
+    def paths(self) -> list[bytes]:
+        return list(self._slots)
+
+    def _create(self, slots: int) -> mmap.mmap:
+        """A new, empty table, not yet where clients look (``_install``)."""
+        self.generation += 1
+        fd = os.open(_PART, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600,
+                     dir_fd=self.dir_fd)
+        try:
+            os.ftruncate(fd, HEADER_SIZE + slots * SLOT_SIZE)
+            table = mmap.mmap(fd, HEADER_SIZE + slots * SLOT_SIZE, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        _HEADER.pack_into(table, 0, MAGIC, 0, int(self.revalidate), slots, self.generation)
+        return table
+
+    def _install(self) -> None:
+        """Clients open the table just created from now on."""
+        os.rename(_PART, INDEX, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+
+    def set_revalidate(self) -> None:
+        """From now on clients compare every hit's version with the source."""
+        self.revalidate = True
+        _WORD.pack_into(self._map, _FLAGS_AT + 8, 1)
+
+    def publish(self, path: bytes, found: Published) -> None:
+        if path in self._slots:
+            self.withdraw(path)
+        if (len(self._slots) + self._dead + 1) * 2 > self._mask + 1:
+            self._grow()
+        h1, h2 = path_hash(path)
+        slot = self._free_slot(h1)
+        self._write(self._map, slot, h1, h2, found)
+        self._slots[path] = slot
+
+    def withdraw(self, path: bytes) -> bool:
+        """Make a path's slot a tombstone; whether it was published."""
+        slot = self._slots.pop(path, None)
+        if slot is None:
+            return False
+        at = HEADER_SIZE + slot * SLOT_SIZE
+        word = _WORD.unpack_from(self._map, at)[0]
+        _WORD.pack_into(self._map, at, ((word >> 2) + 1) << 2 | DEAD)
+        self._dead += 1
+        self.withdrawn += 1
+        return True
+
+    def _free_slot(self, h1: int) -> int:
+        slot = h1 & self._mask
+        while _WORD.unpack_from(self._map, HEADER_SIZE + slot * SLOT_SIZE)[0] & 3 == LIVE:
+            slot = (slot + 1) & self._mask
+        if _WORD.unpack_from(self._map, HEADER_SIZE + slot * SLOT_SIZE)[0] & 3 == DEAD:
+            self._dead -= 1
+        return slot
+
+    @staticmethod
+    def _write(table: mmap.mmap, slot: int, h1: int, h2: int, found: Published) -> None:
+        at = HEADER_SIZE + slot * SLOT_SIZE
+        sequence = (_WORD.unpack_from(table, at)[0] >> 2) + 1
+        _WORD.pack_into(table, at, sequence << 2 | BUSY)
+        SLOT.pack_into(table, at, sequence << 2 | BUSY, h1, h2, found.offset, found.size,
+                       found.ino, found.mtime_ns, found.ctime_ns)
+        _WORD.pack_into(table, at, sequence << 2 | LIVE)  # last: the slot is complete
+
+    def _grow(self) -> None:
+        """Rebuild into a table with room for four times the live slots, without tombstones."""
+        slots = max(MIN_SLOTS, 1 << (len(self._slots) * 4 - 1).bit_length())
+        old, old_slots = self._map, self._slots
+        self._map, self._mask, self._slots, self._dead = self._create(slots), slots - 1, {}, 0
+        for path, slot in old_slots.items():
+            fields = SLOT.unpack_from(old, HEADER_SIZE + slot * SLOT_SIZE)
+            h1, h2 = fields[1], fields[2]
+            new = self._free_slot(h1)
+            self._write(self._map, new, h1, h2, Published(*fields[3:]))
+            self._slots[path] = new
+        self._install()
+        _WORD.pack_into(old, _FLAGS_AT, 1)  # after the rename: readers reopen the new table
+        old.close()
+
+    def close(self) -> None:
+        """Retire the index: clients stop trusting it (the arena may go with the mount)."""
+        _WORD.pack_into(self._map, _FLAGS_AT, 1)
+        self._map.close()
+
+
+def retire(dir_fd: int) -> None:
+    """Mark the index in a cache directory retired, if there is one."""
+    with contextlib.suppress(OSError, ValueError):
+        fd = os.open(INDEX, os.O_RDWR | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            with mmap.mmap(fd, HEADER_SIZE, flags=mmap.MAP_SHARED) as header:
+                if header[:8] == MAGIC:
+                    _WORD.pack_into(header, _FLAGS_AT, 1)
+        finally:
+            os.close(fd)
+
+
+class IndexReader:
+    """A client's side: finds a published path's slot with no system call.
+
+    Raises OSError when the index or the arena cannot be opened (such as a user who may not
+    read the cache directory): the caller then reads through the mount.
+    """
+
+    def __init__(self, index: str, arena: str) -> None:
+        self.index_path = index
+        fd = os.open(arena, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._arena = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        #: the cached bytes; slices of it are what a hit returns
+        self.arena = memoryview(self._arena)
+        self._map, self._mask, self.revalidate = self._open()
+
+    def _open(self) -> tuple[mmap.mmap, int, bool]:
+        fd = os.open(self.index_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            table = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        magic, _retired, revalidate, slots, _generation = _HEADER.unpack_from(table, 0)
+        if magic != MAGIC or len(table) < HEADER_SIZE + slots * SLOT_SIZE:
+            table.close()
+            raise OSError(f"{self.index_path} is no coordlfs index")
+        return table, slots - 1, bool(revalidate)
+
+    def find(self, path: bytes) -> Published | None:
+        """The published version of ``path``, or None (not published, or being changed)."""
+        h1, h2 = path_hash(path)
+        for _attempt in range(3):  # a table retired meanwhile: look again in the new one
+            table, mask = self._map, self._mask
+            slot = h1 & mask
+            for _probe in range(mask + 1):
+                at = HEADER_SIZE + slot * SLOT_SIZE
+                word, s1, s2, offset, size, ino, mtime_ns, ctime_ns = SLOT.unpack_from(table, at)
+                state = word & 3
+                if state == EMPTY:
+                    found = None
+                    break
+                if state == LIVE and s1 == h1 and s2 == h2:
+                    if _WORD.unpack_from(table, at)[0] != word:
+                        return None  # rewritten while we read: the mount answers this one
+                    found = Published(offset, size, ino, mtime_ns, ctime_ns)
+                    break
+                slot = (slot + 1) & mask
+            else:
+                found = None
+            retired, revalidate = _FLAGS.unpack_from(table, _FLAGS_AT)
+            if not retired:
+                self.revalidate = bool(revalidate)
+                if found is not None and found.offset + found.size > len(self.arena):
+                    return None
+                return found
+            try:
+                self._map, self._mask, self.revalidate = self._open()
+            except OSError:
+                return None  # the mount is going away: the caller reads through it
+            table.close()
+        return None
+
+    def close(self) -> None:
+        self.arena.release()
+        with contextlib.suppress(BufferError):  # views a user still holds: freed with them
+            self._arena.close()
+        self._map.close()

@@ -1,0 +1,94 @@
+"""The published index: what the daemon writes, a client finds, and nothing it withdrew."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from coordlfs.published import INDEX, MIN_SLOTS, IndexReader, IndexWriter, Published
+
+
+@pytest.fixture
+def directory(tmp_path: Path):
+    (tmp_path / "arena").write_bytes(b"x" * 65536)
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    yield tmp_path, fd
+    os.close(fd)
+
+
+def _version(n: int) -> Published:
+    return Published(offset=n * 8, size=8, ino=1000 + n, mtime_ns=n, ctime_ns=-n)
+
+
+def test_a_published_path_is_found_and_a_withdrawn_one_is_not(directory) -> None:
+    root, fd = directory
+    writer = IndexWriter(fd)
+    writer.publish(b"train/a/x.jpg", _version(1))
+    writer.publish(b"train/a/y.jpg", _version(2))
+    reader = IndexReader(str(root / INDEX), str(root / "arena"))
+    assert reader.find(b"train/a/x.jpg") == _version(1)
+    assert reader.find(b"train/a/y.jpg") == _version(2)
+    assert reader.find(b"train/a/z.jpg") is None
+    writer.withdraw(b"train/a/x.jpg")
+    assert reader.find(b"train/a/x.jpg") is None
+    assert reader.find(b"train/a/y.jpg") == _version(2)
+    writer.publish(b"train/a/x.jpg", _version(3))  # republished: the new version only
+    assert reader.find(b"train/a/x.jpg") == _version(3)
+    assert not reader.revalidate
+    writer.set_revalidate()
+    reader.find(b"train/a/x.jpg")
+    assert reader.revalidate
+    reader.close()
+    writer.close()
+
+
+def test_a_growing_index_is_found_by_a_reader_of_the_old_table(directory) -> None:
+    root, fd = directory
+    writer = IndexWriter(fd)
+    reader = IndexReader(str(root / INDEX), str(root / "arena"))
+    paths = [f"d{n % 7}/f{n}".encode() for n in range(MIN_SLOTS)]  # past half: it grows
+    for n, path in enumerate(paths):
+        writer.publish(path, _version(n % 100))
+    for n in range(0, MIN_SLOTS // 2, 3):  # withdrawn ones leave tombstones
+        writer.withdraw(paths[n])
+    assert writer.generation > 1
+    for n, path in enumerate(paths):
+        expected = None if n < MIN_SLOTS // 2 and n % 3 == 0 else _version(n % 100)
+        assert reader.find(path) == expected
+    reader.close()
+    writer.close()
+
+
+def test_a_retired_index_is_never_trusted(directory) -> None:
+    root, fd = directory
+    writer = IndexWriter(fd)
+    writer.publish(b"a", _version(1))
+    reader = IndexReader(str(root / INDEX), str(root / "arena"))
+    writer.close()  # the mount went away
+    assert reader.find(b"a") is None
+    second = IndexWriter(fd)  # a new daemon's index, empty until it publishes
+    assert reader.find(b"a") is None
+    second.publish(b"a", _version(2))
+    assert reader.find(b"a") == _version(2)
+    IndexWriter(fd).close()  # a third retires the second's
+    assert reader.find(b"a") is None
+    reader.close()
+    second.close()
+
+
+def test_a_slot_past_the_arena_is_not_trusted(directory) -> None:
+    root, fd = directory
+    writer = IndexWriter(fd)
+    writer.publish(b"a", Published(offset=65536 - 4, size=8, ino=1, mtime_ns=0, ctime_ns=0))
+    reader = IndexReader(str(root / INDEX), str(root / "arena"))
+    assert reader.find(b"a") is None
+    reader.close()
+    writer.close()
+
+
+def test_no_index_is_an_oserror(tmp_path: Path) -> None:
+    (tmp_path / "arena").write_bytes(b"x" * 4096)
+    with pytest.raises(OSError):
+        IndexReader(str(tmp_path / INDEX), str(tmp_path / "arena"))
