@@ -232,7 +232,7 @@ class Daemon:
                 trio.to_thread.run_sync, _tune_read_ahead, self.config.mountpoint,
                 abandon_on_cancel=True))
             ready(self.ops.freshness.summary())
-            await pyfuse3.main(min_tasks=int(os.environ.get("XMT", "1")))
+            await pyfuse3.main()
             nursery.cancel_scope.cancel()
 
     async def _reap_members(self) -> None:
