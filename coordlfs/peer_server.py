@@ -42,11 +42,14 @@ from coordlfs.peer_wire import (
     FrameStream,
     FrameTimeout,
     Get,
+    GetMany,
     IdleTimeout,
     Kind,
     ProtocolError,
     encode_fail,
+    encode_files,
     idle_timeout,
+    send_features,
     server_handshake,
 )
 from coordlfs.peers import Peers
@@ -61,6 +64,18 @@ class _Waiting(NamedTuple):
 
     entry: Entry
     request: Get
+
+
+Answer = tuple[Kind, bytes | memoryview]
+
+
+@dataclass(slots=True)
+class _Later:
+    """A request some of whose files are still being filled: answered by a task once they
+    are. ``many``: a GETMANY, whose answers go out packed in one FILES frame."""
+
+    parts: list[Answer | _Waiting]
+    many: bool
 
 #: Requests one connection may have in progress; more wait for one to finish (the peer's
 #: reads of a whole epoch must not become thousands of tasks here).
@@ -112,7 +127,9 @@ class RateLimitedLog:
 class ServedStats:
     #: connections admitted (handshake attempted)
     connections: int = 0
+    #: files asked for, alone (GET) or in batches (GETMANY)
     requests: int = 0
+    batches: int = 0
     bytes: int = 0
     misses: int = 0
     stale: int = 0
@@ -192,6 +209,7 @@ class PeerServer:
         frames = FrameStream(stream, frame_timeout=self.timeout)
         try:
             if await self._admit(frames, peer):
+                await send_features(frames)
                 async with trio.open_nursery() as requests:
                     await self._serve_frames(frames, requests, peer)
         except Exception:  # a bug here must cost one connection, never the mount
@@ -239,9 +257,9 @@ class PeerServer:
         idle = idle_timeout(self.timeout)
         try:
             while (frame := await frames.receive(idle)) is not None:
-                if frame.kind == Kind.GET:
-                    answer = self._answer_now(frame.payload)
-                    if isinstance(answer, _Waiting):  # a fill in progress: answer in a task
+                if frame.kind in (Kind.GET, Kind.GETMANY):
+                    answer = self._answer_now(frame.kind, frame.payload)
+                    if isinstance(answer, _Later):  # a fill in progress: answer in a task
                         token = object()
                         await limit.acquire_on_behalf_of(token)
                         requests.start_soon(self._request, frames, frame.request_id, answer,
@@ -263,11 +281,16 @@ class PeerServer:
         self.stats.refused += 1
         self._refused("peer connection from %s closed: %s", peer, e)
 
-    async def _request(self, frames: FrameStream, request_id: int, waiting: _Waiting,
+    async def _request(self, frames: FrameStream, request_id: int, later: _Later,
                        limit: trio.CapacityLimiter, token: object, peer: str) -> None:
         try:
             try:
-                kind, payload = await self._answer_when_filled(waiting)
+                if later.many:  # bytes, not views: the entries may go while others fill
+                    answers = [_owned(await self._answer_when_filled(part))
+                               if isinstance(part, _Waiting) else part for part in later.parts]
+                    kind, payload = Kind.FILES, encode_files(answers)
+                else:
+                    kind, payload = await self._answer_when_filled(later.parts[0])
             except Exception as e:  # a bug answering one request fails that request only
                 log.exception("answering a peer request failed")
                 kind, payload = Kind.FAIL, encode_fail(Fail.ERROR, str(e))
@@ -281,18 +304,38 @@ class PeerServer:
         finally:
             limit.release_on_behalf_of(token)
 
-    def _answer_now(self, payload: bytes) -> tuple[Kind, bytes | memoryview] | _Waiting:
+    def _answer_now(self, kind: Kind, payload: bytes) -> Answer | _Later:
         """Everything about a request that needs no waiting, on the event loop: the answer,
-        or the entry being filled that the answer waits for. Metadata is looked up inline,
-        as FUSE lookups are: the source's dentries are normally cached."""
-        self.stats.requests += 1
+        or the answers some of which wait for entries being filled. A malformed request is
+        refused whole; each file of a GETMANY is answered as a GET of it would be."""
         try:
-            request = Get.decode(payload)
+            if kind == Kind.GET:
+                self.stats.requests += 1
+                answer = self._answer_get(Get.decode(payload))
+                return _Later([answer], many=False) if isinstance(answer, _Waiting) else answer
+            files = GetMany.decode(payload).files
+        except ProtocolError as e:
+            return self._refuse(e)
+        self.stats.batches += 1
+        self.stats.requests += len(files)
+        answers = [self._answer_get(wanted.get()) for wanted in files]
+        if any(isinstance(a, _Waiting) for a in answers):
+            return _Later([a if isinstance(a, _Waiting) else _owned(a) for a in answers],
+                          many=True)
+        return Kind.FILES, encode_files(answers)  # type: ignore[arg-type]  # none waits
+
+    def _refuse(self, e: ProtocolError) -> Answer:
+        self.stats.refused += 1
+        self._refused("refused a peer request: %s", e)
+        return Kind.FAIL, encode_fail(Fail.REFUSED, str(e))
+
+    def _answer_get(self, request: Get) -> Answer | _Waiting:
+        """One range's answer, or the entry being filled that it waits for. Metadata is
+        looked up inline, as FUSE lookups are: the source's dentries are normally cached."""
+        try:
             st = self._regular_file(request.path)
         except ProtocolError as e:
-            self.stats.refused += 1
-            self._refused("refused a peer request: %s", e)
-            return Kind.FAIL, encode_fail(Fail.REFUSED, str(e))
+            return self._refuse(e)
         except OSError as e:
             self.stats.misses += 1
             return Kind.FAIL, encode_fail(Fail.MISS, e.strerror or str(e))
@@ -310,14 +353,14 @@ class PeerServer:
             return _Waiting(entry, request)
         return self._data(entry, request)
 
-    async def _answer_when_filled(self, waiting: _Waiting) -> tuple[Kind, bytes | memoryview]:
+    async def _answer_when_filled(self, waiting: _Waiting) -> Answer:
         entry, request = waiting
         if not await self.cache.wait_for(entry, request.offset + request.length):
             self.stats.misses += 1
             return Kind.FAIL, encode_fail(Fail.MISS, "caching failed here")
         return self._data(entry, request)
 
-    def _data(self, entry: Entry, request: Get) -> tuple[Kind, memoryview]:
+    def _data(self, entry: Entry, request: Get) -> Answer:
         """A view of the cached range, not a copy: the frame's checksum is taken from it at
         once, so if the entry were dropped (its file changed) before the bytes leave, the
         receiver would see a checksum mismatch, never wrong bytes."""
@@ -337,6 +380,11 @@ class PeerServer:
 
     def status(self) -> dict[str, Any]:
         return asdict(self.stats)
+
+
+def _owned(answer: Answer) -> Answer:
+    """An answer that no longer points into the cache's arena."""
+    return answer[0], bytes(answer[1])
 
 
 def _name(stream: trio.SocketStream) -> str:

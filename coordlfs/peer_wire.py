@@ -20,6 +20,22 @@ mtime_ns, offset, length <= MAX_CHUNK) followed by the path, raw POSIX bytes rel
 the dataset root; DATA is the bytes of the range; FAIL is one code byte (Fail) and a UTF-8
 message of at most 200 bytes.
 
+GETMANY asks for up to MAX_FILES whole files of at most MAX_CHUNK bytes in all, so that a
+known order of small files moves at the link's speed rather than one round trip per file:
+``!H`` count, then per file ``!QqH`` (size >= 1, mtime_ns, path length) and the path, each
+path as a GET's. Its reply is one FILES frame: per file, in the request's order, ``!BI``
+(0 and the file's bytes, exactly its size; or a Fail code and a message of at most 200
+bytes), so a file that cannot be served (MISS, STALE, a symlink REFUSED) fails alone. A
+GETMANY that is malformed as a whole is answered FAIL REFUSED, as a bad GET is.
+
+Features, without a new version: a server that knows GETMANY sends, right after WELCOME, a
+DATA frame with request id 0 (never a request's id) whose payload lists what it serves
+(``FEATURES``, space-separated). A client of version 1 before GETMANY ignores it (a reply
+to no request); a new client sends GETMANY only on a connection whose first frame after the
+handshake was that list, so it never sends an old server a kind it does not know (an old
+server closes the connection on an unknown kind). ``VERSION`` changes only for a change an
+old peer cannot ignore; both sides then refuse each other's frames, which reads local storage.
+
 Handshake (every frame with request id 0), proving both ways that the other side holds
 the shared secret without ever sending it; ``|`` is concatenation, HMAC is HMAC-SHA256::
 
@@ -66,6 +82,14 @@ MAX_PAYLOAD = MAX_CHUNK + 4096
 GET_HEADER = struct.Struct("!QqQI")
 MAX_PATH = 4096
 MAX_FAIL_MESSAGE = 200
+#: Files one GETMANY may ask for: their replies' headers and failure messages fit beside a
+#: full chunk of data in one frame.
+MAX_FILES = 16
+MANY_HEADER = struct.Struct("!H")
+MANY_FILE = struct.Struct("!QqH")
+FILES_ENTRY = struct.Struct("!BI")
+#: What this side serves beyond GET, sent after WELCOME (see the module's docstring).
+FEATURES = (b"getmany",)
 #: Payloads up to this size are joined to their header (one send); larger ones are sent
 #: after it, which costs a second send but not a copy.
 _JOIN_BELOW = 64 << 10
@@ -89,6 +113,8 @@ class Kind(enum.IntEnum):
     GET = 4
     DATA = 5
     FAIL = 6
+    GETMANY = 7
+    FILES = 8
 
 
 class Fail(enum.IntEnum):
@@ -260,7 +286,16 @@ async def client_handshake(fs: FrameStream, secret: bytes) -> None:
         raise AuthError("peer could not prove it holds the secret")
 
 
-def _get_problem(path: bytes, size: int, offset: int, length: int) -> str | None:
+async def send_features(fs: FrameStream) -> None:
+    """Tell a client just admitted what this server serves beyond GET."""
+    await fs.send(Kind.DATA, 0, b" ".join(FEATURES))
+
+
+def decode_features(payload: bytes) -> frozenset[bytes]:
+    return frozenset(payload.split())
+
+
+def _path_problem(path: bytes) -> str | None:
     if not path:
         return "empty path"
     if len(path) > MAX_PATH:
@@ -271,6 +306,12 @@ def _get_problem(path: bytes, size: int, offset: int, length: int) -> str | None
         return f"absolute path {path[:100]!r}"
     if any(part in (b"", b".", b"..") for part in path.split(b"/")):
         return f"empty, '.' or '..' component in path {path[:100]!r}"
+    return None
+
+
+def _get_problem(path: bytes, size: int, offset: int, length: int) -> str | None:
+    if problem := _path_problem(path):
+        return problem
     if not 0 < length <= MAX_CHUNK:
         return f"length {length} not in 1..{MAX_CHUNK}"
     if offset < 0 or offset + length > size:
@@ -321,3 +362,114 @@ def decode_fail(payload: bytes | memoryview) -> tuple[Fail, str]:
     if payload[0] not in Fail._value2member_map_:
         raise ProtocolError(f"unknown FAIL code {payload[0]}")
     return Fail(payload[0]), bytes(payload[1:]).decode(errors="replace")
+
+
+@dataclass(frozen=True, slots=True)
+class Wanted:
+    """One whole file of a GETMANY, at the version the requester's source has."""
+
+    path: bytes
+    size: int
+    mtime_ns: int
+
+    def get(self) -> Get:
+        """The file as one GET: what the server checks and answers for it."""
+        return Get(self.path, self.size, self.mtime_ns, 0, self.size)
+
+
+def _many_problem(files: tuple[Wanted, ...]) -> str | None:
+    if not 0 < len(files) <= MAX_FILES:
+        return f"{len(files)} files, not 1..{MAX_FILES}"
+    total = sum(f.size for f in files)
+    if total > MAX_CHUNK:
+        return f"{total} bytes in all, more than {MAX_CHUNK}"
+    for f in files:
+        if problem := _get_problem(f.path, f.size, 0, f.size):
+            return problem
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class GetMany:
+    """Ask for several whole small files at once; each is checked and answered as a GET of
+    the whole file would be, and fails alone."""
+
+    files: tuple[Wanted, ...]
+
+    @staticmethod
+    def fits(count: int, total: int) -> bool:
+        """Whether ``count`` files of ``total`` bytes make one request."""
+        return count <= MAX_FILES and total <= MAX_CHUNK
+
+    def encode(self) -> bytes:
+        if problem := _many_problem(self.files):
+            raise ValueError(problem)
+        parts = [MANY_HEADER.pack(len(self.files))]
+        try:
+            for f in self.files:
+                parts += [MANY_FILE.pack(f.size, f.mtime_ns, len(f.path)), f.path]
+        except struct.error as e:
+            raise ValueError(f"GETMANY field out of range: {e}") from None
+        return b"".join(parts)
+
+    @classmethod
+    def decode(cls, payload: bytes | memoryview) -> GetMany:
+        view = memoryview(payload)
+        if len(view) < MANY_HEADER.size:
+            raise ProtocolError(f"GETMANY payload of {len(view)} bytes is too short")
+        (count,) = MANY_HEADER.unpack_from(view)
+        if not 0 < count <= MAX_FILES:
+            raise ProtocolError(f"bad GETMANY: {count} files, not 1..{MAX_FILES}")
+        at, files = MANY_HEADER.size, []
+        for _ in range(count):
+            if len(view) < at + MANY_FILE.size:
+                raise ProtocolError("GETMANY payload ends inside a file's header")
+            size, mtime_ns, length = MANY_FILE.unpack_from(view, at)
+            at += MANY_FILE.size
+            if len(view) < at + length:
+                raise ProtocolError("GETMANY payload ends inside a path")
+            files.append(Wanted(bytes(view[at:at + length]), size, mtime_ns))
+            at += length
+        if at != len(view):
+            raise ProtocolError(f"GETMANY payload has {len(view) - at} bytes past its files")
+        request = cls(tuple(files))
+        if problem := _many_problem(request.files):
+            raise ProtocolError(f"bad GETMANY: {problem}")
+        return request
+
+    def decode_reply(self, payload: bytes) -> list[bytes | tuple[Fail, str]]:
+        """Per file, in order: its bytes, or why it was not served. A reply with another
+        count of files, or a file of another length, is a ProtocolError: a peer that lies
+        about a file is not trusted with the others."""
+        view, at, answers = memoryview(payload), 0, []
+        for f in self.files:
+            if len(view) < at + FILES_ENTRY.size:
+                raise ProtocolError(f"FILES reply ends before file {len(answers) + 1} of "
+                                    f"{len(self.files)}")
+            code, length = FILES_ENTRY.unpack_from(view, at)
+            at += FILES_ENTRY.size
+            if len(view) < at + length:
+                raise ProtocolError("FILES reply ends inside a file")
+            body = bytes(view[at:at + length])
+            at += length
+            if code == 0:
+                if length != f.size:
+                    raise ProtocolError(f"sent {length} bytes for a file of {f.size}")
+                answers.append(body)
+            else:
+                answers.append(decode_fail(bytes([code]) + body))
+        if at != len(view):
+            raise ProtocolError(f"FILES reply has {len(view) - at} bytes past its files")
+        return answers
+
+
+def encode_files(answers: list[tuple[Kind, bytes | memoryview]]) -> bytes:
+    """A FILES payload from each file's answer as a GET would have it: DATA and its bytes,
+    or FAIL and its payload (code and message)."""
+    parts: list[bytes | memoryview] = []
+    for kind, payload in answers:
+        if kind == Kind.DATA:
+            parts += [FILES_ENTRY.pack(0, len(payload)), payload]
+        else:
+            parts += [FILES_ENTRY.pack(payload[0], len(payload) - 1), payload[1:]]
+    return b"".join(parts)

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import trio
 
@@ -28,11 +28,14 @@ from coordlfs.peer_wire import (
     Frame,
     FrameStream,
     Get,
+    GetMany,
     IdleTimeout,
     Kind,
     ProtocolError,
+    Wanted,
     client_handshake,
     decode_fail,
+    decode_features,
     idle_timeout,
 )
 from coordlfs.placement import Address, owner, ranking, resolve
@@ -83,6 +86,8 @@ class PeerLink:
         self._next_id = 1
         self._backoff = 0.0
         self._down_until = 0.0
+        #: what the connected peer serves beyond GET; None until its first frame came
+        self._features: frozenset[bytes] | None = None
 
     @property
     def state(self) -> str:
@@ -90,8 +95,39 @@ class PeerLink:
             return "up"
         return "down" if self._down_until > time.monotonic() else "idle"
 
+    @property
+    def serves_many(self) -> bool:
+        """Whether the peer takes GETMANY: known from the first frame of the connection
+        (``peer_wire``'s features), so False until one has come."""
+        return bool(self._features and b"getmany" in self._features)
+
     async def get(self, request: Get) -> tuple[Kind, bytes]:
         """Send one request and wait for its reply: (DATA, bytes) or (FAIL, payload)."""
+        stream, kind, payload = await self._exchange(Kind.GET, request.encode())
+        if kind == Kind.DATA and len(payload) != request.length:
+            await self._lied(stream, f"sent {len(payload)} bytes for a request of "
+                                     f"{request.length}")
+        if kind not in (Kind.DATA, Kind.FAIL):
+            await self._lied(stream, f"answered a GET with {kind.name}")
+        return kind, payload
+
+    async def get_many(self, request: GetMany) -> list[bytes | tuple[Fail, str]]:
+        """Several whole files in one round trip: per file its bytes or why not. A refusal
+        of the whole request fails every file; a reply that lies about any file (another
+        count, another length) marks the peer down."""
+        stream, kind, payload = await self._exchange(Kind.GETMANY, request.encode())
+        if kind == Kind.FAIL:
+            return [decode_fail(payload)] * len(request.files)
+        if kind != Kind.FILES:
+            await self._lied(stream, f"answered a GETMANY with {kind.name}")
+        try:
+            return request.decode_reply(payload)
+        except ProtocolError as e:
+            await self._lied(stream, str(e))
+            raise  # not reached: _lied raises
+
+    async def _exchange(self, kind: Kind, payload: bytes) -> tuple[FrameStream, Kind, bytes]:
+        """Send one request and wait for its reply, on the stream it went out on."""
         stream = await self._connected()
         request_id = self._next_id
         self._next_id = self._next_id % 0xFFFFFFFF + 1
@@ -99,7 +135,7 @@ class PeerLink:
         self.stats.requests += 1
         try:
             with trio.move_on_after(self.timeout):
-                await stream.send(Kind.GET, request_id, request.encode())
+                await stream.send(kind, request_id, payload)
                 await pending.done.wait()
         except Exception as e:  # the connection broke under the send
             await self._fail(stream, f"sending failed: {_describe(e)}")
@@ -109,12 +145,13 @@ class PeerLink:
             await self._fail(stream, f"no reply within {self.timeout:g} s")
         if pending.error or pending.kind is None:
             raise PeerDown(pending.error or self.stats.last_error)
-        if pending.kind == Kind.DATA and len(pending.payload) != request.length:
-            await self._fail(stream, f"sent {len(pending.payload)} bytes for a request of "
-                                     f"{request.length}")
-            raise PeerDown(self.stats.last_error)
         self._backoff = 0.0
-        return pending.kind, pending.payload
+        return stream, pending.kind, pending.payload
+
+    async def _lied(self, stream: FrameStream, reason: str) -> NoReturn:
+        """The reply breaks the protocol: the peer goes down, its bytes are not used."""
+        await self._fail(stream, reason)
+        raise PeerDown(self.stats.last_error)
 
     async def _connected(self) -> FrameStream:
         async with self._connecting:
@@ -139,6 +176,7 @@ class PeerLink:
                 raise PeerDown(self.stats.last_error) from None
             assert self.nursery is not None
             self._stream = stream
+            self._features = None
             self.nursery.start_soon(self._receive, stream)
             log.info("peer %s: connected", self.address)
             return stream
@@ -148,8 +186,11 @@ class PeerLink:
         stays idle (then it is closed without marking the peer down)."""
         try:
             while (frame := await self._next_frame(stream)) is not None:
-                if frame.kind not in (Kind.DATA, Kind.FAIL):
+                if frame.kind not in (Kind.DATA, Kind.FAIL, Kind.FILES):
                     raise ProtocolError(f"unexpected {frame.kind.name} frame")
+                if self._features is None:  # the first frame: the features, if any
+                    self._features = (decode_features(frame.payload) if frame.request_id == 0
+                                      and frame.kind == Kind.DATA else frozenset())
                 pending = self._pending.get(frame.request_id)
                 if pending is None:
                     continue  # its reader gave up (timeout); the link is being closed anyway
@@ -262,19 +303,51 @@ class Peers:
             except PeerDown:
                 return None
             if kind == Kind.FAIL:
-                code, message = decode_fail(payload)
-                if code == Fail.STALE:
-                    link.stats.stale += 1
-                else:
-                    link.stats.misses += 1
-                log.debug("peer %s: %s %s: %s", link.address, code.name, os.fsdecode(path),
-                          message)
+                self._not_served(link, path, *decode_fail(payload))
                 return None
             chunks.append(payload)
-        data = b"".join(chunks)
+        return self._served(link, b"".join(chunks))
+
+    async def read_many(self, link: PeerLink,
+                        files: list[tuple[bytes, os.stat_result]]) -> list[bytes | None]:
+        """Whole files (at most ``GetMany.fits`` of them) from ``link``'s cache, in one round
+        trip if the peer takes GETMANY, else one GET each, all at once; per file its bytes or
+        None (the reader asks again, or reads local storage)."""
+        if not link.serves_many:  # an older peer, or no connection yet
+            results: list[bytes | None] = [None] * len(files)
+
+            async def one(i: int, path: bytes, st: os.stat_result) -> None:
+                results[i] = await self.read(link, path, st, 0, st.st_size)
+
+            async with trio.open_nursery() as nursery:
+                for i, (path, st) in enumerate(files):
+                    nursery.start_soon(one, i, path, st)
+            return results
+        request = GetMany(tuple(Wanted(path, st.st_size, st.st_mtime_ns) for path, st in files))
+        try:
+            answers = await link.get_many(request)
+        except PeerDown:
+            return [None] * len(files)
+        results = []
+        for (path, _st), answer in zip(files, answers, strict=True):
+            if isinstance(answer, bytes):
+                results.append(self._served(link, answer))
+            else:
+                self._not_served(link, path, *answer)
+                results.append(None)
+        return results
+
+    def _served(self, link: PeerLink, data: bytes) -> bytes:
         link.stats.bytes += len(data)
         self.counters.bytes_from_peers += len(data)
         return data
+
+    def _not_served(self, link: PeerLink, path: bytes, code: Fail, message: str) -> None:
+        if code == Fail.STALE:
+            link.stats.stale += 1
+        else:
+            link.stats.misses += 1
+        log.debug("peer %s: %s %s: %s", link.address, code.name, os.fsdecode(path), message)
 
     def counted_file(self, link: PeerLink) -> None:
         """A reader's first bytes of a file came from ``link``."""

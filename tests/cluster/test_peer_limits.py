@@ -184,6 +184,8 @@ async def idle_peer(port: int) -> float:
     """Authenticate and send nothing: seconds until the server hung up."""
     frames = FrameStream(await trio.open_tcp_stream("127.0.0.1", port))
     await client_handshake(frames, b"")
+    features = await frames.receive()  # the server's, right after the handshake
+    assert features is not None and features.request_id == 0
     started = trio.current_time()
     with trio.move_on_after(30):
         assert await frames.receive() is None

@@ -422,6 +422,9 @@ async def _hostile(port: int, name: Path) -> list[tuple[str, object]]:
     # 2. Authenticated (the mount is --insecure), paths that leave the dataset.
     frames = FrameStream(await trio.open_tcp_stream("127.0.0.1", port))
     await client_handshake(frames, b"")
+    features = await frames.receive()  # what the server serves beyond GET
+    seen.append(("features", features and (features.kind, features.request_id,
+                                           features.payload)))
     for i, path in enumerate((b"../secret", b"/etc/passwd", b"a\0b", b"out/passwd",
                               b"outfile", b"class0/../../x"), 1):
         await frames.send(Kind.GET, i, _raw_get(path))
@@ -455,6 +458,7 @@ def test_hostile_requests_are_refused_and_the_mount_stays_up(mount, tmp_path: Pa
     for path in ("../secret", "/etc/passwd", "a\0b", "out/passwd", "outfile", "class0/../../x"):
         assert seen[path] == refused, path
     assert seen["good"] is True and seen["oversized"] is None
+    assert seen["features"] == (Kind.DATA, 0, b"getmany")
     served = a.status()["served"]
     assert served["refused"] >= 8 and served["connections"] == 2
     assert (a.mountpoint / "outfile").is_symlink()  # the mount still works

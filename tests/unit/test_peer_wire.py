@@ -11,10 +11,15 @@ import trio.testing
 import xxhash
 
 from coordlfs.peer_wire import (
+    FILES_ENTRY,
     GET_HEADER,
     HEADER,
     MAGIC,
+    MANY_FILE,
+    MANY_HEADER,
     MAX_CHUNK,
+    MAX_FAIL_MESSAGE,
+    MAX_FILES,
     MAX_PAYLOAD,
     VERSION,
     AuthError,
@@ -23,12 +28,16 @@ from coordlfs.peer_wire import (
     FrameStream,
     FrameTimeout,
     Get,
+    GetMany,
     IdleTimeout,
     Kind,
     ProtocolError,
+    Wanted,
     client_handshake,
     decode_fail,
+    decode_features,
     encode_fail,
+    encode_files,
     idle_timeout,
     server_handshake,
 )
@@ -479,3 +488,95 @@ def test_fail_unknown_code():
         decode_fail(bytes([99]) + b"what")
     with pytest.raises(ProtocolError, match="empty"):
         decode_fail(b"")
+
+
+# --- GETMANY and FILES ------------------------------------------------------------------
+
+def many(*files: tuple[bytes, int]) -> GetMany:
+    return GetMany(tuple(Wanted(path, size, -5) for path, size in files))
+
+
+def raw_many(*files: tuple[bytes, int], count: int | None = None) -> bytes:
+    """A GETMANY payload as a hostile client may write it, unchecked."""
+    parts = [MANY_HEADER.pack(len(files) if count is None else count)]
+    for path, size in files:
+        parts += [MANY_FILE.pack(size, 0, len(path)), path]
+    return b"".join(parts)
+
+
+def test_getmany_round_trip_and_its_bounds():
+    request = many((b"a/\xff.jpg", 1), (b"b" * 4096, 1000), (b"c", MAX_CHUNK - 1001))
+    assert GetMany.decode(request.encode()) == request
+    assert GetMany.decode(memoryview(request.encode())) == request
+    full = many(*[(f"f{i}".encode(), MAX_CHUNK // MAX_FILES) for i in range(MAX_FILES)])
+    assert GetMany.decode(full.encode()) == full
+    assert len(full.encode()) <= MAX_PAYLOAD
+    assert GetMany.fits(MAX_FILES, MAX_CHUNK) and not GetMany.fits(MAX_FILES + 1, 10)
+    assert not GetMany.fits(2, MAX_CHUNK + 1)
+    assert request.files[1].get() == Get(b"b" * 4096, 1000, -5, 0, 1000)
+
+
+@pytest.mark.parametrize(("payload", "error"), [
+    (b"", "too short"),
+    (b"\x00", "too short"),
+    (raw_many(), "0 files"),
+    (raw_many(*[(b"a", 1)] * (MAX_FILES + 1)), f"{MAX_FILES + 1} files"),
+    (raw_many((b"a", 1), count=2), "inside a file's header"),
+    (raw_many((b"a", 1))[:-1], "inside a path"),
+    (raw_many((b"a", 1)) + b"x", "past its files"),
+    (raw_many((b"a", MAX_CHUNK), (b"b", 1)), "bytes in all"),
+    (raw_many((b"a", 0)), "length 0"),
+    (raw_many((b"a", 1), (b"../etc/passwd", 1)), "component"),
+    (raw_many((b"/etc/passwd", 1)), "absolute"),
+    (raw_many((b"a\0b", 1)), "NUL"),
+    (raw_many((b"", 1)), "empty path"),
+    (raw_many((b"a" * 4097, 1)), "longer than"),
+    (MANY_HEADER.pack(1) + MANY_FILE.pack(1, 0, 65535) + b"a" * 100, "inside a path"),
+])
+def test_getmany_hostile_requests(payload: bytes, error: str):
+    with pytest.raises(ProtocolError, match=error):
+        GetMany.decode(payload)
+
+
+def test_getmany_encode_refuses_what_decode_would():
+    for bad in (many(), many(*[(b"a", 1)] * (MAX_FILES + 1)), many((b"../x", 1)),
+                many((b"a", MAX_CHUNK), (b"b", 1)), many((b"a", 0))):
+        with pytest.raises(ValueError):
+            bad.encode()
+    with pytest.raises(ValueError, match="out of range"):
+        GetMany((Wanted(b"a", 1, 1 << 63),)).encode()
+
+
+def test_files_reply_round_trip_with_failures_among_data():
+    request = many((b"a", 3), (b"b", 2), (b"c", 4))
+    reply = encode_files([(Kind.DATA, b"abc"), (Kind.FAIL, encode_fail(Fail.STALE, "older")),
+                          (Kind.DATA, memoryview(b"wxyz"))])
+    assert request.decode_reply(reply) == [b"abc", (Fail.STALE, "older"), b"wxyz"]
+
+
+def test_the_largest_files_reply_fits_one_frame():
+    request = many(*[(f"f{i}".encode(), MAX_CHUNK // MAX_FILES) for i in range(MAX_FILES)])
+    worst = encode_files([(Kind.DATA, bytes(MAX_CHUNK // MAX_FILES))] * (MAX_FILES - 1)
+                         + [(Kind.FAIL, encode_fail(Fail.ERROR, "x" * 500))])
+    assert len(worst) <= MAX_PAYLOAD
+    assert MAX_FILES * (FILES_ENTRY.size + MAX_FAIL_MESSAGE) + MAX_CHUNK <= MAX_PAYLOAD
+    assert request.decode_reply(worst)[-1] == (Fail.ERROR, "x" * 200)
+
+
+@pytest.mark.parametrize(("reply", "error"), [
+    (encode_files([(Kind.DATA, b"abc")]), "ends before file 2"),
+    (encode_files([(Kind.DATA, b"abc"), (Kind.DATA, b"toolong")]), "sent 7 bytes"),
+    (encode_files([(Kind.DATA, b"ab"), (Kind.DATA, b"xy")]), "sent 2 bytes"),
+    (encode_files([(Kind.DATA, b"abc"), (Kind.DATA, b"xy")]) + b"!", "past its files"),
+    (encode_files([(Kind.DATA, b"abc")]) + FILES_ENTRY.pack(0, 5) + b"xy", "inside a file"),
+    (encode_files([(Kind.DATA, b"abc")]) + FILES_ENTRY.pack(99, 1) + b"x", "FAIL code 99"),
+])
+def test_a_lying_files_reply_is_a_protocol_error(reply: bytes, error: str):
+    with pytest.raises(ProtocolError, match=error):
+        many((b"a", 3), (b"b", 2)).decode_reply(reply)
+
+
+def test_features_frame_is_a_reply_to_no_request():
+    assert decode_features(b"getmany") == {b"getmany"}
+    assert decode_features(b"getmany  future\n") == {b"getmany", b"future"}
+    assert decode_features(b"") == frozenset()
