@@ -44,7 +44,6 @@ import trio
 from coordlfs.cache import FILL_CHUNK, Entry, WholeFileCache, write_all
 from coordlfs.control_server import Caller, ControlServer
 from coordlfs.control_spec import Refused
-from coordlfs.inodes import Key
 from coordlfs.source import Source, SourceReader
 
 log = logging.getLogger(__name__)
@@ -52,6 +51,11 @@ log = logging.getLogger(__name__)
 #: Files all requesters together may have queued; past it a request takes what fits and
 #: says how many (``"queued"``), so the daemon's memory for orders stays bounded (~40 MB).
 MAX_QUEUED = 1 << 19
+
+#: Most files a worker takes at once (``FillQueue._take``): the event loop's hand-offs to and
+#: from the worker thread are shared by them, while a reader waiting for the last of them
+#: waits for at most this many reads in a row.
+BATCH = 8
 
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
@@ -156,75 +160,87 @@ def readable(source: Source, who: Credentials, paths: list[bytes]) -> list[bytes
 # -- the queue and its workers -------------------------------------------------------------
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Fill:
-    """One file filled by a worker thread; what it got to, for the event loop to end."""
+    """One file of a batch: what the worker thread got to, for the event loop to end."""
 
-    queue: FillQueue
     path: bytes
-    key: Key | None = None
+    reader: SourceReader | None = None
+    st: os.stat_result | None = None
     entry: Entry | None = None
     #: bytes already handed on to waiting readers (``WholeFileCache.arrived``)
     reported: int = 0
     final: os.stat_result | None = None
     error: BaseException | None = None
-    #: why the file was not filled, if it was skipped before reserving (``FillQueue.skipped``)
+    #: why the file was not filled, when skipped before reserving (``FillQueue.skipped``)
     skip: str = ""
+    ended: bool = False
 
-    def run(self) -> None:
-        """In a worker thread: the whole file, or up to an error (kept, not raised)."""
+    def open(self, root_fd: int) -> None:
+        """In the worker thread: open and fstat, keeping any error."""
         try:
-            reader = open_source(self.queue.source.root_fd, self.path)
+            self.reader = open_source(root_fd, self.path)
+            self.st = self.reader.fstat()
+            if not stat.S_ISREG(self.st.st_mode):
+                self.skip = "not_regular"
         except OSError as e:
             self.error = e
-            return
-        try:
-            st = reader.fstat()
-            if not stat.S_ISREG(st.st_mode):
-                self.skip = "not_regular"
-                return
-            self.key = (st.st_dev, st.st_ino)
-            self.entry = trio.from_thread.run_sync(self.queue.reserve, self.key, self.path, st)
-            if self.entry is not None:
-                self._copy(reader, self.entry)
-                self.final = reader.fstat()
-        except BaseException as e:  # ended on the event loop: the entry must be given up
-            self.error = e
-        finally:
-            reader.close()
 
-    def _copy(self, reader: SourceReader, entry: Entry) -> None:
-        arena_fd = self.queue.cache.arena_fd
+    def copy(self, cache: WholeFileCache, entry: Entry) -> None:
+        """In the worker thread: the file into its entry, in pieces of up to FILL_CHUNK; a
+        large file lets the readers of its start go on, and stops at an unmount."""
+        assert self.reader is not None
         done = 0
         while done < entry.size:
-            if done:  # a large file: readers of its start go on, an unmount stops it
-                trio.from_thread.run_sync(self.queue.cache.arrived, entry, done - self.reported)
+            if done:
+                trio.from_thread.run_sync(cache.arrived, entry, done - self.reported)
                 self.reported = done
                 trio.from_thread.check_cancelled()
-            data = reader.read_view(done, min(FILL_CHUNK, entry.size - done))
+            data = self.reader.read_view(done, min(FILL_CHUNK, entry.size - done))
             if not data:
                 raise OSError(errno.EIO, "source file shrank while being cached")
-            write_all(arena_fd, data, entry.offset + done)
+            write_all(cache.arena_fd, data, entry.offset + done)
             done += len(data)
+        self.final = self.reader.fstat()
 
-    def end(self) -> None:
-        """On the event loop: complete the entry, or give it up, and count the outcome."""
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+
+@dataclass(slots=True, eq=False)
+class _Batch:
+    """Files one worker fills in one worker-thread call: the loop is asked once to reserve
+    them all, and told of each file as it completes, so a small file costs the event loop a
+    share of one hand-off plus its own completion."""
+
+    queue: FillQueue
+    fills: list[_Fill]
+    token: trio.lowlevel.TrioToken
+
+    def run(self) -> None:
+        """In a worker thread. Errors are kept in the fills, never raised."""
         queue = self.queue
-        if self.skip:
-            queue.skipped[self.skip] += 1
-        if self.entry is not None and self.key is not None:
-            if self.error is None:
-                queue.cache.arrived(self.entry, self.entry.size - self.reported)
-            self.error = queue.cache.end_fill(self.key, self.entry, self.final, self.error)
-            if self.error is None:
-                queue.files += 1
-                queue.bytes += self.entry.size
-                return
-            if isinstance(self.error, OSError) and self.error.errno in (errno.ENOSPC,
-                                                                        errno.EDQUOT):
-                return  # the cache noted it is full
-        if self.error is not None and isinstance(self.error, Exception):
-            queue.failed(self.path, self.error)
+        try:
+            for fill in self.fills:
+                fill.open(queue.source.root_fd)
+            trio.from_thread.run_sync(queue.reserve_all, self.fills)
+            for fill in self.fills:
+                if fill.entry is not None:
+                    trio.from_thread.check_cancelled()
+                    try:
+                        fill.copy(queue.cache, fill.entry)
+                    except Exception as e:
+                        fill.error = e
+                    fill.close()
+                    self.token.run_sync_soon(queue.end, fill)
+        except BaseException as e:  # cancelled at unmount: the rest is given up
+            for fill in self.fills:
+                fill.error = fill.error or e
+        finally:
+            for fill in self.fills:
+                fill.close()
 
 
 @dataclass(slots=True)
@@ -240,6 +256,7 @@ class FillQueue:
     #: paths still to fill, per requester (the pid that sent them), in their order
     queues: dict[int, deque[bytes]] = field(default_factory=dict)
     queued: int = 0
+    #: files taken from the queues and not yet ended
     in_flight: int = 0
     files: int = 0
     bytes: int = 0
@@ -262,25 +279,59 @@ class FillQueue:
             self._more.set()
         return len(taken)
 
-    def reserve(self, key: Key, path: bytes, st: os.stat_result) -> Entry | None:
-        """On the event loop, for a worker: the entry to fill, or None (counted) to skip."""
+    def reserve_all(self, fills: list[_Fill]) -> None:
+        """On the event loop, for a worker: reserve the entries to fill; the rest are
+        skipped (and counted when ended)."""
         cache = self.cache
-        if cache.lookup(key, st) is not None:
-            reason = "cached"
-        elif st.st_size > cache.max_file_size:
-            reason = "too_large"
-        elif not self.caches_here(path):
-            reason = "elsewhere"
-        else:
-            entry = cache.reserve(key, path, st)
-            if entry is not None:
-                cache.counters.files_from_source += 1
-                return entry
-            reason = "no_room"
-        self.skipped[reason] += 1
-        return None
+        for fill in fills:
+            st = fill.st
+            if st is None or fill.skip:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if cache.lookup(key, st) is not None:
+                fill.skip = "cached"
+            elif st.st_size > cache.max_file_size:
+                fill.skip = "too_large"
+            elif not self.caches_here(fill.path):
+                fill.skip = "elsewhere"
+            else:
+                fill.entry = cache.reserve(key, fill.path, st)
+                if fill.entry is None:
+                    fill.skip = "no_room"
+                else:
+                    cache.counters.files_from_source += 1
 
-    def failed(self, path: bytes, error: BaseException) -> None:
+    def end(self, fill: _Fill) -> None:
+        """On the event loop, once per file: complete its entry or give it up, and count."""
+        if fill.ended:
+            return
+        fill.ended = True
+        self.in_flight -= 1
+        try:
+            self._end(fill)
+        except Exception:  # run from run_sync_soon too, where an error would end trio
+            log.exception("ending the fill of %s failed", os.fsdecode(fill.path))
+
+    def _end(self, fill: _Fill) -> None:
+        if fill.skip:
+            self.skipped[fill.skip] += 1
+        entry, error = fill.entry, fill.error
+        if entry is not None:
+            assert fill.st is not None
+            if error is None:
+                self.cache.arrived(entry, entry.size - fill.reported)
+            error = self.cache.end_fill((fill.st.st_dev, fill.st.st_ino), entry, fill.final,
+                                        error)
+            if error is None:
+                self.files += 1
+                self.bytes += entry.size
+                return
+            if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+                return  # the cache said it is full
+        if isinstance(error, Exception):  # not a cancellation
+            self._failed(fill.path, error)
+
+    def _failed(self, path: bytes, error: Exception) -> None:
         if isinstance(error, OSError) and error.errno is not None:
             cause = errno.errorcode.get(error.errno, str(error.errno))
         else:
@@ -304,30 +355,34 @@ class FillQueue:
             self.queued = 0
 
     async def _worker(self, limiter: trio.CapacityLimiter) -> None:
+        token = trio.lowlevel.current_trio_token()
         while True:
-            path = self._next()
-            if path is None:
+            paths = self._take()
+            if not paths:
+                if self._more.is_set():  # a new one for every idle worker to wait on
+                    self._more = trio.Event()
                 await self._more.wait()
                 continue
-            fill = _Fill(self, path)
-            self.in_flight += 1
+            batch = _Batch(self, [_Fill(path) for path in paths], token)
+            self.in_flight += len(paths)
             try:
-                await trio.to_thread.run_sync(fill.run, limiter=limiter)
+                await trio.to_thread.run_sync(batch.run, limiter=limiter)
             finally:
-                self.in_flight -= 1
-                fill.end()
+                for fill in batch.fills:  # those not ended yet (skipped, failed, cancelled)
+                    self.end(fill)
 
-    def _next(self) -> bytes | None:
-        """The next path, from each requester in turn."""
+    def _take(self) -> list[bytes]:
+        """The next paths for a worker, from each requester in turn: a share of what is
+        queued, up to ``BATCH``, so that every worker has some while the queue lasts."""
         for requester in self.queues:
             paths = self.queues.pop(requester)
-            path = paths.popleft()
+            count = min(BATCH, len(paths), -(-self.queued // self.depth))
+            taken = [paths.popleft() for _ in range(count)]
             if paths:
                 self.queues[requester] = paths  # to the back of the turn
-            self.queued -= 1
-            return path
-        self._more = trio.Event()
-        return None
+            self.queued -= count
+            return taken
+        return []
 
     def status(self) -> dict[str, Any]:
         return {"depth": self.depth, "queued": self.queued, "in_flight": self.in_flight,
@@ -335,13 +390,17 @@ class FillQueue:
                 "failed": dict(self.failures)}
 
 
-def register_commands(server: ControlServer, fills: FillQueue, source: Source) -> None:
-    """``prefetch``: anyone, for the files they may read through the mount."""
+def register_commands(server: ControlServer, fills: FillQueue, source: Source,
+                      from_peers: Callable[[list[bytes]], object] = lambda _paths: None
+                      ) -> None:
+    """``prefetch``: anyone, for the files they may read through the mount; the files peers
+    cache are handed to ``from_peers`` (``Peers.prefetch``)."""
 
     def prefetch(args: dict[str, Any], caller: Caller) -> dict[str, Any]:
         paths = [os.fsencode(p) for p in args["paths"]]
         if not caller.privileged:
             paths = readable(source, Credentials.of(caller), paths)
+        from_peers(paths)
         return {"queued": fills.add(caller.pid, paths)}
 
     server.serve("prefetch", prefetch)
