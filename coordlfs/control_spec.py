@@ -257,6 +257,12 @@ JOB = Arg("job", Name(), optional=True)
 PID = Arg("pid", Pid())
 BATCH = Arg("batch", COUNT)
 
+_READS = Integer(0, 1 << 60, '"{name}" must be a count of reads or bytes')
+CLIENT_REPORT = Command(
+    "client.report", "add a coordlfs.client's reads since its last report to the counters",
+    Access.OWN, tuple(Arg(name, _READS) for name in ("hits", "misses", "bytes_from_cache",
+                                                      "bytes_from_mount")))
+
 STATUS = Command("status", "the mount's status", Access.READ, reply='"status"')
 HELP = Command("help", "the commands this mount understands", Access.READ,
                reply='"commands", "access", "arguments"')
@@ -340,7 +346,7 @@ PREP_LIST = Command("prep.list", "prep groups, their members and the staging are
 
 #: Every command, by name, in the order of the docs' table.
 COMMANDS: dict[str, Command] = {c.name: c for c in (
-    STATUS, HELP, STATS, MARK, MARKS,
+    STATUS, HELP, STATS, MARK, MARKS, CLIENT_REPORT,
     GROUP_JOIN, GROUP_LEAVE, GROUP_FILES, GROUP_EPOCH, GROUP_LIST, PROFILE,
     PEER_LIST, PEER_OWNER, PREFETCH,
     PREP_JOIN, PREP_EPOCH, PREP_CLAIM, PREP_RESERVE, PREP_PUBLISH, PREP_NEXT, PREP_LEAVE,

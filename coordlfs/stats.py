@@ -22,6 +22,12 @@ class ReadCounters:
     #: bytes and files (per open) that a peer mount served from its cache
     bytes_from_peers: int = 0
     files_from_peers: int = 0
+    #: reads of ``coordlfs.client`` processes (``client.report``): from shared memory,
+    #: and through the mount (which counts those again above, as any reader's)
+    client_hits: int = 0
+    client_misses: int = 0
+    client_bytes_from_cache: int = 0
+    client_bytes_from_mount: int = 0
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)
@@ -71,8 +77,9 @@ class Stats:
 
 
 def register_commands(server: ControlServer, stats: Stats) -> None:
-    """``stats`` (optionally between marks), ``mark`` and ``marks`` on the control file.
-    Anyone may read the counters; a mark is mount-wide (root or the mount's owner)."""
+    """``stats`` (optionally between marks), ``mark``, ``marks`` and ``client.report`` on
+    the control file. Anyone may read the counters and report a client's reads; a mark is
+    mount-wide (root or the mount's owner)."""
 
     def stats_cmd(args: dict, _caller: Caller) -> dict:
         try:
@@ -84,6 +91,13 @@ def register_commands(server: ControlServer, stats: Stats) -> None:
         mark = stats.mark(args["name"])
         return {"mark": asdict(mark)}
 
+    def client_report(args: dict, _caller: Caller) -> dict:
+        for name, value in args.items():
+            field = "client_" + name
+            setattr(stats.reads, field, getattr(stats.reads, field) + value)
+        return {}
+
     server.serve("stats", stats_cmd)
+    server.serve("client.report", client_report)
     server.serve("mark", mark_cmd)
     server.serve("marks", lambda _a, _c: {"marks": [asdict(m) for m in stats.marks]})
