@@ -1,0 +1,265 @@
+"""Reading a coordlfs mount at memory speed, for jobs that opt in.
+
+    from coordlfs.client import Dataset
+    with Dataset("/mnt/data") as ds:
+        ds.prefetch(order)                  # fetched in bulk, in this order
+        for path in order:
+            buf = ds.read(path)             # bytes-like: bytes(buf) copies it out
+
+A hit costs no system call and no copy: the daemon publishes the files its cache holds in
+an index in shared memory (``coordlfs.published``), and the client maps that index and the
+cache's arena read-only, so ``read`` returns a read-only view of the cached bytes. Anything
+else goes through the mount, which fills the cache as it does for every reader (and waits
+for a prefetch of the file already under way), so the next read is a hit.
+
+The daemon withdraws a file from the index the moment its source changes (it watches the
+source); where it cannot watch the source, the index says so and the client compares the
+source file's version with the cached one on each hit (one ``lstat``). The cache directory
+is the daemon user's alone: a process that cannot open it (another user of an
+``--allow-other`` mount) reads everything through the mount, where the kernel checks its
+permissions.
+
+A view ``read`` returns stays valid while the file is unchanged. Once the source changes,
+the cached bytes are dropped a few seconds later (``cache.PUNCH_GRACE_S``) and a view kept
+that long reads zeros: copy what you keep (``bytes(buf)``). Hits and misses are counted
+(``stats``) and reported to the mount in batches and on ``close``, so that ``coordlfs
+stats`` shows them.
+
+Only the standard library and the mount's control file are needed: no torch, no daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import posixpath
+import weakref
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from coordlfs import control_spec
+from coordlfs.control import Control, ControlError, find_mount
+from coordlfs.published import IndexReader, Published
+
+#: Reads between two reports of a client's counts to the mount.
+REPORT_EVERY = 10_000
+
+
+@dataclass(slots=True)
+class _Counts:
+    hits: int = 0
+    misses: int = 0
+    bytes_from_cache: int = 0
+    bytes_from_mount: int = 0
+
+
+class _Reports:
+    """A client's counts, and how much of them the mount has been told."""
+
+    def __init__(self, control: Control) -> None:
+        self.control = control
+        self.total = _Counts()
+        self.sent = _Counts()
+
+    def send(self) -> None:
+        delta = {k: v - getattr(self.sent, k) for k, v in asdict(self.total).items()}
+        if not any(delta.values()):
+            return
+        self.sent = _Counts(**asdict(self.total))
+        # a mount that is gone or older: the counts stay in ``stats``
+        with contextlib.suppress(ControlError, OSError):
+            self.control.call(control_spec.CLIENT_REPORT, **delta)
+
+    def forked(self) -> None:
+        """In a forked child: what the parent counted is the parent's to report."""
+        self.sent = _Counts(**asdict(self.total))
+
+
+_open_datasets: weakref.WeakSet[Dataset] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for dataset in list(_open_datasets):
+        dataset._reports.forked()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+class Dataset:
+    """Files under ``root`` (a coordlfs mount, or a directory in one), by relative path."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.path.realpath(root)
+        mount = find_mount(self.root)
+        if mount is None:
+            raise ControlError(f"{os.fspath(root)} is not on a coordlfs mount")
+        self.mountpoint = mount
+        self._control = Control(mount)
+        status = self._control.status()
+        inside = os.path.relpath(self.root, mount)
+        self._prefix = "" if inside == "." else inside + "/"
+        self._mount_dir = os.fsencode(mount) + b"/"
+        self._source_dir = os.fsencode(status["source"]).rstrip(b"/") + b"/"
+        self._index: IndexReader | None = None
+        shared = status.get("shared") or {}
+        # not this user's to read (or no index): every read goes through the mount
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            self._index = IndexReader(shared["index"], shared["arena"])
+        self._reports = _Reports(self._control)
+        self._until_report = REPORT_EVERY
+        self._finalizer = weakref.finalize(self, _close, self._reports, self._index)
+        _open_datasets.add(self)
+
+    @property
+    def shared(self) -> bool:
+        """Whether hits come from shared memory (else every read goes through the mount)."""
+        return self._index is not None
+
+    def _name(self, path: str | os.PathLike[str]) -> bytes:
+        """``path`` as the index keys it: relative to the mount's root, normalised."""
+        if not isinstance(path, str):
+            path = os.fsdecode(path)
+        name = self._prefix + path
+        if (not path or path[0] == "/" or "//" in name or "/." in name or name[0] == "."
+                or name[-1] == "/"):
+            name = posixpath.normpath(name)
+            if not path or path[0] == "/" or name == ".." or name.startswith("../"):
+                raise ValueError(f"{path!r} is not a path relative to the dataset")
+        return name.encode("utf-8", "surrogateescape")
+
+    def read(self, path: str | os.PathLike[str]) -> memoryview | bytes:
+        """The file's bytes: a read-only view of the cache on a hit, else bytes read through
+        the mount. The view reads zeros some seconds after the file changes in the source:
+        ``bytes(buf)`` what you keep."""
+        name = self._name(path)
+        index = self._index
+        if index is not None:
+            found = index.find(name)
+            if found is not None and (not index.revalidate or self._fresh(name, found)):
+                counts = self._reports.total
+                counts.hits += 1
+                counts.bytes_from_cache += found.size
+                self._count_read()
+                return index.arena[found.offset : found.offset + found.size]
+        with open(self._mount_dir + name, "rb", buffering=0) as f:
+            data = f.readall()
+        counts = self._reports.total
+        counts.misses += 1
+        counts.bytes_from_mount += len(data)
+        self._count_read()
+        return data
+
+    def _fresh(self, name: bytes, found: Published) -> bool:
+        """Whether the source file still is the version cached (the mount's open checks
+        the same); False sends the read to the mount, which then drops the old entry."""
+        try:
+            return found.matches(os.lstat(self._source_dir + name))
+        except OSError:
+            return False
+
+    def _count_read(self) -> None:
+        self._until_report -= 1
+        if self._until_report <= 0:
+            self._until_report = REPORT_EVERY
+            self._reports.send()
+
+    def open(self, path: str | os.PathLike[str]) -> ViewFile:
+        """A read-only, seekable binary file over the file's bytes (for PIL, h5py, ...)."""
+        return ViewFile(self.read(path))
+
+    def prefetch(self, paths: Iterable[str | os.PathLike[str]]) -> int:
+        """Hand the mount the order of reads to come: it fills the files not cached yet in
+        bulk, in this order. Returns at once, with how many files the mount queued."""
+        index = self._index
+        names = [n for n in map(self._name, paths) if index is None or index.find(n) is None]
+        queued = 0
+        step = control_spec.MAX_PREFETCH_PATHS
+        for start in range(0, len(names), step):
+            chunk = [n.decode("utf-8", "surrogateescape") for n in names[start:start + step]]
+            queued += self._control.call(control_spec.PREFETCH, paths=chunk)["queued"]
+        return queued
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """This process's reads: hits (from shared memory) and misses (through the mount)."""
+        return asdict(self._reports.total)
+
+    def close(self) -> None:
+        """Report the counts the mount has not seen yet and unmap the cache (views still
+        held keep their mapping until they are freed)."""
+        self._finalizer()
+
+    def __enter__(self) -> Dataset:
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self.close()
+
+
+def _close(reports: _Reports, index: IndexReader | None) -> None:
+    reports.send()
+    if index is not None:
+        index.close()
+
+
+class ViewFile(io.BufferedIOBase):
+    """A read-only binary file over a buffer, without copying it (``io.BytesIO`` copies a
+    view it is given)."""
+
+    def __init__(self, data: memoryview | bytes) -> None:
+        super().__init__()
+        self._data = memoryview(data)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def getbuffer(self) -> memoryview:
+        return self._data
+
+    def read(self, size: int | None = -1) -> bytes:
+        self._check_closed()
+        end = len(self._data) if size is None or size < 0 else min(len(self._data),
+                                                                     self._pos + size)
+        data = bytes(self._data[self._pos : end]) if end > self._pos else b""
+        self._pos = max(self._pos, end)
+        return data
+
+    read1 = read
+
+    def readinto(self, buffer: Any) -> int:
+        self._check_closed()
+        target = memoryview(buffer).cast("B")
+        n = max(0, min(len(target), len(self._data) - self._pos))
+        target[:n] = self._data[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    readinto1 = readinto
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._check_closed()
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        self._check_closed()
+        return self._pos
+
+    def _check_closed(self) -> None:
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
+
+    def close(self) -> None:
+        if not self.closed:
+            self._data.release()
+        super().close()
