@@ -1,0 +1,105 @@
+"""The fill queue's pieces without a mount: its bounds and turns, who may prefetch what, and
+opening beneath the source's root."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordlfs import fills
+from coordlfs.control_spec import Refused
+from coordlfs.fills import BATCH, Credentials, FillQueue, open_beneath, readable
+from coordlfs.source import Source
+
+NOBODY = 65534
+
+
+def queue(depth: int = 2) -> FillQueue:
+    cache: Any = None  # adding and taking never touch the cache
+    return FillQueue(cache, Source("/"), depth)
+
+
+def test_all_that_is_queued_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fills, "MAX_QUEUED", 10)
+    q = queue()
+    assert q.add(1, [b"a"] * 6) == 6
+    assert q.add(2, [b"b"] * 6) == 4  # what fits, and the reply says so
+    assert q.add(1, [b"c"]) == 0
+    assert q.queued == 10
+
+
+def test_depth_zero_takes_nothing() -> None:
+    assert queue(depth=0).add(1, [b"a"]) == 0
+
+
+def test_requesters_take_turns_in_their_own_order() -> None:
+    q = queue(depth=1)
+    q.add(1, [b"a%d" % i for i in range(2 * BATCH)])
+    q.add(2, [b"b0"])
+    assert q._take() == [b"a%d" % i for i in range(BATCH)]
+    assert q._take() == [b"b0"]
+    assert q._take() == [b"a%d" % i for i in range(BATCH, 2 * BATCH)]
+    assert q._take() == [] and q.queued == 0
+
+
+def test_a_short_queue_is_shared_among_the_workers() -> None:
+    q = queue(depth=4)
+    q.add(1, [b"x"] * 8)
+    # each take is a share of what is left, so that idle workers find some too
+    assert [len(q._take()) for _ in range(7)] == [2, 2, 1, 1, 1, 1, 0]
+
+
+@pytest.mark.parametrize(("uid", "gids", "mode", "allowed"), [
+    (0, (), 0o400, True),        # st_uid is 0 below: root's own file, owner bits
+    (0, (), 0o044, False),       # the owner gets the owner's bits only
+    (NOBODY, (0,), 0o040, True),
+    (NOBODY, (0,), 0o404, False),  # a member gets the group's bits only
+    (NOBODY, (), 0o004, True),
+    (NOBODY, (), 0o440, False),
+])
+def test_the_mode_bits_the_kernel_checks(uid: int, gids: tuple[int, ...], mode: int,
+                                         allowed: bool) -> None:
+    st = os.stat_result((mode, 0, 0, 1, 0, 0, 0, 0, 0, 0))
+    assert Credentials(uid, frozenset(gids)).may(st, 4) is allowed
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Source:
+    """A source with a readable file, an unreadable one, a directory nobody else may enter
+    and a symlink to a directory."""
+    (tmp_path / "open").write_bytes(b"o")
+    (tmp_path / "secret").write_bytes(b"s")
+    (tmp_path / "secret").chmod(0o600)
+    (tmp_path / "closed").mkdir()
+    (tmp_path / "closed" / "x").write_bytes(b"x")
+    (tmp_path / "closed").chmod(0o700)
+    (tmp_path / "link").symlink_to(".")
+    tmp_path.chmod(0o755)
+    return Source(str(tmp_path))
+
+
+def test_another_user_may_name_only_files_it_can_read(tree: Source) -> None:
+    st = os.stat(tree.path)
+    someone = Credentials(st.st_uid + 1 if st.st_uid != NOBODY else 1, frozenset())
+    assert readable(tree, someone, [b"open", b"gone", b"open"]) == [b"open", b"open"]
+    for refused in (b"secret", b"closed/x", b"link/open"):
+        with pytest.raises(Refused, match="permission denied"):
+            readable(tree, someone, [b"open", refused])
+    owner = Credentials(st.st_uid, frozenset())
+    assert readable(tree, owner, [b"secret", b"closed/x"]) == [b"secret", b"closed/x"]
+
+
+@pytest.mark.parametrize(("path", "code"), [
+    (b"link/open", errno.ELOOP), (b"link", errno.ELOOP), (b"../etc/passwd", errno.EXDEV),
+    (b"/etc/passwd", errno.EXDEV),
+])
+def test_opening_beneath_the_root_follows_no_link_and_never_leaves(tree: Source, path: bytes,
+                                                                   code: int) -> None:
+    with pytest.raises(OSError) as caught:
+        open_beneath(tree.root_fd, path, os.O_RDONLY)
+    assert caught.value.errno == code
+    os.close(open_beneath(tree.root_fd, b"open", os.O_RDONLY))
