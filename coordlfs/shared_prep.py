@@ -13,6 +13,11 @@ Without a mount, when the mount refuses, or when this job is expelled mid-epoch 
 loader warns and prepares what is left of the epoch itself, as a plain ``DataLoader`` would:
 never an error.
 
+A dataset that names its files (``ImageFolder.samples``, or a ``files`` list) on a coordlfs
+mount has them prefetched by the mount's client: the files of each batch this job claims as it
+claims it (its share, no more), or of its whole order, a window ahead, when it prepares alone.
+Its items read through the client when its loader does (``coordlfs.torch.pil_loader``).
+
 ``reuse=R`` (off by default) is the PerFect method: every batch is used R times, drawn at
 random from a shuffle buffer of ``shuffle_buffer`` batches, so a pre-training phase needs 1/R
 of the preparation; ``set_reuse(1)`` switches it off for fine-tuning.
@@ -35,6 +40,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from coordlfs import control_spec as spec
+from coordlfs.adapters import MountFiles, mount_files, prefetching
 from coordlfs.control import Control, ControlError, control_for, dataset_root
 from coordlfs.control_spec import Command
 from coordlfs.errors import UserError
@@ -80,21 +86,28 @@ class _Claims(Sampler[list[int]]):
     (DataLoader delivers in sampler order)."""
 
     def __init__(self, link: _Link, batches: list[list[int]], first: int | None,
-                 stopping: threading.Event) -> None:
+                 stopping: threading.Event, files: MountFiles | None) -> None:
         self.link, self.batches, self.first, self.stopping = link, batches, first, stopping
+        self.files = files
         self.ids: deque[int] = deque()
 
     def __iter__(self) -> Iterator[list[int]]:
         if self.first is not None:
-            self.ids.append(self.first)
-            yield self.batches[self.first]
+            yield self._claimed(self.first)
         while not self.stopping.is_set():
             # at once: while this sampler waits, the batches it handed out are not staged
             batch = self.link.call(spec.PREP_CLAIM, timeout_s=0).get("batch")
             if batch is None:
                 return
-            self.ids.append(batch)
-            yield self.batches[batch]
+            yield self._claimed(batch)
+
+    def _claimed(self, batch: int) -> list[int]:
+        """The batch's items, its files handed to the mount: the DataLoader asks for batches
+        ahead of its workers, so they are filled in bulk before the workers read them."""
+        self.ids.append(batch)
+        if self.files is not None:
+            self.files.prefetch(self.batches[batch])
+        return self.batches[batch]
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -144,6 +157,7 @@ class SharedPrepLoader:
         self._local_seed = secrets.randbelow(SEED_LIMIT)
         self._control = control_for(path if path is not None else dataset_root(dataset),
                                     "preparing batches")
+        self._files = mount_files(dataset) if self._control is not None else None
         self._link: _Link | None = None
         self._producer: _Producer | None = None
         self._rejoin = False
@@ -305,7 +319,9 @@ class SharedPrepLoader:
     def _alone(self, batches: list[list[int]]) -> Iterator[Any]:
         if not batches:
             return
-        loader = DataLoader(self.dataset, batch_sampler=batches, **self.loader_args)
+        files = self._files
+        ordered = batches if files is None else prefetching(batches, files, lambda b: b)
+        loader = DataLoader(self.dataset, batch_sampler=ordered, **self.loader_args)
         for batch in loader:
             self.prepared_alone += 1
             yield batch
@@ -356,7 +372,7 @@ class _Producer:
     def _produce(self) -> None:
         first: int | None = None
         while not self._stopping.is_set():
-            claims = _Claims(self.link, self.batches, first, self._stopping)
+            claims = _Claims(self.link, self.batches, first, self._stopping, self.loader._files)
             first = None
             loader = DataLoader(self.loader.dataset, batch_sampler=claims,
                                 **self.loader.loader_args)

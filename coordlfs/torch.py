@@ -11,6 +11,15 @@ so a training script runs the same on a laptop.
         for images, labels in profiled(loader, job="resnet-lr0.1", epoch=epoch,
                                        path="/mnt/data/train"):
             ...
+
+Reading through the mount's client (``coordlfs.client``), for torchvision-style datasets:
+
+    dataset = ImageFolder("/mnt/data/train", loader=coordlfs.torch.pil_loader)
+    dataset = DatasetFolder("/mnt/data/train", loader=coordlfs.torch.raw_loader,
+                            extensions=(".jpg",))
+
+and a sampler or loader over a dataset that names its files (``samples``, ``imgs`` or
+``files``) hands each epoch's order to the mount ahead of the reads (``Dataset.prefetch``).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from typing import Any, TypeVar
 
 from torch.utils.data import Sampler
 
+from coordlfs.adapters import MountFiles, mount_files, open_binary, prefetching, read_bytes
 from coordlfs.control import Control, control_for, dataset_root
 from coordlfs.errors import UserError
 from coordlfs.order import SEED_LIMIT, epoch_order, shard
@@ -32,20 +42,22 @@ from coordlfs.shared_prep import SharedPrepLoader, local_order
 
 T = TypeVar("T")
 
-__all__ = ["AlignedSampler", "SharedPrepLoader", "profiled"]
+__all__ = ["AlignedSampler", "SharedPrepLoader", "pil_loader", "profiled", "raw_loader"]
 
 
-def _dataset_files(data_source: Any) -> list[str] | None:
-    """The file of each index, where the dataset says (``ImageFolder.samples``/``imgs``,
-    or a ``files`` list): what lets the mount read ahead in the group's order."""
-    for name in ("samples", "imgs"):
-        items = getattr(data_source, name, None)
-        if isinstance(items, list) and all(isinstance(i, tuple) and i for i in items):
-            return [os.fspath(i[0]) for i in items]
-    files = getattr(data_source, "files", None)
-    if isinstance(files, list) and all(isinstance(f, str | os.PathLike) for f in files):
-        return [os.fspath(f) for f in files]
-    return None
+def pil_loader(path: str | os.PathLike[str]) -> Any:
+    """torchvision's default loader (an RGB ``PIL.Image``) with the bytes read through the
+    client of the coordlfs mount holding ``path`` (plain ``open`` off a mount)."""
+    from PIL import Image  # Pillow comes with torchvision; AlignedSampler's users need it not
+
+    with open_binary(path) as f:
+        return Image.open(f).convert("RGB")
+
+
+def raw_loader(path: str | os.PathLike[str]) -> bytes:
+    """The file's bytes, read as ``pil_loader`` reads them: a copy, since what a DataLoader
+    worker returns must pickle (``coordlfs.client.Dataset.read`` gives the view without one)."""
+    return bytes(read_bytes(path))
 
 
 class AlignedSampler(Sampler[int]):
@@ -72,6 +84,7 @@ class AlignedSampler(Sampler[int]):
         self.member: int | None = None
         self._control = control_for(path if path is not None else dataset_root(data_source),
                                      "shuffling")
+        self._files: MountFiles | None = mount_files(data_source) if self._control else None
         self.aligned = False
         if self._control is not None:
             try:
@@ -87,15 +100,13 @@ class AlignedSampler(Sampler[int]):
 
     def _register_files(self) -> None:
         """Give the mount the dataset's files, if the dataset names them, for read-ahead."""
-        files = _dataset_files(self.data_source)
-        if files is None or len(files) != len(self.data_source) or self._control is None:
+        files = self._files
+        if files is None or self._control is None:
             return
-        mount = os.path.realpath(self._control.mountpoint)
-        relative = [os.path.relpath(os.path.realpath(f), mount) for f in files]
-        if any(r.startswith("..") for r in relative):
+        if files.mount != self._control.mountpoint:
             return  # not all on this mount: the window still works, read-ahead does not
         try:
-            self._control.register_files(self.member, relative)  # type: ignore[arg-type]
+            self._control.register_files(self.member, files.paths)  # type: ignore[arg-type]
         except UserError as e:
             warnings.warn(f"coordlfs: cannot register the dataset's files ({e}); no "
                           "read-ahead", stacklevel=3)
@@ -120,7 +131,10 @@ class AlignedSampler(Sampler[int]):
         if self.aligned and self._control is not None and self.member is not None:
             with contextlib.suppress(UserError):  # read-ahead is a bonus, never an error
                 self._control.start_epoch(self.member, epoch)
-        return iter(self.order(epoch))
+        order = self.order(epoch)
+        if self._files is None:
+            return iter(order)
+        return prefetching(order, self._files, lambda i: (i,))
 
     def __len__(self) -> int:
         n = len(self.data_source)

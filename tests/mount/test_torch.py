@@ -1,4 +1,5 @@
-"""coordlfs.torch on a real mount: AlignedSampler's seed and order, its fallback, the profiler."""
+"""coordlfs.torch on a real mount: AlignedSampler's seed and order, its fallback, the profiler;
+the loaders reading through the client, and the order the samplers hand to the mount."""
 
 from __future__ import annotations
 
@@ -7,16 +8,21 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import drop_caches, make_dataset
+import xxhash
+from conftest import digests, drop_caches, make_dataset
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+import coordlfs.torch
+from coordlfs.adapters import close_clients, locate
 from coordlfs.control import Control
 from coordlfs.order import epoch_order, shard
-from coordlfs.torch import AlignedSampler, profiled
+from coordlfs.torch import AlignedSampler, SharedPrepLoader, profiled, raw_loader
 
 
 class Files(Dataset):
@@ -135,3 +141,121 @@ def test_profiler_times_waits_and_steps(mount, tmp_path: Path) -> None:
     assert epoch["steps"] == 3
     assert 0.15 <= epoch["wait_s"] < 1.0 and 0.06 <= epoch["step_s"] < 1.0
     assert m.status()["profiles"][0]["pid"] == os.getpid()
+
+
+# -- reading through the client: loaders, and the order handed to the mount -------------------
+
+
+class Named(Dataset):
+    """A dataset that names its files and reads none (item i is i): what the mount holds
+    after a pass was filled by prefetch alone."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = str(root)
+        self.files = sorted(str(p) for p in root.rglob("*") if p.is_file())
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+class RawDigests(Named):
+    """Item i is the digest of the i-th file's bytes, read by ``raw_loader``."""
+
+    def __getitem__(self, i: int) -> str:  # type: ignore[override]
+        return xxhash.xxh64_hexdigest(raw_loader(self.files[i]))
+
+
+@pytest.fixture
+def clients(mount) -> Iterator[None]:
+    """This process's clients, closed before the mounts go (they report their counts)."""
+    yield
+    close_clients()
+
+
+def _cached(m, files: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while m.status()["cache"]["files"] < files:
+        assert time.monotonic() < deadline, m.status()["cache"]
+        time.sleep(0.05)
+
+
+def _all_hits(data: Named) -> None:
+    """Reading every file now finds each in the cache: the client counts only hits."""
+    client = data_client(data)
+    before = dict(client.stats)
+    assert [xxhash.xxh64_hexdigest(raw_loader(f)) for f in data.files] == [
+        xxhash.xxh64_hexdigest(Path(f).read_bytes()) for f in data.files]
+    after = client.stats
+    assert after["hits"] - before["hits"] == len(data.files)
+    assert after["misses"] == before["misses"]
+
+
+def data_client(data: Named):
+    where = locate(data.files[0])
+    assert where is not None and where.client is not None
+    return where.client
+
+
+def test_loaders_return_the_sources_bytes(mount, clients, tmp_path: Path) -> None:
+    src, m = _mounted(mount, tmp_path, 40)
+    for i, colour in enumerate(["red", "green", "blue"]):
+        Image.new("RGB" if i else "L", (7 + i, 5), colour).save(src / f"image{i}.png")
+    for image in sorted(src.glob("*.png")):
+        want = Image.open(image).convert("RGB")
+        got = coordlfs.torch.pil_loader(m.mountpoint / image.name)
+        assert (got.mode, got.size, got.tobytes()) == ("RGB", want.size, want.tobytes())
+    data = RawDigests(m.mountpoint)
+    names = [os.path.relpath(f, m.mountpoint) for f in data.files]
+    want = digests(src)
+    workers = DataLoader(data, batch_size=None, num_workers=2)  # forked: a client each
+    assert dict(zip(names, workers, strict=True)) == want
+    before = dict(data_client(data).stats)
+    assert dict(zip(names, map(data.__getitem__, range(len(data))), strict=True)) == want
+    after = data_client(data).stats
+    assert after["hits"] + after["misses"] - before["hits"] - before["misses"] == len(want)
+
+
+def test_loaders_read_a_path_on_no_mount(tmp_path: Path) -> None:
+    Image.new("RGB", (3, 2), "red").save(tmp_path / "plain.png")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert coordlfs.torch.pil_loader(tmp_path / "plain.png").tobytes() == b"\xff\0\0" * 6
+        assert raw_loader(tmp_path / "plain.png") == (tmp_path / "plain.png").read_bytes()
+    assert locate(tmp_path / "plain.png") is None
+
+
+def test_the_samplers_order_is_prefetched(mount, clients, tmp_path: Path) -> None:
+    """Iterating the sampler hands the epoch's order to the mount: the files are filled
+    without being read, and reading them then is all hits. (Outside a group, so that the
+    group's own read-ahead fills nothing.)"""
+    _src, m = _mounted(mount, tmp_path, 60)
+    data = Named(m.mountpoint)
+    with pytest.warns(UserWarning, match="cannot join group"):
+        sampler = AlignedSampler(data, group="bad\nname")
+    assert sorted(DataLoader(data, sampler=sampler, batch_size=None)) == list(range(len(data)))
+    _cached(m, len(data))
+    _all_hits(data)
+
+
+def test_shared_prep_prefetches_the_batches_it_claims(mount, clients, tmp_path: Path) -> None:
+    _src, m = _mounted(mount, tmp_path, 60)
+    data = Named(m.mountpoint)
+    with SharedPrepLoader(data, batch_size=8, group="p", path=m.mountpoint) as loader:
+        assert loader.shared
+        assert sorted(int(i) for batch in loader for i in batch) == list(range(len(data)))
+    _cached(m, len(data))
+    _all_hits(data)
+
+
+def test_shared_prep_alone_prefetches_its_order(mount, clients, tmp_path: Path) -> None:
+    _src, m = _mounted(mount, tmp_path, 60)
+    data = Named(m.mountpoint)
+    with pytest.warns(UserWarning, match="cannot join prep group"):
+        loader = SharedPrepLoader(data, batch_size=8, group="bad\nname", path=m.mountpoint)
+    assert sorted(int(i) for batch in loader for i in batch) == list(range(len(data)))
+    assert loader.prepared_alone == -(-len(data) // 8)
+    _cached(m, len(data))
+    _all_hits(data)
