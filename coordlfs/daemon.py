@@ -27,6 +27,7 @@ from coordlfs.fs import Operations
 from coordlfs.groups import Groups
 from coordlfs.groups import register_commands as register_group_commands
 from coordlfs.mounting import set_read_ahead
+from coordlfs.peer_hold import PeerHold
 from coordlfs.peer_server import PeerServer, connection_cap, listen_socket
 from coordlfs.peer_server import register_commands as register_peer_commands
 from coordlfs.peers import Peers
@@ -126,13 +127,15 @@ class Daemon:
         self.prep = Prep(config.staging_size)
         register_prep_commands(self.control, self.prep)
         self.peers, self.server = self._cluster(config)
+        if self.peers.links:
+            self.peers.hold = PeerHold(self.peers, self.cache, self.source)
         register_peer_commands(self.control, self.peers, self.server)
         self.prefetcher = Prefetcher(self.groups, self.window, self.cache, self.source,
                                      self.stats.reads, config.prefetch_depth,
                                      self.peers.caches_here)
         self.fills = FillQueue(self.cache, self.source, config.fill_depth,
                                self.peers.caches_here)
-        register_fill_commands(self.control, self.fills, self.source)
+        register_fill_commands(self.control, self.fills, self.source, self.peers.prefetch)
         self.ops = Operations(self.source, self.cache, self.stats.reads, self.control,
                               AlignedReads(self.groups, self.window, self.prefetcher),
                               self.peers, config.revalidate_s)

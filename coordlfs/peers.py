@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import trio
 
@@ -40,6 +41,9 @@ from coordlfs.peer_wire import (
 )
 from coordlfs.placement import Address, owner, ranking, resolve
 from coordlfs.stats import ReadCounters
+
+if TYPE_CHECKING:
+    from coordlfs.peer_hold import PeerHold
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +274,8 @@ class Peers:
         self.me = me
         self.counters = counters
         self.links = {node: PeerLink(node, secret, timeout) for node in nodes if node != me}
+        #: files of a known order fetched ahead of the readers; set by the daemon
+        self.hold: PeerHold | None = None
 
     def owner_of(self, path: bytes) -> PeerLink | None:
         """The link to the node that caches ``path`` while it has room; None for this node."""
@@ -354,14 +360,26 @@ class Peers:
         link.stats.files += 1
         self.counters.files_from_peers += 1
 
+    def prefetch(self, paths: Iterable[bytes]) -> int:
+        """The order of coming reads: the files peers cache are fetched ahead into the
+        holding area (``coordlfs.peer_hold``); returns how many."""
+        return self.hold.prefetch(paths) if self.hold is not None else 0
+
+    async def held(self, path: bytes, st: os.stat_result) -> tuple[PeerLink, bytes] | None:
+        """The file from the holding area, if it is there (or on its way) at this version."""
+        return await self.hold.take(path, st) if self.hold is not None else None
+
     async def run(self) -> None:
         """Hold the nursery the links' receive loops run in, until the mount ends."""
         async with trio.open_nursery() as nursery:
             for link in self.links.values():
                 link.nursery = nursery
+            if self.hold is not None:
+                nursery.start_soon(self.hold.run)
             await trio.sleep_forever()
 
     def status(self) -> dict[str, Any]:
         return {"self": str(self.me) if self.me else None,
                 "nodes": [str(n) for n in self.nodes],
-                "links": {str(a): link.status() for a, link in self.links.items()}}
+                "links": {str(a): link.status() for a, link in self.links.items()},
+                "held": self.hold.status() if self.hold is not None else None}

@@ -28,6 +28,7 @@ from coordlfs.peers import PeerLink, Peers
 from coordlfs.prefetch import Prefetcher
 from coordlfs.source import Source, SourceReader, Version
 from coordlfs.stats import ReadCounters
+from coordlfs.threads import in_thread
 from coordlfs.window import ReadWindow
 
 #: Files up to this size that MinIO does not cache are read from the source whole, on their
@@ -166,15 +167,22 @@ class StreamReader(Held):
         return await self.readers.aligned.whole(member, key_of(st), Version.of(st), fetch)
 
     async def pread(self, off: int, size: int) -> bytes:
-        """``size`` bytes at ``off`` from local storage; the first call opens the file."""
+        """``size`` bytes at ``off`` from local storage; the first call opens the file, in
+        the same hand-off to a thread as its read (a small file costs one)."""
         counters = self.readers.counters
-        if self._file is None:
-            self._file = await trio.to_thread.run_sync(self.readers.source.open_reader,
-                                                       self.handle.path)
-            counters.files_from_source += 1
-        data = await trio.to_thread.run_sync(self._file.pread, off, size)
+        opening = self._file is None
+        try:
+            data = await in_thread(self._pread, off, size)
+        finally:
+            if opening and self._file is not None:
+                counters.files_from_source += 1
         counters.bytes_from_source += len(data)
         return data
+
+    def _pread(self, off: int, size: int) -> bytes:
+        if self._file is None:
+            self._file = self.readers.source.open_reader(self.handle.path)
+        return self._file.pread(off, size)
 
     def close(self) -> None:
         if self._file is not None:
@@ -246,9 +254,14 @@ class Readers:
         return CacheReader(self.cache, entry, lambda: StreamReader(self, handle))
 
     async def choose(self, handle: Handle, off: int, size: int) -> Reader:
-        """A peer ranked before this node for the file, else MinIO here if it has room, else
-        a peer ranked after this node, else local storage."""
+        """The bytes a peer sent ahead (``coordlfs.peer_hold``), else a peer ranked before
+        this node for the file, else MinIO here if it has room, else a peer ranked after this
+        node, else local storage."""
         path, st = handle.path, handle.st
+        held = await self.peers.held(path, st)  # fetched ahead: the order was handed over
+        if held is not None:
+            self.peers.counted_file(held[0])
+            return PeerReader(self, handle, held[0], held[1], 0)
         before, after = (self.peers.candidates(path) if st.st_size <= self.cache.max_file_size
                          else ([], []))
         peer = await self._from_peers(handle, before, off, size)

@@ -3,6 +3,11 @@
 It listens on 127.0.0.1:PORT, passes the insecure handshake (except in ``silent`` and
 ``badauth``), then answers every GET wrongly in the way MODE says. A mount that names it in
 ``--peers`` must still serve every byte right from local storage.
+
+The ``many-*`` modes say they serve GETMANY, answer a GET with FAIL MISS (the right length of
+zeros would be a lie no protocol can see) and lie in every FILES reply: a file one byte short
+(``many-badlen``), a bad checksum (``many-badsum``), one file fewer (``many-short``), or a
+DATA frame instead of FILES (``many-kind``).
 """
 
 from __future__ import annotations
@@ -12,7 +17,21 @@ import sys
 import trio
 import xxhash
 
-from coordlfs.peer_wire import HEADER, MAGIC, VERSION, FrameStream, Get, Kind, server_handshake
+from coordlfs.peer_wire import (
+    HEADER,
+    MAGIC,
+    VERSION,
+    Fail,
+    Frame,
+    FrameStream,
+    Get,
+    GetMany,
+    Kind,
+    encode_fail,
+    encode_files,
+    send_features,
+    server_handshake,
+)
 
 
 def header(kind: Kind, request_id: int, payload: bytes, checksum: int | None = None) -> bytes:
@@ -25,7 +44,12 @@ async def answer(stream: trio.SocketStream, mode: str) -> None:
     if mode == "silent":  # accepts, never speaks: the client must time out
         await trio.sleep_forever()
     await server_handshake(frames, b"badsecret" if mode == "badauth" else b"")
+    if mode.startswith("many-"):
+        await send_features(frames)
     while (frame := await frames.receive()) is not None:
+        if mode.startswith("many-"):
+            await lie_about_many(frames, frame, mode)
+            continue
         request = Get.decode(frame.payload)
         good = bytes(request.length)
         if mode == "badsum":
@@ -40,6 +64,25 @@ async def answer(stream: trio.SocketStream, mode: str) -> None:
             return
         elif mode == "hang":  # authenticated, then never answers a request
             continue
+
+
+async def lie_about_many(frames: FrameStream, frame: Frame, mode: str) -> None:
+    if frame.kind == Kind.GET:
+        await frames.send(Kind.FAIL, frame.request_id, encode_fail(Fail.MISS, "not here"))
+        return
+    files = GetMany.decode(frame.payload).files
+    answers: list[tuple[Kind, bytes]] = [(Kind.DATA, bytes(f.size)) for f in files]
+    if mode == "many-badlen":
+        answers[-1] = (Kind.DATA, answers[-1][1][:-1])
+    elif mode == "many-short":
+        answers.pop()
+    reply = encode_files(answers)
+    if mode == "many-badsum":
+        await frames.stream.send_all(header(Kind.FILES, frame.request_id, reply, 12345) + reply)
+    elif mode == "many-kind":
+        await frames.send(Kind.DATA, frame.request_id, reply)
+    else:
+        await frames.send(Kind.FILES, frame.request_id, reply)
 
 
 async def main(port: int, mode: str) -> None:
