@@ -25,7 +25,7 @@ import shutil
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from coordlfs.bench.children import Readers, batch_paths, running
 from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.control import Control
+from coordlfs.control_spec import MAX_PREFETCH_PATHS, PREFETCH
 from coordlfs.errors import UserError
 from coordlfs.order import epoch_order
 from coordlfs.peer_wire import MAX_CHUNK, Get, Kind
@@ -69,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tc rate of each node's link (default 10gbit; none: unshaped)")
     parser.add_argument("--no-throughput", dest="throughput", action="store_false",
                         help="skip the loopback throughput part")
+    parser.add_argument("--order-handed-over", action="store_true",
+                        help="before each epoch, hand each node's order to its mount "
+                             "(prefetch), as a job that knows it does")
     harness.add_training_arguments(parser, readers=4, readers_help="reader processes per node",
                                    compute_ms=0.0)
 
@@ -87,6 +91,9 @@ class SystemResult:
     #: per epoch, per node
     epochs: list[list[NodeEpoch]]
     cache_bytes: int
+    #: per node at the end, for coordlfs with peers: the holding area's counters and the
+    #: batches (GETMANY) it served
+    peer_counters: list[dict[str, Any]] = field(default_factory=list)
 
     def epoch_seconds(self, epoch: int) -> float:
         """An epoch of synchronous training lasts as long as its slowest node."""
@@ -111,6 +118,8 @@ class Plan:
     job: JobPlan
     link: str | None
     cache: int
+    #: whether each mount is told the order of its node's reads before each epoch
+    order_handed_over: bool = False
 
 
 def node_copies(dataset: Dataset, work: Path, nodes: int) -> list[Path]:
@@ -184,9 +193,13 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                 order = epoch_order(plan.job.seed, epoch, len(names))
                 before = [_counters(pids, control)
                           for pids, control in zip(storage_pids, controls, strict=True)]
+                shares = [[names[k] for k in order[i::plan.nodes]] for i in range(plan.nodes)]
+                if plan.order_handed_over:
+                    for share, control in zip(shares, controls, strict=True):
+                        hand_over(control, share)
                 futures = [pool.submit(groups[i].epoch,
-                                       batch_paths([names[k] for k in order[i::plan.nodes]],
-                                                   bases[i], plan.job.batch), plan.job.compute_s)
+                                       batch_paths(shares[i], bases[i], plan.job.batch),
+                                       plan.job.compute_s)
                            for i in range(plan.nodes)]
                 done = [f.result() for f in futures]
                 after = [_counters(pids, control)
@@ -196,7 +209,24 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                                for (seconds, waited, _got), a, b in zip(done, after, before,
                                                                          strict=True)])
                 _print_epoch(system, epoch, epochs[-1], dataset)
-    return SystemResult(system, epochs, plan.cache)
+        counters = [_peer_counters(control) for control in controls if net is not None]
+    return SystemResult(system, epochs, plan.cache, counters)
+
+
+def _peer_counters(control: Control | None) -> dict[str, Any]:
+    assert control is not None
+    status = control.status()
+    return {"held": status["peers"]["held"], "served_batches": status["served"]["batches"],
+            "served_files": status["served"]["requests"]}
+
+
+def hand_over(control: Control | None, order: list[str]) -> None:
+    """Tell a mount the order its node reads next, as a job that knows it does (the page
+    cache has no such command); counted in the epoch's time."""
+    if control is None:
+        return
+    for start in range(0, len(order), MAX_PREFETCH_PATHS):
+        control.call(PREFETCH, paths=order[start:start + MAX_PREFETCH_PATHS])
 
 
 def _counters(pids: list[int], control: Control | None) -> tuple[int, int]:
@@ -357,10 +387,12 @@ def run(args: argparse.Namespace) -> int:
     roots = node_copies(dataset, work, args.nodes)
     cache = int(dataset.total_bytes * args.cache)
     plan = Plan(args.nodes, JobPlan(1, args.epochs, args.readers, args.batch,
-                                    args.compute_ms / 1000, args.seed, throttle), link, cache)
+                                    args.compute_ms / 1000, args.seed, throttle), link, cache,
+                args.order_handed_over)
     print(f"{harness.describe_dataset(dataset)}; {args.nodes} nodes, each caching "
           f"{format_size(cache)}; link {link or 'unshaped'}; throttle "
-          f"{harness.describe_throttle(throttle)} per node", flush=True)
+          f"{harness.describe_throttle(throttle)} per node"
+          f"{'; the order handed over' if plan.order_handed_over else ''}", flush=True)
     runs = [{s: run_system(s, plan, dataset, roots, work) for s in SYSTEMS}
             for _number in harness.repeated(args.repeat)]
     summary = summarize(runs)

@@ -60,3 +60,27 @@ def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode != 0
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_small_run_with_the_order_handed_over(tmp_path: Path, daemon_logs: list[Path]) -> None:
+    """Each mount told its node's order before each epoch: the files the other node caches
+    come ahead in batches, and a reader's miss finds them held."""
+    daemon_logs.append(tmp_path / "work")
+    out = tmp_path / "cluster.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "coordlfs", "bench", "cluster", "--make", "300:64K",
+         "--work", str(tmp_path / "work"), "--nodes", "2", "--cache", "0.6", "--throttle",
+         "none", "--link", "1gbit", "--epochs", "2", "--readers", "2", "--no-throughput",
+         "--order-handed-over", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["settings"]["order_handed_over"] is True
+    peers = report["runs"][0]["minio+peers"]
+    assert sum(n["storage_bytes"] for n in peers["epochs"][1]) == 0
+    nodes = peers["peer_counters"]
+    assert len(nodes) == 2 and all(n["served_batches"] > 0 for n in nodes)
+    assert sum(n["held"]["hits"] for n in nodes) > 0
+    assert all(n["held"]["reserved_bytes"] <= n["held"]["capacity_bytes"] for n in nodes)
+    assert report["runs"][0]["minio"]["peer_counters"] == []
+    assert "epoch_time_ratio" in report["summary"]
