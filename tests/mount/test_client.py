@@ -60,6 +60,18 @@ def test_every_byte_the_client_returns_equals_the_source(mount, dataset) -> None
     assert reads["client_bytes_from_mount"] == total
 
 
+def test_prefetched_files_are_hits(mount, dataset) -> None:
+    source, _sizes = dataset
+    names, expected, _total = every_file(source)
+    m = mount(source)
+    with Dataset(m.mountpoint) as ds:
+        assert ds.prefetch(names) == len(names)
+        eventually(lambda: m.status()["shared"]["published"] == len(names), "all prefetched")
+        assert ds.prefetch(names) == 0  # all published: nothing to ask for
+        assert client_digests(ds, names) == expected
+        assert ds.stats["hits"] == len(names) and ds.stats["misses"] == 0
+
+
 def test_a_dataset_inside_the_mount_and_paths_that_leave_it(mount, dataset) -> None:
     source, sizes = dataset
     m = mount(source)

@@ -10,6 +10,7 @@ import trio
 
 from coordlfs.cache import WholeFileCache
 from coordlfs.errors import UserError
+from coordlfs.published import INDEX, IndexReader
 from coordlfs.source import Source
 from coordlfs.stats import ReadCounters
 
@@ -167,3 +168,39 @@ def test_arena_offsets_bound_new_entries(files: Path, tmp_path: Path) -> None:
     assert _fill_all(cache, source, ["f2"]) == [False]  # room in capacity, not in the arena
     assert cache.used == 0 and cache.end == 14001
     cache.close(keep=False)
+
+
+def _published(tmp_path: Path, name: str) -> bytes | None:
+    """The bytes a client finds published under ``name``, or None."""
+    reader = IndexReader(str(tmp_path / "cache" / INDEX), str(tmp_path / "cache" / "arena"))
+    try:
+        found = reader.find(name.encode())
+        return None if found is None else bytes(reader.arena[found.offset:][:found.size])
+    finally:
+        reader.close()
+
+
+def test_complete_entries_are_published_and_withdrawn_when_dropped(files: Path,
+                                                                   tmp_path: Path) -> None:
+    source = Source(str(files))
+    cache = _cache(tmp_path, capacity=1 << 20)
+    cache.share(source)
+    _fill_all(cache, source, ["f0", "f1"])
+    assert _published(tmp_path, "f0") == (files / "f0").read_bytes()
+    assert _published(tmp_path, "f1") == (files / "f1").read_bytes()
+    cache._changed(b"f0", False)  # the watch saw f0 change: withdrawn, still cached
+    assert _published(tmp_path, "f0") is None and len(cache.entries) == 2
+    (files / "f1").write_bytes(b"new")
+    st = source.lstat(b"f1")
+    assert cache.lookup((st.st_dev, st.st_ino), st) is None  # dropped: withdrawn at once,
+    assert _published(tmp_path, "f1") is None
+    assert cache.shared_status()["punches_waiting"] == 1  # its pages punched later
+    cache.punch_late(float("inf"))
+    assert cache.shared_status()["punches_waiting"] == 0
+    cache.close(keep=True)
+    again = _cache(tmp_path, capacity=1 << 20)  # a restart publishes what it adopts
+    again.share(source)
+    again.load(source)
+    assert _published(tmp_path, "f0") == (files / "f0").read_bytes()
+    assert _published(tmp_path, "f1") is None
+    again.close(keep=False)
