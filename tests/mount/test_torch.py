@@ -212,6 +212,8 @@ def test_loaders_return_the_sources_bytes(mount, clients, tmp_path: Path) -> Non
     want = digests(src)
     workers = DataLoader(data, batch_size=None, num_workers=2)  # forked: a client each
     assert dict(zip(names, workers, strict=True)) == want
+    reads = m.status()["reads"]  # the workers reported their counts as they exited
+    assert reads["client_hits"] + reads["client_misses"] == len(want)
     before = dict(data_client(data).stats)
     assert dict(zip(names, map(data.__getitem__, range(len(data))), strict=True)) == want
     after = data_client(data).stats
