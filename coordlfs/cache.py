@@ -46,7 +46,7 @@ import trio
 from coordlfs.errors import UserError
 from coordlfs.freshness import PublishedWatch
 from coordlfs.inodes import Key
-from coordlfs.published import INDEX, IndexWriter, Published
+from coordlfs.published import INDEX, IndexWriter, Published, retire
 from coordlfs.source import Source, SourceReader
 from coordlfs.stats import ReadCounters
 
@@ -165,6 +165,7 @@ class WholeFileCache:
             os.close(self.dir_fd)
             raise UserError(f"cache directory {directory} is in use by another coordlfs mount "
                             "(give this mount its own --cache-dir)") from None
+        retire(self.dir_fd)  # a killed daemon's clients: before the arena may shrink
         try:
             self.arena_fd = os.open(ARENA, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600,
                                     dir_fd=self.dir_fd)
@@ -188,7 +189,6 @@ class WholeFileCache:
         self.index: IndexWriter | None = None
         self.watch: PublishedWatch | None = None
         self._source: Source | None = None
-        self._published: dict[bytes, Entry] = {}
         #: (when, start, end): pages of dropped published entries, punched after the grace
         self._late_punches: list[tuple[float, int, int]] = []
 
@@ -279,7 +279,7 @@ class WholeFileCache:
         if entry is None:
             return None
         if entry.matches(st):
-            if entry.complete and entry.path not in self._published and self.index is not None:
+            if entry.complete and self.index is not None and entry.path not in self.index:
                 self._publish(key, entry)  # withdrawn for a change that changed nothing
             return entry
         if entry.complete:
@@ -424,12 +424,10 @@ class WholeFileCache:
             return
         self.index.publish(entry.path, Published(entry.offset, entry.size, st.st_ino,
                                                  entry.mtime_ns, entry.ctime_ns))
-        self._published[entry.path] = entry
         entry.shared = True
 
     def _withdraw(self, path: bytes) -> None:
-        if self._published.pop(path, None) is not None:
-            assert self.index is not None
+        if self.index is not None:
             self.index.withdraw(path)
 
     def _changed(self, path: bytes, directory: bool) -> None:
@@ -437,7 +435,8 @@ class WholeFileCache:
         self._withdraw(path)
         if directory:
             inside = path + b"/" if path else b""
-            for published in [p for p in self._published if p.startswith(inside)]:
+            assert self.index is not None
+            for published in [p for p in self.index.paths() if p.startswith(inside)]:
                 self._withdraw(published)
 
     def punch_late(self, now: float) -> None:

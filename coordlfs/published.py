@@ -32,6 +32,7 @@ import hashlib
 import mmap
 import os
 import struct
+from collections.abc import Iterable
 from typing import NamedTuple
 
 #: The index's file name in the cache directory.
@@ -95,8 +96,8 @@ class IndexWriter:
     def __contains__(self, path: bytes) -> bool:
         return path in self._slots
 
-    def paths(self) -> list[bytes]:
-        return list(self._slots)
+    def paths(self) -> Iterable[bytes]:
+        return self._slots.keys()
 
     def _create(self, slots: int) -> mmap.mmap:
         """A new, empty table, not yet where clients look (``_install``)."""
