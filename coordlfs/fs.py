@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import pyfuse3
-import trio
 
 from coordlfs import CONTROL_NAME
 from coordlfs.cache import WholeFileCache
@@ -33,6 +32,7 @@ from coordlfs.peers import Peers
 from coordlfs.readers import AlignedReads, Reader, Readers
 from coordlfs.source import Source, Version
 from coordlfs.stats import ReadCounters
+from coordlfs.threads import in_thread
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +105,20 @@ class Operations(pyfuse3.Operations):
     # -- attributes ---------------------------------------------------------------
 
     def _attr(self, inode: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
+        # Field by field, not a loop of setattr(getattr(...)): every lookup and listed
+        # entry builds one, and the loop costs twice as much.
         attr = pyfuse3.EntryAttributes()
-        for name in ("st_mode", "st_nlink", "st_uid", "st_gid", "st_rdev", "st_size",
-                     "st_blksize", "st_blocks", "st_atime_ns", "st_mtime_ns", "st_ctime_ns"):
-            setattr(attr, name, getattr(st, name))
+        attr.st_mode = st.st_mode
+        attr.st_nlink = st.st_nlink
+        attr.st_uid = st.st_uid
+        attr.st_gid = st.st_gid
+        attr.st_rdev = st.st_rdev
+        attr.st_size = st.st_size
+        attr.st_blksize = st.st_blksize
+        attr.st_blocks = st.st_blocks
+        attr.st_atime_ns = st.st_atime_ns
+        attr.st_mtime_ns = st.st_mtime_ns
+        attr.st_ctime_ns = st.st_ctime_ns
         attr.st_ino = inode
         attr.entry_timeout = attr.attr_timeout = self.freshness.timeout
         return attr
@@ -222,7 +232,7 @@ class Operations(pyfuse3.Operations):
     async def opendir(self, inode: int, ctx: Any) -> int:
         path = self._node_path(inode)
         self.freshness.watch(inode, path)
-        entries = await trio.to_thread.run_sync(self.source.scan, path)
+        entries = await in_thread(self.source.scan, path)
         return self._new_handle(DirHandle(path, entries))
 
     @guarded

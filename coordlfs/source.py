@@ -116,6 +116,8 @@ class Source:
                 os.close(fd)
 
     def lstat(self, path: bytes) -> os.stat_result:
+        if len(path) < _WALK_AT:  # ``at``'s short path, inline: every lookup and open asks
+            return os.stat(path or b".", dir_fd=self.root_fd, follow_symlinks=False)
         return self.at(path, lambda dir_fd, name: os.stat(name, dir_fd=dir_fd,
                                                           follow_symlinks=False))
 
