@@ -1,11 +1,12 @@
 """A training job for the prep-sharing tests: a SharedPrepLoader over the mount's files.
 
     python prep_job.py MOUNTPOINT GROUP JOB EPOCHS [--batch N] [--workers N] [--min-members N]
-                       [--step-ms MS] [--reuse R] [--hang-timeout S] [--stop-after N]
+                       [--step-ms MS] [--reuse R] [--hang-timeout S] [--stop-after N] [--client]
 
 Each item is (index, a fresh random number, the file's size), so a test can check that every
 job saw every batch of every epoch exactly once, that augmentations differ between epochs, and
-that the bytes came through the mount. One JSON line per epoch on stdout, then "done".
+that the bytes came through the mount (through its client, ``coordlfs.torch.raw_loader``, with
+``--client``). One JSON line per epoch on stdout, then "done".
 """
 
 from __future__ import annotations
@@ -20,18 +21,20 @@ import time
 import torch
 from torch.utils.data import Dataset
 
-from coordlfs.torch import SharedPrepLoader
+from coordlfs.torch import SharedPrepLoader, raw_loader
 
 
 class Files(Dataset):
-    def __init__(self, root: str) -> None:
-        self.root = root
+    def __init__(self, root: str, client: bool) -> None:
+        self.root, self.client = root, client
         self.files = sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names)
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, i: int) -> tuple[int, float, int]:
+        if self.client:
+            return i, random.random(), len(raw_loader(self.files[i]))
         with open(self.files[i], "rb") as f:
             size = len(f.read())
         return i, random.random(), size
@@ -50,8 +53,9 @@ def main() -> None:
     parser.add_argument("--reuse", type=int, default=1)
     parser.add_argument("--hang-timeout", type=float)
     parser.add_argument("--stop-after", type=int, help="stop (SIGSTOP self) after N batches")
+    parser.add_argument("--client", action="store_true", help="read through the client")
     args = parser.parse_args()
-    data = Files(args.mountpoint)
+    data = Files(args.mountpoint, args.client)
     loader = SharedPrepLoader(data, batch_size=args.batch, group=args.group,
                               path=args.mountpoint, job=args.job, num_workers=args.workers,
                               min_members=args.min_members, hang_timeout=args.hang_timeout,

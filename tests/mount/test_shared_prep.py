@@ -111,6 +111,25 @@ def test_jobs_share_every_batch_exactly_once_per_epoch(mounted, jobs) -> None:
     assert_clean(m)
 
 
+def test_jobs_reading_through_the_client_share_every_item(mounted, jobs) -> None:
+    """Items read through the client (coordlfs.torch.raw_loader in the jobs' workers): each
+    once per epoch for the group, every byte there, and the workers' counts at the mount."""
+    m, sizes = mounted()
+    n, epochs = len(sizes), 2
+    procs = [jobs.start(m.mountpoint, "hp", f"job{k}", epochs, "--min-members", "2",
+                        "--batch", "8", "--client") for k in range(2)]
+    results = [jobs.finish(p) for p in procs]
+    for result in results:
+        for epoch in result:
+            assert sorted(items_of(epoch)) == list(range(n))
+            assert sum(b["bytes"] for b in epoch["batches"]) == sum(sizes.values())
+            assert epoch["shared"] and epoch["prepared_alone"] == 0
+    reads = m.status()["reads"]
+    assert reads["client_hits"] + reads["client_misses"] == n * epochs  # prepared once each
+    assert reads["client_hits"] >= n  # the second epoch at least: all cached by then
+    assert_clean(m)
+
+
 def test_a_killed_member_is_taken_over_and_nothing_is_left(mounted, jobs) -> None:
     m, sizes = mounted()
     n = len(sizes)
