@@ -49,6 +49,7 @@ from coordlfs.inodes import Key
 from coordlfs.published import INDEX, IndexWriter, Published, retire
 from coordlfs.source import Source, SourceReader
 from coordlfs.stats import ReadCounters
+from coordlfs.threads import in_thread
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +326,7 @@ class WholeFileCache:
         try:
             try:
                 while entry.filled < entry.size:
-                    got = await trio.to_thread.run_sync(copier.step, entry.filled)
+                    got = await in_thread(copier.step, entry.filled)
                     if got == 0:
                         raise OSError(5, "source file shrank while being cached")
                     self.arrived(entry, got)
