@@ -235,9 +235,10 @@ class _Batch:
                         fill.error = e
                     fill.close()
                     self.token.run_sync_soon(queue.end, fill)
-        except BaseException as e:  # cancelled at unmount: the rest is given up
+        except BaseException as e:  # cancelled at unmount: what is not copied is given up
             for fill in self.fills:
-                fill.error = fill.error or e
+                if fill.final is None:
+                    fill.error = fill.error or e
         finally:
             for fill in self.fills:
                 fill.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Mount, digests, force_unmount
+from conftest import Mount, digests, force_unmount, random_source
 from test_control_security import as_user, ask
 
 from coordlfs.control import ControlError
@@ -183,3 +183,18 @@ def test_the_control_client_reports_a_refusal(mount, dataset) -> None:
     m = mount(root)
     with pytest.raises(ControlError, match="relative to the mount"):
         m.control.request("prefetch", paths=["/etc/shadow"])
+
+
+def test_an_unmount_cancels_the_queue(mount, tmp_path: Path) -> None:
+    """Unmounting while a large file and a long order are being filled ends at once and
+    cleanly (the fixture fails the test on any ERROR the daemon logged)."""
+    src = random_source(tmp_path, big=256 << 20)
+    m = mount(src, "--fill-depth", "1")
+    m.control.request("prefetch", paths=["big"] + ["gone"] * 10_000)
+    deadline = time.monotonic() + DRAIN_S
+    while m.status()["fills"]["in_flight"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    start = time.monotonic()
+    force_unmount(m.mountpoint, m.pid)
+    assert time.monotonic() - start < 10
