@@ -12,11 +12,14 @@ from coordlfs import control_spec
 from coordlfs.control import Control
 from coordlfs.control_server import ControlServer
 from coordlfs.control_spec import COMMANDS, doc_table
+from coordlfs.fills import FillQueue
+from coordlfs.fills import register_commands as register_fill_commands
 from coordlfs.groups import Groups
 from coordlfs.groups import register_commands as register_group_commands
 from coordlfs.peer_server import register_commands as register_peer_commands
 from coordlfs.prep import Prep
 from coordlfs.prep import register_commands as register_prep_commands
+from coordlfs.source import Source
 from coordlfs.stats import Stats
 from coordlfs.stats import register_commands as register_stats_commands
 
@@ -30,6 +33,8 @@ def _daemon_server(tmp_path: Path) -> ControlServer:
     register_group_commands(server, Groups())
     register_prep_commands(server, Prep(1 << 20, root=str(tmp_path)))
     register_peer_commands(server, None, None)  # type: ignore[arg-type]
+    source = Source(str(tmp_path))
+    register_fill_commands(server, FillQueue(None, source, 0), source)  # type: ignore[arg-type]
     return server
 
 
