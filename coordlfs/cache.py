@@ -190,6 +190,7 @@ class WholeFileCache:
         self.index: IndexWriter | None = None
         self.watch: PublishedWatch | None = None
         self._source: Source | None = None
+        self._index_full_logged = False
         #: (when, start, end): pages of dropped published entries, punched after the grace
         self._late_punches: list[tuple[float, int, int]] = []
 
@@ -398,9 +399,15 @@ class WholeFileCache:
     def share(self, source: Source) -> None:
         """Publish complete entries for ``coordlfs.client`` from now on, and watch ``source``
         to withdraw them when their files change (``run_shared`` reads the watch)."""
-        self._source = source
-        self.watch = PublishedWatch(source, self._changed)
-        self.index = IndexWriter(self.dir_fd, revalidate=not self.watch.watching)
+        watch = PublishedWatch(source, self._changed)
+        try:
+            self.index = IndexWriter(self.dir_fd, revalidate=not watch.watching)
+        except OSError as e:
+            watch.close()
+            log.warning("cannot publish cached files for coordlfs.client in %s (%s): clients "
+                        "read through the mount", self.directory, e.strerror or e)
+            return
+        self._source, self.watch = source, watch
 
     def _publish(self, key: Key, entry: Entry) -> None:
         """Publish a complete entry if its source file still is the version it holds.
@@ -423,8 +430,16 @@ class WholeFileCache:
             return
         if (st.st_dev, st.st_ino) != key or not entry.matches(st):
             return
-        self.index.publish(entry.path, Published(entry.offset, entry.size, st.st_ino,
-                                                 entry.mtime_ns, entry.ctime_ns))
+        try:
+            self.index.publish(entry.path, Published(entry.offset, entry.size, st.st_ino,
+                                                     entry.mtime_ns, entry.ctime_ns))
+        except OSError as e:  # no room to grow the index: clients read this one through us
+            if not self._index_full_logged:
+                log.warning("the index for coordlfs.client cannot grow (%s): files cached "
+                            "from now on are read by clients through the mount",
+                            e.strerror or e)
+                self._index_full_logged = True
+            return
         entry.shared = True
 
     def _withdraw(self, path: bytes) -> None:

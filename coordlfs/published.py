@@ -51,8 +51,8 @@ _WORD = struct.Struct("<Q")
 SLOT_SIZE = SLOT.size
 EMPTY, LIVE, DEAD, BUSY = 0, 1, 2, 3
 _HASH = struct.Struct("<QQ")
-#: The smallest table, slots: 4 MiB of index, a quarter of a million files before it grows.
-MIN_SLOTS = 1 << 16
+#: The smallest table, slots: 256 KiB of index, 2,048 files before it grows.
+MIN_SLOTS = 1 << 12
 
 
 def path_hash(path: bytes) -> tuple[int, int]:
@@ -105,7 +105,9 @@ class IndexWriter:
         fd = os.open(_PART, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600,
                      dir_fd=self.dir_fd)
         try:
-            os.ftruncate(fd, HEADER_SIZE + slots * SLOT_SIZE)
+            # Every page allocated now: a store into a page tmpfs has no room for would
+            # kill the daemon with SIGBUS; this raises ENOSPC instead.
+            os.posix_fallocate(fd, 0, HEADER_SIZE + slots * SLOT_SIZE)
             table = mmap.mmap(fd, HEADER_SIZE + slots * SLOT_SIZE, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
@@ -122,6 +124,7 @@ class IndexWriter:
         _WORD.pack_into(self._map, _FLAGS_AT + 8, 1)
 
     def publish(self, path: bytes, found: Published) -> None:
+        """Publish (or republish) a path; OSError if the index cannot grow (no room)."""
         if path in self._slots:
             self.withdraw(path)
         if (len(self._slots) + self._dead + 1) * 2 > self._mask + 1:
@@ -161,10 +164,11 @@ class IndexWriter:
         _WORD.pack_into(table, at, sequence << 2 | LIVE)  # last: the slot is complete
 
     def _grow(self) -> None:
-        """Rebuild into a table with room for four times the live slots, without tombstones."""
-        slots = max(MIN_SLOTS, 1 << (len(self._slots) * 4 - 1).bit_length())
+        """Rebuild into a table with room for three times the live slots, without tombstones."""
+        slots = max(MIN_SLOTS, 1 << (len(self._slots) * 3 - 1).bit_length())
         old, old_slots = self._map, self._slots
-        self._map, self._mask, self._slots, self._dead = self._create(slots), slots - 1, {}, 0
+        table = self._create(slots)  # the old table stays in use if this fails
+        self._map, self._mask, self._slots, self._dead = table, slots - 1, {}, 0
         for path, slot in old_slots.items():
             fields = SLOT.unpack_from(old, HEADER_SIZE + slot * SLOT_SIZE)
             h1, h2 = fields[1], fields[2]
@@ -186,6 +190,8 @@ def retire(dir_fd: int) -> None:
     with contextlib.suppress(OSError, ValueError):
         fd = os.open(INDEX, os.O_RDWR | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
+            if os.fstat(fd).st_size < HEADER_SIZE:
+                return  # no index of ours
             with mmap.mmap(fd, HEADER_SIZE, flags=mmap.MAP_SHARED) as header:
                 if header[:8] == MAGIC:
                     _WORD.pack_into(header, _FLAGS_AT, 1)
