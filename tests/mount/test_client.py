@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import OTHER_UID, digests, force_unmount
+from conftest import OTHER_UID, digests, force_unmount, run_cli
 from test_control_security import as_user
 from test_freshness import eventually
 
@@ -58,6 +58,8 @@ def test_every_byte_the_client_returns_equals_the_source(mount, dataset) -> None
     assert reads["client_hits"] == len(names) + 2
     assert reads["client_misses"] == len(names)
     assert reads["client_bytes_from_mount"] == total
+    shown = run_cli("stats", str(m.mountpoint)).stdout
+    assert f"clients  {len(names) + 2} hits" in shown
 
 
 def test_prefetched_files_are_hits(mount, dataset) -> None:
