@@ -268,7 +268,8 @@ class Readers:
         if peer is not None:
             return peer
         assert self.nursery is not None
-        entry = self.cache.start_fill(key_of(st), path, st, self.source, self.nursery)
+        entry = await self.cache.fill_for_reader(key_of(st), path, st, self.source,
+                                                 self.nursery)
         if entry is not None:
             return self._cached(entry, handle)
         peer = await self._from_peers(handle, after, off, size)
