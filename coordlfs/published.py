@@ -215,6 +215,7 @@ class IndexReader:
             os.close(fd)
         #: the cached bytes; slices of it are what a hit returns
         self.arena = memoryview(self._arena)
+        self._arena_size = len(self.arena)
         self._map, self._mask, self.revalidate = self._open()
 
     def _open(self) -> tuple[mmap.mmap, int, bool]:
@@ -233,27 +234,12 @@ class IndexReader:
         """The published version of ``path``, or None (not published, or being changed)."""
         h1, h2 = path_hash(path)
         for _attempt in range(3):  # a table retired meanwhile: look again in the new one
-            table, mask = self._map, self._mask
-            slot = h1 & mask
-            for _probe in range(mask + 1):
-                at = HEADER_SIZE + slot * SLOT_SIZE
-                word, s1, s2, offset, size, ino, mtime_ns, ctime_ns = SLOT.unpack_from(table, at)
-                state = word & 3
-                if state == EMPTY:
-                    found = None
-                    break
-                if state == LIVE and s1 == h1 and s2 == h2:
-                    if _WORD.unpack_from(table, at)[0] != word:
-                        return None  # rewritten while we read: the mount answers this one
-                    found = Published(offset, size, ino, mtime_ns, ctime_ns)
-                    break
-                slot = (slot + 1) & mask
-            else:
-                found = None
+            table = self._map
+            found = self._probe(table, h1, h2)
             retired, revalidate = _FLAGS.unpack_from(table, _FLAGS_AT)
             if not retired:
-                self.revalidate = bool(revalidate)
-                if found is not None and found.offset + found.size > len(self.arena):
+                self.revalidate = revalidate != 0
+                if found is not None and found.offset + found.size > self._arena_size:
                     return None
                 return found
             try:
@@ -262,6 +248,23 @@ class IndexReader:
                 return None  # the mount is going away: the caller reads through it
             table.close()
         return None
+
+    def _probe(self, table: mmap.mmap, h1: int, h2: int) -> Published | None:
+        """Linear probing from the hash's slot; it ends, as the writer keeps half the table
+        empty."""
+        mask = self._mask
+        slot = h1 & mask
+        while True:
+            at = HEADER_SIZE + slot * SLOT_SIZE
+            fields = SLOT.unpack_from(table, at)
+            state = fields[0] & 3
+            if state == LIVE and fields[1] == h1 and fields[2] == h2:
+                if _WORD.unpack_from(table, at)[0] != fields[0]:
+                    return None  # rewritten while we read: the mount answers this one
+                return Published._make(fields[3:])
+            if state == EMPTY:
+                return None
+            slot = (slot + 1) & mask
 
     def close(self) -> None:
         self.arena.release()
