@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from coordlfs import CONTROL_NAME
 from coordlfs.order import SEED_LIMIT
 
 if TYPE_CHECKING:
@@ -171,8 +172,10 @@ MAX_PREFETCH_PATH = 4095
 
 def _file_path(path: Any) -> bool:
     """A relative path a reader could open: no empty, ``.`` or ``..`` part, short enough for
-    one system call, and bytes a file name can hold (JSON may carry lone surrogates)."""
-    if not _relative(path) or any(part in ("", ".", "..") for part in path.split("/")):
+    one system call, and bytes a file name can hold (JSON may carry lone surrogates); not the
+    control file, which hides any source file of its name."""
+    if (not _relative(path) or path == CONTROL_NAME
+            or any(part in ("", ".", "..") for part in path.split("/"))):
         return False
     try:
         return len(path.encode("utf-8", "surrogateescape")) <= MAX_PREFETCH_PATH

@@ -112,9 +112,9 @@ def test_files_that_cannot_be_cached_are_skipped(mount, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("paths", [
     ["../outside"], ["/etc/passwd"], ["a//b"], ["a/./b"], ["a/../b"], [""], ["a/"],
-    "class0", [1], ["\ud800"], ["x"] * (MAX_PREFETCH_PATHS + 1),
+    "class0", [1], ["\ud800"], ["x"] * (MAX_PREFETCH_PATHS + 1), [".coordlfs"],
 ], ids=["dotdot", "absolute", "empty-part", "dot", "inner-dotdot", "empty", "trailing-slash",
-        "not-a-list", "not-a-string", "lone-surrogate", "too-many"])
+        "not-a-list", "not-a-string", "lone-surrogate", "too-many", "control-file"])
 def test_bad_paths_are_refused_and_the_mount_stays_up(mount, dataset, paths: Any) -> None:
     root, _files = dataset
     m = mount(root)
