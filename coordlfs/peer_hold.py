@@ -39,9 +39,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Bytes held and in flight at most: a few hundred small files, a fraction of a second of a
-#: fast link's traffic, far ahead of readers that take them as fast as they come.
-CAPACITY = 64 << 20
+#: Bytes held and in flight at most: four requests in flight per peer and as much again
+#: held, well ahead of readers that take files as fast as they come; it counts against the
+#: mount's memory beside its cache.
+CAPACITY = 16 << 20
 #: GETMANY requests in flight per peer: enough to keep a link busy across round trips.
 DEPTH = 4
 #: A held file this many places in the order behind the last file taken was passed over.

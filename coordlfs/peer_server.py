@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 
 class _Waiting(NamedTuple):
-    """A request whose range is still being filled into MinIO."""
+    """A range served from a MinIO entry, complete or still being filled."""
 
     entry: Entry
     request: Get
@@ -71,8 +71,9 @@ Answer = tuple[Kind, bytes | memoryview]
 
 @dataclass(slots=True)
 class _Later:
-    """A request some of whose files are still being filled: answered by a task once they
-    are. ``many``: a GETMANY, whose answers go out packed in one FILES frame."""
+    """A request's parts, each refused or served from an entry: answered at once when every
+    entry is complete, else by a task once they are. ``many``: a GETMANY, whose answers go
+    out packed in one FILES frame."""
 
     parts: list[Answer | _Waiting]
     many: bool
@@ -285,12 +286,11 @@ class PeerServer:
                        limit: trio.CapacityLimiter, token: object, peer: str) -> None:
         try:
             try:
-                if later.many:  # bytes, not views: the entries may go while others fill
-                    answers = [_owned(await self._answer_when_filled(part))
-                               if isinstance(part, _Waiting) else part for part in later.parts]
-                    kind, payload = Kind.FILES, encode_files(answers)
-                else:
-                    kind, payload = await self._answer_when_filled(later.parts[0])
+                for part in later.parts:  # every fill it waits for has come (or failed);
+                    if isinstance(part, _Waiting):  # an entry dropped meanwhile has failed
+                        await self.cache.wait_for(part.entry,
+                                                  part.request.offset + part.request.length)
+                kind, payload = self._reply(later)
             except Exception as e:  # a bug answering one request fails that request only
                 log.exception("answering a peer request failed")
                 kind, payload = Kind.FAIL, encode_fail(Fail.ERROR, str(e))
@@ -311,18 +311,23 @@ class PeerServer:
         try:
             if kind == Kind.GET:
                 self.stats.requests += 1
-                answer = self._answer_get(Get.decode(payload))
-                return _Later([answer], many=False) if isinstance(answer, _Waiting) else answer
-            files = GetMany.decode(payload).files
+                later = _Later([self._answer_get(Get.decode(payload))], many=False)
+            else:
+                files = GetMany.decode(payload).files
+                self.stats.batches += 1
+                self.stats.requests += len(files)
+                later = _Later([self._answer_get(wanted.get()) for wanted in files], many=True)
         except ProtocolError as e:
             return self._refuse(e)
-        self.stats.batches += 1
-        self.stats.requests += len(files)
-        answers = [self._answer_get(wanted.get()) for wanted in files]
-        if any(isinstance(a, _Waiting) for a in answers):
-            return _Later([a if isinstance(a, _Waiting) else _owned(a) for a in answers],
-                          many=True)
-        return Kind.FILES, encode_files(answers)  # type: ignore[arg-type]  # none waits
+        if any(isinstance(p, _Waiting) and not p.entry.complete for p in later.parts):
+            return later
+        return self._reply(later)
+
+    def _reply(self, later: _Later) -> Answer:
+        """The reply once every range it serves has arrived (or its fill failed): views of
+        the cache, taken with no await until the frame's checksum is (``_data``)."""
+        answers = [self._filled(p) if isinstance(p, _Waiting) else p for p in later.parts]
+        return (Kind.FILES, encode_files(answers)) if later.many else answers[0]
 
     def _refuse(self, e: ProtocolError) -> Answer:
         self.stats.refused += 1
@@ -330,8 +335,9 @@ class PeerServer:
         return Kind.FAIL, encode_fail(Fail.REFUSED, str(e))
 
     def _answer_get(self, request: Get) -> Answer | _Waiting:
-        """One range's answer, or the entry being filled that it waits for. Metadata is
-        looked up inline, as FUSE lookups are: the source's dentries are normally cached."""
+        """Why one range is not served, or the entry (complete or filling) it is served
+        from. Metadata is looked up inline, as FUSE lookups are: the source's dentries are
+        normally cached."""
         try:
             st = self._regular_file(request.path)
         except ProtocolError as e:
@@ -349,13 +355,12 @@ class PeerServer:
         if entry is None:
             self.stats.misses += 1
             return Kind.FAIL, encode_fail(Fail.MISS, "not cached here")
-        if not entry.complete:
-            return _Waiting(entry, request)
-        return self._data(entry, request)
+        return _Waiting(entry, request)
 
-    async def _answer_when_filled(self, waiting: _Waiting) -> Answer:
+    def _filled(self, waiting: _Waiting) -> Answer:
+        """The answer once the range has been filled, or its fill failed."""
         entry, request = waiting
-        if not await self.cache.wait_for(entry, request.offset + request.length):
+        if entry.failed:
             self.stats.misses += 1
             return Kind.FAIL, encode_fail(Fail.MISS, "caching failed here")
         return self._data(entry, request)
@@ -380,11 +385,6 @@ class PeerServer:
 
     def status(self) -> dict[str, Any]:
         return asdict(self.stats)
-
-
-def _owned(answer: Answer) -> Answer:
-    """An answer that no longer points into the cache's arena."""
-    return answer[0], bytes(answer[1])
 
 
 def _name(stream: trio.SocketStream) -> str:

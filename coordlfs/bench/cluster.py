@@ -31,12 +31,14 @@ from typing import Any
 
 import trio
 
+from coordlfs import peer_hold
 from coordlfs.bench import harness
 from coordlfs.bench.aligned import Plan as JobPlan
 from coordlfs.bench.aligned import budget_for
 from coordlfs.bench.children import Readers, batch_paths, running
 from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.ratios import median, ratio
+from coordlfs.config import DEFAULT_FILL_DEPTH
 from coordlfs.control import Control
 from coordlfs.control_spec import MAX_PREFETCH_PATHS, PREFETCH
 from coordlfs.errors import UserError
@@ -146,8 +148,12 @@ def _secret(work: Path) -> Path:
 def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                work: Path) -> SystemResult:
     names = [rel for rel, _size in dataset.files]
-    # a node's budget is that of one job of ``readers`` in ``bench aligned``
-    budget = budget_for(dataset, plan.cache, 0, plan.job)
+    # a node's budget is that of one job of ``readers`` in ``bench aligned``; with the order
+    # handed over, every system gets the memory the mount then holds beside its cache: the
+    # peer holding area and its replies being decoded, and the fills in flight (1 MiB each)
+    extra = (2 * peer_hold.CAPACITY + DEFAULT_FILL_DEPTH * MAX_CHUNK
+             if plan.order_handed_over else 0)
+    budget = budget_for(dataset, plan.cache, extra, plan.job)
     with contextlib.ExitStack() as stack:
         net: list[Node] | None = None
         if system == "minio+peers":
