@@ -290,8 +290,8 @@ class PublishedWatch(_Watcher):
             if self.fd < 0:
                 break
             wd = self._add_watch(directory)
-            if wd is None:
-                return False
+            if wd is None or wd in self._path_of:  # gone, or one directory under two paths
+                return False  # (a bind mount): its events could name only one
             self._wd_of[directory] = wd
             self._path_of[wd] = directory
         return self.fd >= 0
