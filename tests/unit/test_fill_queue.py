@@ -1,5 +1,5 @@
-"""The fill queue's pieces without a mount: its bounds and turns, who may prefetch what, and
-opening beneath the source's root."""
+"""The fill queue without a mount: its bounds and turns, a reader waiting on a file it fills,
+who may prefetch what, and opening beneath the source's root."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from coordlfs import fills
+from coordlfs.cache import FILL_CHUNK, WholeFileCache
 from coordlfs.control_spec import Refused
 from coordlfs.fills import BATCH, Credentials, FillQueue, open_beneath, readable
 from coordlfs.source import Source
+from coordlfs.stats import ReadCounters
 
 NOBODY = 65534
 
@@ -103,3 +106,40 @@ def test_opening_beneath_the_root_follows_no_link_and_never_leaves(tree: Source,
         open_beneath(tree.root_fd, path, os.O_RDONLY)
     assert caught.value.errno == code
     os.close(open_beneath(tree.root_fd, b"open", os.O_RDONLY))
+
+
+def test_a_reader_waits_on_the_entry_the_queue_fills(tmp_path: Path) -> None:
+    """A reader of a file the queue is filling (as through the mount: ``lookup`` finds the
+    entry) gets its start before the end has arrived, and the bytes are the source's."""
+    (tmp_path / "src").mkdir()
+    data = os.urandom(5 * FILL_CHUNK + 123)
+    (tmp_path / "src" / "big").write_bytes(data)
+    st = os.stat(tmp_path / "src" / "big")
+    source = Source(str(tmp_path / "src"))
+    cache = WholeFileCache(str(tmp_path / "cache"), 64 << 20, 64 << 20, ReadCounters())
+    q = FillQueue(cache, source, 1)
+
+    async def read() -> bool:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(q.run)
+            q.add(1, [b"big"])
+            while (entry := cache.lookup((st.st_dev, st.st_ino), st)) is None:
+                await trio.sleep(0.001)
+            assert await cache.wait_for(entry, FILL_CHUNK)
+            early = not entry.complete
+            assert bytes(cache.data(entry, 0, FILL_CHUNK)) == data[:FILL_CHUNK]
+            assert await cache.wait_for(entry, len(data))
+            assert bytes(cache.data(entry, 0, len(data))) == data
+            while q.in_flight:
+                await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()
+        return early
+
+    try:
+        assert trio.run(read)
+        assert (q.files, q.bytes) == (1, len(data))
+        assert cache.counters.files_from_source == 1
+        assert cache.counters.bytes_from_source == len(data)
+    finally:
+        cache.close(keep=False)
+        source.close()
