@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol, TypeVar
 
-from coordlfs.bench.reading import read_files
+from coordlfs.bench.reading import copy_files, read_files
+from coordlfs.client import Dataset as ClientDataset
 from coordlfs.errors import UserError
 from coordlfs.order import batches_of
 
@@ -100,29 +101,41 @@ def batch_paths(order: list[str], base: str | os.PathLike[str], batch: int) -> l
             for indices in batches_of(list(range(len(paths))), batch, drop_last=False)]
 
 
-def _reader_main(conn: Connection) -> None:
-    """A reader process: read each batch of paths it is sent, reply with the bytes read.
+def _reader_main(conn: Connection, client: str | None) -> None:
+    """A reader process: read each batch of paths it is sent, reply with the bytes read; with
+    ``client`` (a mountpoint), the paths are relative to it and read through the client, the
+    bytes copied out (the client is made at the first batch: the mount may come later).
 
     A read that fails ends the reader with the error as its reply, for the parent to report
     in one line: no traceback, also when a bench stopped by Ctrl-C takes its mount away while
     its readers are still in a batch."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us, without a traceback
     buf = bytearray(1 << 20)
+    dataset: ClientDataset | None = None
     conn.send("ready")
-    while (batch := conn.recv()) is not None:
-        try:
-            conn.send(read_files(batch, buf))
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                conn.send(f"{e.__class__.__name__}: {e}")
-            return
+    try:
+        while (batch := conn.recv()) is not None:
+            try:
+                if client and dataset is None:
+                    dataset = ClientDataset(client)
+                conn.send(copy_files(dataset, batch) if dataset else read_files(batch, buf))
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    conn.send(f"{e.__class__.__name__}: {e}")
+                return
+    finally:
+        if dataset is not None:
+            dataset.close()  # its counts reach the mount's status
 
 
 @dataclass(slots=True)
 class Readers:
-    """``count`` reader processes, fed batch by batch as a DataLoader feeds its workers."""
+    """``count`` reader processes, fed batch by batch as a DataLoader feeds its workers;
+    with ``client`` (a mountpoint) they read through ``coordlfs.client`` paths relative to
+    it."""
 
     count: int
+    client: str | None = None
     procs: list[Any] = field(default_factory=list)
     conns: list[Connection] = field(default_factory=list)
 
@@ -130,7 +143,8 @@ class Readers:
         context = multiprocessing.get_context("fork")
         for _ in range(self.count):
             parent, child = context.Pipe()
-            proc = context.Process(target=_reader_main, args=(child,), daemon=True)
+            proc = context.Process(target=_reader_main, args=(child, self.client),
+                                   daemon=True)
             proc.start()
             child.close()
             self.procs.append(proc)

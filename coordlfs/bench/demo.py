@@ -1,4 +1,5 @@
-"""Demo: bytes read from storage per epoch, kernel page cache against coordlfs's MinIO cache.
+"""Demo: bytes read from storage and time per epoch: the kernel page cache, coordlfs's mount
+and coordlfs's native client.
 
 A training job reads its whole dataset every epoch in a new random order. When the dataset is
 twice the memory available, the kernel's LRU page cache evicts most items before their next
@@ -8,7 +9,10 @@ never evicts, so every later epoch reads only ``dataset - cache`` (~0.5): the mi
 Both sides read the same files in the same shuffled orders, from a reader process whose memory
 cgroup holds half the dataset (plus the reader's own small footprint, measured). coordlfs gets
 ``--cache-size`` = half the dataset, and the kernel's page cache is dropped before each of its
-epochs so that only coordlfs's own cache can save reads.
+epochs so that only coordlfs's own cache can save reads. The same mount is read twice: with
+open/read/close (an unmodified job), then by a fresh mount through ``coordlfs.client``, the
+reader handing each epoch's order to the mount first (``prefetch``) and copying each file's
+bytes out (``bytes()``).
 
 Bytes from storage are what the processes under test had the kernel read from the disk
 (``read_bytes`` of ``/proc/PID/io``: the reader for the page cache; the daemon, which reads the
@@ -39,7 +43,8 @@ from typing import Any
 
 from coordlfs.bench import harness
 from coordlfs.bench.counters import measure_reads, process_bytes_read
-from coordlfs.bench.reading import read_files
+from coordlfs.bench.reading import copy_files, read_files
+from coordlfs.client import Dataset as ClientDataset
 from coordlfs.control import Control
 from coordlfs.errors import UserError, exit_status
 from coordlfs.mounting import free_space
@@ -59,23 +64,35 @@ READ_BUFFER = 1 << 20
 
 # -- the reader process --------------------------------------------------------------------
 
-def serve_reader() -> None:
+def serve_reader(client: str | None = None) -> None:
     """Body of the reader process: per stdin line ``{"paths": [...]}``, read them, reply.
 
-    Each file is opened, read to EOF and closed, as a data loader does. The reply is
-    ``{"seconds": s, "bytes": n}``; ``"dry": true`` only parses the request, so that the
-    footprint of handling an epoch can be measured before any file is read.
+    Each file is opened, read to EOF and closed, as a data loader does; with ``client`` (a
+    mountpoint) the paths are relative to it, handed to the mount as the order to come
+    (``prefetch``), then read through the client and copied out. The reply is ``{"seconds":
+    s, "bytes": n}``; ``"dry": true`` only parses the request, so that the footprint of
+    handling an epoch can be measured before any file is read.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us, without a traceback
     buf = bytearray(READ_BUFFER)
     for i in range(0, READ_BUFFER, 4096):
         buf[i] = 1  # fault the pages in before we report ready, like the rest of start-up
+    dataset = ClientDataset(client) if client else None
     _reply({"ready": True})
     for line in sys.stdin:
         request = json.loads(line)
         start = time.perf_counter()
-        total = 0 if request.get("dry") else read_files(request["paths"], buf)
+        total = 0
+        if request.get("dry"):
+            pass
+        elif dataset is not None:
+            dataset.prefetch(request["paths"])
+            total = copy_files(dataset, request["paths"])
+        else:
+            total = read_files(request["paths"], buf)
         _reply({"seconds": time.perf_counter() - start, "bytes": total})
+    if dataset is not None:
+        dataset.close()
 
 
 def _reply(message: dict[str, Any]) -> None:
@@ -93,8 +110,8 @@ class Reader:
     lines on its stdin and stdout rather than a multiprocessing pipe.
     """
 
-    def __init__(self) -> None:
-        code = "from coordlfs.bench.demo import serve_reader; serve_reader()"
+    def __init__(self, client: str | None = None) -> None:
+        code = f"from coordlfs.bench.demo import serve_reader; serve_reader({client!r})"
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         try:
@@ -147,14 +164,15 @@ class Reader:
 
 @contextlib.contextmanager
 def budgeted_reader(name: str, budget: int, sample: list[str], read_bps: int | None = None,
-                    throttle_path: Path | None = None) -> Iterator[tuple[Reader, int]]:
+                    throttle_path: Path | None = None,
+                    client: str | None = None) -> Iterator[tuple[Reader, int]]:
     """A reader in a memory cgroup of ``budget`` bytes plus its own footprint, measured.
 
     Yields (reader, footprint in bytes). ``sample`` is an epoch's path list: handling one
     is part of the footprint. With ``read_bps`` its reads from the disk holding
-    ``throttle_path`` are throttled too.
+    ``throttle_path`` are throttled too; with ``client`` it reads through the client.
     """
-    with Reader() as reader, memory_cgroup(name, None, reader.pid, read_bps=read_bps,
+    with Reader(client) as reader, memory_cgroup(name, None, reader.pid, read_bps=read_bps,
                                            throttle_path=throttle_path) as group:
         reader.read(sample, dry=True)
         footprint = group.memory_usage()
@@ -194,7 +212,7 @@ class Storage:
 
 
 def read_epochs(label: str, reader: Reader, dataset: Dataset, orders: list[list[str]],
-                base: Path, storage: Storage, before_epoch: Callable[[], None] | None = None,
+                base: str | Path, storage: Storage, before_epoch: Callable[[], None] | None = None,
                 control: Control | None = None) -> list[Epoch]:
     """Read every epoch's order under ``base``, counting the reads from storage per epoch.
 
@@ -244,14 +262,19 @@ def run_page_cache(dataset: Dataset, orders: list[list[str]], budget: int,
 
 
 def run_coordlfs(dataset: Dataset, orders: list[list[str]], budget: int, device: BlockDevice,
-                 read_bps: int | None, workdir: Path) -> tuple[list[Epoch], int, int]:
-    """coordlfs with ``--cache-size budget``; the same reader, limit and orders.
+                 read_bps: int | None, workdir: Path,
+                 client: bool = False) -> tuple[list[Epoch], int, int]:
+    """coordlfs with ``--cache-size budget``; the same reader, limit and orders; with
+    ``client``, a fresh mount read through the client.
 
     The kernel's page cache is dropped before each epoch, so that only coordlfs's cache can
     save reads. With ``read_bps`` the daemon (it reads the disk, not the reader) is
     throttled. Returns the epochs, the reader's footprint and the cache capacity.
     """
-    print("coordlfs (same reader and limit, caches dropped before each epoch):", flush=True)
+    label = "client" if client else "coordlfs"
+    how = "reading through coordlfs.client, each epoch's order prefetched" if client \
+        else "same reader"
+    print(f"{label} ({how} and limit, caches dropped before each epoch):", flush=True)
     mountpoint = workdir / "mnt"
     with contextlib.ExitStack() as stack:
         mount = stack.enter_context(mounted(dataset.root, mountpoint, workdir / "mount.log",
@@ -261,9 +284,11 @@ def run_coordlfs(dataset: Dataset, orders: list[list[str]], budget: int, device:
             stack.enter_context(memory_cgroup(f"{CGROUP_PREFIX}-{os.getpid()}-daemon", None,
                                               daemon, read_bps=read_bps,
                                               throttle_path=dataset.root))
+        base = "" if client else mountpoint  # the client's paths are relative to the mount
         reader, footprint = stack.enter_context(budgeted_reader(
-            f"{CGROUP_PREFIX}-{os.getpid()}", budget, dataset.paths(mountpoint)))
-        epochs = read_epochs("coordlfs", reader, dataset, orders, mountpoint,
+            f"{CGROUP_PREFIX}-{os.getpid()}", budget, dataset.paths(base),
+            client=str(mountpoint) if client else None))
+        epochs = read_epochs(label, reader, dataset, orders, base,
                              Storage(device, [daemon, reader.pid]), before_epoch=drop_caches,
                              control=control)
         return epochs, footprint, control.status()["cache"]["capacity_bytes"]
@@ -299,6 +324,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                   args.read_bps)
         ours, cl_footprint, capacity = run_coordlfs(dataset, orders, budget, device,
                                                     args.read_bps, workdir)
+        client, client_footprint, client_capacity = run_coordlfs(
+            dataset, orders, budget, device, args.read_bps, workdir, client=True)
     return {
         "dataset": {"root": str(dataset.root), "files": len(dataset.files),
                     "bytes": dataset.total_bytes, "reused": dataset.reused,
@@ -312,7 +339,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "cache_used_bytes": ours[-1].cache_used_bytes,
                      "reader_footprint_bytes": cl_footprint,
                      "epochs": [asdict(e) for e in ours]},
+        "client": {"cache_capacity_bytes": client_capacity,
+                   "cache_used_bytes": client[-1].cache_used_bytes,
+                   "reader_footprint_bytes": client_footprint,
+                   "epochs": [asdict(e) for e in client]},
         "later_epochs_ratio": _later_ratio(page_cache, ours),
+        "client_later_epochs_ratio": _later_ratio(page_cache, client),
+        "client_time_ratios": [round(c.seconds / p.seconds, 3)
+                               for p, c in zip(page_cache, client, strict=True)],
     }
 
 
@@ -323,19 +357,50 @@ def _later_ratio(page_cache: list[Epoch], ours: list[Epoch]) -> float | None:
     return round(mine / theirs, 4) if theirs else None
 
 
+def _epochs(numbers: list[int]) -> str:
+    """``[1, 2, 3]`` -> "epochs 1-3", ``[2]`` -> "epoch 2", ``[1, 3]`` -> "epochs 1, 3"."""
+    if not numbers:
+        return "no epoch"
+    if len(numbers) == 1:
+        return f"epoch {numbers[0]}"
+    if numbers == list(range(numbers[0], numbers[-1] + 1)):
+        return f"epochs {numbers[0]}-{numbers[-1]}"
+    return "epochs " + ", ".join(map(str, numbers))
+
+
+def verdict(name: str, mine: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> str:
+    """One plain sentence: where ``name`` wins and loses against the page cache, in time and
+    in bytes from storage (within 1% is as much)."""
+    pairs = list(zip(mine, theirs, strict=True))
+    faster = [m["epoch"] for m, t in pairs if m["seconds"] < t["seconds"]]
+    slower = [m["epoch"] for m, t in pairs if m["seconds"] >= t["seconds"]]
+    less = [m["epoch"] for m, t in pairs if m["storage_bytes"] < 0.99 * t["storage_bytes"]]
+    more = [m["epoch"] for m, t in pairs if m["storage_bytes"] > 1.01 * t["storage_bytes"]]
+    times = ", ".join(f"{m['seconds']:.2f}" for m in mine)
+    page = ", ".join(f"{t['seconds']:.2f}" for t in theirs)
+    return (f"The {name} beats the page cache on time in {_epochs(faster)} and loses in "
+            f"{_epochs(slower)} ({times} s against {page} s); it reads less from storage in "
+            f"{_epochs(less)} and more in {_epochs(more)}.")
+
+
 def format_report(report: dict[str, Any]) -> str:
-    """The side-by-side table, and the ratio for the epochs after the first."""
+    """The side-by-side table (bytes from storage and seconds per epoch), the ratio for the
+    epochs after the first, and a sentence per coordlfs side on who wins where."""
     total = report["dataset"]["bytes"]
 
     def cell(e: dict[str, Any]) -> str:
         return f"{format_size(e['storage_bytes']):>10} ({e['storage_bytes'] / total:.2f})" \
-               f" {e['seconds']:8.1f}"
+               f" {e['seconds']:6.2f} s"
 
-    lines = ["epoch | page cache: from storage  seconds | coordlfs: from storage    seconds",
-             "------+-----------------------------------+----------------------------------"]
-    for theirs, mine in zip(report["page_cache"]["epochs"], report["coordlfs"]["epochs"],
-                            strict=True):
-        lines.append(f"{theirs['epoch']:5d} |        {cell(theirs)} |      {cell(mine)}")
+    lines = ["epoch | page cache: from storage, time | coordlfs mount: ditto     "
+             "| coordlfs client: ditto",
+             "------+--------------------------------+---------------------------"
+             "+---------------------------"]
+    for theirs, mine, client in zip(report["page_cache"]["epochs"],
+                                    report["coordlfs"]["epochs"], report["client"]["epochs"],
+                                    strict=True):
+        lines.append(f"{theirs['epoch']:5d} |     {cell(theirs)} | {cell(mine)} | "
+                     f"{cell(client)}")
     ratio = report["later_epochs_ratio"]
     epochs = len(report["coordlfs"]["epochs"])
     if ratio is not None:
@@ -345,7 +410,10 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{later}: coordlfs read {ratio:.2f}x the bytes the page cache read from "
                      f"storage ({sum(cl) / len(cl):.2f} vs {sum(pc) / len(pc):.2f} of the "
                      "dataset per epoch)")
-    epochs_all = report["page_cache"]["epochs"] + report["coordlfs"]["epochs"]
+    for name, side in (("mount", "coordlfs"), ("client", "client")):
+        lines.append(verdict(name, report[side]["epochs"], report["page_cache"]["epochs"]))
+    epochs_all = (report["page_cache"]["epochs"] + report["coordlfs"]["epochs"]
+                  + report["client"]["epochs"])
     others = sum(e["device_bytes"] - e["storage_bytes"] for e in epochs_all)
     if others > 0.05 * total * len(epochs_all):
         lines.append(f"note: {report['device']} served {format_size(others)} more to other "

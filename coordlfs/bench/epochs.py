@@ -8,7 +8,11 @@ the budget B, on storage throttled by a blkio limit:
 * page cache: the readers read the source directly; the kernel's LRU keeps what fits in B;
 * coordlfs: the readers read the mount and the daemon joins their cgroup, so its cache
   (B minus the daemon's and the readers' own memory, printed), the daemon and the kernel's
-  pages of the mount all share B.
+  pages of the mount all share B;
+* client: the same mount and budget, the readers read through ``coordlfs.client`` (a hit is
+  a view of the cache's shared memory, copied out with ``bytes()``; a miss goes through the
+  mount), and the trainer hands each epoch's order to the mount before it starts
+  (``prefetch``), as ``AlignedSampler`` does.
 
 Bytes from storage are the kernel's per-process counters (``/proc/PID/io`` ``read_bytes`` of
 the readers, or of the daemon), not coordlfs's. A trainer loop consumes the batches in order,
@@ -23,6 +27,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +36,7 @@ from coordlfs.bench import harness
 from coordlfs.bench.children import Readers, batch_paths, running
 from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.ratios import median, ratio
+from coordlfs.client import Dataset as ClientDataset
 from coordlfs.errors import UserError
 from coordlfs.sizes import format_size, parse_size
 from coordlfs.testbed.cgroup import Cgroup, memory_cgroup
@@ -139,14 +145,21 @@ class ConfigResult:
 
 
 def run_epochs(system: str, group: Readers, storage_pids: list[int], dataset: Dataset,
-               base: Path, settings: Settings) -> ConfigResult:
+               base: str | Path, settings: Settings,
+               before_epoch: Callable[[list[str]], Any] | None = None) -> ConfigResult:
+    """Every epoch's batches under ``base``; ``before_epoch`` is given each epoch's order
+    first (the client's trainer hands it to the mount), in the epoch's time."""
     orders = epoch_orders(dataset, settings.epochs, settings.seed)
     results = []
     with Sampler(storage_pids) as sampler:
         for number, order in enumerate(orders, 1):
             before = sampler.bytes()
-            seconds, waited, got = group.epoch(batch_paths(order, base, settings.batch),
-                                               settings.compute_ms / 1000)
+            batches = batch_paths(order, base, settings.batch)
+            started = time.perf_counter()
+            if before_epoch is not None:
+                before_epoch(order)
+            _seconds, waited, got = group.epoch(batches, settings.compute_ms / 1000)
+            seconds = time.perf_counter() - started  # the hand-over counts too
             if got != dataset.total_bytes:
                 raise UserError(f"{system}: read {got} bytes in epoch {number}, the dataset "
                                 f"has {dataset.total_bytes}")
@@ -197,10 +210,14 @@ def cache_size_for(budget: int, dataset: Dataset, readers_memory: int, readers: 
     return max(0, room)
 
 
-def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path) -> ConfigResult:
+def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path,
+                 client: bool = False) -> ConfigResult:
+    """Through the mount; with ``client``, through ``coordlfs.client`` with each epoch's
+    order handed over first."""
     name = f"{CGROUP_PREFIX}-{os.getpid()}"
     mountpoint = work / "mnt"
-    with running(Readers(settings.readers)) as group, _group(name, settings, dataset) as cgroup:
+    readers = Readers(settings.readers, str(mountpoint) if client else None)
+    with running(readers) as group, _group(name, settings, dataset) as cgroup:
         for pid in group.pids:
             cgroup.add(pid)
         memory = cgroup.memory_usage()
@@ -213,7 +230,12 @@ def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path) 
             cgroup.add(daemon)
             cgroup.set_memory_limit(budget)
             drop_caches()
-            result = run_epochs("coordlfs", group, [daemon], dataset, mountpoint, settings)
+            if client:
+                with ClientDataset(mountpoint) as trainer:
+                    result = run_epochs("client", group, [daemon], dataset, "", settings,
+                                        trainer.prefetch)
+            else:
+                result = run_epochs("coordlfs", group, [daemon], dataset, mountpoint, settings)
             result.peak_memory_bytes = cgroup.peak_memory()
     result.cache_capacity_bytes = capacity
     result.readers_memory_bytes = memory
@@ -227,27 +249,39 @@ def later(result: ConfigResult, attribute: str) -> float:
     return sum(getattr(e, attribute) for e in result.epochs[1:])
 
 
-def summarize(runs: list[tuple[ConfigResult, ConfigResult]]) -> dict[str, Any]:
-    """Medians over repeated runs of page cache ÷ coordlfs, epochs after the first."""
-    storage = [ratio(later(pc, "storage_bytes"), later(cl, "storage_bytes")) for pc, cl in runs]
-    times = [ratio(later(pc, "seconds"), later(cl, "seconds")) for pc, cl in runs]
+def summarize(runs: list[tuple[ConfigResult, ...]]) -> dict[str, Any]:
+    """Medians over repeated runs of page cache ÷ coordlfs (the mount, then the client where
+    runs have it), epochs after the first, and the first (cold) epoch's time alone."""
 
     def fraction(index: int) -> float | None:
         values = [run[index].epochs[i].storage_fraction for run in runs
                   for i in range(1, len(run[index].epochs))]
         return median(values)
 
-    return {
-        "storage_bytes_ratio": median(storage),
-        "epoch_time_ratio": median(times),
-        "storage_bytes_ratio_runs": storage,
-        "epoch_time_ratio_runs": times,
-        "page_cache_storage_fraction": fraction(0),
-        "coordlfs_storage_fraction": fraction(1),
-    }
+    summary: dict[str, Any] = {}
+    for index, prefix in ((1, ""), (2, "client_")):
+        if any(len(run) <= index for run in runs):
+            break
+        storage = [ratio(later(run[0], "storage_bytes"), later(run[index], "storage_bytes"))
+                   for run in runs]
+        times = [ratio(later(run[0], "seconds"), later(run[index], "seconds")) for run in runs]
+        first = [ratio(run[0].epochs[0].seconds, run[index].epochs[0].seconds) for run in runs]
+        summary |= {
+            f"{prefix}storage_bytes_ratio": median(storage),
+            f"{prefix}epoch_time_ratio": median(times),
+            f"{prefix}first_epoch_time_ratio": median(first),
+            f"{prefix}storage_bytes_ratio_runs": storage,
+            f"{prefix}epoch_time_ratio_runs": times,
+            f"{prefix}first_epoch_time_ratio_runs": first,
+        }
+    summary["page_cache_storage_fraction"] = fraction(0)
+    summary["coordlfs_storage_fraction"] = fraction(1)
+    if "client_epoch_time_ratio" in summary:
+        summary["client_storage_fraction"] = fraction(2)
+    return summary
 
 
-def plot(path: str, runs: list[tuple[ConfigResult, ConfigResult]]) -> None:
+def plot(path: str, runs: list[tuple[ConfigResult, ...]]) -> None:
     try:
         import matplotlib
 
@@ -266,9 +300,9 @@ def plot(path: str, runs: list[tuple[ConfigResult, ConfigResult]]) -> None:
     left.set(xlabel="seconds", ylabel="storage reads, MB/s", title="Storage read throughput")
     left.set_ylim(bottom=0)
     left.legend()
-    width = 0.4
+    width = 0.8 / len(runs[0])
     for k, result in enumerate(runs[0]):
-        xs = [e.epoch + (k - 0.5) * width for e in result.epochs]
+        xs = [e.epoch + (k - (len(runs[0]) - 1) / 2) * width for e in result.epochs]
         right.bar(xs, [e.storage_fraction for e in result.epochs], width, label=result.system)
     right.set(xlabel="epoch", ylabel="fraction of the dataset",
               title="Bytes from storage per epoch")
@@ -279,7 +313,7 @@ def plot(path: str, runs: list[tuple[ConfigResult, ConfigResult]]) -> None:
 
 # -- the command ---------------------------------------------------------------------------
 
-def format_table(runs: list[tuple[ConfigResult, ConfigResult]]) -> str:
+def format_table(runs: list[tuple[ConfigResult, ...]]) -> str:
     lines = ["system      epoch  seconds  from storage  files/s  stall%"]
     for result in runs[0] if len(runs) == 1 else ():
         for e in result.epochs:
@@ -299,7 +333,8 @@ def run(args: argparse.Namespace) -> int:
           f"({budget / dataset.total_bytes:.0%}); throttle "
           f"{harness.describe_throttle(settings.throttle)}", flush=True)
     runs = [(run_page_cache(dataset, budget, settings),
-             run_coordlfs(dataset, budget, settings, work))
+             run_coordlfs(dataset, budget, settings, work),
+             run_coordlfs(dataset, budget, settings, work, client=True))
             for _number in harness.repeated(settings.repeat)]
     summary = summarize(runs)
     if settings.repeat == 1:
@@ -309,11 +344,17 @@ def run(args: argparse.Namespace) -> int:
           f"{summary['coordlfs_storage_fraction']} of the dataset per epoch; "
           f"storage_bytes_ratio {summary['storage_bytes_ratio']}, "
           f"epoch_time_ratio {summary['epoch_time_ratio']}")
+    print(f"client (page cache ÷ client): first epoch's time "
+          f"{summary['client_first_epoch_time_ratio']}, later epochs' time "
+          f"{summary['client_epoch_time_ratio']}, storage_bytes_ratio "
+          f"{summary['client_storage_bytes_ratio']} (the mount's first epoch: "
+          f"{summary['first_epoch_time_ratio']})")
     harness.write_report(args.json, {
         "dataset": harness.dataset_record(dataset),
         "budget_bytes": budget,
         "settings": asdict(settings),
-        "runs": [{"page_cache": asdict(pc), "coordlfs": asdict(cl)} for pc, cl in runs],
+        "runs": [{"page_cache": asdict(pc), "coordlfs": asdict(cl), "client": asdict(client)}
+                 for pc, cl, client in runs],
         "summary": summary,
     })
     if args.plot:

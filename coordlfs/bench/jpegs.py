@@ -25,6 +25,7 @@ import torch
 from PIL import Image, ImageFilter
 from torch.utils.data import Dataset as TorchDataset
 
+from coordlfs.adapters import open_binary
 from coordlfs.errors import UserError
 from coordlfs.testbed.dataset import Dataset, intact, read_manifest, rewrite, write_manifest
 
@@ -151,14 +152,13 @@ def to_tensor(image: Image.Image) -> torch.Tensor:
     return (chw.float().div_(255) - _MEAN).div_(_STD)
 
 
-def read_whole(path: str, drop_pages: bool) -> bytes:
-    """The file's bytes; with ``drop_pages`` its pages then leave the kernel's page cache
+def read_dropping_pages(path: str) -> bytes:
+    """The file's bytes, whose pages then leave the kernel's page cache
     (``POSIX_FADV_DONTNEED``), so the next epoch reads it from the mount again, as it would
     from a dataset larger than memory."""
     with open(path, "rb", buffering=0) as f:
         data = f.read()
-        if drop_pages:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     return data
 
 
@@ -188,7 +188,11 @@ class JpegFolder(TorchDataset[tuple[torch.Tensor, int]]):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[index]
-        with Image.open(io.BytesIO(read_whole(path, self.drop_pages))) as image:
+        # through the client where a coordlfs mount holds the file (a hit: no system call, no
+        # copy); with drop_pages the POSIX path, whose pages a job can drop after each file
+        # to act out a dataset larger than memory
+        source = io.BytesIO(read_dropping_pages(path)) if self.drop_pages else open_binary(path)
+        with source, Image.open(source) as image:
             rgb = image if image.mode == "RGB" else image.convert("RGB")
             cropped = rgb.resize((self.crop, self.crop), Image.Resampling.BILINEAR,
                                  box=crop_box(*rgb.size))

@@ -78,6 +78,19 @@ def test_summary_is_page_cache_over_coordlfs_after_the_first_epoch() -> None:
     assert summary["epoch_time_ratio"] == 2.0
     assert summary["storage_bytes_ratio_runs"] == [1.6, 1.8, 1.4]
     assert summary["coordlfs_storage_fraction"] == 0.5
+    assert "client_epoch_time_ratio" not in summary  # runs without the client
+
+
+def test_summary_has_the_client_beside_the_mount() -> None:
+    runs = [(_result("page cache", [9, 8, 8], [100, 80, 80]),
+             _result("coordlfs", [9, 4, 4], [100, 50, 50]),
+             _result("client", [3, 2, 2], [100, 40, 40]))] * 2
+    summary = summarize(runs)
+    assert summary["epoch_time_ratio"] == 2.0 and summary["first_epoch_time_ratio"] == 1.0
+    assert summary["client_epoch_time_ratio"] == 4.0
+    assert summary["client_first_epoch_time_ratio"] == 3.0
+    assert summary["client_storage_bytes_ratio"] == 2.0
+    assert summary["client_storage_fraction"] == 0.4
 
 
 def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
@@ -88,12 +101,14 @@ def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
                        "--readers", "2", "--plot", str(tmp_path / "epochs.png"))
     total = report["dataset"]["bytes"]
     run = report["runs"][0]
-    for system in ("page_cache", "coordlfs"):
+    for system in ("page_cache", "coordlfs", "client"):
         first, second = run[system]["epochs"]
         assert first["storage_bytes"] >= total * 0.99
         assert second["storage_bytes"] <= total * 0.01
     assert run["coordlfs"]["cache_capacity_bytes"] >= total
-    assert set(report["summary"]) >= {"storage_bytes_ratio", "epoch_time_ratio"}
+    assert set(report["summary"]) >= {"storage_bytes_ratio", "epoch_time_ratio",
+                                      "client_epoch_time_ratio", "client_first_epoch_time_ratio",
+                                      "client_storage_bytes_ratio", "client_storage_fraction"}
     assert (tmp_path / "epochs.png").read_bytes()[:4] == b"\x89PNG"
     assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
     assert not list(Path("/sys/fs/cgroup/memory").rglob("coordlfs-epochs-*"))

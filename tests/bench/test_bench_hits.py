@@ -149,6 +149,9 @@ def test_summary_ratios_are_medians_over_medians() -> None:
     assert summary["coordlfs_cache_vs_tmpfs"]["4"] == pytest.approx(3.6)
     assert summary["goal"] == hits.GOAL
     assert summary["goal_met"] is True
+    # the client's speeds are 1000 files/s, as are tmpfs's
+    assert summary["client_vs_tmpfs"]["1"] == pytest.approx(1.0)
+    assert summary["client_goal_met"] is False
 
 
 def test_goal_is_missed_below_ninety_percent() -> None:
@@ -205,12 +208,18 @@ def test_tiny_run_reports_every_figure_and_cleans_up(tmp_path: Path) -> None:
     assert {"machine", "settings", "cases", "results", "coordlfs_reads", "summary"} <= set(report)
     summary = report["summary"]
     for key in ("coordlfs_cache_vs_bare", "coordlfs_warm_vs_bare_warm",
-                "coordlfs_cache_vs_bare_paired"):
+                "coordlfs_cache_vs_bare_paired", "client_vs_tmpfs", "client_vs_tmpfs_paired",
+                "client_vs_coordlfs_cache"):
         assert set(summary[key]) == {"1", "4", "sequential"}
     assert isinstance(summary["goal_met"], bool)
+    assert isinstance(summary["client_goal_met"], bool)
+    assert "coordlfs client, bytes copied out" in result.stdout
     cases = {(r["case"], r["readers"]) for r in report["results"]}
     assert cases == {(c.key, n) for c in hits.CASES for n in (1, 4, 0)}
     assert all(r["files_per_s"] > 0 and len(r["runs"]) == 1 for r in report["results"])
-    # every measured coordlfs read was a hit
+    # every measured coordlfs read was a hit, the client's from shared memory: 50 small
+    # files with 1 and 4 readers, and the big file (more if a run was disturbed and retaken)
     assert report["coordlfs_reads"]["bytes_from_source"] == 0
+    assert report["coordlfs_reads"]["client_hits"] >= 50 * 2 + 1
+    assert report["coordlfs_reads"]["client_misses"] == 0
     assert _leftovers() <= before

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import force_unmount
 
+from coordlfs.bench import demo
 from coordlfs.bench.counters import measure_reads, process_bytes_read
 from coordlfs.errors import UserError
 from coordlfs.mounting import mount_at
@@ -38,6 +39,19 @@ def _has_cgroup_v1(controller: str) -> bool:
 
 
 # -- dataset ----------------------------------------------------------------------------------
+
+def test_verdict_says_where_each_side_wins() -> None:
+    def epochs(*pairs: tuple[float, int]) -> list[dict]:
+        return [{"epoch": i, "seconds": s, "storage_bytes": b}
+                for i, (s, b) in enumerate(pairs, 1)]
+
+    page_cache = epochs((1.0, 100), (1.0, 80), (1.0, 80))
+    client = epochs((2.0, 100), (0.5, 50), (0.4, 50))
+    assert demo.verdict("client", client, page_cache) == (
+        "The client beats the page cache on time in epochs 2-3 and loses in epoch 1 (2.00, "
+        "0.50, 0.40 s against 1.00, 1.00, 1.00 s); it reads less from storage in epochs 2-3 "
+        "and more in no epoch.")
+
 
 def test_layout_is_deterministic_with_a_realistic_spread() -> None:
     spec = DatasetSpec(files=3000, seed=1)
@@ -286,6 +300,18 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert second["source_bytes"] <= second["storage_bytes"] < second["source_bytes"] + (2 << 20)
     assert theirs["epochs"][0]["storage_bytes"] >= 0.95 * total
     assert isinstance(report["later_epochs_ratio"], float)
+    # the client: a fresh mount, the same orders, each epoch's bytes and time
+    client = report["client"]
+    assert [e["epoch"] for e in client["epochs"]] == [1, 2, 3]
+    for e in client["epochs"]:
+        assert set(e) == set(ours["epochs"][0]) and e["seconds"] > 0
+    assert client["cache_capacity_bytes"] == total // 2
+    assert 0 < client["cache_used_bytes"] <= total // 2
+    assert client["epochs"][0]["source_bytes"] >= total // 2
+    assert len(report["client_time_ratios"]) == 3
+    assert isinstance(report["client_later_epochs_ratio"], float)
+    assert "The mount beats the page cache on time in" in stdout
+    assert "The client beats the page cache on time in" in stdout
 
 
 @needs_demo
