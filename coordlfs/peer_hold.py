@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 
 #: Bytes held and in flight at most: four requests in flight per peer and as much again
 #: held, well ahead of readers that take files as fast as they come; it counts against the
-#: mount's memory beside its cache.
-CAPACITY = 16 << 20
+#: mount's memory beside its cache. (A held file is a view of its batch's reply, which goes
+#: when the last of its files has.)
+CAPACITY = 8 << 20
 #: GETMANY requests in flight per peer: enough to keep a link busy across round trips.
 DEPTH = 4
 #: A held file this many places in the order behind the last file taken was passed over.
@@ -68,7 +69,7 @@ class _Item:
     #: its place in the order handed over
     position: int
     state: _State = _State.QUEUED
-    data: bytes | None = None
+    data: bytes | memoryview | None = None
     arrived: trio.Event = field(default_factory=trio.Event)
 
     @property
@@ -140,7 +141,8 @@ class PeerHold:
             return before[0]
         return after[0] if after and self._no_room(st.st_size) else None
 
-    async def take(self, path: bytes, st: os.stat_result) -> tuple[PeerLink, bytes] | None:
+    async def take(self, path: bytes, st: os.stat_result
+                   ) -> tuple[PeerLink, bytes | memoryview] | None:
         """The file's bytes and the peer they came from, if the area holds this version or
         its batch is on the way (then this waits for it, at most the peer's timeout); None
         otherwise, and the reader fetches it as it would without an order."""
@@ -237,7 +239,7 @@ class PeerHold:
 
     async def _fetch(self, link: PeerLink, batch: list[_Item], in_flight: trio.Semaphore
                      ) -> None:
-        results: list[bytes | None] = [None] * len(batch)
+        results: list[bytes | memoryview | None] = [None] * len(batch)
         try:
             self.stats["batches"] += 1
             results = await self.peers.read_many(link, [(i.path, i.st) for i in batch])

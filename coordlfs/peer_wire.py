@@ -437,10 +437,10 @@ class GetMany:
             raise ProtocolError(f"bad GETMANY: {problem}")
         return request
 
-    def decode_reply(self, payload: bytes) -> list[bytes | tuple[Fail, str]]:
-        """Per file, in order: its bytes, or why it was not served. A reply with another
-        count of files, or a file of another length, is a ProtocolError: a peer that lies
-        about a file is not trusted with the others."""
+    def decode_reply(self, payload: bytes) -> list[memoryview | tuple[Fail, str]]:
+        """Per file, in order: its bytes (a view of ``payload``, not a copy), or why it was
+        not served. A reply with another count of files, or a file of another length, is a
+        ProtocolError: a peer that lies about a file is not trusted with the others."""
         view, at, answers = memoryview(payload), 0, []
         for f in self.files:
             if len(view) < at + FILES_ENTRY.size:
@@ -450,7 +450,7 @@ class GetMany:
             at += FILES_ENTRY.size
             if len(view) < at + length:
                 raise ProtocolError("FILES reply ends inside a file")
-            body = bytes(view[at:at + length])
+            body = view[at:at + length]
             at += length
             if code == 0:
                 if length != f.size:

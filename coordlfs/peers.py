@@ -115,7 +115,7 @@ class PeerLink:
             await self._lied(stream, f"answered a GET with {kind.name}")
         return kind, payload
 
-    async def get_many(self, request: GetMany) -> list[bytes | tuple[Fail, str]]:
+    async def get_many(self, request: GetMany) -> list[memoryview | tuple[Fail, str]]:
         """Several whole files in one round trip: per file its bytes or why not. A refusal
         of the whole request fails every file; a reply that lies about any file (another
         count, another length) marks the peer down."""
@@ -312,15 +312,19 @@ class Peers:
                 self._not_served(link, path, *decode_fail(payload))
                 return None
             chunks.append(payload)
-        return self._served(link, b"".join(chunks))
+        data = b"".join(chunks)
+        self._served(link, len(data))
+        return data
 
     async def read_many(self, link: PeerLink,
-                        files: list[tuple[bytes, os.stat_result]]) -> list[bytes | None]:
+                        files: list[tuple[bytes, os.stat_result]]
+                        ) -> list[bytes | memoryview | None]:
         """Whole files (at most ``GetMany.fits`` of them) from ``link``'s cache, in one round
-        trip if the peer takes GETMANY, else one GET each, all at once; per file its bytes or
+        trip if the peer takes GETMANY (each file a view of the one reply: the reply's memory
+        goes when all its files have), else one GET each, all at once; per file its bytes or
         None (the reader asks again, or reads local storage)."""
+        results: list[bytes | memoryview | None] = [None] * len(files)
         if not link.serves_many:  # an older peer, or no connection yet
-            results: list[bytes | None] = [None] * len(files)
 
             async def one(i: int, path: bytes, st: os.stat_result) -> None:
                 results[i] = await self.read(link, path, st, 0, st.st_size)
@@ -334,19 +338,17 @@ class Peers:
             answers = await link.get_many(request)
         except PeerDown:
             return [None] * len(files)
-        results = []
-        for (path, _st), answer in zip(files, answers, strict=True):
-            if isinstance(answer, bytes):
-                results.append(self._served(link, answer))
+        for i, ((path, _st), answer) in enumerate(zip(files, answers, strict=True)):
+            if isinstance(answer, memoryview):
+                self._served(link, len(answer))
+                results[i] = answer
             else:
                 self._not_served(link, path, *answer)
-                results.append(None)
         return results
 
-    def _served(self, link: PeerLink, data: bytes) -> bytes:
-        link.stats.bytes += len(data)
-        self.counters.bytes_from_peers += len(data)
-        return data
+    def _served(self, link: PeerLink, size: int) -> None:
+        link.stats.bytes += size
+        self.counters.bytes_from_peers += size
 
     def _not_served(self, link: PeerLink, path: bytes, code: Fail, message: str) -> None:
         if code == Fail.STALE:
@@ -365,7 +367,8 @@ class Peers:
         holding area (``coordlfs.peer_hold``); returns how many."""
         return self.hold.prefetch(paths) if self.hold is not None else 0
 
-    async def held(self, path: bytes, st: os.stat_result) -> tuple[PeerLink, bytes] | None:
+    async def held(self, path: bytes, st: os.stat_result
+                   ) -> tuple[PeerLink, bytes | memoryview] | None:
         """The file from the holding area, if it is there (or on its way) at this version."""
         return await self.hold.take(path, st) if self.hold is not None else None
 

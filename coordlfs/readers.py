@@ -115,7 +115,7 @@ class CacheReader(Reader):
 class Held(Reader):
     """Bytes of the file held by the handle, starting at ``offset`` in it."""
 
-    def __init__(self, data: bytes = b"", offset: int = 0) -> None:
+    def __init__(self, data: bytes | memoryview = b"", offset: int = 0) -> None:
         self.data = data
         self.offset = offset
 
@@ -199,8 +199,8 @@ class PeerReader(Held):
     peer fails (down, or it no longer holds this version) the rest streams from local
     storage."""
 
-    def __init__(self, readers: Readers, handle: Handle, link: PeerLink, data: bytes,
-                 offset: int) -> None:
+    def __init__(self, readers: Readers, handle: Handle, link: PeerLink,
+                 data: bytes | memoryview, offset: int) -> None:
         super().__init__(data, offset)
         self.readers = readers
         self.handle = handle

@@ -150,9 +150,10 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
     names = [rel for rel, _size in dataset.files]
     # a node's budget is that of one job of ``readers`` in ``bench aligned``; with the order
     # handed over, every system gets the memory the mount then holds beside its cache: the
-    # peer holding area and its replies being decoded, and the fills in flight (1 MiB each)
-    extra = (2 * peer_hold.CAPACITY + DEFAULT_FILL_DEPTH * MAX_CHUNK
-             if plan.order_handed_over else 0)
+    # peer holding area, the replies in flight to and from the peer (a MiB each), and the
+    # fills in flight (a MiB each), twice over for the allocator's slack
+    extra = 2 * (peer_hold.CAPACITY + 2 * peer_hold.DEPTH * MAX_CHUNK
+                 + DEFAULT_FILL_DEPTH * MAX_CHUNK) if plan.order_handed_over else 0
     budget = budget_for(dataset, plan.cache, extra, plan.job)
     with contextlib.ExitStack() as stack:
         net: list[Node] | None = None
@@ -199,13 +200,9 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                 order = epoch_order(plan.job.seed, epoch, len(names))
                 before = [_counters(pids, control)
                           for pids, control in zip(storage_pids, controls, strict=True)]
-                shares = [[names[k] for k in order[i::plan.nodes]] for i in range(plan.nodes)]
-                if plan.order_handed_over:
-                    for share, control in zip(shares, controls, strict=True):
-                        hand_over(control, share)
-                futures = [pool.submit(groups[i].epoch,
-                                       batch_paths(shares[i], bases[i], plan.job.batch),
-                                       plan.job.compute_s)
+                futures = [pool.submit(node_epoch, groups[i], bases[i],
+                                       [names[k] for k in order[i::plan.nodes]], plan,
+                                       controls[i] if plan.order_handed_over else None)
                            for i in range(plan.nodes)]
                 done = [f.result() for f in futures]
                 after = [_counters(pids, control)
@@ -226,13 +223,19 @@ def _peer_counters(control: Control | None) -> dict[str, Any]:
             "served_files": status["served"]["requests"]}
 
 
-def hand_over(control: Control | None, order: list[str]) -> None:
-    """Tell a mount the order its node reads next, as a job that knows it does (the page
-    cache has no such command); counted in the epoch's time."""
-    if control is None:
-        return
-    for start in range(0, len(order), MAX_PREFETCH_PATHS):
-        control.call(PREFETCH, paths=order[start:start + MAX_PREFETCH_PATHS])
+def node_epoch(readers: Readers, base: Path, share: list[str], plan: Plan,
+               told: Control | None) -> tuple[float, float, int]:
+    """One node's epoch: (seconds, seconds waiting for data, bytes). A mount ``told`` the
+    order first gets it as a job that knows its order hands it over (``prefetch``, in
+    pieces), and the time that takes counts as waiting."""
+    started = time.perf_counter()
+    if told is not None:
+        for start in range(0, len(share), MAX_PREFETCH_PATHS):
+            told.call(PREFETCH, paths=share[start:start + MAX_PREFETCH_PATHS])
+    telling = time.perf_counter() - started
+    seconds, waited, got = readers.epoch(batch_paths(share, base, plan.job.batch),
+                                         plan.job.compute_s)
+    return seconds + telling, waited + telling, got
 
 
 def _counters(pids: list[int], control: Control | None) -> tuple[int, int]:

@@ -29,18 +29,23 @@ def test_summary_is_minio_over_peers_after_the_first_epoch() -> None:
     assert summarize(zero)["storage_bytes_ratio"] is None  # no storage reads: no finite ratio
 
 
-def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
-    """Two nodes each caching 60%: with peers the second epoch reads nothing from storage."""
+def small_run(tmp_path: Path, daemon_logs: list[Path], *options: str) -> dict:
+    """Two nodes, 300 files of 64 KB, each node caching 60%, two epochs: the JSON report."""
     daemon_logs.append(tmp_path / "work")
     out = tmp_path / "cluster.json"
     result = subprocess.run(
         [sys.executable, "-m", "coordlfs", "bench", "cluster", "--make", "300:64K",
          "--work", str(tmp_path / "work"), "--nodes", "2", "--cache", "0.6", "--throttle",
          "none", "--link", "1gbit", "--epochs", "2", "--readers", "2", "--no-throughput",
-         "--json", str(out)],
+         *options, "--json", str(out)],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
+    """Two nodes each caching 60%: with peers the second epoch reads nothing from storage."""
+    report = small_run(tmp_path, daemon_logs)
     total = report["dataset"]["bytes"]
     systems = report["runs"][0]
     assert set(systems) == {"page cache", "minio", "minio+peers"}
@@ -65,16 +70,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
 def test_small_run_with_the_order_handed_over(tmp_path: Path, daemon_logs: list[Path]) -> None:
     """Each mount told its node's order before each epoch: the files the other node caches
     come ahead in batches, and a reader's miss finds them held."""
-    daemon_logs.append(tmp_path / "work")
-    out = tmp_path / "cluster.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "coordlfs", "bench", "cluster", "--make", "300:64K",
-         "--work", str(tmp_path / "work"), "--nodes", "2", "--cache", "0.6", "--throttle",
-         "none", "--link", "1gbit", "--epochs", "2", "--readers", "2", "--no-throughput",
-         "--order-handed-over", "--json", str(out)],
-        capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(out.read_text())
+    report = small_run(tmp_path, daemon_logs, "--order-handed-over")
     assert report["settings"]["order_handed_over"] is True
     peers = report["runs"][0]["minio+peers"]
     assert sum(n["storage_bytes"] for n in peers["epochs"][1]) == 0

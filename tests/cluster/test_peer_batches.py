@@ -5,8 +5,6 @@ peers as real processes (``fake_peer.py``); and the holding area's bounds, in-pr
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +13,16 @@ import pytest
 import trio
 import trio.testing
 from conftest import Mount
-from test_peers import HERE, cluster, copies, free_port, node, read_files, reads, source_digests
+from test_peers import (
+    cluster,
+    copies,
+    fake_peer,
+    free_port,
+    node,
+    read_files,
+    reads,
+    source_digests,
+)
 
 from coordlfs import control_spec, peer_hold
 from coordlfs.control import Control
@@ -95,11 +102,7 @@ def test_a_peer_lying_in_a_batch_never_yields_wrong_bytes(mount, tmp_path: Path,
                                                          mode: str) -> None:
     roots, sizes = copies(tmp_path, 1)
     ports = [free_port(), free_port()]
-    fake = subprocess.Popen([sys.executable, str(HERE / "fake_peer.py"), str(ports[1]), mode],
-                            stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(HERE.parent)})
-    try:
-        assert fake.stdout is not None and fake.stdout.readline().strip() == "ready"
+    with fake_peer(ports[1], mode):
         (a,) = cluster(mount, [*roots, roots[0]], "--insecure", "--peer-timeout", "0.5",
                        ports=ports, start=1)
         names = sorted(sizes)
@@ -113,9 +116,6 @@ def test_a_peer_lying_in_a_batch_never_yields_wrong_bytes(mount, tmp_path: Path,
         link = a.status()["peers"]["links"][f"127.0.0.1:{ports[1]}"]
         assert link["failures"] >= 1 and link["last_error"]
         assert reads(a)["bytes_from_peers"] == 0
-    finally:
-        fake.kill()
-        fake.wait()
 
 
 # -- the holding area's bounds, in-process ---------------------------------------------------

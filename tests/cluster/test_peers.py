@@ -6,6 +6,7 @@ real processes (``fake_peer.py``); hostile requests go over real TCP to a real m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -17,7 +18,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,20 @@ def cluster(mount: Callable[..., Mount], roots: list[Path], *options: str,
     peers = ",".join(f"{where}:{p}" for p in ports)
     return [mount(root, "--listen", f"{where}:{port}", "--peers", peers, *options, enter=enter)
             for root, port in list(zip(roots, ports, strict=True))[:start]]
+
+
+@contextlib.contextmanager
+def fake_peer(port: int, mode: str) -> Iterator[None]:
+    """A misbehaving peer (``fake_peer.py`` in ``mode``) on ``port`` while the block runs."""
+    fake = subprocess.Popen([sys.executable, str(HERE / "fake_peer.py"), str(port), mode],
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+    try:
+        assert fake.stdout is not None and fake.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        fake.kill()
+        fake.wait()
 
 
 def source_digests(root: Path, sizes: dict[str, int]) -> dict[str, str]:
@@ -342,11 +357,7 @@ def test_a_peer_down_at_mount_time_or_killed_mid_epoch(mount, tmp_path: Path) ->
 def test_a_misbehaving_peer_never_fails_a_read(mount, tmp_path: Path, mode: str) -> None:
     roots, sizes = copies(tmp_path, 1)
     ports = [free_port(), free_port()]
-    fake = subprocess.Popen([sys.executable, str(HERE / "fake_peer.py"), str(ports[1]), mode],
-                            stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(HERE.parent)})
-    try:
-        assert fake.stdout is not None and fake.stdout.readline().strip() == "ready"
+    with fake_peer(ports[1], mode):
         (a,) = cluster(mount, [*roots, roots[0]], "--insecure", "--peer-timeout", "0.5",
                        ports=ports, start=1)
         theirs = [n for n in sorted(sizes) if owner(n.encode(), (node(ports[0]),
@@ -361,9 +372,6 @@ def test_a_misbehaving_peer_never_fails_a_read(mount, tmp_path: Path, mode: str)
         link = a.status()["peers"]["links"][f"127.0.0.1:{ports[1]}"]
         assert link["failures"] >= 1 and link["last_error"]
         assert reads(a)["bytes_from_peers"] == 0
-    finally:
-        fake.kill()
-        fake.wait()
 
 
 def test_a_peer_with_another_version_of_a_file_is_never_used(mount, tmp_path: Path) -> None:
