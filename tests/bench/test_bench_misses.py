@@ -20,8 +20,9 @@ def test_bad_counts_are_one_line_errors(tmp_path: Path) -> None:
                     reason="needs root and /dev/fuse")
 def test_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "misses.json"
-    result = run_cli("bench", "misses", "--files", "40", "--size", "16K", "--repeat", "1",
-                     "--dir", str(tmp_path / "data"), "--json", str(out), timeout=120)
+    result = run_cli("bench", "misses", "--files", "40", "--size", "16K", "--big-size", "8M",
+                     "--repeat", "1", "--dir", str(tmp_path / "data"), "--json", str(out),
+                     timeout=120)
     assert result.returncode == 0, result.stderr
     summary = json.loads(out.read_text())["summary"]
     for readers in (1, 4):
@@ -29,4 +30,7 @@ def test_tiny_run_reports_every_figure(tmp_path: Path) -> None:
         assert summary[f"page_cache_files_per_s_{readers}"] > 0
         assert summary[f"misses_vs_page_cache_{readers}"] > 0
         assert summary[f"daemon_cpu_us_per_miss_{readers}"] > 0
+    for key in ("gb_per_s", "page_cache_gb_per_s", "misses_vs_page_cache",
+                "daemon_cpu_s_per_gb"):
+        assert summary[f"{key}_sequential"] > 0
     assert "misses_per_s_1" in result.stdout
