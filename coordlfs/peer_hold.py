@@ -242,7 +242,10 @@ class PeerHold:
         results: list[bytes | memoryview | None] = [None] * len(batch)
         try:
             self.stats["batches"] += 1
-            results = await self.peers.read_many(link, [(i.path, i.st) for i in batch])
+            got = await self.peers.read_many(link, [(i.path, i.st) for i in batch])
+            if len(got) != len(batch):
+                raise AssertionError(f"{len(got)} answers for {len(batch)} files")
+            results = got
         except Exception:  # a bug here costs this batch (read as without an order), not more
             log.exception("fetching %d files from peer %s failed", len(batch), link.address)
         finally:

@@ -100,6 +100,11 @@ class PeerLink:
         return "down" if self._down_until > time.monotonic() else "idle"
 
     @property
+    def knows_features(self) -> bool:
+        """Whether the connection's first frame has come: then ``serves_many`` is known."""
+        return self._stream is not None and self._features is not None
+
+    @property
     def serves_many(self) -> bool:
         """Whether the peer takes GETMANY: known from the first frame of the connection
         (``peer_wire``'s features), so False until one has come."""
@@ -322,23 +327,30 @@ class Peers:
         """Whole files (at most ``GetMany.fits`` of them) from ``link``'s cache, in one round
         trip if the peer takes GETMANY (each file a view of the one reply: the reply's memory
         goes when all its files have), else one GET each, all at once; per file its bytes or
-        None (the reader asks again, or reads local storage)."""
+        None (the reader asks again, or reads local storage). On a new connection the first
+        file goes alone, as a GET: the connection's first frame says whether the peer takes
+        GETMANY."""
         results: list[bytes | memoryview | None] = [None] * len(files)
-        if not link.serves_many:  # an older peer, or no connection yet
 
-            async def one(i: int, path: bytes, st: os.stat_result) -> None:
-                results[i] = await self.read(link, path, st, 0, st.st_size)
+        async def one(i: int, path: bytes, st: os.stat_result) -> None:
+            results[i] = await self.read(link, path, st, 0, st.st_size)
 
+        first = 0
+        if not link.knows_features:  # a new connection: its first reply tells
+            await one(0, *files[0])
+            first = 1
+        if not link.serves_many or first == len(files):  # an older peer (or down): GETs
             async with trio.open_nursery() as nursery:
-                for i, (path, st) in enumerate(files):
-                    nursery.start_soon(one, i, path, st)
+                for i in range(first, len(files)):
+                    nursery.start_soon(one, i, *files[i])
             return results
+        files = files[first:]
         request = GetMany(tuple(Wanted(path, st.st_size, st.st_mtime_ns) for path, st in files))
         try:
             answers = await link.get_many(request)
         except PeerDown:
-            return [None] * len(files)
-        for i, ((path, _st), answer) in enumerate(zip(files, answers, strict=True)):
+            return results
+        for i, ((path, _st), answer) in enumerate(zip(files, answers, strict=True), first):
             if isinstance(answer, memoryview):
                 self._served(link, len(answer))
                 results[i] = answer

@@ -48,12 +48,13 @@ def owned_by(names: list[str], ports: list[int], which: int) -> list[str]:
 
 
 def test_an_order_handed_over_comes_in_batches_byte_exact(mount, tmp_path: Path) -> None:
-    roots, sizes = copies(tmp_path, 2, files=160)
+    roots, sizes = copies(tmp_path, 2, files=100)
     ports = [free_port(), free_port()]
     a, b = cluster(mount, roots, "--insecure", "--cache-size", "64M", ports=ports)
     names = sorted(sizes)
     want = source_digests(roots[0], sizes)
     theirs = owned_by(names, ports, 1)
+    assert sum(sizes[n] for n in theirs) < peer_hold.CAPACITY  # all of it fits the area
     first, rest = theirs[0], [n for n in names if n != theirs[0]]
     assert read_files(a.mountpoint, [first]) == {first: want[first]}  # the link is up
     held = hand_over(a, rest)
