@@ -37,6 +37,7 @@ from coordlfs.bench.aligned import Plan as JobPlan
 from coordlfs.bench.aligned import budget_for
 from coordlfs.bench.children import Readers, batch_paths, running
 from coordlfs.bench.counters import process_bytes_read
+from coordlfs.bench.hits import cpu_seconds
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.config import DEFAULT_FILL_DEPTH
 from coordlfs.control import Control
@@ -85,6 +86,8 @@ class NodeEpoch:
     stall_percent: float
     storage_bytes: int
     peer_bytes: int
+    #: CPU time of the node's readers and daemon (a busy machine stretches seconds, not this)
+    cpu_seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -107,6 +110,11 @@ class SystemResult:
     @property
     def later_storage(self) -> int:
         return sum(self.storage(e) for e in range(1, len(self.epochs)))
+
+    @property
+    def later_cpu(self) -> float:
+        """CPU seconds of every node's readers and daemon after the first epoch."""
+        return round(sum(n.cpu_seconds for epoch in self.epochs[1:] for n in epoch), 3)
 
     @property
     def later_seconds(self) -> float:
@@ -198,17 +206,19 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
         with ThreadPoolExecutor(plan.nodes) as pool:
             for epoch in range(plan.job.epochs):
                 order = epoch_order(plan.job.seed, epoch, len(names))
-                before = [_counters(pids, control)
-                          for pids, control in zip(storage_pids, controls, strict=True)]
+                working = [sorted({*pids, *group.pids})
+                           for pids, group in zip(storage_pids, groups, strict=True)]
+                before = [_counters(pids, busy, control) for pids, busy, control
+                          in zip(storage_pids, working, controls, strict=True)]
                 futures = [pool.submit(node_epoch, groups[i], bases[i],
                                        [names[k] for k in order[i::plan.nodes]], plan,
                                        controls[i] if plan.order_handed_over else None)
                            for i in range(plan.nodes)]
                 done = [f.result() for f in futures]
-                after = [_counters(pids, control)
-                         for pids, control in zip(storage_pids, controls, strict=True)]
+                after = [_counters(pids, busy, control) for pids, busy, control
+                         in zip(storage_pids, working, controls, strict=True)]
                 epochs.append([NodeEpoch(round(seconds, 3), round(100 * waited / seconds, 1),
-                                         a[0] - b[0], a[1] - b[1])
+                                         a[0] - b[0], a[1] - b[1], round(a[2] - b[2], 3))
                                for (seconds, waited, _got), a, b in zip(done, after, before,
                                                                          strict=True)])
                 _print_epoch(system, epoch, epochs[-1], dataset)
@@ -238,15 +248,19 @@ def node_epoch(readers: Readers, base: Path, share: list[str], plan: Plan,
     return seconds + telling, waited + telling, got
 
 
-def _counters(pids: list[int], control: Control | None) -> tuple[int, int]:
+def _counters(pids: list[int], busy: list[int], control: Control | None
+              ) -> tuple[int, int, float]:
+    """Bytes ``pids`` read from storage, bytes from peers, CPU seconds of ``busy``."""
     stored = sum(process_bytes_read(pid) for pid in pids)
-    return stored, control.status()["reads"]["bytes_from_peers"] if control else 0
+    return (stored, control.status()["reads"]["bytes_from_peers"] if control else 0,
+            sum(cpu_seconds(pid) for pid in busy))
 
 
 def _print_epoch(system: str, epoch: int, nodes: list[NodeEpoch], dataset: Dataset) -> None:
     total = dataset.total_bytes
     print(f"  {system:12} epoch {epoch + 1}: "
-          f"{max(n.seconds for n in nodes):6.1f} s; storage "
+          f"{max(n.seconds for n in nodes):6.1f} s, CPU "
+          f"{' '.join(f'{n.cpu_seconds:.1f}' for n in nodes)} s; storage "
           f"{' '.join(f'{n.storage_bytes / total:.3f}' for n in nodes)}, peers "
           f"{' '.join(f'{n.peer_bytes / total:.3f}' for n in nodes)} of the dataset per node",
           flush=True)
@@ -375,6 +389,8 @@ def summarize(runs: list[dict[str, SystemResult]]) -> dict[str, Any]:
         "epoch_time_ratio": median(seconds),
         "epoch_time_ratio_runs": seconds,
         "page_cache_epoch_time_ratio": median(page),
+        "peers_cpu_seconds_after_first_epoch": [r["minio+peers"].later_cpu for r in runs],
+        "minio_cpu_seconds_after_first_epoch": [r["minio"].later_cpu for r in runs],
     }
 
 

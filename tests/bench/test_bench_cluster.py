@@ -56,6 +56,8 @@ def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
     minio = systems["minio"]["epochs"]
     assert sum(n["storage_bytes"] for n in minio[1]) > 0  # each node misses the other's half
     assert report["summary"]["peers_storage_bytes_after_first_epoch"] == [0]
+    assert all(n["cpu_seconds"] > 0 for n in peers[1])
+    assert report["summary"]["peers_cpu_seconds_after_first_epoch"][0] > 0
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
