@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import trio
 
+from coordlfs import cache_tmpfs
 from coordlfs.errors import UserError
 from coordlfs.freshness import PublishedWatch
 from coordlfs.inodes import Key
@@ -140,7 +141,7 @@ class WholeFileCache:
     that no epoch's random order can thrash what the cache holds."""
 
     def __init__(self, directory: str, capacity: int, max_file_size: int,
-                 counters: ReadCounters) -> None:
+                 counters: ReadCounters, own_tmpfs: bool = False) -> None:
         self.directory = directory
         self.capacity = capacity
         self.max_file_size = max_file_size
@@ -156,10 +157,15 @@ class WholeFileCache:
                               * mmap.PAGESIZE)
         self._journal_fd = -1
         try:
+            if own_tmpfs:
+                cache_tmpfs.mount_own(directory, capacity)
             os.makedirs(directory, mode=0o700, exist_ok=True)
             self.dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as e:
             raise UserError(f"cannot use cache directory {directory}: {e.strerror}") from None
+        #: the directory is a tmpfs of the cache's own (``cache_tmpfs``): unmounted, not
+        #: emptied, when the cached bytes go
+        self.own_tmpfs = own_tmpfs and cache_tmpfs.is_own(directory)
         try:
             fcntl.flock(self.dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -177,6 +183,8 @@ class WholeFileCache:
                                     prot=mmap.PROT_READ)
         except OSError as e:
             os.close(self.dir_fd)
+            if self.own_tmpfs:
+                cache_tmpfs.unmount_own(directory)
             raise UserError(f"cannot use cache directory {directory}: {e.strerror}") from None
         #: hits are slices of this: no syscall and no copy in the daemon
         self._view = memoryview(self._arena)
@@ -269,9 +277,11 @@ class WholeFileCache:
         if keep and self._journal_lost:  # the filesystem may have room again by now
             self._journal_lost = False
             self._rewrite_journal()
-        if not keep:
+        if not keep and not self.own_tmpfs:  # emptied while still locked
             shutil.rmtree(self.directory, ignore_errors=True)
         os.close(self.dir_fd)
+        if not keep and self.own_tmpfs:
+            cache_tmpfs.unmount_own(self.directory)
 
     # -- lookups and fills ------------------------------------------------------------
 

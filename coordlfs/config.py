@@ -48,6 +48,8 @@ class MountConfig:
     fill_depth: int
     staging_size: int
     keep_cache: bool
+    #: the cache directory is a tmpfs of its own in huge pages (``coordlfs.cache_tmpfs``)
+    cache_tmpfs: bool
     allow_other: bool
     log_file: str | None
     debug: bool

@@ -109,7 +109,7 @@ class Daemon:
         self.stats = Stats()
         self.source = Source(config.source)
         self.cache = WholeFileCache(config.cache_dir, config.cache_size, config.max_file_size,
-                                self.stats.reads)
+                                    self.stats.reads, own_tmpfs=config.cache_tmpfs)
         try:
             self.cache.share(self.source)
             self._assemble(config)

@@ -156,6 +156,20 @@ def _fit_free_space(cache_size: int, values: Values) -> int:
     return cache_size
 
 
+def _yes_no_auto(text: str, flag: str) -> str:
+    if text not in ("yes", "no", "auto"):
+        raise UserError(f"bad {flag} {text!r}: yes, no or auto")
+    return text
+
+
+def _settle_cache_tmpfs(value: str, values: Values) -> bool:
+    """auto: root, with the cache in its default directory (a directory the user named is
+    used as it is)."""
+    if value == "auto":
+        return os.geteuid() == 0 and values["cache_dir"] == default_cache_dir(values["source"])
+    return value == "yes"
+
+
 def _default_log(values: Values) -> str | None:
     return None if values["foreground"] else default_log_file(values["mountpoint"])
 
@@ -176,6 +190,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache_dir", "where cached bytes live, on tmpfs", _path, "DIR",
            default=lambda values: default_cache_dir(values["source"]),
            default_text="/dev/shm/coordlfs/<source>-<hash>"),
+    Option("cache_tmpfs", "mount a tmpfs of the cache's own on the cache directory, in huge "
+           "pages (huge=within_size), so that processes of coordlfs.client map it with a "
+           "page fault per 2 MiB; needs root", _yes_no_auto, "yes/no/auto", default="auto",
+           default_text="auto: yes as root with the default --cache-dir",
+           settle=_settle_cache_tmpfs),
     Option("keep_cache", "keep the cached bytes after unmount: the next mount of the same "
            "source starts warm", default=False),
     Option("revalidate", "where the source cannot be watched for changes (network "

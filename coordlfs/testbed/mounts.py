@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordlfs import cache_tmpfs
 from coordlfs.control import Control, ControlError
 from coordlfs.errors import UserError
 from coordlfs.mounting import mount_at, unmount
@@ -131,8 +132,15 @@ def mounted(source: Path, mountpoint: Path, log: Path, *options: str,
                     _wait(client)
                 if pid is not None or not taken:
                     stop_daemon(mountpoint, pid)
-                shutil.rmtree(cache, ignore_errors=True)
+                remove_cache(cache)
                 warn_of_logged_errors(log, offset)
+
+
+def remove_cache(cache: Path) -> None:
+    """A cache directory a mount left (``--keep-cache``), on a tmpfs of its own or not."""
+    if cache_tmpfs.is_own(str(cache)):
+        cache_tmpfs.unmount_own(str(cache))
+    shutil.rmtree(cache, ignore_errors=True)
 
 
 def unmount_if_mounted(mountpoint: Path) -> None:

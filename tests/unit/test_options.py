@@ -3,6 +3,7 @@ config reaches the daemon whole, and the README lists exactly the table's option
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def test_mount_options_mean_their_flags() -> None:
                                     "insecure": True}
 
 
-SAMPLES = {"listen": "127.0.0.1:7", "peers": "127.0.0.1:7+127.0.0.1:8"}
+SAMPLES = {"listen": "127.0.0.1:7", "peers": "127.0.0.1:7+127.0.0.1:8", "cache_tmpfs": "no"}
 
 
 def test_every_mount_option_has_its_flag() -> None:
@@ -95,11 +96,25 @@ def test_defaults_and_the_config(tmp_path: Path) -> None:
     assert config.max_file_size == int((8 << 20) * DEFAULT_MAX_FILE_SHARE)
     assert config.cache_dir == str(Path.cwd() / "cache")
     assert config.log_file is None  # foreground: stderr
-    for option in OPTIONS:  # the rest: the table's defaults
-        if option.in_mount_options and not callable(option.default):
+    for option in OPTIONS:  # the rest: the table's defaults (settled ones have tests below)
+        if option.in_mount_options and not callable(option.default) and option.settle is None:
             assert getattr(config, option.field or option.name) == option.default, option.name
     detached = resolve(options_of("--log", "x.log"), str(tmp_path), str(tmp_path))
     assert detached.log_file == str(Path.cwd() / "x.log")
+
+
+def test_the_cache_gets_a_tmpfs_of_its_own_as_root_in_its_default_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def tmpfs(*argv: str, root: bool = True) -> bool:
+        monkeypatch.setattr(os, "geteuid", lambda: 0 if root else 1000)
+        return resolve(options_of("-o", "cache_size=8M", *argv), str(tmp_path),
+                       str(tmp_path)).cache_tmpfs
+    assert tmpfs() and not tmpfs(root=False)
+    assert not tmpfs("--cache-dir", str(tmp_path / "mine"))  # a directory named is used as is
+    assert tmpfs("--cache-dir", str(tmp_path / "mine"), "--cache-tmpfs", "yes")
+    assert not tmpfs("-o", "cache_tmpfs=no")
+    with pytest.raises(UserError, match="bad --cache-tmpfs 'maybe': yes, no or auto"):
+        tmpfs("--cache-tmpfs", "maybe")
 
 
 def test_the_config_reaches_the_daemon_whole(tmp_path: Path) -> None:
