@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +142,9 @@ class ConfigResult:
     readers_memory_bytes: int = 0
     #: the cgroup's peak memory: everything charged to the budget, page cache included
     peak_memory_bytes: int = 0
+    #: epochs during which another process dropped the kernel's caches (a test suite): the
+    #: page cache's figures for them, and the next epoch's, measured something else
+    disturbed_epochs: list[int] = field(default_factory=list)
 
 
 def run_epochs(system: str, group: Readers, storage_pids: list[int], dataset: Dataset,
@@ -150,9 +153,10 @@ def run_epochs(system: str, group: Readers, storage_pids: list[int], dataset: Da
     """Every epoch's batches under ``base``; ``before_epoch`` is given each epoch's order
     first (the client's trainer hands it to the mount), in the epoch's time."""
     orders = epoch_orders(dataset, settings.epochs, settings.seed)
-    results = []
+    results, disturbed = [], []
     with Sampler(storage_pids) as sampler:
         for number, order in enumerate(orders, 1):
+            drops = harness.drop_count()
             before = sampler.bytes()
             batches = batch_paths(order, base, settings.batch)
             started = time.perf_counter()
@@ -164,6 +168,10 @@ def run_epochs(system: str, group: Readers, storage_pids: list[int], dataset: Da
                 raise UserError(f"{system}: read {got} bytes in epoch {number}, the dataset "
                                 f"has {dataset.total_bytes}")
             stored = sampler.bytes() - before
+            if harness.drop_count() != drops:
+                disturbed.append(number)
+                print(f"  {system}: another process dropped the caches in epoch {number}",
+                      flush=True)
             results.append(EpochResult(number, round(seconds, 3), stored,
                                        round(stored / dataset.total_bytes, 4),
                                        round(len(order) / seconds, 1),
@@ -172,7 +180,7 @@ def run_epochs(system: str, group: Readers, storage_pids: list[int], dataset: Da
                   f"{format_size(stored):>10} from storage "
                   f"({stored / dataset.total_bytes:.2f} of the dataset), "
                   f"stall {100 * waited / seconds:.0f}%", flush=True)
-    return ConfigResult(system, results, sampler.samples)
+    return ConfigResult(system, results, sampler.samples, disturbed_epochs=disturbed)
 
 
 def _group(name: str, settings: Settings,
@@ -336,10 +344,13 @@ def run(args: argparse.Namespace) -> int:
              run_coordlfs(dataset, budget, settings, work),
              run_coordlfs(dataset, budget, settings, work, client=True))
             for _number in harness.repeated(settings.repeat)]
-    summary = summarize(runs)
+    # runs another process disturbed (dropped caches) are left out, unless all were
+    clean = [run for run in runs if not any(r.disturbed_epochs for r in run)] or runs
+    summary = summarize(clean)
+    summary["runs_left_out_disturbed"] = len(runs) - len(clean)
     if settings.repeat == 1:
         print(format_table(runs))
-    print(f"epochs after the first, medians of {settings.repeat} run(s): page cache read "
+    print(f"epochs after the first, medians of {len(clean)} run(s): page cache read "
           f"{summary['page_cache_storage_fraction']} and coordlfs "
           f"{summary['coordlfs_storage_fraction']} of the dataset per epoch; "
           f"storage_bytes_ratio {summary['storage_bytes_ratio']}, "

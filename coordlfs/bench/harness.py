@@ -73,6 +73,13 @@ def repeated(count: int) -> Iterator[int]:
         yield number
 
 
+def drop_count() -> int:
+    """How often anyone wrote /proc/sys/vm/drop_caches since boot: a measurement during
+    which another process (a test suite) dropped the caches measured something else."""
+    with open("/proc/vmstat") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith("drop_"))
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     """The summary's figures, one ``key value`` a line (the per-run lists stay in the JSON)."""
     for key, value in summary.items():

@@ -259,12 +259,6 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def drop_count() -> int:
-    """How often anyone wrote /proc/sys/vm/drop_caches since boot."""
-    with open("/proc/vmstat") as f:
-        return sum(int(line.split()[1]) for line in f if line.startswith("drop_"))
-
-
 def _log_tail(log: str, lines: int = 5) -> str:
     try:
         with open(log, errors="replace") as f:
@@ -546,7 +540,7 @@ class Bench:
         client = self.roots["coordlfs"] if case.system == "client" else None
         paths = rels if client else self.paths(case.system, rels)
         for _ in range(TRIES):
-            drops = drop_count()
+            drops = harness.drop_count()
             if case.warm and not client:  # a client's reader warms its own mapping
                 measure(paths, readers)
             for system in case.evict:
@@ -556,7 +550,7 @@ class Bench:
             run = measure(paths, readers, client, case.warm)
             if pid:
                 run.daemon_cpu_s = cpu_seconds(pid) - cpu
-            if drop_count() == drops:
+            if harness.drop_count() == drops:
                 break
             self.disturbed += 1
             print(f"  {case.label}: another process dropped the caches; again", flush=True)
