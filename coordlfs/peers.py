@@ -9,7 +9,9 @@ retried after a backoff that doubles from 1 s to 30 s. A link with nothing in fl
 the server's idle timeout (``peer_wire.idle_timeout``) closes its connection itself, before
 the server would, and reconnects at the next request; a server that closes a connection
 with nothing in flight is not a fault either. ``Peers`` ranks the nodes for a file
-(``placement``) and keeps the counters the status shows.
+(``placement``) and keeps the counters the status shows. Files of an order handed over go many
+per request (``read_many``: GETMANY to a peer that lists it) into the holding area
+(``coordlfs.peer_hold``), where readers' first misses find them.
 """
 
 from __future__ import annotations
