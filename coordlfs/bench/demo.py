@@ -272,9 +272,9 @@ def run_coordlfs(dataset: Dataset, orders: list[list[str]], budget: int, device:
     throttled. Returns the epochs, the reader's footprint and the cache capacity.
     """
     label = "client" if client else "coordlfs"
-    how = "reading through coordlfs.client, each epoch's order prefetched" if client \
-        else "same reader"
-    print(f"{label} ({how} and limit, caches dropped before each epoch):", flush=True)
+    how = "reading through coordlfs.client, each epoch's order prefetched; " if client \
+        else "same reader and "
+    print(f"{label} ({how}limit, caches dropped before each epoch):", flush=True)
     mountpoint = workdir / "mnt"
     with contextlib.ExitStack() as stack:
         mount = stack.enter_context(mounted(dataset.root, mountpoint, workdir / "mount.log",
