@@ -205,15 +205,17 @@ def run_page_cache(dataset: Dataset, budget: int, settings: Settings) -> ConfigR
     return result
 
 
-def cache_size_for(budget: int, dataset: Dataset, readers_memory: int, readers: int) -> int:
+def cache_size_for(budget: int, dataset: Dataset, readers_memory: int, readers: int,
+                   client: bool = False) -> int:
     """What is left of the budget for cached bytes.
 
     The daemon's own memory grows with the files it knows (DAEMON_BYTES_PER_FILE), and the
-    kernel needs a little room for pages of reads in flight. Cached bytes cost their size:
-    the arena packs them without page rounding.
+    kernel needs a little room for pages of reads in flight (more for a client's readers).
+    Cached bytes cost their size: the arena packs them without page rounding.
     """
-    room = (budget - readers_memory - harness.DAEMON_BASE_BYTES
-            - harness.PAGE_HEADROOM_PER_READER * readers
+    per_reader = harness.PAGE_HEADROOM_PER_READER + (
+        harness.CLIENT_HEADROOM_PER_READER if client else 0)
+    room = (budget - readers_memory - harness.DAEMON_BASE_BYTES - per_reader * readers
             - harness.DAEMON_BYTES_PER_FILE * len(dataset.files))
     return max(0, room)
 
@@ -229,7 +231,7 @@ def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path,
         for pid in group.pids:
             cgroup.add(pid)
         memory = cgroup.memory_usage()
-        capacity = cache_size_for(budget, dataset, memory, settings.readers)
+        capacity = cache_size_for(budget, dataset, memory, settings.readers, client)
         print(f"  coordlfs cache {format_size(capacity)} = budget {format_size(budget)} - "
               f"readers {format_size(memory)} - daemon and page headroom", flush=True)
         with mounted(dataset.root, mountpoint, work / "mount.log",

@@ -29,14 +29,22 @@ TRAINING_NEEDS = "drops the page cache, makes memory and blkio cgroups and mount
 
 #: Daemon memory the cache must leave room for, from ``coordlfs bench overhead``: about 0.5
 #: KiB per inode and 1.1 KiB per cached file, so 2 KiB per file is safe; plus a fixed part.
+#: The fixed part grew with the batched fills and the published index (issue 13): a cold
+#: epoch of 10,000 files through a mount peaked at 46 MiB anonymous memory (26 MiB beyond the
+#: per-file part) and 3 MiB of index beside the arena, and under a budget's pressure the
+#: daemon held 64 MiB; with 8 MiB, ``bench epochs --budget 0.5`` had the daemon killed.
 DAEMON_BYTES_PER_FILE = 2048
-DAEMON_BASE_BYTES = 8 << 20
+DAEMON_BASE_BYTES = 48 << 20
 #: Room per reader for the kernel's pages of reads in flight and the source's metadata, above
 #: the cache. 1.1 GiB, budget 50%, 4 readers, arena cache: with 4 MiB per reader, epochs 2
 #: and 3 read 0.61 / 0.59 of the dataset (0.55 expected from the capacity), and the daemon's
 #: process read 20% more from storage than the file bytes it fetched (the source's metadata,
 #: reclaimed and read again); 6 MiB read exactly the uncached rest (0.558), as did 8.
 PAGE_HEADROOM_PER_READER = 6 << 20
+#: More room per reader that reads through ``coordlfs.client``: the bytes it copies out, and
+#: the pages of its misses through the mount. With 6 MiB alone, ``bench epochs --budget 0.5``
+#: had client readers killed for memory in the second epoch (10,000 files, 4 readers).
+CLIENT_HEADROOM_PER_READER = 16 << 20
 
 
 def require_root(name: str, needs: str) -> None:

@@ -16,6 +16,7 @@ from coordlfs.bench.epochs import (
     summarize,
 )
 from coordlfs.bench.harness import (
+    CLIENT_HEADROOM_PER_READER,
     DAEMON_BASE_BYTES,
     DAEMON_BYTES_PER_FILE,
     PAGE_HEADROOM_PER_READER,
@@ -52,6 +53,10 @@ def test_cache_size_leaves_room_for_the_daemon_and_pages_in_flight() -> None:
     assert size == (budget - 1_000_000 - DAEMON_BASE_BYTES - PAGE_HEADROOM_PER_READER
                     - 1000 * DAEMON_BYTES_PER_FILE)
     assert cache_size_for(budget, dataset, 1_000_000, readers=2) < size
+    # a client's readers get more room each: the bytes they copy out, their misses' pages
+    big = 4 * budget
+    assert cache_size_for(big, dataset, 1_000_000, readers=1, client=True) == (
+        cache_size_for(big, dataset, 1_000_000, readers=1) - CLIENT_HEADROOM_PER_READER)
     assert cache_size_for(1000, dataset, 0, readers=1) == 0
 
 
