@@ -145,12 +145,29 @@ def test_a_killed_member_is_taken_over_and_nothing_is_left(mounted, jobs) -> Non
         time.sleep(0.02)
     else:
         pytest.fail("the group never got going")
+    group = _process_group(victim.pid)
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
+    for pid in group:  # torch's shared memory of processes killed outright stays behind
+        for leftover in Path("/dev/shm").glob(f"torch_{pid}_*"):
+            leftover.unlink(missing_ok=True)
     for proc in others:
         for epoch in jobs.finish(proc):
             assert Counter(items_of(epoch)) == Counter(range(n))
     assert_clean(m)
+
+
+def _process_group(pgid: int) -> list[int]:
+    """The pids of a process group (a job and its DataLoader workers)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            pids.append(int(stat.parent.name))
+    return pids
 
 
 def test_a_hung_member_is_expelled_and_finishes_alone(mounted, jobs) -> None:
