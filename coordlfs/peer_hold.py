@@ -149,11 +149,10 @@ class PeerHold:
         item = self.items.get(path)
         if item is None:
             return None
-        if item.state == _State.FLYING and (item.size, item.st.st_mtime_ns) == (
-                st.st_size, st.st_mtime_ns):
+        same = (item.size, item.st.st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+        if item.state == _State.FLYING and same:
             await item.arrived.wait()
-        if item.state != _State.HELD or (item.size, item.st.st_mtime_ns) != (
-                st.st_size, st.st_mtime_ns):
+        if item.state != _State.HELD or not same:
             if item.state == _State.QUEUED:
                 self.stats["left_to_readers"] += 1
             self._forget(item)

@@ -135,7 +135,6 @@ class PeerLink:
             return request.decode_reply(payload)
         except ProtocolError as e:
             await self._lied(stream, str(e))
-            raise  # not reached: _lied raises
 
     async def _exchange(self, kind: Kind, payload: bytes) -> tuple[FrameStream, Kind, bytes]:
         """Send one request and wait for its reply, on the stream it went out on."""
