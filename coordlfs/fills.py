@@ -83,13 +83,9 @@ def open_beneath(root_fd: int, path: bytes, flags: int) -> int:
 
 
 def open_source(root_fd: int, path: bytes) -> SourceReader:
-    """A reader of the regular file ``path``: O_DIRECT where the filesystem allows it."""
-    try:
-        return SourceReader(open_beneath(root_fd, path, os.O_RDONLY | os.O_DIRECT), True)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-    return SourceReader(open_beneath(root_fd, path, os.O_RDONLY), False)
+    """A reader of the file ``path`` beneath ``root_fd``: O_DIRECT where the filesystem
+    allows it."""
+    return SourceReader.opening(lambda flags: open_beneath(root_fd, path, flags))
 
 
 # -- who may prefetch ----------------------------------------------------------------------

@@ -135,17 +135,21 @@ class Prefetcher:
         self.window.claim(key)
         data = None
         try:
-            reader = await trio.to_thread.run_sync(self.source.open_reader, path)
-            try:
-                data = await trio.to_thread.run_sync(reader.pread, 0, version.size)
-            finally:
-                reader.close()
+            data = await trio.to_thread.run_sync(self._read, path, version.size)
             self.counters.files_from_source += 1
             self.counters.bytes_from_source += len(data)
             self.files += 1
             self.bytes += len(data)
         finally:
             self.window.publish(key, version, data, 0, set(group.members))
+
+    def _read(self, path: bytes, size: int) -> bytes:
+        """In a worker thread: open, read and close in one hand-off."""
+        reader = self.source.open_reader(path)
+        try:
+            return reader.pread(0, size)
+        finally:
+            reader.close()
 
     def status(self) -> dict[str, int]:
         return {"depth": self.depth, "in_flight": self.in_flight,

@@ -156,21 +156,12 @@ class Source:
 
     def open_reader(self, path: bytes) -> SourceReader:
         """Open a regular file for reading; blocking, so call it from a worker thread."""
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-        def opened(dir_fd: int, name: bytes) -> tuple[int, bool]:
-            try:
-                return os.open(name, flags | os.O_DIRECT, dir_fd=dir_fd), True
-            except OSError as e:
-                if e.errno != errno.EINVAL:  # this filesystem has no O_DIRECT
-                    raise
-                return os.open(name, flags, dir_fd=dir_fd), False
-
-        fd, direct = self.at(path, opened)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
+        reader = self.at(path, lambda dir_fd, name: SourceReader.opening(
+            lambda flags: os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)))
+        if not stat.S_ISREG(reader.fstat().st_mode):
+            reader.close()
             raise IsADirectoryError(21, "not a regular file")
-        return SourceReader(fd, direct)
+        return reader
 
 
 class SourceReader:
@@ -179,6 +170,17 @@ class SourceReader:
     def __init__(self, fd: int, direct: bool) -> None:
         self.fd = fd
         self.direct = direct
+
+    @classmethod
+    def opening(cls, open_fd: Callable[[int], int]) -> SourceReader:
+        """A reader of the descriptor ``open_fd(flags)`` returns, opened with O_DIRECT where
+        the filesystem allows it (else ``read_view`` drops the pages it read)."""
+        try:
+            return cls(open_fd(os.O_RDONLY | os.O_DIRECT), True)
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # this filesystem has no O_DIRECT
+                raise
+        return cls(open_fd(os.O_RDONLY), False)
 
     def fstat(self) -> os.stat_result:
         return os.fstat(self.fd)
