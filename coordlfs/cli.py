@@ -109,8 +109,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
     mountpoint = check_directory(args.mountpoint, "mountpoint")
     check_mountpoint_free(mountpoint)
     config = options.resolve(values, source, mountpoint)
+    default = options.BY_NAME["cache_size"].default_text
     summary = (f"{config.source} on {config.mountpoint}, cache {format_size(config.cache_size)}"
-               f"{'' if 'cache_size' in given else ' (default: 50% of RAM)'} in "
+               f"{'' if 'cache_size' in given else f' (default: {default})'} in "
                f"{config.cache_dir}")
     if not values.get("foreground"):
         freshness = spawn_daemon(config)

@@ -28,7 +28,7 @@ from coordlfs.control_server import Caller, ControlServer
 from coordlfs.control_spec import RequestError
 from coordlfs.membership import Memberships, job_name
 from coordlfs.order import SEED_LIMIT, epoch_order
-from coordlfs.processes import process_alive
+from coordlfs.processes import parent_pid, process_alive
 
 #: How far up the process tree a reader is looked for: the job, its DataLoader workers, and
 #: helper processes of those.
@@ -87,14 +87,6 @@ def _public(member: Member) -> dict[str, Any]:
     public = {k: v for k, v in asdict(member).items() if k != "pending_files"}
     public["partners"] = sorted(member.partners)
     return public
-
-
-def parent_pid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class Groups(Memberships[Group, Member]):

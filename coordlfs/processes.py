@@ -1,4 +1,4 @@
-"""Other processes, known by pid: alive or gone.
+"""Other processes, known by pid: alive or gone, and their parents.
 
 Below the CLI, the daemon's memberships and the tests alike, which all outlive or watch
 processes that are not their children.
@@ -20,9 +20,21 @@ def wait_exit(pid: int, timeout: float) -> bool:
     return True
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name: the state, the parent's pid..."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def process_alive(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return _stat(pid)[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        return int(_stat(pid)[1])
+    except (OSError, ValueError, IndexError):
+        return None
