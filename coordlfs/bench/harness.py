@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,14 @@ def require_root(name: str, needs: str) -> None:
     """``name`` (such as "bench epochs") needs root because it ``needs``: one line if not."""
     if os.geteuid() != 0:
         raise UserError(f"{name} needs root: it {needs}")
+
+
+def require_fuse() -> None:
+    """This machine can mount FUSE filesystems: /dev/fuse and fusermount3; one line if not."""
+    if not os.path.exists("/dev/fuse"):
+        raise UserError("/dev/fuse does not exist: this machine cannot mount FUSE filesystems")
+    if shutil.which("fusermount3") is None:
+        raise UserError("fusermount3 not found (install the fuse3 package)")
 
 
 def work_dir(path: str, cgroups: str | None = None) -> Path:

@@ -175,10 +175,7 @@ def check_can_run() -> None:
     """The benchmark mounts FUSE and tunes the mounts: that needs root and /dev/fuse."""
     harness.require_root("bench hits", "mounts FUSE filesystems and sets their read-ahead "
                          "in /sys/class/bdi")
-    if not os.path.exists("/dev/fuse"):
-        raise UserError("/dev/fuse does not exist: this machine cannot mount FUSE filesystems")
-    if shutil.which("fusermount3") is None:
-        raise UserError("fusermount3 not found (install the fuse3 package)")
+    harness.require_fuse()
 
 
 # -- the dataset --------------------------------------------------------------------------

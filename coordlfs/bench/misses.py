@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 import statistics
 import tempfile
 from dataclasses import asdict
@@ -38,7 +37,6 @@ from coordlfs.bench.hits import (
     settings_from,
     small_files,
 )
-from coordlfs.errors import UserError
 from coordlfs.mounting import set_read_ahead
 from coordlfs.testbed.mounts import mounted
 
@@ -47,9 +45,7 @@ __all__ = ["add_arguments", "run"]
 
 def check_can_run() -> None:
     harness.require_root("bench misses", "mounts FUSE and sets the mount's read-ahead")
-    if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
-        raise UserError("this machine cannot mount FUSE filesystems (no /dev/fuse or "
-                        "fusermount3)")
+    harness.require_fuse()
 
 
 def _cold(paths: list[str], readers: int, pid: int | None) -> Run:
