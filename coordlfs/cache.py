@@ -176,8 +176,9 @@ class WholeFileCache:
         try:
             self.arena_fd = os.open(ARENA, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600,
                                     dir_fd=self.dir_fd)
-            if os.fstat(self.arena_fd).st_size > self.arena_size:  # a larger former capacity
-                _punch(self.arena_fd, self.arena_size, os.fstat(self.arena_fd).st_size)
+            former = os.fstat(self.arena_fd).st_size
+            if former > self.arena_size:  # a larger former capacity
+                _punch(self.arena_fd, self.arena_size, former)
             os.ftruncate(self.arena_fd, self.arena_size)
             self._arena = mmap.mmap(self.arena_fd, self.arena_size, flags=mmap.MAP_SHARED,
                                     prot=mmap.PROT_READ)
@@ -445,8 +446,10 @@ class WholeFileCache:
         """Publish a complete entry if its source file still is the version it holds.
 
         The watch comes first and the version check after it, so that a change between the
-        two cannot go unseen. Where the source cannot be watched, clients compare each hit
-        with the source themselves (the index's ``revalidate``).
+        two cannot go unseen. The fill's own fstat does not do for the check: it came before
+        the watch (an event meanwhile withdrew nothing yet published), and it saw the open
+        file, not what the path names now. Where the source cannot be watched, clients
+        compare each hit with the source themselves (the index's ``revalidate``).
         """
         if self.index is None or self.watch is None or self._source is None:
             return

@@ -23,7 +23,7 @@ import os
 import re
 import struct
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import pyfuse3
 import trio
@@ -32,6 +32,9 @@ from coordlfs.inodes import ROOT_INODE, InodeTable
 from coordlfs.source import Source, proc_path
 
 log = logging.getLogger(__name__)
+
+#: what a watcher knows a watched directory by
+_K = TypeVar("_K")
 
 #: Seconds the kernel may keep entries and attributes (positive and negative) of a watched
 #: source: changes reach it through invalidations, not expiry.
@@ -79,8 +82,11 @@ def _unwatchable(fstype: str) -> bool:
     return fstype in _UNWATCHABLE or fstype.startswith("fuse.")
 
 
-class _Watcher:
-    """One inotify instance on directories of the source, and the loop that reads it."""
+class _Watcher(Generic[_K]):
+    """One inotify instance on directories of the source, and the loop that reads it.
+
+    Each watched directory has a key (what a subclass knows it by) and a watch descriptor.
+    """
 
     #: seconds to wait after the first event of a batch for more
     batch_s = 0.0
@@ -90,6 +96,8 @@ class _Watcher:
         self.events = 0
         self.fd = -1
         self.reason = ""
+        self._wd_of: dict[_K, int] = {}
+        self._key_of: dict[int, _K] = {}
         fstype = filesystem_type(source.path)
         if _unwatchable(fstype):
             self._give_up(f"the source is on {fstype}, where inotify misses other hosts' "
@@ -105,9 +113,9 @@ class _Watcher:
 
     def _give_up(self, reason: str) -> None:
         self.reason = reason
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.close()
+        self._wd_of.clear()
+        self._key_of.clear()
 
     def _add_watch(self, path: bytes) -> int | None:
         """The watch descriptor of a source directory; None if it is gone (the caller's next
@@ -122,6 +130,22 @@ class _Watcher:
                           + (" (raise fs.inotify.max_user_watches)" if err == errno.ENOSPC
                              else ""))
         return None
+
+    def _remember(self, key: _K, wd: int) -> None:
+        self._wd_of[key] = wd
+        self._key_of[wd] = key
+
+    def _unwatch(self, key: _K) -> None:
+        wd = self._wd_of.pop(key, None)
+        if wd is not None:
+            self._key_of.pop(wd, None)
+            _libc.inotify_rm_watch(self.fd, wd)
+
+    def _ignored(self, wd: int) -> None:
+        """The kernel dropped a watch: its directory is gone, or we removed it."""
+        key = self._key_of.pop(wd, None)
+        if key is not None and self._wd_of.get(key) == wd:
+            del self._wd_of[key]
 
     async def run(self) -> None:
         while self.fd >= 0:
@@ -156,14 +180,12 @@ class _Watcher:
             self.fd = -1
 
 
-class Freshness(_Watcher):
+class Freshness(_Watcher[int]):
     batch_s = _BATCH_S
 
     def __init__(self, source: Source, inodes: InodeTable, revalidate_s: float) -> None:
         self.inodes = inodes
         self.revalidate_s = revalidate_s
-        self._wd_of: dict[int, int] = {}
-        self._inode_of: dict[int, int] = {}
         self.invalidated = 0
         super().__init__(source)
         self.watch(ROOT_INODE, b"")
@@ -177,8 +199,6 @@ class Freshness(_Watcher):
         log.info("not watching the source (%s): names and attributes are revalidated every "
                  "%g s", reason, self.revalidate_s)
         super()._give_up(reason)
-        self._wd_of.clear()
-        self._inode_of.clear()
 
     def watch(self, inode: int, path: bytes) -> None:
         """Watch a directory the kernel is about to cache names under (idempotent).
@@ -191,15 +211,11 @@ class Freshness(_Watcher):
             return
         wd = self._add_watch(path)
         if wd is not None:
-            self._wd_of[inode] = wd
-            self._inode_of[wd] = inode
+            self._remember(inode, wd)
 
     def unwatch(self, inode: int) -> None:
         """The kernel forgot the directory: nothing it caches depends on it any more."""
-        wd = self._wd_of.pop(inode, None)
-        if wd is not None:
-            self._inode_of.pop(wd, None)
-            _libc.inotify_rm_watch(self.fd, wd)
+        self._unwatch(inode)
 
     def _handle(self, data: bytes) -> None:
         names: set[tuple[int, bytes]] = set()
@@ -207,12 +223,10 @@ class Freshness(_Watcher):
         for wd, mask, name in self._events(data):
             if mask & _IN_Q_OVERFLOW:
                 overflow = True
-            elif mask & _IN_IGNORED:  # the directory is gone, or we removed the watch
-                inode = self._inode_of.pop(wd, None)
-                if inode is not None:
-                    self._wd_of.pop(inode, None)
-            elif name and wd in self._inode_of:
-                names.add((self._inode_of[wd], name))
+            elif mask & _IN_IGNORED:
+                self._ignored(wd)
+            elif name and wd in self._key_of:
+                names.add((self._key_of[wd], name))
         if overflow:
             log.warning("the source changed faster than inotify could report; invalidating "
                         "every name the kernel holds")
@@ -246,7 +260,7 @@ class Freshness(_Watcher):
                 "invalidated": self.invalidated}
 
 
-class PublishedWatch(_Watcher):
+class PublishedWatch(_Watcher[bytes]):
     """Watches the source for changes to files clients may find in the published index.
 
     Every directory from the root down to a published file is watched, on an inotify
@@ -260,16 +274,12 @@ class PublishedWatch(_Watcher):
     def __init__(self, source: Source, changed: Callable[[bytes, bool], None]) -> None:
         #: called with the path of a changed name and whether it is a watched directory
         self.changed = changed
-        self._wd_of: dict[bytes, int] = {}
-        self._path_of: dict[int, bytes] = {}
         super().__init__(source)
 
     def _give_up(self, reason: str) -> None:
         log.info("not watching the source for published files (%s): clients compare each "
                  "hit with the source", reason)
         super()._give_up(reason)
-        self._wd_of.clear()
-        self._path_of.clear()
 
     @property
     def directories(self) -> int:
@@ -290,19 +300,16 @@ class PublishedWatch(_Watcher):
             if self.fd < 0:
                 break
             wd = self._add_watch(directory)
-            if wd is None or wd in self._path_of:  # gone, or one directory under two paths
+            if wd is None or wd in self._key_of:  # gone, or one directory under two paths
                 return False  # (a bind mount): its events could name only one
-            self._wd_of[directory] = wd
-            self._path_of[wd] = directory
+            self._remember(directory, wd)
         return self.fd >= 0
 
     def forget(self, directory: bytes) -> None:
         """Stop watching a directory and those under it: their paths are no longer theirs."""
         inside = directory + b"/" if directory else b""
         for path in [p for p in self._wd_of if p == directory or p.startswith(inside)]:
-            wd = self._wd_of.pop(path)
-            self._path_of.pop(wd, None)
-            _libc.inotify_rm_watch(self.fd, wd)
+            self._unwatch(path)
 
     def _handle(self, data: bytes) -> None:
         for wd, mask, name in self._events(data):
@@ -311,11 +318,9 @@ class PublishedWatch(_Watcher):
                             "withdrawing every published file")
                 self.changed(b"", True)
             elif mask & _IN_IGNORED:
-                path = self._path_of.pop(wd, None)
-                if path is not None and self._wd_of.get(path) == wd:
-                    del self._wd_of[path]
-            elif name and wd in self._path_of:
-                parent = self._path_of[wd]
+                self._ignored(wd)
+            elif name and wd in self._key_of:
+                parent = self._key_of[wd]
                 path = parent + b"/" + name if parent else name
                 watched = path in self._wd_of
                 self.changed(path, watched)
