@@ -57,10 +57,16 @@ class MountConfig:
     #: same list on each), the shared secret's file (None only with ``insecure``)
     listen: str | None
     peers: tuple[str, ...]
+    #: where the nodes come from instead of ``peers``: ``slurm`` or ``dns:NAME:PORT``
+    peers_from: str | None
+    #: a file of nodes, re-read when it changes, instead of ``peers``
+    peers_file: str | None
     secret_file: str | None
     insecure: bool
     peer_timeout: float
     revalidate_s: float
+    #: HOST:PORT serving Prometheus metrics, or None
+    metrics: str | None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

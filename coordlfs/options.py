@@ -144,6 +144,17 @@ def _peers(text: str, flag: str) -> tuple[str, ...]:
     return tuple(str(p) for p in parse_peers(text.replace("+", ",")))
 
 
+def _peers_from(text: str, flag: str) -> str:
+    """``slurm`` or ``dns:NAME:PORT``: the form only; ``coordlfs.peer_sources`` resolves it."""
+    kind, _, rest = text.partition(":")
+    if text == "slurm":
+        return text
+    name, _, port = rest.rpartition(":")
+    if kind != "dns" or not name or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"bad {flag} {text!r}: slurm or dns:NAME:PORT")
+    return text
+
+
 def _fit_free_space(cache_size: int, values: Values) -> int:
     """A new cache directory gets no more than its filesystem has free, less a margin."""
     cache_dir = values["cache_dir"]
@@ -218,6 +229,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("peers", "every node of the cluster, this one included, the same list on each: a "
            "miss is fetched from the node that caches the file", _peers, "HOST:PORT,...",
            default=(), section=CLUSTER),
+    Option("peers_from", "take the nodes from the engine instead of --peers: slurm (the job's "
+           "allocation, with --listen's port) or dns:NAME:PORT (every address behind NAME, "
+           "as a Kubernetes headless Service gives them, re-resolved periodically)",
+           _peers_from, "SOURCE", section=CLUSTER),
+    Option("peers_file", "take the nodes from FILE, one HOST:PORT per line, re-read when it "
+           "changes", _path, "FILE", section=CLUSTER),
     Option("secret_file", "shared secret that peers prove they hold (mode 600, 16+ bytes; "
            "never sent)", _path, "FILE", section=CLUSTER),
     Option("insecure", "peers without a secret: loopback addresses only, for tests",
@@ -226,6 +243,8 @@ OPTIONS: tuple[Option, ...] = (
            "also the most a frame may take either way, and 10x it closes an idle peer "
            "connection", _number(float, 0, 60, low_open=True, unit=" s"), "SECONDS",
            default=DEFAULT_PEER_TIMEOUT, section=CLUSTER),
+    Option("metrics", "serve the mount's status as Prometheus metrics on this address "
+           "(http://HOST:PORT/metrics)", _address, "HOST:PORT", section=RUN),
     Option("foreground", "do not detach; log to stderr unless --log", default=False,
            short="-f", field=None, section=RUN),
     Option("allow_other", "let other users read the mount (needs user_allow_other for "
@@ -334,14 +353,19 @@ def resolve(values: Values, source: str, mountpoint: str) -> MountConfig:
 def _check_cluster(values: Values) -> None:
     """The peer options together, checked here so that mistakes are one line before anything
     mounts; the daemon reads the secret file itself, so the secret never travels."""
-    listen, peers, secret_file = values["listen"], values["peers"], values["secret_file"]
-    if listen is None and not peers:
+    listen, secret_file = values["listen"], values["secret_file"]
+    sources = [o.flag for o in OPTIONS if o.name in ("peers", "peers_from", "peers_file")
+               and values[o.name]]
+    if len(sources) > 1:
+        raise UserError(f"give one of {', '.join(sources)}: each names every node")
+    if listen is None and not sources:
         if secret_file or values["insecure"]:
             raise UserError("--secret-file and --insecure go with --listen and --peers")
         return
     if listen is None:
-        raise UserError("--peers needs --listen HOST:PORT, where this node serves the others")
-    addresses = [parse_address(a, "--listen") for a in (listen, *peers)]
+        raise UserError(f"{sources[0]} needs --listen HOST:PORT, where this node serves the "
+                        "others")
+    addresses = [parse_address(a, "--listen") for a in (listen, *values["peers"])]
     if values["insecure"]:
         if secret_file:
             raise UserError("give --secret-file or --insecure, not both")

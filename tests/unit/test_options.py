@@ -35,7 +35,8 @@ def test_mount_options_mean_their_flags() -> None:
                                     "insecure": True}
 
 
-SAMPLES = {"listen": "127.0.0.1:7", "peers": "127.0.0.1:7+127.0.0.1:8", "cache_tmpfs": "no"}
+SAMPLES = {"listen": "127.0.0.1:7", "peers": "127.0.0.1:7+127.0.0.1:8", "cache_tmpfs": "no",
+           "peers_from": "dns:peers.example:7878", "metrics": "127.0.0.1:9"}
 
 
 def test_every_mount_option_has_its_flag() -> None:
