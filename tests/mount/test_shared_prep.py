@@ -61,8 +61,7 @@ class Jobs:
     def stop_all(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                kill_job(proc)
 
 
 @pytest.fixture
@@ -145,16 +144,22 @@ def test_a_killed_member_is_taken_over_and_nothing_is_left(mounted, jobs) -> Non
         time.sleep(0.02)
     else:
         pytest.fail("the group never got going")
-    group = _process_group(victim.pid)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
-    for pid in group:  # torch's shared memory of processes killed outright stays behind
-        for leftover in Path("/dev/shm").glob(f"torch_{pid}_*"):
-            leftover.unlink(missing_ok=True)
+    kill_job(victim)
     for proc in others:
         for epoch in jobs.finish(proc):
             assert Counter(items_of(epoch)) == Counter(range(n))
     assert_clean(m)
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL to a job's process group, and the shared memory torch leaves behind for
+    processes killed outright (``/dev/shm/torch_PID_*``) removed."""
+    group = _process_group(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pid in group:
+        for leftover in Path("/dev/shm").glob(f"torch_{pid}_*"):
+            leftover.unlink(missing_ok=True)
 
 
 def _process_group(pgid: int) -> list[int]:
