@@ -26,6 +26,7 @@ from coordlfs.fills import register_commands as register_fill_commands
 from coordlfs.fs import Operations
 from coordlfs.groups import Groups
 from coordlfs.groups import register_commands as register_group_commands
+from coordlfs.metrics import MetricsServer
 from coordlfs.mounting import set_read_ahead
 from coordlfs.peer_hold import PeerHold
 from coordlfs.peer_server import PeerServer, connection_cap, listen_socket
@@ -107,6 +108,7 @@ class Daemon:
         raise_descriptor_limit()
         self.config = config
         self.stats = Stats()
+        self.metrics: MetricsServer | None = None
         self.source = Source(config.source)
         self.cache = WholeFileCache(config.cache_dir, config.cache_size, config.max_file_size,
                                     self.stats.reads, own_tmpfs=config.cache_tmpfs)
@@ -119,6 +121,9 @@ class Daemon:
 
     def _assemble(self, config: MountConfig) -> None:
         self.control = ControlServer(self.status)
+        if config.metrics:  # bound now: a port in use is an error before the mount exists
+            self.metrics = MetricsServer.bind(parse_address(config.metrics, "--metrics"),
+                                              self.control.snapshot)
         register_commands(self.control, self.stats)
         self.groups = Groups()
         self.window = ReadWindow(config.window_size)
@@ -215,7 +220,9 @@ class Daemon:
 
     def _close(self) -> None:
         """Release what ``__init__`` took first: the cache (and its directory, unless
-        ``--keep-cache``) and the source."""
+        ``--keep-cache``) and the source; the metrics server first, which reads them."""
+        if self.metrics is not None:
+            self.metrics.close()
         self.cache.close(keep=self.config.keep_cache)
         self.source.close()
 
@@ -234,6 +241,8 @@ class Daemon:
             nursery.start_soon(functools.partial(
                 trio.to_thread.run_sync, _tune_read_ahead, self.config.mountpoint,
                 abandon_on_cancel=True))
+            if self.metrics is not None:
+                self.metrics.start(trio.lowlevel.current_trio_token())
             ready(self.ops.freshness.summary())
             await pyfuse3.main()
             nursery.cancel_scope.cancel()

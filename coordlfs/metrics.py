@@ -1,0 +1,396 @@
+"""Prometheus metrics of a mount (``--metrics HOST:PORT``): the status ``coordlfs stats``
+shows, as Prometheus text at ``http://HOST:PORT/metrics``.
+
+prometheus_client's HTTP server answers scrapes in threads of its own, but the trio loop owns
+every counter, so a scrape never reads them from its thread: it asks the loop for one
+status (``TrioToken.run_sync_soon``: the loop's own queue of callbacks from other threads)
+and waits for it at most ``SNAPSHOT_TIMEOUT_S``. Every family of a scrape comes from that one
+dict, so the series agree with each other (the bytes and the files of one moment) and with
+``coordlfs stats``. The loop pays one status per scrape, what ``coordlfs stats`` costs it, and
+nothing while nobody scrapes; a snapshot the loop refreshed on a timer would cost it always
+and be up to a period stale. A loop that does not answer in time, or has stopped, makes the
+scrape a 503 (Prometheus marks the target down), never a thread waiting forever, and an
+error taking the status is raised in the scrape's thread, never in the loop.
+
+The socket is bound when the daemon is assembled (``MetricsServer.bind``), before the mount
+exists, so a port in use or a bad address is a one-line error of ``coordlfs mount``; the
+server's threads are daemon threads, and ``close`` stops it when the daemon exits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.server
+import logging
+import os
+import socket
+import socketserver
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from http import HTTPStatus
+from typing import Any
+
+import trio
+from prometheus_client import CollectorRegistry, MetricsHandler, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+
+from coordlfs.errors import UserError
+from coordlfs.placement import Address
+
+log = logging.getLogger(__name__)
+
+#: Seconds a scrape waits for the loop to take the status: a scrape that times out is
+#: answered 503 rather than held, well within Prometheus's default 10 s scrape timeout.
+SNAPSHOT_TIMEOUT_S = 5.0
+#: Every series' name starts with this.
+PREFIX = "coordlfs_"
+#: The states of a peer link (``peers.PeerLink.state``), each a series whether or not a link
+#: is in it, so that a sum by state is 0, not absent, when no link is down.
+PEER_STATES = ("up", "idle", "down")
+
+GAUGE, COUNTER = "gauge", "counter"
+
+#: Series read from one key of a status section: (section, key, name, kind, help). A
+#: section the status leaves out (``served`` without --listen) gives none.
+FLAT: tuple[tuple[str, str, str, str, str], ...] = (
+    ("cache", "capacity_bytes", "cache_capacity_bytes", GAUGE, "bytes the cache may hold"),
+    ("cache", "used_bytes", "cache_used_bytes", GAUGE, "bytes cached or reserved for fills"),
+    ("cache", "files", "cache_files", GAUGE, "complete files in the cache"),
+    ("cache", "filling", "cache_filling_files", GAUGE, "files being filled"),
+    ("cache", "max_file_bytes", "cache_max_file_bytes", GAUGE, "largest file cached"),
+    ("cache", "full", "cache_directory_full", GAUGE,
+     "1 while the cache directory's filesystem has no room"),
+    ("shared", "published", "shared_published_files", GAUGE,
+     "cache entries published to coordlfs.client processes"),
+    ("shared", "withdrawn", "shared_withdrawn", COUNTER, "published entries withdrawn"),
+    ("shared", "watched_directories", "shared_watched_directories", GAUGE,
+     "source directories watched for published files"),
+    ("served", "connections", "served_connections", COUNTER, "peer connections admitted"),
+    ("served", "requests", "served_requests", COUNTER, "files peers asked for"),
+    ("served", "batches", "served_batches", COUNTER, "GETMANY batches peers asked for"),
+    ("served", "bytes", "served_bytes", COUNTER, "bytes served to peers"),
+    ("served", "misses", "served_misses", COUNTER, "peer requests for files not held"),
+    ("served", "stale", "served_stale", COUNTER, "peer requests for another version"),
+    ("served", "refused", "served_refused", COUNTER,
+     "peer connections and requests refused (handshake, protocol, timeout)"),
+    ("served", "turned_away", "served_turned_away", COUNTER,
+     "peer connections closed at the connection cap"),
+    ("served", "idle_closed", "served_idle_closed", COUNTER, "idle peer connections closed"),
+    ("served", "open_connections", "served_open_connections", GAUGE,
+     "peer connections open"),
+    ("served", "max_connections", "served_max_connections", GAUGE, "peer connection cap"),
+    ("read_window", "capacity_bytes", "read_window_capacity_bytes", GAUGE,
+     "bytes the aligned groups' read window may hold"),
+    ("read_window", "used_bytes", "read_window_used_bytes", GAUGE, "bytes in the read window"),
+    ("read_window", "items", "read_window_files", GAUGE, "files in the read window"),
+    ("read_window", "hits", "read_window_hits", COUNTER, "files served from the read window"),
+    ("read_window", "bytes_served", "read_window_served_bytes", COUNTER,
+     "bytes served from the read window"),
+    ("read_window", "dropped_unread", "read_window_dropped_unread", COUNTER,
+     "files dropped from the read window before every member read them"),
+    ("prefetch", "depth", "prefetch_depth_files", GAUGE, "aligned read-ahead depth"),
+    ("prefetch", "in_flight", "prefetch_in_flight_files", GAUGE, "read-ahead fetches running"),
+    ("prefetch", "files", "prefetch_files", COUNTER, "files fetched ahead of aligned readers"),
+    ("prefetch", "bytes", "prefetch_bytes", COUNTER, "bytes fetched ahead of aligned readers"),
+    ("fills", "depth", "fill_workers", GAUGE, "fill workers (--fill-depth)"),
+    ("fills", "queued", "fill_queued_files", GAUGE, "files queued by prefetch requests"),
+    ("fills", "in_flight", "fill_in_flight_files", GAUGE, "files being filled for prefetch"),
+    ("fills", "files", "fill_files", COUNTER, "files filled for prefetch requests"),
+    ("fills", "bytes", "fill_bytes", COUNTER, "bytes filled for prefetch requests"),
+    ("staging", "capacity_bytes", "prep_staging_capacity_bytes", GAUGE,
+     "bytes the prep staging area may hold"),
+    ("staging", "used_bytes", "prep_staging_used_bytes", GAUGE, "bytes staged"),
+    ("staging", "peak_bytes", "prep_staging_peak_bytes", GAUGE, "most bytes staged at once"),
+    ("staging", "published", "prep_published_batches", COUNTER, "batches published"),
+    ("staging", "released", "prep_released_batches", COUNTER,
+     "batches freed once every member used them"),
+    ("staging", "taken_over", "prep_taken_over_batches", COUNTER,
+     "claimed batches taken over from members that left"),
+    ("staging", "expelled", "prep_expelled_members", COUNTER, "hung members expelled"),
+    ("staging", "full", "prep_staging_full", COUNTER, "reservations refused: staging full"),
+    ("held", "capacity_bytes", "peer_hold_capacity_bytes", GAUGE,
+     "bytes the peer holding area may hold"),
+    ("held", "reserved_bytes", "peer_hold_reserved_bytes", GAUGE,
+     "bytes held or in flight in the peer holding area"),
+    ("held", "held", "peer_hold_files", GAUGE, "files held from peers for readers"),
+    ("held", "waiting", "peer_hold_waiting_files", GAUGE, "files queued to fetch from peers"),
+    ("held", "fetched", "peer_hold_fetched", COUNTER, "files fetched ahead from peers"),
+    ("held", "hits", "peer_hold_hits", COUNTER, "reads that found their file held"),
+    ("held", "dropped_unread", "peer_hold_dropped_unread", COUNTER,
+     "held files dropped before a reader took them"),
+    ("freshness", "watched_directories", "freshness_watched_directories", GAUGE,
+     "source directories watched for the kernel's names"),
+    ("freshness", "events", "freshness_events", COUNTER, "inotify events from the source"),
+    ("freshness", "invalidated", "freshness_invalidated", COUNTER,
+     "kernel names and attributes invalidated"),
+    ("control", "held_bytes", "control_held_bytes", GAUGE,
+     "bytes of replies the control file holds"),
+    ("control", "waiting", "control_waiting_requests", GAUGE, "control requests waiting"),
+)
+
+#: ``reads`` counters by label value: (name, label, {value: key}, help).
+READS: tuple[tuple[str, str, dict[str, str], str], ...] = (
+    ("read_bytes", "from", {"cache": "bytes_from_cache", "peers": "bytes_from_peers",
+                            "storage": "bytes_from_source"},
+     "bytes read through the mount, by where they came from"),
+    ("read_files", "from", {"peers": "files_from_peers", "storage": "files_from_source"},
+     "files whose bytes came from a peer (per open) or storage (per fill or stream)"),
+    ("read_requests", "result", {"hit": "cache_hits", "miss": "misses"},
+     "read requests answered from a complete cache entry (hit) or waiting for bytes (miss)"),
+    ("client_reads", "result", {"hit": "client_hits", "miss": "client_misses"},
+     "coordlfs.client reads from shared memory (hit) or through the mount (miss)"),
+    ("client_read_bytes", "from", {"cache": "client_bytes_from_cache",
+                                   "mount": "client_bytes_from_mount"},
+     "coordlfs.client bytes from shared memory (cache) or through the mount"),
+)
+
+#: A peer link's counters: (key, name, help), labelled by peer.
+PEER_COUNTERS = (
+    ("requests", "peer_requests", "requests sent to the peer"),
+    ("bytes", "peer_read_bytes", "bytes the peer served"),
+    ("files", "peer_read_files", "files the peer served"),
+    ("misses", "peer_misses", "requests the peer did not hold the file for"),
+    ("stale", "peer_stale", "requests the peer held another version for"),
+    ("failures", "peer_failures", "faults that marked the peer down"),
+)
+
+
+class NoSnapshot(Exception):
+    """The loop gave no status in time or has stopped: the scrape gets a 503."""
+
+
+def _family(name: str, kind: str, doc: str, labels: Iterable[str] = ()) -> Metric:
+    cls = CounterMetricFamily if kind == COUNTER else GaugeMetricFamily
+    return cls(PREFIX + name, doc, labels=list(labels))
+
+
+def _sections(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The status's sections by the names ``FLAT`` uses (a nested one at its own name)."""
+    sections = {key: value for key, value in status.items() if isinstance(value, dict)}
+    sections["staging"] = status["prep"]["staging"]
+    if status["peers"]["held"] is not None:
+        sections["held"] = status["peers"]["held"]
+    return sections
+
+
+def _flat(status: dict[str, Any]) -> Iterator[Metric]:
+    sections = _sections(status)
+    for section, key, name, kind, doc in FLAT:
+        if key in sections.get(section, {}):
+            family = _family(name, kind, doc)
+            family.add_metric([], float(sections[section][key]))
+            yield family
+
+
+def _reads(reads: dict[str, int]) -> Iterator[Metric]:
+    for name, label, keys, doc in READS:
+        family = _family(name, COUNTER, doc, [label])
+        for value, key in keys.items():
+            family.add_metric([value], reads[key])
+        yield family
+
+
+def _by_reason(name: str, doc: str, label: str, counts: dict[str, int]) -> Metric:
+    family = _family(name, COUNTER, doc, [label])
+    for reason, count in sorted(counts.items()):
+        family.add_metric([reason], count)
+    return family
+
+
+def _peers(peers: dict[str, Any]) -> Iterator[Metric]:
+    links = peers["links"]
+    nodes = _family("peer_nodes", GAUGE, "nodes in the cluster, this one included")
+    nodes.add_metric([], len(peers["nodes"]))
+    yield nodes
+    state = _family("peer_state", GAUGE, "1 for the state each peer link is in", ["peer", "state"])
+    in_flight = _family("peer_in_flight_requests", GAUGE, "requests waiting for the peer",
+                        ["peer"])
+    retry = _family("peer_retry_in_seconds", GAUGE, "seconds until a down peer is retried",
+                    ["peer"])
+    counters = [(key, _family(name, COUNTER, doc, ["peer"])) for key, name, doc in PEER_COUNTERS]
+    for address, link in sorted(links.items()):
+        for each in dict.fromkeys((*PEER_STATES, link["state"])):
+            state.add_metric([address, each], float(each == link["state"]))
+        in_flight.add_metric([address], link["in_flight"])
+        retry.add_metric([address], link["retry_in_s"])
+        for key, family in counters:
+            family.add_metric([address], link[key])
+    yield from (state, in_flight, retry, *(family for _key, family in counters))
+
+
+#: Gauges of a group, a series per group: (name, help, key in the group's status; a list
+#: counts its items).
+ALIGNED_GROUP = (
+    ("group_members", "members of an aligned group", "members"),
+    ("group_files", "files in an aligned group's order", "files"),
+    ("group_epoch", "the latest epoch an aligned group started", "epoch"),
+)
+PREP_GROUP = (
+    ("prep_group_members", "members of a prep group", "members"),
+    ("prep_group_batches", "batches in each epoch of a prep group", "batches"),
+)
+#: The same of the epoch a prep group runs (none between epochs).
+PREP_EPOCH = (
+    ("prep_group_epoch", "the epoch a prep group runs", "number"),
+    ("prep_group_epoch_members", "members taking part in a prep group's epoch", "members"),
+    ("prep_group_unclaimed_batches", "batches of the epoch nobody prepares yet", "unclaimed"),
+    ("prep_group_preparing_batches", "batches of the epoch being prepared", "preparing"),
+    ("prep_group_staged_batches", "batches of the epoch staged", "staged"),
+    ("prep_group_staged_bytes", "bytes of the epoch's staged batches", "staged_bytes"),
+    ("prep_group_released_batches", "batches of the epoch freed once every member used them",
+     "released"),
+)
+
+
+def _groups(spec: tuple[tuple[str, str, str], ...],
+            groups: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    for name, doc, key in spec:
+        family = _family(name, GAUGE, doc, ["group"])
+        for group_name, group in sorted(groups.items()):
+            value = group[key]
+            family.add_metric([group_name], len(value) if isinstance(value, list) else value)
+        yield family
+
+
+def families(status: dict[str, Any]) -> Iterator[Metric]:
+    """The metric families of one status (``Daemon.status`` with the control file's part)."""
+    info = InfoMetricFamily(PREFIX.rstrip("_"), "the mount: version, source, mountpoint, "
+                            "this node's peer address")
+    info.add_metric([], {"version": status["version"], "protocol": str(status["protocol"]),
+                         "source": status["source"], "mountpoint": status["mountpoint"],
+                         "node": status["peers"]["self"] or ""})
+    yield info
+    uptime = _family("uptime_seconds", GAUGE, "seconds since the mount started")
+    uptime.add_metric([], status["uptime_s"])
+    yield uptime
+    yield from _reads(status["reads"])
+    yield from _flat(status)
+    fills = status["fills"]
+    yield _by_reason("fill_skipped", "prefetched files not filled, by reason", "reason",
+                     fills["skipped"])
+    yield _by_reason("fill_failures", "fills that failed, by cause", "cause", fills["failed"])
+    yield from _peers(status["peers"])
+    yield from _groups(ALIGNED_GROUP, status["groups"])
+    prep = status["prep"]["groups"]
+    yield from _groups(PREP_GROUP, prep)
+    yield from _groups(PREP_EPOCH, {name: g["epoch"] for name, g in prep.items() if g["epoch"]})
+    inodes = _family("inodes", GAUGE, "inodes the kernel knows")
+    inodes.add_metric([], status["inodes"])
+    yield inodes
+
+
+class Snapshots:
+    """The status, taken on the trio loop for a scrape's thread; ``token`` is the loop's,
+    set once it runs."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]],
+                 timeout: float = SNAPSHOT_TIMEOUT_S) -> None:
+        self.status = status
+        self.timeout = timeout
+        self.token: trio.lowlevel.TrioToken | None = None
+
+    def take(self) -> dict[str, Any]:
+        if self.token is None:
+            raise NoSnapshot("the mount is not serving yet")
+        taken: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+
+        def on_loop() -> None:  # an exception here would end the loop: it goes to the scrape
+            try:
+                taken.set_result(self.status())
+            except Exception as e:
+                taken.set_exception(e)
+
+        try:
+            self.token.run_sync_soon(on_loop)
+        except trio.RunFinishedError:
+            raise NoSnapshot("the mount is going away") from None
+        try:
+            return taken.result(self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise NoSnapshot(f"the mount did not give its status in {self.timeout:g} s") from None
+
+
+class StatusCollector:
+    """A prometheus_client collector: every scrape's families from one snapshot."""
+
+    def __init__(self, snapshots: Snapshots) -> None:
+        self.snapshots = snapshots
+
+    def collect(self) -> Iterator[Metric]:
+        yield from families(self.snapshots.take())
+
+
+class _Handler(MetricsHandler):
+    def do_GET(self) -> None:
+        try:
+            super().do_GET()
+        except NoSnapshot as e:  # the collector raised before anything was written
+            log.warning("metrics scrape from %s not answered: %s", self.client_address[0], e)
+            self.send_error(HTTPStatus.SERVICE_UNAVAILABLE, str(e))
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    """prometheus_client's handler on a socket bound beforehand (``bind``); a thread per
+    scrape, daemon threads."""
+
+    def __init__(self, sock: socket.socket, registry: CollectorRegistry) -> None:
+        # BaseServer, not TCPServer: the socket exists; and no getfqdn (HTTPServer.server_bind),
+        # whose reverse lookup could hold up a mount
+        socketserver.BaseServer.__init__(self, sock.getsockname(), _Handler.factory(registry))
+        self.socket = sock
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A failed scrape is the log's, not a traceback on stderr."""
+        log.warning("metrics scrape from %s failed: %r", client_address[0], sys.exc_info()[1])
+
+
+def _bind(address: Address) -> socket.socket:
+    """A listening socket on ``address``; an IPv6 one takes IPv4 too (``[::]:PORT``)."""
+    try:
+        family, _type, _proto, _name, where = socket.getaddrinfo(
+            address.host, address.port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise UserError(f"cannot resolve --metrics {address}: {e.strerror}") from None
+    try:
+        return socket.create_server(where, family=family, dualstack_ipv6=(
+            family == socket.AF_INET6 and socket.has_dualstack_ipv6()))
+    except OSError as e:  # its text names the address again: the errno's alone
+        raise UserError(f"cannot serve metrics on {address}: {os.strerror(e.errno)}") from None
+
+
+class MetricsServer:
+    """The HTTP server of ``--metrics``: bound by ``bind``, serving from ``start`` (given the
+    loop's token) until ``close``."""
+
+    def __init__(self, sock: socket.socket, status: Callable[[], dict[str, Any]]) -> None:
+        self.snapshots = Snapshots(status)
+        registry = CollectorRegistry()
+        registry.register(StatusCollector(self.snapshots))
+        ProcessCollector(registry=registry)  # the daemon's CPU, memory and descriptors
+        self.server = _Server(sock, registry)
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def bind(cls, address: Address, status: Callable[[], dict[str, Any]]) -> MetricsServer:
+        return cls(_bind(address), status)
+
+    def start(self, token: trio.lowlevel.TrioToken) -> None:
+        self.snapshots.token = token
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True,
+                                        name="coordlfs-metrics")
+        self._thread.start()
+        host, port = self.server.socket.getsockname()[:2]
+        log.info("metrics on http://%s/metrics", Address(host, port))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.server.shutdown()  # returns once serve_forever has
+            self._thread = None
+        self.server.server_close()
+
