@@ -13,7 +13,7 @@ find a file, and when the list changes only the files of the nodes that came or 
 1/N of them for one node added to N.
 
 A miss ranks the nodes once, so the ranking must stay cheap at a few hundred nodes: the
-nodes' seeds and their tie-break order are worked out once per node set (``_Layout``, found
+nodes' seeds and their tie-break order are worked out once per node set (``Layout``, found
 by the tuple's identity, since hashing a tuple of 256 addresses costs more than ranking),
 leaving one C-level XXH64 call per node and a sort (``coordlfs bench placement``: 26 µs for
 256 nodes, against 130 µs when every call hashed every node's name again). The function is
@@ -184,7 +184,7 @@ def find_self(listen: Address, peers: tuple[Address, ...]) -> Address | None:
 
 
 @dataclass(frozen=True, slots=True)
-class _Layout:
+class Layout:
     """What ranking a file among ``nodes`` needs beyond the path, worked out once per node
     set: the nodes in tie-break order (their names, highest first) and each one's seed."""
 
@@ -193,7 +193,7 @@ class _Layout:
     seeds: tuple[int, ...]
 
     @classmethod
-    def of(cls, nodes: tuple[Address, ...]) -> _Layout:
+    def of(cls, nodes: tuple[Address, ...]) -> Layout:
         order = tuple(sorted(nodes, key=str, reverse=True))
         return cls(nodes, order, tuple(xxhash.xxh64_intdigest(str(node).encode())
                                        for node in order))
@@ -205,15 +205,15 @@ class _Layout:
 
 #: Layouts of the node sets ranked lately, by ``id`` of the tuple (each holds its tuple, so
 #: the id is not reused while it is here): a mount ranks over the same tuple for every file.
-_layouts: dict[int, _Layout] = {}
+_layouts: dict[int, Layout] = {}
 _MAX_LAYOUTS = 8
 
 
-def layout(nodes: tuple[Address, ...]) -> _Layout:
+def layout(nodes: tuple[Address, ...]) -> Layout:
     found = _layouts.get(id(nodes))
     if found is not None and found.nodes is nodes:
         return found
-    made = _Layout.of(nodes)
+    made = Layout.of(nodes)
     if len(_layouts) >= _MAX_LAYOUTS:
         del _layouts[next(iter(_layouts))]
     _layouts[id(nodes)] = made
