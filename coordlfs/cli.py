@@ -93,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile catalog (default ~/.local/state/coordlfs/profiles.json)")
     g.add_argument("--json", metavar="FILE", help="also write the table and the optimum as JSON")
 
+    w = sub.add_parser("whatif", help="predict epoch time and stalls for other cache sizes, "
+                                      "CPU counts and storage speeds from a run's rates")
+    w.add_argument("mountpoint")
+    w.add_argument("--since", metavar="MARK", help="only epochs (intervals between marks) "
+                                                   "from this mark on")
+    w.add_argument("--json", metavar="FILE", help="also write the analysis as JSON")
+    w.add_argument("--plot", metavar="FILE.png", help="plot epoch time and stall share")
+
     # Listed for --help only: `coordlfs bench ...` goes to coordlfs.bench's own parser (main),
     # so that no other command loads a benchmark.
     sub.add_parser("bench", help="benchmarks against the page cache and baselines "
@@ -285,6 +293,17 @@ def cmd_stagger(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_whatif(args: argparse.Namespace) -> int:
+    from coordlfs import whatif
+
+    control = _control(args.mountpoint)
+    data = whatif.analyse(control.status(), control.marks(), control.stats(since=args.since),
+                          args.since, os.cpu_count() or 1)
+    print(whatif.format_report(data))
+    whatif.write_outputs(data, args.json, args.plot)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -293,5 +312,5 @@ def main(argv: list[str] | None = None) -> int:
         return bench(argv[1:])
     args = build_parser().parse_args(argv)
     commands = {"mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats, "mark": cmd_mark,
-                "stagger": cmd_stagger}
+                "stagger": cmd_stagger, "whatif": cmd_whatif}
     return exit_status("coordlfs", lambda: commands[args.command](args))
