@@ -31,6 +31,7 @@ from coordlfs.mounting import set_read_ahead
 from coordlfs.peer_hold import PeerHold
 from coordlfs.peer_server import PeerServer, connection_cap, listen_socket
 from coordlfs.peer_server import register_commands as register_peer_commands
+from coordlfs.peer_sources import Membership, peer_source
 from coordlfs.peers import Peers
 from coordlfs.placement import find_self, parse_address, read_secret
 from coordlfs.prefetch import Prefetcher
@@ -132,7 +133,7 @@ class Daemon:
         self.prep = Prep(config.staging_size)
         register_prep_commands(self.control, self.prep)
         self.peers, self.server = self._cluster(config)
-        if self.peers.links:
+        if self.server is not None:  # peers may come later (coordlfs.peer_sources)
             self.peers.hold = PeerHold(self.peers, self.cache, self.source)
         register_peer_commands(self.control, self.peers, self.server)
         self.prefetcher = Prefetcher(self.groups, self.window, self.cache, self.source,
@@ -151,14 +152,19 @@ class Daemon:
         if config.listen is None:
             return Peers((), None, secret, config.peer_timeout, self.stats.reads), None
         listen = parse_address(config.listen, "--listen")
-        nodes = tuple(parse_address(p, "peer") for p in config.peers)
+        source = peer_source(config, listen)
+        nodes = source.first()
         me = find_self(listen, nodes)
+        log.info("%d nodes from %s; this node is %s", len(nodes), source.name, me)
         if nodes and me is None:
-            log.warning("%s is not in --peers: this node caches nothing for the others",
-                        listen)
+            log.warning("%s is not among the nodes from %s: this node caches nothing for the "
+                        "others", listen, source.name)
         server = PeerServer(listen_socket(listen), secret, config.peer_timeout, self.source,
                             self.cache, connection_cap(len(nodes)))
-        return Peers(nodes, me, secret, config.peer_timeout, self.stats.reads), server
+        peers = Peers(nodes, me, secret, config.peer_timeout, self.stats.reads, listen,
+                      source.name)
+        self.membership = Membership(source, peers, server)
+        return peers, server
 
     def status(self) -> dict[str, Any]:
         cache = self.cache
@@ -238,6 +244,7 @@ class Daemon:
             nursery.start_soon(self.cache.run_shared)
             if self.server is not None:
                 nursery.start_soon(self.server.run)
+                nursery.start_soon(self.membership.run)
             nursery.start_soon(functools.partial(
                 trio.to_thread.run_sync, _tune_read_ahead, self.config.mountpoint,
                 abandon_on_cancel=True))

@@ -89,8 +89,10 @@ class PeerHold:
         self.depth = depth
         #: every file of the area by path, whatever its state but GONE
         self.items: dict[bytes, _Item] = {}
-        self._queues: dict[PeerLink, deque[_Item]] = {link: deque()
-                                                      for link in peers.links.values()}
+        #: per peer, the files to ask it for, and the scope of the task that asks
+        self._queues: dict[PeerLink, deque[_Item]] = {}
+        self._feeders: dict[PeerLink, trio.CancelScope] = {}
+        self._nursery: trio.Nursery | None = None
         self._held: OrderedDict[bytes, _Item] = OrderedDict()
         #: bytes held or in flight
         self.reserved = 0
@@ -120,7 +122,7 @@ class PeerHold:
                 continue
             item = self.items[path] = _Item(path, st, link, self._positions)
             self._positions += 1
-            self._queues[link].append(item)
+            self._queue(link).append(item)
             queued += 1
         self.stats["queued"] += queued
         self._poke()
@@ -190,25 +192,48 @@ class PeerHold:
         self._changed.set()
         self._changed = trio.Event()
 
+    def _queue(self, link: PeerLink) -> deque[_Item]:
+        """``link``'s queue; a peer's first one starts the task that feeds it."""
+        queue = self._queues.get(link)
+        if queue is None:
+            queue = self._queues[link] = deque()
+            if self._nursery is not None:
+                self._nursery.start_soon(self._feed, link, queue)
+        return queue
+
+    def forget_link(self, link: PeerLink) -> None:
+        """The peer left the cluster: its queued files are left to the readers (who rank
+        the new nodes) and its requests in flight end; files it already sent stay held."""
+        scope = self._feeders.pop(link, None)
+        if scope is not None:
+            scope.cancel()
+        for item in self._queues.pop(link, ()):
+            if item.state == _State.QUEUED:
+                self._forget(item)
+
     async def run(self) -> None:
         """Feed every peer's queue until the mount ends."""
         async with trio.open_nursery() as nursery:
-            for link in self._queues:
-                nursery.start_soon(self._feed, link)
+            self._nursery = nursery
+            for link, queue in self._queues.items():
+                nursery.start_soon(self._feed, link, queue)
+            await trio.sleep_forever()
 
-    async def _feed(self, link: PeerLink) -> None:
-        async with trio.open_nursery() as nursery:
-            in_flight = trio.Semaphore(self.depth)
-            while True:
-                await in_flight.acquire()
-                batch = await self._next_batch(link)
-                nursery.start_soon(self._fetch, link, batch, in_flight)
+    async def _feed(self, link: PeerLink, queue: deque[_Item]) -> None:
+        if self._queues.get(link) is not queue:  # the peer left before this task started
+            return
+        with trio.CancelScope() as self._feeders[link]:
+            async with trio.open_nursery() as nursery:
+                in_flight = trio.Semaphore(self.depth)
+                while True:
+                    await in_flight.acquire()
+                    batch = await self._next_batch(queue)
+                    nursery.start_soon(self._fetch, link, batch, in_flight)
 
-    async def _next_batch(self, link: PeerLink) -> list[_Item]:
-        """The next files of ``link``'s queue that make one request, once a full request's
+    async def _next_batch(self, queue: deque[_Item]) -> list[_Item]:
+        """The next files of a peer's queue that make one request, once a full request's
         bytes fit in the area; when it has stayed full for STALE_S, the oldest held files
         make room for one."""
-        queue = self._queues[link]
         while True:
             while queue and (queue[0].state != _State.QUEUED
                              or queue[0].position < self._taken_at - LAG):

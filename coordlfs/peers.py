@@ -12,6 +12,12 @@ with nothing in flight is not a fault either. ``Peers`` ranks the nodes for a fi
 (``placement``) and keeps the counters the status shows. Files of an order handed over go many
 per request (``read_many``: GETMANY to a peer that lists it) into the holding area
 (``coordlfs.peer_hold``), where readers' first misses find them.
+
+The nodes may change while the mount runs (``Peers.replace``, fed by
+``coordlfs.peer_sources``): a node that joins gets a link that connects at its first
+request; a node that leaves has its link retired, and whatever was in flight on it is
+answered ``None``, as for a peer that went down, so its readers read local storage. Ranking
+by rendezvous hashing moves only the files of the nodes that came or went.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from coordlfs.peer_wire import (
     decode_features,
     idle_timeout,
 )
-from coordlfs.placement import Address, owner, ranking, resolve
+from coordlfs.placement import Address, find_self, owner, ranking, resolve
 from coordlfs.stats import ReadCounters
 
 if TYPE_CHECKING:
@@ -53,6 +59,8 @@ FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 #: Default seconds a peer may take to connect, authenticate or answer one request.
 DEFAULT_TIMEOUT_S = 2.0
+#: Why a request to a node that left the cluster fails.
+LEFT = "no longer in the cluster"
 
 
 class PeerDown(Exception):
@@ -94,6 +102,8 @@ class PeerLink:
         self._down_until = 0.0
         #: what the connected peer serves beyond GET; None until its first frame came
         self._features: frozenset[bytes] | None = None
+        #: the node left the cluster: no request goes to it any more
+        self.retired = False
 
     @property
     def state(self) -> str:
@@ -167,6 +177,8 @@ class PeerLink:
         async with self._connecting:
             if self._stream is not None:
                 return self._stream
+            if self.retired:
+                raise PeerDown(LEFT)
             if self._down_until > time.monotonic():
                 raise PeerDown(self.stats.last_error)
             try:
@@ -184,6 +196,9 @@ class PeerLink:
             except Exception as e:  # whatever went wrong, the reader reads local storage
                 self._mark_down(f"cannot connect: {_describe(e)}")
                 raise PeerDown(self.stats.last_error) from None
+            if self.retired:  # it left while this connected
+                await trio.aclose_forcefully(stream.stream)
+                raise PeerDown(LEFT)
             assert self.nursery is not None
             self._stream = stream
             self._features = None
@@ -254,6 +269,17 @@ class PeerLink:
         self.stats.last_error = reason
         log.warning("peer %s is down for %.0f s: %s", self.address, self._backoff, reason)
 
+    def retire(self) -> None:
+        """The node left the cluster: requests in flight get None at once (their readers
+        read local storage) and the connection is closed; not a fault of the peer."""
+        self.retired = True
+        stream, self._stream = self._stream, None
+        for pending in self._pending.values():
+            pending.error = LEFT
+            pending.done.set()
+        if stream is not None and self.nursery is not None:
+            self.nursery.start_soon(trio.aclose_forcefully, stream.stream)
+
     def status(self) -> dict[str, Any]:
         return {"state": self.state, "in_flight": len(self._pending),
                 "retry_in_s": round(max(0.0, self._down_until - time.monotonic()), 3),
@@ -275,13 +301,50 @@ class Peers:
     """The cluster as one mount sees it. With no peers every file is cached here."""
 
     def __init__(self, nodes: tuple[Address, ...], me: Address | None, secret: bytes,
-                 timeout: float, counters: ReadCounters) -> None:
+                 timeout: float, counters: ReadCounters, listen: Address | None = None,
+                 source: str = "--peers") -> None:
         self.nodes = nodes
         self.me = me
         self.counters = counters
+        self.secret = secret
+        self.timeout = timeout
+        #: where this node listens, to find itself in a new list of nodes
+        self.listen = listen
+        #: where the nodes come from (``coordlfs.peer_sources``), and when they last changed
+        self.source = source
+        self.changed_at = time.time()
+        self.changes = 0
         self.links = {node: PeerLink(node, secret, timeout) for node in nodes if node != me}
         #: files of a known order fetched ahead of the readers; set by the daemon
         self.hold: PeerHold | None = None
+        self._nursery: trio.Nursery | None = None
+
+    async def replace(self, nodes: tuple[Address, ...]) -> None:
+        """Take ``nodes`` as the cluster from now on (the same canonical order on every
+        node): this node is found in them again (names resolved in a worker thread), links
+        to nodes that joined connect at their first request, those to nodes that left are
+        retired. Their counters go with them; the mount's ``reads`` keep the totals.
+        UserError (this node named twice): nothing changes."""
+        me = None if self.listen is None else await trio.to_thread.run_sync(
+            find_self, self.listen, nodes, abandon_on_cancel=True)
+        wanted = [node for node in nodes if node != me]
+        gone = [link for address, link in self.links.items() if address not in wanted]
+        joined = [node for node in wanted if node not in self.links]
+        for link in gone:
+            del self.links[link.address]
+            link.retire()
+            if self.hold is not None:
+                self.hold.forget_link(link)
+        for node in joined:
+            link = self.links[node] = PeerLink(node, self.secret, self.timeout)
+            link.nursery = self._nursery
+        self.nodes, self.me = nodes, me
+        self.changed_at = time.time()
+        self.changes += 1
+        log.info("%d nodes from %s: %s joined, %s left; this node is %s", len(nodes),
+                 self.source, ", ".join(map(str, joined)) or "none",
+                 ", ".join(str(link.address) for link in gone) or "none",
+                 me or "not among them (it caches nothing for the others)")
 
     def owner_of(self, path: bytes) -> PeerLink | None:
         """The link to the node that caches ``path`` while it has room; None for this node."""
@@ -388,6 +451,7 @@ class Peers:
     async def run(self) -> None:
         """Hold the nursery the links' receive loops run in, until the mount ends."""
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             for link in self.links.values():
                 link.nursery = nursery
             if self.hold is not None:
@@ -397,5 +461,7 @@ class Peers:
     def status(self) -> dict[str, Any]:
         return {"self": str(self.me) if self.me else None,
                 "nodes": [str(n) for n in self.nodes],
+                "source": self.source, "changes": self.changes,
+                "changed_at": round(self.changed_at, 3),
                 "links": {str(a): link.status() for a, link in self.links.items()},
                 "held": self.hold.status() if self.hold is not None else None}
