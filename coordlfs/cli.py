@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from coordlfs import __version__, options
@@ -222,8 +223,10 @@ def _peer_lines(status: dict[str, Any]) -> list[str]:
     peers, served = status["peers"], status["served"]
     if not peers["links"] and served is None:
         return []
-    lines = [f"cluster  this node {peers['self'] or '(not in --peers)'}, "
-             f"{len(peers['nodes'])} nodes"]
+    since = time.strftime("%H:%M:%S", time.localtime(peers["changed_at"]))
+    lines = [f"cluster  this node {peers['self'] or '(not among the nodes)'}, "
+             f"{len(peers['nodes'])} nodes from {peers['source']} "
+             f"({peers['changes']} changes, as of {since})"]
     for address, link in peers["links"].items():
         error = f", last error: {link['last_error']}" if link["last_error"] else ""
         retry = f", retry in {link['retry_in_s']:.0f} s" if link["state"] == "down" else ""
