@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from coordlfs.bench import harness
 from coordlfs.bench.children import Readers, batch_paths, running
@@ -220,8 +220,17 @@ def cache_size_for(budget: int, dataset: Dataset, readers_memory: int, readers: 
     return max(0, room)
 
 
+class EpochObserver(Protocol):
+    """Told of each epoch's start and of the result while the mount is still up (``bench
+    whatif`` marks the epochs and reads the mount's rates)."""
+
+    def before_epoch(self, order: list[str]) -> None: ...
+
+    def finished(self, result: ConfigResult) -> None: ...
+
+
 def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path,
-                 client: bool = False) -> ConfigResult:
+                 client: bool = False, observer: EpochObserver | None = None) -> ConfigResult:
     """Through the mount; with ``client``, through ``coordlfs.client`` with each epoch's
     order handed over first."""
     name = f"{CGROUP_PREFIX}-{os.getpid()}"
@@ -245,7 +254,10 @@ def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path,
                     result = run_epochs("client", group, [daemon], dataset, "", settings,
                                         trainer.prefetch)
             else:
-                result = run_epochs("coordlfs", group, [daemon], dataset, mountpoint, settings)
+                result = run_epochs("coordlfs", group, [daemon], dataset, mountpoint, settings,
+                                    observer.before_epoch if observer else None)
+                if observer is not None:
+                    observer.finished(result)
             result.peak_memory_bytes = cgroup.peak_memory()
     result.cache_capacity_bytes = capacity
     result.readers_memory_bytes = memory
