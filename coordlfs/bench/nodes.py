@@ -1,0 +1,316 @@
+"""Many nodes: N real mounts peering on loopback, each reading the whole dataset twice.
+
+Each node is a coordlfs daemon: ``coordlfs mount`` of one shared source directory on a
+mountpoint of its own, ``--listen 127.0.0.1:PORT --insecure --peers`` naming all N, with a
+cache of ``--cache-share`` times its share of the dataset. Every node reads the whole
+dataset in each epoch, in an order of its own; the nodes' batches are interleaved over
+``--readers`` reader processes, so the nodes read side by side while taking turns for the
+few cores. A reader drops each file's pages from the node's page cache after reading it
+(``POSIX_FADV_DONTNEED``), so that the next epoch reaches the daemon, as it does on a node
+whose memory does not hold the dataset twice.
+
+Measured at each of ``--nodes``: bytes every daemon read from storage per epoch (its
+``/proc/PID/io`` read_bytes; the daemons read the source with O_DIRECT, so no page cache
+hides a read), bytes served by peers and by the caches, and after each epoch, per node, its
+established TCP connections (its sockets in ``/proc/PID/fd`` looked up in ``/proc/net/tcp``:
+inbound on its listen port, outbound to peers) and its resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import multiprocessing
+import os
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from coordlfs.bench import harness
+from coordlfs.bench.counters import process_bytes_read
+from coordlfs.errors import UserError
+from coordlfs.order import epoch_order
+from coordlfs.placement import MAX_PEERS
+from coordlfs.sizes import format_size
+from coordlfs.testbed.dataset import Dataset
+from coordlfs.testbed.mounts import Mount, mounted, unmount_if_mounted
+
+#: An O_DIRECT read takes whole blocks: the least storage can give a file.
+BLOCK = 4096
+ESTABLISHED = "01"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    harness.add_dataset_arguments(parser, "nodes", make="1280:16K")
+    parser.add_argument("--nodes", default="8,16,32,64",
+                        help="node counts, comma-separated (default 8,16,32,64)")
+    parser.add_argument("--cache-share", type=float, default=4.0,
+                        help="each node's cache in shares of the dataset (1/N each), at most "
+                             "the dataset (default 4)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--readers", type=int, default=4,
+                        help="reader processes, shared by all nodes (default 4)")
+    parser.add_argument("--batch", type=int, default=16,
+                        help="files a reader reads of one node before the next (default 16)")
+    parser.add_argument("--peer-timeout", metavar="SECONDS",
+                        help="the mounts' --peer-timeout (default: the mount's default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+
+
+@dataclass(slots=True)
+class NodeSample:
+    """One node after an epoch: what its daemon read and served, its sockets and memory."""
+
+    storage_bytes: int
+    peer_bytes: int
+    cache_bytes: int
+    peer_failures: int
+    inbound: int
+    outbound: int
+    rss_bytes: int
+    rss_anon_bytes: int
+
+
+@dataclass(slots=True)
+class Run:
+    nodes: int
+    cache_bytes: int
+    mount_seconds: float
+    #: per epoch: its seconds and each node's sample (counters since the epoch began)
+    epoch_seconds: list[float]
+    epochs: list[list[NodeSample]]
+    unmount_seconds: float = 0.0
+
+    def storage(self, epoch: int) -> int:
+        return sum(n.storage_bytes for n in self.epochs[epoch])
+
+    def row(self, dataset: Dataset) -> dict[str, Any]:
+        total, last = dataset.total_bytes, self.epochs[-1]
+        connections = [n.inbound + n.outbound for n in last]
+        return {
+            "nodes": self.nodes,
+            "storage_epoch1_vs_dataset": round(self.storage(0) / total, 4),
+            "storage_epoch1_vs_blocks": round(self.storage(0) / blocks(dataset), 4),
+            "storage_bytes_after_epoch1": sum(self.storage(e)
+                                              for e in range(1, len(self.epochs))),
+            "peer_bytes_last_epoch_vs_dataset": round(sum(n.peer_bytes for n in last) / total,
+                                                      3),
+            "peer_failures": sum(n.peer_failures for n in last),
+            "connections_per_node_max": max(connections),
+            "connections_per_node_median": statistics.median(connections),
+            "inbound_per_node_max": max(n.inbound for n in last),
+            "outbound_per_node_max": max(n.outbound for n in last),
+            "rss_mib_per_node_median": round(statistics.median(n.rss_bytes for n in last)
+                                             / 2 ** 20, 1),
+            "rss_mib_per_node_max": round(max(n.rss_bytes for n in last) / 2 ** 20, 1),
+            "rss_anon_mib_per_node_median": round(
+                statistics.median(n.rss_anon_bytes for n in last) / 2 ** 20, 1),
+            "mount_seconds": self.mount_seconds,
+            "epoch_seconds": self.epoch_seconds,
+            "unmount_seconds": self.unmount_seconds,
+        }
+
+
+def blocks(dataset: Dataset) -> int:
+    """The dataset's bytes in whole blocks: what O_DIRECT reads of each file at least."""
+    return sum(math.ceil(size / BLOCK) * BLOCK for _rel, size in dataset.files)
+
+
+def read_batch(paths: list[str]) -> int:
+    """A reader's turn: read each file to its end, then drop its pages from the page cache."""
+    got = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while chunk := os.read(fd, 1 << 20):
+                got += len(chunk)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return got
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` loopback ports nobody listens on now, all held open until all are found."""
+    with contextlib.ExitStack() as stack:
+        held = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in held:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in held]
+
+
+def tcp_states() -> dict[str, tuple[int, str]]:
+    """Every TCP socket of this network namespace: its inode -> (local port, state)."""
+    states = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                states[fields[9]] = (int(fields[1].rsplit(":", 1)[1], 16), fields[3])
+    return states
+
+
+def connections(pid: int, port: int, states: dict[str, tuple[int, str]]) -> tuple[int, int]:
+    """Established TCP connections of process ``pid``: (inbound on ``port``, outbound)."""
+    inbound = outbound = 0
+    fds = f"/proc/{pid}/fd"
+    for fd in os.listdir(fds):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"{fds}/{fd}")
+            if target.startswith("socket:["):
+                local, state = states.get(target[8:-1], (0, ""))
+                if state == ESTABLISHED:
+                    inbound += local == port
+                    outbound += local != port
+    return inbound, outbound
+
+
+def memory(pid: int) -> tuple[int, int]:
+    """VmRSS and RssAnon of ``pid`` in bytes."""
+    found = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon"):
+                found[key] = int(value.split()[0]) * 1024
+    return found["VmRSS"], found["RssAnon"]
+
+
+def counters(mount: Mount) -> tuple[int, int, int, int]:
+    """Storage bytes of the daemon, and from its status bytes from peers and from its cache
+    and the failures of its links."""
+    status = mount.status()
+    reads = status["reads"]
+    failures = sum(link["failures"] for link in status["peers"]["links"].values())
+    return (process_bytes_read(mount.pid), reads["bytes_from_peers"],
+            reads["bytes_from_cache"], failures)
+
+
+def sample(mounts: list[Mount], ports: list[int],
+           before: list[tuple[int, int, int, int]]) -> list[NodeSample]:
+    states = tcp_states()
+    samples = []
+    for mount, port, then in zip(mounts, ports, before, strict=True):
+        now = counters(mount)
+        gained = [a - b for a, b in zip(now, then, strict=True)]
+        samples.append(NodeSample(*gained, *connections(mount.pid, port, states),
+                                  *memory(mount.pid)))
+    return samples
+
+
+def batches(dataset: Dataset, mounts: list[Mount], epoch: int, seed: int,
+            batch: int) -> list[list[str]]:
+    """Each node's epoch in its own order, cut in batches, the nodes' batches in turn."""
+    rels = [rel for rel, _size in dataset.files]
+    per_node = []
+    for i, mount in enumerate(mounts):
+        order = [str(mount.mountpoint / rels[k])
+                 for k in epoch_order(seed + i, epoch, len(rels))]
+        per_node.append([order[s:s + batch] for s in range(0, len(order), batch)])
+    return [node[j] for j in range(len(per_node[0])) for node in per_node]
+
+
+def run_nodes(count: int, dataset: Dataset, work: Path, args: argparse.Namespace) -> Run:
+    share = dataset.total_bytes * args.cache_share / count
+    largest = max(size for _rel, size in dataset.files)
+    cache = int(min(dataset.total_bytes, share + largest))
+    ports = free_ports(count)
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    timeout = ["--peer-timeout", args.peer_timeout] if args.peer_timeout else []
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        mounts = [stack.enter_context(mounted(
+            dataset.root, work / f"mnt{i}", work / f"node{i}.log", "--cache-size", str(cache),
+            "--listen", f"127.0.0.1:{port}", "--peers", peers, "--insecure", *timeout))
+            for i, port in enumerate(ports)]
+        result = Run(count, cache, round(time.monotonic() - started, 1), [], [])
+        print(f"{count} nodes mounted in {result.mount_seconds} s, each caching "
+              f"{format_size(cache)}", flush=True)
+        with multiprocessing.get_context("fork").Pool(args.readers) as pool:
+            for epoch in range(args.epochs):
+                before = [counters(m) for m in mounts]
+                began = time.monotonic()
+                for _ in pool.imap_unordered(read_batch, batches(dataset, mounts, epoch,
+                                                                 args.seed, args.batch)):
+                    pass
+                result.epoch_seconds.append(round(time.monotonic() - began, 1))
+                result.epochs.append(sample(mounts, ports, before))
+                print_epoch(result, epoch, dataset)
+        stopping = time.monotonic()
+    result.unmount_seconds = round(time.monotonic() - stopping, 1)
+    return result
+
+
+def print_epoch(result: Run, epoch: int, dataset: Dataset) -> None:
+    nodes, total = result.epochs[epoch], dataset.total_bytes
+    conns = [n.inbound + n.outbound for n in nodes]
+    print(f"  epoch {epoch + 1}: {result.epoch_seconds[epoch]} s; storage "
+          f"{result.storage(epoch) / total:.3f} of the dataset, peers "
+          f"{sum(n.peer_bytes for n in nodes) / total:.2f}, caches "
+          f"{sum(n.cache_bytes for n in nodes) / total:.2f}; connections per node "
+          f"{min(conns)}-{max(conns)}; RSS per node "
+          f"{statistics.median(n.rss_bytes for n in nodes) / 2 ** 20:.0f} MiB median",
+          flush=True)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print("nodes  storage epoch 1 (x D)  after epoch 1  conns/node (in+out)  "
+          "RSS/node MiB (median, max)  mount s  epochs s")
+    for r in rows:
+        print(f"{r['nodes']:5}  {r['storage_epoch1_vs_dataset']:21.3f}  "
+              f"{r['storage_bytes_after_epoch1']:13}  "
+              f"{r['connections_per_node_max']:8} ({r['inbound_per_node_max']}+"
+              f"{r['outbound_per_node_max']})  "
+              f"{r['rss_mib_per_node_median']:14.1f}, {r['rss_mib_per_node_max']:.1f}  "
+              f"{r['mount_seconds']:7}  {r['epoch_seconds']}", flush=True)
+
+
+def parse_counts(text: str) -> list[int]:
+    try:
+        counts = [int(item) for item in text.split(",")]
+    except ValueError:
+        raise UserError(f"bad --nodes {text!r}: expected counts such as 8,16,32,64") from None
+    if not all(2 <= n <= MAX_PEERS for n in counts):
+        raise UserError(f"bad --nodes {text!r}: each count 2 to {MAX_PEERS}")
+    return counts
+
+
+def run(args: argparse.Namespace) -> int:
+    harness.require_root("bench nodes", "mounts FUSE")
+    harness.require_fuse()
+    counts = parse_counts(args.nodes)
+    for name in ("epochs", "readers", "batch"):
+        if getattr(args, name) < 1:
+            raise UserError(f"bad --{name} {getattr(args, name)}: need at least 1")
+    if args.cache_share <= 0:
+        raise UserError(f"bad --cache-share {args.cache_share}: must be positive")
+    work = harness.work_dir(args.work)
+    with harness.claimed(work, "bench nodes"):
+        for old in work.glob("mnt*"):
+            unmount_if_mounted(old)
+        dataset = harness.load_dataset(args)
+        print(f"{harness.describe_dataset(dataset)}; nodes {', '.join(map(str, counts))}; "
+              f"{args.readers} readers", flush=True)
+        runs = [run_nodes(n, dataset, work, args) for n in counts]
+    rows = [r.row(dataset) for r in runs]
+    print_table(rows)
+    summary: dict[str, Any] = {}
+    for r in rows:
+        for key in ("storage_epoch1_vs_dataset", "storage_bytes_after_epoch1",
+                    "connections_per_node_max", "rss_mib_per_node_median"):
+            summary[f"{key}_{r['nodes']}"] = r[key]
+        summary[f"seconds_{r['nodes']}"] = round(r["mount_seconds"] + sum(r["epoch_seconds"])
+                                                 + r["unmount_seconds"], 1)
+    harness.print_summary(summary)
+    harness.write_report(args.json, {"dataset": harness.dataset_record(dataset),
+                                     "dataset_blocks": blocks(dataset),
+                                     "settings": harness.plain_settings(args),
+                                     "rows": rows, "runs": [asdict(r) for r in runs],
+                                     "summary": summary})
+    return 0
