@@ -254,7 +254,8 @@ def _groups(spec: tuple[tuple[str, str, str], ...],
         family = _family(name, GAUGE, doc, ["group"])
         for group_name, group in sorted(groups.items()):
             value = group[key]
-            family.add_metric([group_name], len(value) if isinstance(value, list) else value)
+            if value is not None:  # an aligned group's files before any member sent them
+                family.add_metric([group_name], len(value) if isinstance(value, list) else value)
         yield family
 
 
@@ -333,6 +334,11 @@ class _Handler(MetricsHandler):
         except NoSnapshot as e:  # the collector raised before anything was written
             log.warning("metrics scrape from %s not answered: %s", self.client_address[0], e)
             self.send_error(HTTPStatus.SERVICE_UNAVAILABLE, str(e))
+        except ConnectionError:
+            raise  # the scraper went away: there is nobody to answer (``handle_error``)
+        except Exception:  # a status the families do not expect: a bug of this module
+            log.exception("metrics scrape from %s failed", self.client_address[0])
+            self.send_error(HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -346,8 +352,9 @@ class _Server(http.server.ThreadingHTTPServer):
         self.socket = sock
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        """A failed scrape is the log's, not a traceback on stderr."""
-        log.warning("metrics scrape from %s failed: %r", client_address[0], sys.exc_info()[1])
+        """A connection that failed (the scraper went away) is a line in the log, not a
+        traceback on stderr."""
+        log.info("metrics connection from %s ended: %r", client_address[0], sys.exc_info()[1])
 
 
 def _bind(address: Address) -> socket.socket:
