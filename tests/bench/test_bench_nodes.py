@@ -1,0 +1,39 @@
+"""``coordlfs bench nodes``: four real mounts peering on loopback read 50 files twice each;
+the counters of one small run, and bad options as one-line errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from benchtools import assert_one_line_errors, small_run
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
+                                reason="needs root and /dev/fuse")
+
+
+def test_four_nodes_read_storage_once_in_all(tmp_path: Path, daemon_logs: list[Path]) -> None:
+    """Every file comes from storage once across the four nodes in the first epoch (in
+    whole blocks: O_DIRECT), never after; each node holds one connection to and from each
+    other node it asked or was asked by; every mount is gone afterwards."""
+    work = tmp_path / "work"
+    daemon_logs.append(work)
+    report = small_run("nodes", work, tmp_path / "nodes.json", "--nodes", "2,4", "--make",
+                       "50:16K", "--readers", "2")
+    rows = {r["nodes"]: r for r in report["rows"]}
+    assert set(rows) == {2, 4}
+    for n, row in rows.items():
+        assert 1.0 <= row["storage_epoch1_vs_blocks"] < 1.1
+        assert row["storage_bytes_after_epoch1"] == 0
+        assert row["peer_bytes_last_epoch_vs_dataset"] == pytest.approx(n - 1, abs=0.01)
+        assert row["inbound_per_node_max"] <= n - 1 and row["outbound_per_node_max"] <= n - 1
+        assert row["rss_mib_per_node_median"] > 0
+        assert report["summary"][f"connections_per_node_max_{n}"] > 0
+    assert not [line for line in Path("/proc/mounts").read_text().splitlines()
+                if str(work) in line]
+
+
+def test_bad_options_are_one_line_errors(tmp_path: Path) -> None:
+    assert_one_line_errors("nodes", tmp_path, ["--nodes", "1"], ["--nodes", "4,x"],
+                           ["--readers", "0"], ["--cache-share", "0"])
