@@ -1,0 +1,226 @@
+"""Slurm's Prolog and Epilog (mount/slurm/coordlfs-slurm) against a real Slurm on this machine.
+
+The test starts munged, slurmctld and two slurmd (nodes 127.0.0.2 and 127.0.0.3, see
+coordlfs.testbed.slurm) with the script as Prolog and Epilog, submits real jobs with srun, and
+stops every daemon by pid at the end. Each job gets a coordlfs mount per node whose peers are
+the allocation's nodes (--peers-from slurm), listening on the node's own address.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import digests, make_dataset
+
+from coordlfs.control import Control
+from coordlfs.mounting import mount_at, mounts
+from coordlfs.processes import process_alive
+from coordlfs.testbed.slurm import SlurmCluster, free_port, missing_programs, slurm_cluster
+
+HERE = Path(__file__).parent
+SCRIPT = HERE.parents[1] / "mount" / "slurm" / "coordlfs-slurm"
+JOB = HERE / "slurm_job.py"
+NODES = ("127.0.0.2", "127.0.0.3")
+#: Seconds a job of a few dozen small files may take, prolog and epilog included.
+JOB_TIMEOUT = 120
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="slurmd and FUSE mounts need root"),
+    pytest.mark.skipif(bool(missing_programs()), reason=f"Slurm or munge not installed "
+                       f"({', '.join(missing_programs())} missing; scripts/setup installs "
+                       "slurm-wlm and munge)"),
+]
+
+
+@dataclass(slots=True)
+class Site:
+    """The cluster and what its prolog mounts: coordlfs-slurm's settings for this test."""
+
+    cluster: SlurmCluster
+    directory: Path
+    source: Path
+    secret: Path
+    settings: dict[str, str]
+
+    def path(self, key: str, job: str, node: str) -> Path:
+        return Path(self.settings[key].replace("%j", job).replace("%n", node))
+
+    def script_env(self, job: str, node: str) -> dict[str, str]:
+        """What slurmd gives its Prolog and Epilog, for running the script by hand."""
+        return {**self.cluster.env, "SLURM_JOB_ID": job, "SLURMD_NODENAME": node,
+                "SLURM_NODELIST": node, "COORDLFS_SLURM_CONF": str(self.directory / "conf")}
+
+    def left_behind(self) -> list[str]:
+        """coordlfs mounts and daemons of this site that outlived their jobs."""
+        ours = str(self.directory)
+        found = [m.mountpoint for m in mounts() if m.mountpoint.startswith(ours)]
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                argv = cmdline.read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"coordlfs.detached" in argv and any(a.startswith(os.fsencode(ours)) for a in argv):
+                found.append(f"daemon {cmdline.parent.name}")
+        return found
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    directory = tmp_path_factory.mktemp("slurm")
+    source = directory / "data"
+    source.mkdir()
+    make_dataset(source, 40)
+    secret = directory / "secret"
+    secret.write_bytes(base64.b64encode(os.urandom(32)))
+    secret.chmod(0o600)
+    settings = {
+        "SOURCE": str(source),
+        "MOUNTPOINT": f"{directory}/mnt/%n/%j",  # two nodes share this machine: %n too
+        "CACHE_DIR": f"/dev/shm/coordlfs/test-slurm-{os.getpid()}-%j-%n",
+        "LISTEN": "%n",  # each node's daemon on its own loopback address, at the same port
+        "PORT_BASE": str(free_port()),
+        "PORT_COUNT": "1",
+        "CACHE_SIZE": "64M",
+        "SECRET_FILE": str(secret),
+        "LOG": f"{directory}/logs/%j-%n.log",
+        "STATE_DIR": f"{directory}/state",
+        "COORDLFS": f"{sys.executable} -m coordlfs",
+    }
+    (directory / "conf").write_text("# written by test_slurm\n" + "".join(
+        f"{key}={value}\n" for key, value in settings.items()))
+    # Prolog= takes no arguments nor environment: a wrapper names the config.
+    wrapper = directory / "coordlfs-slurm"
+    wrapper.write_text(f"#!/bin/sh\nCOORDLFS_SLURM_CONF={directory}/conf exec {SCRIPT} \"$@\"\n")
+    wrapper.chmod(0o755)
+    with slurm_cluster(directory / "cluster", NODES, wrapper, wrapper) as cluster:
+        built = Site(cluster, directory, source, secret, settings)
+        yield built
+    assert not built.left_behind()
+
+
+def srun(site: Site, *argv: str, nodes: tuple[str, ...] = NODES) -> subprocess.CompletedProcess:
+    return site.cluster.run("srun", f"--nodelist={','.join(nodes)}", f"--nodes={len(nodes)}",
+                            "--ntasks-per-node=1", *argv, timeout=JOB_TIMEOUT)
+
+
+def job_argv(site: Site, out: Path, mode: str) -> tuple[str, ...]:
+    return sys.executable, str(JOB), site.settings["MOUNTPOINT"], str(out), mode
+
+
+def assert_gone(site: Site, job: str, node: str, pid: int) -> None:
+    """After the epilog: no mount, no daemon, no mountpoint, no cache, no note."""
+    assert mount_at(str(site.path("MOUNTPOINT", job, node))) is None
+    assert not process_alive(pid)
+    assert not site.path("MOUNTPOINT", job, node).exists()
+    assert not site.path("CACHE_DIR", job, node).exists()
+    assert not (site.directory / "state" / f"job-{job}-{node}").exists()
+
+
+def test_job_reads_the_dataset_through_mounts_that_use_each_other(
+        site: Site, tmp_path: Path, daemon_logs: list[Path]) -> None:
+    result = srun(site, *job_argv(site, tmp_path, "read"))
+    assert result.returncode == 0, result.stderr
+    read = {node: json.loads((tmp_path / f"{node}.json").read_text()) for node in NODES}
+    job = read[NODES[0]]["job"]
+    daemon_logs.extend(site.path("LOG", job, node) for node in NODES)
+    expected = digests(site.source)
+    for node, found in read.items():
+        assert found["digests"] == expected, node
+        assert found["status"]["peers"]["self"] == f"{node}:{site.settings['PORT_BASE']}"
+    assert sum(found["status"]["reads"]["bytes_from_peers"] for found in read.values()) > 0
+    site.cluster.wait_jobs_over()
+    for node, found in read.items():
+        assert_gone(site, job, node, found["status"]["pid"])
+
+
+def test_a_killed_job_leaves_no_mount(site: Site, tmp_path: Path,
+                                      daemon_logs: list[Path]) -> None:
+    node = NODES[0]
+    step = site.cluster.popen("srun", f"--nodelist={node}", "--nodes=1",
+                              *job_argv(site, tmp_path, "hold"), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE)
+    try:
+        holding = tmp_path / f"{node}.holding"
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while not holding.exists():
+            assert step.poll() is None, step.communicate()[1]
+            assert time.monotonic() < deadline, "the job never opened a file"
+            time.sleep(0.1)
+        job = holding.read_text()
+        daemon_logs.append(site.path("LOG", job, node))
+        pid = Control(site.path("MOUNTPOINT", job, node)).status()["pid"]
+        site.cluster.run("scancel", job)
+        step.communicate(timeout=JOB_TIMEOUT)
+    finally:
+        step.kill()
+        step.wait()
+    site.cluster.wait_jobs_over()
+    assert_gone(site, job, node, pid)
+
+
+def test_prolog_and_epilog_run_twice_do_no_harm(site: Site, daemon_logs: list[Path]) -> None:
+    job, node = "900001", NODES[1]
+    env = site.script_env(job, node)
+    daemon_logs.append(site.path("LOG", job, node))
+    mountpoint = site.path("MOUNTPOINT", job, node)
+    try:
+        first = subprocess.run([SCRIPT, "prolog"], env=env, capture_output=True, text=True,
+                               timeout=JOB_TIMEOUT)
+        assert first.returncode == 0, first.stderr
+        pid = Control(mountpoint).status()["pid"]
+        again = subprocess.run([SCRIPT, "prolog"], env=env, capture_output=True, text=True,
+                               timeout=JOB_TIMEOUT)
+        assert again.returncode == 0, again.stderr
+        assert Control(mountpoint).status()["pid"] == pid  # the same mount, not a second one
+    finally:
+        for _ in range(2):
+            done = subprocess.run([SCRIPT, "epilog"], env=env, capture_output=True, text=True,
+                                  timeout=JOB_TIMEOUT)
+            assert done.returncode == 0, done.stderr
+    assert_gone(site, job, node, pid)
+
+
+def fails_with(site: Site, node: str, message: str) -> None:
+    """A job on ``node`` fails at its prolog, which says ``message`` in slurmd's log; the node,
+    drained by the failure, is resumed."""
+    logged = len(site.cluster.slurmd_log(node))
+    try:
+        result = srun(site, "true", nodes=(node,))
+        assert result.returncode != 0
+        assert "Prolog failure" in result.stderr, result.stderr
+        said = site.cluster.slurmd_log(node)[logged:]
+        assert "prolog failed" in said and message in said, said
+    finally:
+        site.cluster.wait_jobs_over()
+        site.cluster.resume()
+        site.cluster.wait_idle()
+    assert not site.left_behind()
+
+
+def test_a_secret_others_can_read_fails_the_job(site: Site) -> None:
+    site.secret.chmod(0o644)
+    try:
+        fails_with(site, NODES[1], f"secret file {site.secret} has owner uid 0 and mode 644; "
+                   "it must be root's, mode 600 at most")
+    finally:
+        site.secret.chmod(0o600)
+
+
+def test_a_mount_that_cannot_be_made_fails_the_job(site: Site) -> None:
+    node = NODES[0]
+    with socket.socket() as taken:  # the job's peer port on its node is in use
+        # (SO_REUSEADDR: the earlier jobs' connections may still be in TIME_WAIT on it)
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind((node, int(site.settings["PORT_BASE"])))
+        taken.listen()
+        fails_with(site, node, f"cannot mount {site.source} on ")
