@@ -80,8 +80,8 @@ def canonical(nodes: Iterable[Address], what: str) -> tuple[Address, ...]:
 
 def expand_hostlist(text: str) -> list[str]:
     """Slurm's hostlist syntax: ``n[01-04,07],gpu3`` is n01 n02 n03 n04 n07 gpu3. A name may
-    hold several bracketed sets (``r[1-2]-n[1-3]``: every combination); a range keeps the
-    zero padding of its first number, as Slurm does."""
+    hold several bracketed sets (``r[1-2]-n[1-3]``: every combination) but ends with one if
+    it has any; a range keeps the zero padding of its first number. As Slurm does."""
     names: list[str] = []
     for item in _split_top(text):
         parts: list[list[str]] = []
@@ -94,6 +94,8 @@ def expand_hostlist(text: str) -> list[str]:
             parts += [[head], _expand_set(inside, text)]
         if "]" in rest:
             raise UserError(f"bad Slurm node list {text!r}: unbalanced brackets")
+        if parts and rest:
+            raise UserError(f"bad Slurm node list {text!r}: {rest!r} after the last bracket")
         parts.append([rest])
         count = 1
         for choices in parts:
