@@ -91,6 +91,11 @@ class Rates:
     cpus: int
     assumptions: tuple[str, ...] = ()
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Rates:
+        """The rates as ``analyse`` wrote them (``data["rates"]``)."""
+        return cls(**{**data, "assumptions": tuple(data["assumptions"])})
+
     @property
     def cache_fraction(self) -> float:
         return min(1.0, self.cache_bytes / self.dataset_bytes)
@@ -188,8 +193,48 @@ def fit_seconds_per_byte(epochs: list[Interval], columns: tuple[int, ...]) -> di
     return best[1]
 
 
+def _spread(values: list[float]) -> float:
+    return max(values) - min(values) if values else 0.0
+
+
 def _hit_share(epoch: Interval) -> float:
     return epoch.cache_bytes / epoch.total_bytes if epoch.total_bytes else 0.0
+
+
+def _lower_bounds(epochs: list[Interval]) -> dict[int, float]:
+    """Seconds per byte no epoch beat: storage and peers as fast as the fastest epoch read
+    from them (their speed is at least that), the cache at its assumed speed."""
+    weights = {1: 1 / DEFAULT_CACHE_BPS}
+    for column in (0, 2):
+        per_byte = [e.seconds / e.by_source()[column] for e in epochs if e.by_source()[column]]
+        if per_byte:
+            weights[column] = min(per_byte)
+    return weights
+
+
+def _fit(epochs: list[Interval], notes: list[str]) -> tuple[dict[int, float], bool]:
+    """Seconds per byte of each source, and whether the cache's was measured: only epochs
+    with different hit shares tell the cache's cost from storage's."""
+    if any(e.peer_bytes for e in epochs) and _spread(
+            [e.peer_bytes / (e.peer_bytes + e.storage_bytes) for e in epochs
+             if e.peer_bytes + e.storage_bytes]) < MIN_SHARE_SPREAD:
+        notes.append("every epoch had the same share of misses from peers: peers and storage "
+                     "are taken to serve misses at one speed")
+        weights, cache_known = _fit([Interval(e.name, e.seconds, e.storage_bytes + e.peer_bytes,
+                                              e.cache_bytes, 0) for e in epochs], notes)
+        return {**weights, 2: weights.get(0, 0.0)}, cache_known
+    peers = (2,) if any(e.peer_bytes for e in epochs) else ()
+    hits = any(e.cache_bytes for e in epochs)
+    if hits and _spread([_hit_share(e) for e in epochs]) >= MIN_SHARE_SPREAD:
+        return fit_seconds_per_byte(epochs, (0, 1, *peers)), True
+    notes.append(f"cache speed {format_size(DEFAULT_CACHE_BPS)}/s "
+                 + ("(every epoch had the same share of hits: mark epochs with different "
+                    "hit shares, such as the cold first one)" if hits
+                    else "(no hits were measured)"))
+    rest = [Interval(e.name, e.seconds - e.cache_bytes / DEFAULT_CACHE_BPS, e.storage_bytes, 0,
+                     e.peer_bytes) for e in epochs]
+    return {1: 1 / DEFAULT_CACHE_BPS,
+            **fit_seconds_per_byte([e for e in rest if e.seconds > 0], (0, *peers))}, False
 
 
 def measure(epochs: list[Interval], cache_bytes: float, compute_s: float | None, cpus: int,
@@ -201,43 +246,27 @@ def measure(epochs: list[Interval], cache_bytes: float, compute_s: float | None,
         raise UserError("no reads to analyse: read the dataset through the mount first "
                         "(and `coordlfs mark` each epoch)")
     dataset = dataset_bytes or max(e.total_bytes for e in epochs)
-    fetching = epochs
-    if compute_s is not None:
-        fetching = [e for e in epochs if e.seconds > COMPUTE_BOUND * compute_s]
-        if not fetching:
-            fetching = epochs
-            notes_.append("every epoch took no longer than its compute: the fetch rates are "
-                          "lower bounds (bytes over the whole epoch)")
-    peers = any(e.peer_bytes for e in fetching)
-    hits = any(e.cache_bytes for e in fetching)
-    shares = [_hit_share(e) for e in fetching]
-    cache_known = hits and max(shares) - min(shares) >= MIN_SHARE_SPREAD
+    fetching = epochs if compute_s is None else [
+        e for e in epochs if e.seconds > COMPUTE_BOUND * compute_s]
     prep_s = None
-    columns = (0, 2) if peers else (0,)
-    if cache_known:
-        weights = fit_seconds_per_byte(fetching, (0, 1, *columns[1:]))
+    if not fetching:
+        notes_.append("every epoch took no longer than its compute: storage and peer speeds "
+                      "are lower bounds (bytes over the epoch), the cache's is assumed "
+                      f"{format_size(DEFAULT_CACHE_BPS)}/s")
+        weights = _lower_bounds(epochs)
     else:
-        # the cache's cost cannot be told from storage's: take the assumed speed, fit the rest
-        notes_.append(f"cache speed {format_size(DEFAULT_CACHE_BPS)}/s "
-                      + ("(every epoch had the same share of hits: mark epochs with "
-                         "different hit shares, such as the cold first one)" if hits
-                         else "(no hits were measured)"))
-        rest = [Interval(e.name, e.seconds - e.cache_bytes / DEFAULT_CACHE_BPS,
-                         e.storage_bytes, 0, e.peer_bytes) for e in fetching]
-        weights = {1: 1 / DEFAULT_CACHE_BPS,
-                   **fit_seconds_per_byte([e for e in rest if e.seconds > 0], columns)}
-    storage_w, cache_w = weights.get(0, 0.0), weights.get(1, 0.0)
-    if cache_known and (storage_w == 0 or cache_w * NOT_FASTER >= storage_w):
-        # cached bytes did not make epochs shorter: neither storage nor the cache bound them
-        prep_s = min(e.seconds for e in fetching)
-        notes_.append(f"epochs took as long whatever their share of hits: the data pipeline "
-                      f"is taken as bound by prep, {prep_s:.1f} s per epoch at {cpus} CPUs; "
-                      "storage and cache speeds are lower bounds")
-        storage_w = min(e.seconds / e.storage_bytes for e in fetching if e.storage_bytes) \
-            if any(e.storage_bytes for e in fetching) else 0.0
-        cache_w = 1 / DEFAULT_CACHE_BPS
-    if storage_w == 0:
-        storage_w = 1 / MAX_BPS
+        weights, cache_known = _fit(fetching, notes_)
+        storage_w = weights.get(0, 0.0)
+        if cache_known and (storage_w == 0 or weights.get(1, 0.0) * NOT_FASTER >= storage_w):
+            # cached bytes did not make epochs shorter: neither storage nor cache bound them
+            prep_s = min(e.seconds for e in fetching)
+            notes_.append(f"epochs took as long whatever their share of hits: the data "
+                          f"pipeline is taken as bound by prep, {prep_s:.1f} s per epoch at "
+                          f"{cpus} CPUs; storage and peer speeds are lower bounds, the "
+                          f"cache's is assumed {format_size(DEFAULT_CACHE_BPS)}/s")
+            weights = _lower_bounds(fetching)
+    if not weights.get(0):
+        weights[0] = 1 / MAX_BPS
         notes_.append("storage time not measurable (no misses): storage assumed as fast as "
                       "memory")
     if compute_s is None:
@@ -248,8 +277,9 @@ def measure(epochs: list[Interval], cache_bytes: float, compute_s: float | None,
                       "(fewer CPUs may not)")
     peer_bytes = sum(e.peer_bytes for e in epochs)
     misses = peer_bytes + sum(e.storage_bytes for e in epochs)
-    return Rates(dataset, cache_bytes, 1 / storage_w, 1 / max(cache_w, 1 / MAX_BPS),
-                 1 / max(weights.get(2, 0.0), 1 / MAX_BPS) if peers else None,
+    fastest = 1 / MAX_BPS
+    return Rates(dataset, cache_bytes, 1 / weights[0], 1 / max(weights.get(1, 0.0), fastest),
+                 1 / max(weights.get(2, 0.0), fastest) if peer_bytes else None,
                  peer_bytes / misses if misses else 0.0, compute_s, prep_s, cpus,
                  tuple(notes_))
 
@@ -412,7 +442,7 @@ def pyplot() -> Any:
 def plot(path: str, data: dict[str, Any]) -> None:
     """Epoch time and stall share against cache size, at three storage speeds."""
     plt = pyplot()
-    rates = Rates(**{**data["rates"], "assumptions": tuple(data["rates"]["assumptions"])})
+    rates = Rates.from_json(data["rates"])
     xs = [i / 50 for i in range(51)]
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     for factor in (0.5, 1, 2):

@@ -88,7 +88,8 @@ class Row:
     measured_cache_bytes: int
     predicted_s: float
     measured_s: float
-    error_percent: float
+    #: None where the measured epochs took no measurable time
+    error_percent: float | None
     measured_epochs_s: list[float]
     disturbed_epochs: list[int]
 
@@ -114,8 +115,7 @@ def one_run(dataset: Dataset, settings: Settings, work: Path, budgets: list[str]
     calibration = run_coordlfs(dataset, calibration_budget, settings, work, observer=recorder)
     assert recorder.analysis_input is not None
     analysis = whatif.analyse(*recorder.analysis_input, None, os.cpu_count() or 1)
-    rates = whatif.Rates(**{**analysis["rates"],
-                            "assumptions": tuple(analysis["rates"]["assumptions"])})
+    rates = whatif.Rates.from_json(analysis["rates"])
     print(whatif.format_report(analysis), flush=True)
     rows = []
     for text in budgets:
@@ -129,7 +129,7 @@ def one_run(dataset: Dataset, settings: Settings, work: Path, budgets: list[str]
         measured = steady_seconds(result)
         rows.append(Row(text, budget, cache, result.cache_capacity_bytes or 0,
                         round(predicted, 3), measured,
-                        round(100 * (predicted - measured) / measured, 1),
+                        round(100 * (predicted - measured) / measured, 1) if measured else None,
                         [e.seconds for e in result.epochs], result.disturbed_epochs))
     return {"calibration": {"budget_bytes": calibration_budget,
                             "cache_capacity_bytes": calibration.cache_capacity_bytes,
@@ -139,12 +139,15 @@ def one_run(dataset: Dataset, settings: Settings, work: Path, budgets: list[str]
             "rows": [asdict(r) for r in rows]}
 
 
+def _error(row: dict[str, Any]) -> str:
+    return "-" if row["error_percent"] is None else f"{row['error_percent']:+.1f}%"
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     lines = ["budget   cache       predicted s  measured s  error"]
     for r in rows:
         lines.append(f"{r['budget_text']:8} {format_size(r['predicted_cache_bytes']):>10} "
-                     f"{r['predicted_s']:12.1f} {r['measured_s']:11.1f} "
-                     f"{r['error_percent']:+6.1f}%")
+                     f"{r['predicted_s']:12.1f} {r['measured_s']:11.1f} {_error(r)}")
     return "\n".join(lines)
 
 
@@ -169,8 +172,11 @@ def run(args: argparse.Namespace) -> int:
     harness.require_root("bench whatif", harness.TRAINING_NEEDS)
     work = harness.work_dir(args.work, cgroups=CGROUP_PREFIX)
     dataset = harness.load_dataset(args)
-    for text in (settings.budget_text, *budgets):
-        budget_bytes(text, dataset.total_bytes)  # a bad budget fails before any run
+    for text in (settings.budget_text, *budgets):  # a bad budget fails before any run
+        if not cache_size_for(budget_bytes(text, dataset.total_bytes), dataset, 0,
+                              settings.readers):
+            raise UserError(f"budget {text} leaves no room for a cache beside the daemon "
+                            "and the readers: give a bigger one")
     print(f"{harness.describe_dataset(dataset)}; throttle "
           f"{harness.describe_throttle(settings.throttle)}", flush=True)
     runs = [one_run(dataset, settings, work, budgets)
