@@ -10,54 +10,28 @@ import os
 import re
 import socket
 import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import drop_caches, force_unmount, run_cli
-from prometheus_client.parser import text_string_to_metric_families
 
 from coordlfs import __version__
 from coordlfs import control_spec as spec
 from coordlfs.client import Dataset
 from coordlfs.control import Control
 from coordlfs.processes import process_alive, wait_exit
+from coordlfs.testbed.scrape import scrape, scrape_text, series_names, value
 
 DASHBOARD = Path(__file__).parents[2] / "mount" / "grafana" / "coordlfs.json"
 #: Series a PromQL expression names (the exporter's and prometheus_client's process ones).
 SERIES = re.compile(r"\b(?:coordlfs|process)_[a-z_]+\b")
-
-#: A scrape: value by (sample name, its labels).
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def scrape_text(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
-        return reply.read().decode()
-
-
-def scrape(port: int) -> Samples:
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(scrape_text(port))
-            for s in family.samples}
-
-
-def series_names(text: str) -> set[str]:
-    """The series a scrape declares, with or without samples yet (a counter of failures by
-    cause has none until something failed)."""
-    return {family.name + ("_total" if family.type == "counter" else "")
-            for family in text_string_to_metric_families(text)}
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(name, frozenset(labels.items()))]
 
 
 def stats_json(mountpoint: Path) -> dict[str, Any]:
