@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from conftest import digests, make_dataset
 
 from coordlfs.control import Control
 from coordlfs.mounting import mount_at, mounts
-from coordlfs.processes import process_alive
+from coordlfs.processes import process_alive, wait_exit
 from coordlfs.testbed.slurm import SlurmCluster, free_port, missing_programs, slurm_cluster
 
 HERE = Path(__file__).parent
@@ -134,9 +135,12 @@ def test_job_reads_the_dataset_through_mounts_that_use_each_other(
     job = read[NODES[0]]["job"]
     daemon_logs.extend(site.path("LOG", job, node) for node in NODES)
     expected = digests(site.source)
+    nodes = [f"{node}:{site.settings['PORT_BASE']}" for node in NODES]
     for node, found in read.items():
         assert found["digests"] == expected, node
-        assert found["status"]["peers"]["self"] == f"{node}:{site.settings['PORT_BASE']}"
+        peers = found["status"]["peers"]
+        assert (peers["source"], peers["nodes"]) == ("slurm", nodes), node
+        assert peers["self"] == f"{node}:{site.settings['PORT_BASE']}"
     assert sum(found["status"]["reads"]["bytes_from_peers"] for found in read.values()) > 0
     site.cluster.wait_jobs_over()
     for node, found in read.items():
@@ -187,6 +191,36 @@ def test_prolog_and_epilog_run_twice_do_no_harm(site: Site, daemon_logs: list[Pa
             done = subprocess.run([SCRIPT, "epilog"], env=env, capture_output=True, text=True,
                                   timeout=JOB_TIMEOUT)
             assert done.returncode == 0, done.stderr
+    assert_gone(site, job, node, pid)
+
+
+def test_a_killed_daemon_is_mounted_afresh_and_cleaned_up(site: Site,
+                                                          daemon_logs: list[Path]) -> None:
+    job, node = "900002", NODES[0]
+    env = site.script_env(job, node)
+    daemon_logs.append(site.path("LOG", job, node))
+    mountpoint = site.path("MOUNTPOINT", job, node)
+
+    def script(action: str) -> None:
+        done = subprocess.run([SCRIPT, action], env=env, capture_output=True, text=True,
+                              timeout=JOB_TIMEOUT)
+        assert done.returncode == 0, done.stderr
+
+    def kill_daemon() -> int:
+        pid = Control(mountpoint).status()["pid"]
+        os.kill(pid, signal.SIGKILL)
+        assert wait_exit(pid, JOB_TIMEOUT)
+        return pid
+
+    try:
+        script("prolog")
+        dead = kill_daemon()
+        script("prolog")  # a dead mount is replaced
+        assert Control(mountpoint).status()["pid"] != dead
+        pid = kill_daemon()  # and the epilog cleans up after a daemon that died
+        assert site.path("CACHE_DIR", job, node).exists()
+    finally:
+        script("epilog")
     assert_gone(site, job, node, pid)
 
 
