@@ -56,9 +56,12 @@ PEER_STATES = ("up", "idle", "down")
 
 GAUGE, COUNTER = "gauge", "counter"
 
-#: Series read from one key of a status section: (section, key, name, kind, help). A
-#: section the status leaves out (``served`` without --listen) gives none.
+#: Series read from one key of a status section: (section, key, name, kind, help); section
+#: "" is the status itself. A section or key the status leaves out (``served`` without
+#: --listen, ``freshness.events`` when the source is not watched) gives none.
 FLAT: tuple[tuple[str, str, str, str, str], ...] = (
+    ("", "uptime_s", "uptime_seconds", GAUGE, "seconds since the mount started"),
+    ("", "inodes", "inodes", GAUGE, "inodes the kernel knows"),
     ("cache", "capacity_bytes", "cache_capacity_bytes", GAUGE, "bytes the cache may hold"),
     ("cache", "used_bytes", "cache_used_bytes", GAUGE, "bytes cached or reserved for fills"),
     ("cache", "files", "cache_files", GAUGE, "complete files in the cache"),
@@ -173,6 +176,7 @@ def _family(name: str, kind: str, doc: str, labels: Iterable[str] = ()) -> Metri
 def _sections(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The status's sections by the names ``FLAT`` uses (a nested one at its own name)."""
     sections = {key: value for key, value in status.items() if isinstance(value, dict)}
+    sections[""] = status
     sections["staging"] = status["prep"]["staging"]
     if status["peers"]["held"] is not None:
         sections["held"] = status["peers"]["held"]
@@ -267,9 +271,6 @@ def families(status: dict[str, Any]) -> Iterator[Metric]:
                          "source": status["source"], "mountpoint": status["mountpoint"],
                          "node": status["peers"]["self"] or ""})
     yield info
-    uptime = _family("uptime_seconds", GAUGE, "seconds since the mount started")
-    uptime.add_metric([], status["uptime_s"])
-    yield uptime
     yield from _reads(status["reads"])
     yield from _flat(status)
     fills = status["fills"]
@@ -281,9 +282,6 @@ def families(status: dict[str, Any]) -> Iterator[Metric]:
     prep = status["prep"]["groups"]
     yield from _groups(PREP_GROUP, prep)
     yield from _groups(PREP_EPOCH, {name: g["epoch"] for name, g in prep.items() if g["epoch"]})
-    inodes = _family("inodes", GAUGE, "inodes the kernel knows")
-    inodes.add_metric([], status["inodes"])
-    yield inodes
 
 
 class Snapshots:
