@@ -28,6 +28,7 @@ from coordlfs.control_server import ControlHandle, ControlServer
 from coordlfs.freshness import WATCHED_TIMEOUT, Freshness
 from coordlfs.groups import Member
 from coordlfs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable, Key
+from coordlfs.listing import DOTS, NAMES_ONLY, Entry, Listing
 from coordlfs.peers import Peers
 from coordlfs.readers import AlignedReads, Reader, Readers
 from coordlfs.source import Source, Version
@@ -78,8 +79,8 @@ class FileHandle:
 @dataclass(slots=True, eq=False)
 class DirHandle:
     path: bytes
-    #: ``.`` and ``..`` first, then the directory's entries, as the source listed them
-    entries: list[tuple[bytes, os.stat_result]]
+    #: the source directory, read a buffer at a time (``coordlfs.listing``)
+    listing: Listing
 
 
 class Operations(pyfuse3.Operations):
@@ -232,26 +233,45 @@ class Operations(pyfuse3.Operations):
     async def opendir(self, inode: int, ctx: Any) -> int:
         path = self._node_path(inode)
         self.freshness.watch(inode, path)
-        entries = await in_thread(self.source.scan, path)
-        return self._new_handle(DirHandle(path, entries))
+        listing = await in_thread(lambda: Listing(self.source.open_dir(path)))
+        return self._new_handle(DirHandle(path, listing))
 
     @guarded
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         handle = self._handles[fh]
         assert isinstance(handle, DirHandle)
-        base = handle.path
-        for index in range(start_id, len(handle.entries)):
-            name, st = handle.entries[index]
-            if index < 2:  # "." and "..": the kernel takes no lookup count for them
-                inode = self._dot_inode(st)
-                if not pyfuse3.readdir_reply(token, name, self._attr(inode, st), index + 1):
-                    break
-                continue
-            inode = self._known(st, base + b"/" + name if base else name)
-            if not pyfuse3.readdir_reply(token, name, self._attr(inode, st), index + 1):
-                self.inodes.drop_if_unreferenced(inode)
-                break
-            self.inodes.ref(inode)
+        listing = handle.listing
+        find, names_only = self.inodes.find, NAMES_ONLY.attr_for
+        async with listing.lock:
+            while True:
+                if not (listing.continues_at(start_id)
+                        or await in_thread(listing.fill, start_id, NAMES_ONLY.works)):
+                    return  # the end of the directory
+                for entry in listing.entries[listing.index :]:
+                    if entry.st is None:  # the hot path of a huge directory: inline
+                        known = find((listing.dev, entry.ino))
+                        attr = names_only(entry.ino if known is None else known, entry.mode)
+                        if not pyfuse3.readdir_reply(token, entry.name, attr, entry.next):
+                            return
+                    elif not self._reply_attributed(token, handle.path, entry):
+                        return
+                    listing.took(entry)
+                start_id = listing.end
+
+    def _reply_attributed(self, token: pyfuse3.ReaddirToken, base: bytes, entry: Entry) -> bool:
+        """Reply with an entry's attributes; the kernel then holds a lookup on it (but not on
+        ``.`` and ``..``). Whether the reply had room."""
+        st = entry.st
+        assert st is not None
+        if entry.name in DOTS:
+            attr = self._attr(self._dot_inode(st), st)
+            return pyfuse3.readdir_reply(token, entry.name, attr, entry.next)
+        inode = self._known(st, base + b"/" + entry.name if base else entry.name)
+        if not pyfuse3.readdir_reply(token, entry.name, self._attr(inode, st), entry.next):
+            self.inodes.drop_if_unreferenced(inode)
+            return False
+        self.inodes.ref(inode)
+        return True
 
     def _dot_inode(self, st: os.stat_result) -> int:
         """The inode number ``.`` or ``..`` shows: the directory's, its parent's if the
@@ -261,7 +281,10 @@ class Operations(pyfuse3.Operations):
 
     @guarded
     async def releasedir(self, fh: int) -> None:
-        del self._handles[fh]
+        handle = self._handles.pop(fh)
+        assert isinstance(handle, DirHandle)
+        async with handle.listing.lock:
+            handle.listing.close()
 
     # -- files ---------------------------------------------------------------------
 

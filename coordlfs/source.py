@@ -121,23 +121,10 @@ class Source:
         return self.at(path, lambda dir_fd, name: os.stat(name, dir_fd=dir_fd,
                                                           follow_symlinks=False))
 
-    def scan(self, path: bytes) -> list[tuple[bytes, os.stat_result]]:
-        """Names and attributes of a directory's entries (it may hold many thousands),
-        ``.`` and ``..`` first, as the source lists them."""
-        fd = self.at(path, lambda dir_fd, name: os.open(
+    def open_dir(self, path: bytes) -> int:
+        """A descriptor of a directory, for ``coordlfs.listing`` to read a buffer at a time."""
+        return self.at(path, lambda dir_fd, name: os.open(
             name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd))
-        try:
-            entries = [(dot, os.stat(dot, dir_fd=fd, follow_symlinks=False))
-                       for dot in (b".", b"..")]
-            with os.scandir(fd) as it:
-                for entry in it:
-                    try:
-                        entries.append((os.fsencode(entry.name), entry.stat(follow_symlinks=False)))
-                    except FileNotFoundError:
-                        continue  # removed while we listed it
-            return entries
-        finally:
-            os.close(fd)
 
     def readlink(self, path: bytes) -> bytes:
         return self.at(path, lambda dir_fd, name: os.readlink(name, dir_fd=dir_fd))
