@@ -172,25 +172,26 @@ def test_a_killed_job_leaves_no_mount(site: Site, tmp_path: Path,
     assert_gone(site, job, node, pid)
 
 
+def script(action: str, env: dict[str, str]) -> None:
+    """coordlfs-slurm run by hand as slurmd would run it; it must succeed."""
+    done = subprocess.run([SCRIPT, action], env=env, capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT)
+    assert done.returncode == 0, done.stderr
+
+
 def test_prolog_and_epilog_run_twice_do_no_harm(site: Site, daemon_logs: list[Path]) -> None:
     job, node = "900001", NODES[1]
     env = site.script_env(job, node)
     daemon_logs.append(site.path("LOG", job, node))
     mountpoint = site.path("MOUNTPOINT", job, node)
     try:
-        first = subprocess.run([SCRIPT, "prolog"], env=env, capture_output=True, text=True,
-                               timeout=JOB_TIMEOUT)
-        assert first.returncode == 0, first.stderr
+        script("prolog", env)
         pid = Control(mountpoint).status()["pid"]
-        again = subprocess.run([SCRIPT, "prolog"], env=env, capture_output=True, text=True,
-                               timeout=JOB_TIMEOUT)
-        assert again.returncode == 0, again.stderr
+        script("prolog", env)
         assert Control(mountpoint).status()["pid"] == pid  # the same mount, not a second one
     finally:
-        for _ in range(2):
-            done = subprocess.run([SCRIPT, "epilog"], env=env, capture_output=True, text=True,
-                                  timeout=JOB_TIMEOUT)
-            assert done.returncode == 0, done.stderr
+        script("epilog", env)
+        script("epilog", env)
     assert_gone(site, job, node, pid)
 
 
@@ -201,11 +202,6 @@ def test_a_killed_daemon_is_mounted_afresh_and_cleaned_up(site: Site,
     daemon_logs.append(site.path("LOG", job, node))
     mountpoint = site.path("MOUNTPOINT", job, node)
 
-    def script(action: str) -> None:
-        done = subprocess.run([SCRIPT, action], env=env, capture_output=True, text=True,
-                              timeout=JOB_TIMEOUT)
-        assert done.returncode == 0, done.stderr
-
     def kill_daemon() -> int:
         pid = Control(mountpoint).status()["pid"]
         os.kill(pid, signal.SIGKILL)
@@ -213,14 +209,14 @@ def test_a_killed_daemon_is_mounted_afresh_and_cleaned_up(site: Site,
         return pid
 
     try:
-        script("prolog")
+        script("prolog", env)
         dead = kill_daemon()
-        script("prolog")  # a dead mount is replaced
+        script("prolog", env)  # a dead mount is replaced
         assert Control(mountpoint).status()["pid"] != dead
         pid = kill_daemon()  # and the epilog cleans up after a daemon that died
         assert site.path("CACHE_DIR", job, node).exists()
     finally:
-        script("epilog")
+        script("epilog", env)
     assert_gone(site, job, node, pid)
 
 
