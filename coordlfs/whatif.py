@@ -275,9 +275,14 @@ def measure(epochs: list[Interval], cache_bytes: float, compute_s: float | None,
     if prep_s is None:
         notes_.append(f"prep never bounded an epoch: it is assumed to keep up at {cpus} CPUs "
                       "(fewer CPUs may not)")
+    fastest = 1 / MAX_BPS
+    if weights.get(1, 0.0) < fastest:
+        notes_.append("hits cost no measurable time beside the misses (readers were served "
+                      "them while others waited for storage): the cache's speed is taken as "
+                      f"memory's, {format_size(MAX_BPS)}/s, so epochs that are nearly all "
+                      "hits will take longer than predicted")
     peer_bytes = sum(e.peer_bytes for e in epochs)
     misses = peer_bytes + sum(e.storage_bytes for e in epochs)
-    fastest = 1 / MAX_BPS
     return Rates(dataset, cache_bytes, 1 / weights[0], 1 / max(weights.get(1, 0.0), fastest),
                  1 / max(weights.get(2, 0.0), fastest) if peer_bytes else None,
                  peer_bytes / misses if misses else 0.0, compute_s, prep_s, cpus,

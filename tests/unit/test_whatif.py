@@ -181,3 +181,12 @@ def test_fit_is_non_negative() -> None:
     weights = whatif.fit_seconds_per_byte(epochs, (0, 1))
     assert all(w > 0 for w in weights.values())
     assert weights[0] == pytest.approx(1e-8)  # 10 s per GB from the cold epoch, exactly
+
+
+def test_hits_that_overlapped_the_misses_are_taken_at_memory_speed() -> None:
+    epochs = [whatif.Interval("cold", 20.0, GB, 0, 0),
+              whatif.Interval("warm", 10.0, GB // 2, GB // 2, 0)]
+    rates = whatif.measure(epochs, GB / 2, None, cpus=2)
+    assert rates.storage_bps == pytest.approx(S)
+    assert rates.cache_bps == whatif.MAX_BPS
+    assert any("hits cost no measurable time" in n for n in rates.assumptions)
