@@ -27,8 +27,8 @@ from coordlfs.placement import read_secret
 KUBE = Path(__file__).resolve().parents[2] / "mount" / "kubernetes"
 #: the oldest and the newest release of those kubernetes-validate ships that are maintained
 VERSIONS = ("1.35", "1.37")
-#: the daemon's own memory beside its cache: the pod's memory limit must hold both
-DAEMON_ROOM = 1 << 30
+#: the daemon's own memory beside its cache (configmap.yaml says so): the memory limit holds both
+DAEMON_ROOM = 2 << 30
 _QUANTITY = re.compile(r"(\d+)(Ki|Mi|Gi|Ti)?")
 
 
@@ -110,6 +110,8 @@ def test_validation_catches_a_misspelt_field() -> None:
 
 def test_mount_is_privileged_with_fuse_and_shows_on_the_node() -> None:
     assert CONTAINER["securityContext"]["privileged"] is True
+    # readers' pids as the host knows them: aligned groups and per-job statistics go by pid
+    assert POD["hostPID"] is True
     fuse_mount, fuse = _mounted_at("/dev/fuse", CONTAINER, POD)
     assert fuse_mount["mountPath"] == "/dev/fuse"
     assert fuse["hostPath"] == {"path": "/dev/fuse", "type": "CharDevice"}
