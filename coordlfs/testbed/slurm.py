@@ -19,7 +19,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,9 +79,9 @@ class SlurmCluster:
         """Jobs not yet over (pending, running, or completing: their epilog still runs)."""
         return self.run("squeue", "-h", "-o", "%i").stdout.split()
 
-    def wait_jobs_over(self, timeout: float = START_WAIT) -> None:
-        """No job left: each job's epilog has run on each of its nodes."""
-        _wait_for("the end of Slurm's jobs", lambda: not self.jobs(), timeout)
+    def wait_jobs_over(self, keep: Collection[str] = (), timeout: float = START_WAIT) -> None:
+        """No job left but those in ``keep``: each other job's epilog has run on its nodes."""
+        _wait_for("the end of Slurm's jobs", lambda: set(self.jobs()) <= set(keep), timeout)
 
     def wait_idle(self, timeout: float = START_WAIT) -> None:
         """Every node registered and idle (none drained), no job left."""

@@ -9,8 +9,11 @@ the allocation's nodes (--peers-from slurm), listening on the node's own address
 from __future__ import annotations
 
 import base64
+import contextlib
+import itertools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,12 +29,14 @@ from conftest import digests, make_dataset
 from coordlfs.control import Control
 from coordlfs.mounting import mount_at, mounts
 from coordlfs.processes import process_alive, wait_exit
-from coordlfs.testbed.slurm import SlurmCluster, free_port, missing_programs, slurm_cluster
+from coordlfs.testbed.slurm import SlurmCluster, missing_programs, slurm_cluster
 
 HERE = Path(__file__).parent
 SCRIPT = HERE.parents[1] / "mount" / "slurm" / "coordlfs-slurm"
 JOB = HERE / "slurm_job.py"
 NODES = ("127.0.0.2", "127.0.0.3")
+#: Ports for the jobs' daemons: the job id modulo this picks one (jobs sharing a node differ).
+PORTS = 16
 #: Seconds a job of a few dozen small files may take, prolog and epilog included.
 JOB_TIMEOUT = 120
 
@@ -56,6 +61,10 @@ class Site:
     def path(self, key: str, job: str, node: str) -> Path:
         return Path(self.settings[key].replace("%j", job).replace("%n", node))
 
+    def port(self, job: str) -> int:
+        """Where the job's daemons listen: PORT_BASE + job id % PORT_COUNT."""
+        return int(self.settings["PORT_BASE"]) + int(job) % int(self.settings["PORT_COUNT"])
+
     def script_env(self, job: str, node: str) -> dict[str, str]:
         """What slurmd gives its Prolog and Epilog, for running the script by hand."""
         return {**self.cluster.env, "SLURM_JOB_ID": job, "SLURMD_NODENAME": node,
@@ -75,6 +84,21 @@ class Site:
         return found
 
 
+def free_ports(hosts: tuple[str, ...], count: int) -> int:
+    """The first of ``count`` ports free on every host, below the ephemeral range (where the
+    ports other tests bind to port 0 come from)."""
+    for _ in range(100):
+        base = random.randrange(20000, 30000 - count)
+        try:
+            for host, port in itertools.product(hosts, range(base, base + count)):
+                with socket.socket() as probe:
+                    probe.bind((host, port))
+        except OSError:
+            continue
+        return base
+    raise AssertionError(f"no {count} free ports in a row")
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     directory = tmp_path_factory.mktemp("slurm")
@@ -89,8 +113,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
         "MOUNTPOINT": f"{directory}/mnt/%n/%j",  # two nodes share this machine: %n too
         "CACHE_DIR": f"/dev/shm/coordlfs/test-slurm-{os.getpid()}-%j-%n",
         "LISTEN": "%n",  # each node's daemon on its own loopback address, at the same port
-        "PORT_BASE": str(free_port()),
-        "PORT_COUNT": "1",
+        "PORT_BASE": str(free_ports(NODES, PORTS)),
+        "PORT_COUNT": str(PORTS),
         "CACHE_SIZE": "64M",
         "SECRET_FILE": str(secret),
         "LOG": f"{directory}/logs/%j-%n.log",
@@ -135,26 +159,30 @@ def test_job_reads_the_dataset_through_mounts_that_use_each_other(
     job = read[NODES[0]]["job"]
     daemon_logs.extend(site.path("LOG", job, node) for node in NODES)
     expected = digests(site.source)
-    nodes = [f"{node}:{site.settings['PORT_BASE']}" for node in NODES]
+    port = site.port(job)
+    nodes = [f"{node}:{port}" for node in NODES]
     for node, found in read.items():
         assert found["digests"] == expected, node
         peers = found["status"]["peers"]
         assert (peers["source"], peers["nodes"]) == ("slurm", nodes), node
-        assert peers["self"] == f"{node}:{site.settings['PORT_BASE']}"
+        assert peers["self"] == f"{node}:{port}"
     assert sum(found["status"]["reads"]["bytes_from_peers"] for found in read.values()) > 0
     site.cluster.wait_jobs_over()
     for node, found in read.items():
         assert_gone(site, job, node, found["status"]["pid"])
 
 
-def test_a_killed_job_leaves_no_mount(site: Site, tmp_path: Path,
-                                      daemon_logs: list[Path]) -> None:
+def test_two_jobs_on_a_node_have_their_own_mounts_and_a_killed_one_leaves_none(
+        site: Site, tmp_path: Path, daemon_logs: list[Path]) -> None:
     node = NODES[0]
+    held, second = tmp_path / "held", tmp_path / "second"
+    held.mkdir()
+    second.mkdir()
     step = site.cluster.popen("srun", f"--nodelist={node}", "--nodes=1",
-                              *job_argv(site, tmp_path, "hold"), stdout=subprocess.DEVNULL,
+                              *job_argv(site, held, "hold"), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE)
     try:
-        holding = tmp_path / f"{node}.holding"
+        holding = held / f"{node}.holding"
         deadline = time.monotonic() + JOB_TIMEOUT
         while not holding.exists():
             assert step.poll() is None, step.communicate()[1]
@@ -162,7 +190,18 @@ def test_a_killed_job_leaves_no_mount(site: Site, tmp_path: Path,
             time.sleep(0.1)
         job = holding.read_text()
         daemon_logs.append(site.path("LOG", job, node))
-        pid = Control(site.path("MOUNTPOINT", job, node)).status()["pid"]
+        first = Control(site.path("MOUNTPOINT", job, node))
+        pid = first.status()["pid"]
+
+        result = srun(site, *job_argv(site, second, "read"), nodes=(node,))
+        assert result.returncode == 0, result.stderr
+        other = json.loads((second / f"{node}.json").read_text())
+        daemon_logs.append(site.path("LOG", other["job"], node))
+        assert other["digests"] == digests(site.source)
+        assert other["status"]["peers"]["self"] != first.status()["peers"]["self"]
+        site.cluster.wait_jobs_over(keep={job})
+        assert first.status()["pid"] == pid  # the other job's epilog left this mount alone
+
         site.cluster.run("scancel", job)
         step.communicate(timeout=JOB_TIMEOUT)
     finally:
@@ -170,6 +209,7 @@ def test_a_killed_job_leaves_no_mount(site: Site, tmp_path: Path,
         step.wait()
     site.cluster.wait_jobs_over()
     assert_gone(site, job, node, pid)
+    assert_gone(site, other["job"], node, other["status"]["pid"])
 
 
 def script(action: str, env: dict[str, str]) -> None:
@@ -248,9 +288,11 @@ def test_a_secret_others_can_read_fails_the_job(site: Site) -> None:
 
 def test_a_mount_that_cannot_be_made_fails_the_job(site: Site) -> None:
     node = NODES[0]
-    with socket.socket() as taken:  # the job's peer port on its node is in use
-        # (SO_REUSEADDR: the earlier jobs' connections may still be in TIME_WAIT on it)
-        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        taken.bind((node, int(site.settings["PORT_BASE"])))
-        taken.listen()
+    with contextlib.ExitStack() as stack:  # every port a job may get is in use on its node
+        for port in range(site.port("0"), site.port("0") + PORTS):
+            taken = stack.enter_context(socket.socket())
+            # SO_REUSEADDR: the earlier jobs' connections may still be in TIME_WAIT there
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            taken.bind((node, port))
+            taken.listen()
         fails_with(site, node, f"cannot mount {site.source} on ")
