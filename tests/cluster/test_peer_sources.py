@@ -21,7 +21,15 @@ from typing import Any
 
 import pytest
 from conftest import Mount, drop_caches, run_cli
-from test_peers import copies, free_port, node, read_files, reads, source_digests
+from test_peers import (
+    copies,
+    fake_peer,
+    free_port,
+    node,
+    read_files,
+    reads,
+    source_digests,
+)
 
 from coordlfs.mounting import mount_at
 from coordlfs.placement import Address, owner
@@ -134,6 +142,34 @@ def test_a_file_of_nodes_adds_and_removes_nodes_without_a_remount(mount,
         assert time.monotonic() < deadline, "the bad file was not reported"
         time.sleep(0.1)
     assert a.status()["peers"]["nodes"] == sorted(map(str, (a_, c_)))
+
+
+def test_a_read_waiting_on_a_node_that_leaves_reads_storage_at_once(mount,
+                                                                     tmp_path: Path) -> None:
+    """A peer that has taken a request and never answers (a hung process) is removed from
+    the list: the reader waiting on it reads local storage at once, not after the timeout."""
+    roots, sizes = copies(tmp_path, 1)
+    ports = [free_port(), free_port()]
+    me, hung = node(ports[0]), node(ports[1])
+    listed = tmp_path / "nodes"
+    write_nodes(listed, (me, hung), in_place=False)
+    want = source_digests(roots[0], sizes)
+    theirs = next(n for n in sorted(sizes) if owner(n.encode(), (me, hung)) == hung)
+    with fake_peer(ports[1], "hang"):
+        a = mount(roots[0], "--listen", str(me), "--peers-file", str(listed), "--insecure",
+                  "--peer-timeout", "60")
+        got: dict[str, str] = {}
+        reader = threading.Thread(target=lambda: got.update(read_files(a.mountpoint,
+                                                                       [theirs])))
+        reader.start()
+        deadline = time.monotonic() + CHANGE_TIMEOUT
+        while not a.status()["peers"]["links"][str(hung)]["in_flight"]:
+            assert time.monotonic() < deadline, "the read never reached the peer"
+            time.sleep(0.05)
+        write_nodes(listed, (me,), in_place=False)
+        reader.join(timeout=CHANGE_TIMEOUT)  # half the peer timeout
+        assert not reader.is_alive() and got == {theirs: want[theirs]}
+    assert a.status()["peers"]["links"] == {} and reads(a)["files_from_source"] == 1
 
 
 # -- names resolved for real ------------------------------------------------------------------
