@@ -12,9 +12,15 @@ what per-file storage costs in a memory budget: page rounding (2 KiB per file on
 MinIO never evicts, space is handed out by a bump pointer and never fragments. An entry that
 is dropped (its source file changed) has its pages punched out of the arena, so its memory
 returns at once; its offsets are not reused, so a stale slice can never show another file.
-A journal (``index.jsonl``) records which source path, version and offset each entry holds;
-on start every entry is checked against the source's size and mtime, and anything unproven
-is punched out.
+A journal (``coordlfs.journal``: a binary checkpoint, then a line per change) records which
+source path, version and offset each entry holds. A restart adopts the entries unchecked
+and serves at once: an open compares the file's version with the entry's anyway (the
+inode is the key; size, mtime and ctime must match), so a changed file is never served, and
+a sweep in worker threads (``check``) compares every adopted entry with the source in the
+background, drops those of changed or removed files and publishes the rest for clients.
+Whatever no adopted entry covers is punched out at once.
+
+Entries are rows of an ``entries.EntryTable`` (about 115 bytes each), not objects.
 
 A file is filled by a background task in chunks; readers wait only until the bytes they asked
 for have arrived, so a large file streams while it is being cached.
@@ -32,21 +38,21 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import json
 import logging
 import mmap
 import os
 import shutil
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from array import array
 
 import trio
 
-from coordlfs import cache_tmpfs
+from coordlfs import cache_tmpfs, journal
+from coordlfs.compact import Key
+from coordlfs.entries import SHARED, UNCHECKED, Entry, EntryTable
 from coordlfs.errors import UserError
 from coordlfs.freshness import PublishedWatch
-from coordlfs.inodes import Key
+from coordlfs.journal import JOURNAL
 from coordlfs.published import INDEX, IndexWriter, Published, retire
 from coordlfs.source import Source, SourceReader
 from coordlfs.stats import ReadCounters
@@ -58,14 +64,16 @@ log = logging.getLogger(__name__)
 #: that thread hand-offs cost nothing next to the copy, small enough to bound the per-thread
 #: O_DIRECT buffers and to let a reader of a big file start early.
 FILL_CHUNK = 1 << 20
-JOURNAL = "index.jsonl"
 ARENA = "arena"
+#: Adopted entries one worker thread compares with the source per hand-off, and the worker
+#: threads that do (a cold source waits on its disk for each lstat; a warm one on the GIL).
+CHECK_BATCH = 2048
+CHECK_WORKERS = 4
 #: Offsets the arena hands out, as a multiple of the capacity. Offsets of dropped entries are
 #: not reused, so a mount can drop (capacity x (ARENA_SPAN - 1)) bytes of changed files
 #: before it stops caching new ones; a remount compacts. The span costs no memory: the arena
 #: is sparse and the mapping is read-only.
 ARENA_SPAN = 2
-_PART = ".part"
 #: errnos that mean the cache's filesystem has no room (a full tmpfs, a quota)
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 #: Free room on a full cache filesystem that counts as room again: enough that fills do not
@@ -79,41 +87,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
-@dataclass(slots=True, eq=False)
-class Entry:
-    path: bytes
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-    #: where the entry's bytes start in the arena
-    offset: int
-    filled: int = 0
-    complete: bool = False
-    failed: bool = False
-    #: it was published to clients (``WholeFileCache.share``) at some point
-    shared: bool = False
-    #: Set (and replaced) each time more bytes arrive; None once the fill has ended, so that
-    #: a million cached entries do not each keep an Event.
-    progress: trio.Event | None = None
-
-    def matches(self, st: os.stat_result) -> bool:
-        """Whether ``st`` (of the file with this entry's key) is the version cached: the
-        inode is the key, so this is the rest of ``source.Version``."""
-        return (self.size, self.mtime_ns, self.ctime_ns) == (st.st_size, st.st_mtime_ns,
-                                                             st.st_ctime_ns)
-
-
 def _no_room(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in _NO_ROOM
-
-
-def _key_name(key: Key) -> str:
-    return f"{key[0]:x}-{key[1]:x}"
-
-
-def _key_of(name: str) -> Key:
-    dev, ino = name.split("-")
-    return int(dev, 16), int(ino, 16)
 
 
 def _punch(fd: int, start: int, end: int) -> None:
@@ -146,16 +121,12 @@ class WholeFileCache:
         self.capacity = capacity
         self.max_file_size = max_file_size
         self.counters = counters
-        self.entries: dict[Key, Entry] = {}
+        self.entries = EntryTable()
         self.used = 0
-        #: entries being filled (the rest of ``entries`` are complete); kept, not counted,
-        #: because the status is read while a million entries may be cached
-        self.filling = 0
         #: the arena's bump pointer: offsets below it have been handed out
         self.end = 0
         self.arena_size = max(mmap.PAGESIZE, -(-capacity * ARENA_SPAN // mmap.PAGESIZE)
                               * mmap.PAGESIZE)
-        self._journal_fd = -1
         try:
             if own_tmpfs:
                 cache_tmpfs.mount_own(directory, capacity)
@@ -193,8 +164,9 @@ class WholeFileCache:
         #: the cache's filesystem ran out of room: no new entries until it has room again
         self.full = False
         self._no_room_warned = False
-        #: the journal could not be written: it is gone, and a restart starts cold
-        self._journal_lost = False
+        self.journal = journal.Journal(self.dir_fd, directory)
+        #: changes the watch reported: a check that saw one meanwhile re-checks to publish
+        self._changes = 0
         #: the index for clients and the watch that withdraws from it (``share``)
         self.index: IndexWriter | None = None
         self.watch: PublishedWatch | None = None
@@ -205,63 +177,139 @@ class WholeFileCache:
 
     # -- start and stop ---------------------------------------------------------------
 
+    @property
+    def filling(self) -> int:
+        """Entries being filled (the rest of ``entries`` are complete)."""
+        return self.entries.filling
+
     def load(self, source: Source) -> int:
-        """Adopt entries a previous daemon left, if they still match the source; returns count."""
-        records: dict[str, dict] = {}
-        try:
-            with open(JOURNAL, opener=self._opener(os.O_RDONLY)) as journal:
-                for line in journal:
-                    try:
-                        record = json.loads(line)
-                        if record.get("dropped"):
-                            if records.get(record["key"], {}).get("offset") == record["offset"]:
-                                del records[record["key"]]
-                        else:
-                            records[record["key"]] = record
-                    except (ValueError, KeyError, TypeError, AttributeError):
-                        continue  # a torn last line after a crash
-        except FileNotFoundError:
-            pass
+        """A checked start: adopt what a previous daemon left and check all of it against
+        the source before returning (the daemon adopts, then ``check``s while serving).
+        Returns the entries kept."""
+        self.adopt()
+        unchecked = self._unchecked()
+        for first in range(0, len(unchecked), CHECK_BATCH):
+            checking = self._checking(unchecked[first : first + CHECK_BATCH])
+            self._checked(checking, _lstat_all(source, checking), self._changes)
+        return len(self.entries)
+
+    def adopt(self) -> int:
+        """Adopt the entries a previous daemon left, unchecked against the source (an open
+        compares each with the source anyway; ``check`` compares the rest); returns count.
+
+        Only what the journal proves is kept: entries within the arena and the capacity,
+        overlapping none before them. Every other byte of the arena is punched out.
+        """
+        columns, lines = journal.read(self.dir_fd)
+        if columns is not None:
+            self.entries.load(columns)
+        clean = columns is not None
+        for line in lines:
+            clean = False
+            self._replay(line)
         for name in os.listdir(self.dir_fd):  # a torn journal rewrite, or an older layout
             if name not in (ARENA, JOURNAL, INDEX):
                 os.unlink(name, dir_fd=self.dir_fd)
-        parsed = (self._parse(name, record) for name, record in records.items())
-        for key, entry in sorted((p for p in parsed if p), key=lambda p: p[1].offset):
-            self._adopt(source, key, entry)
-        # Whatever no adopted entry covers (unproven entries, a fill cut short) goes back.
-        start = 0
-        for entry in sorted(self.entries.values(), key=lambda e: e.offset):
-            _punch(self.arena_fd, start, entry.offset)
-            start = entry.offset + entry.size
-        _punch(self.arena_fd, start, self.arena_size)
-        self._rewrite_journal()
-        for key, entry in list(self.entries.items()):
-            self._publish(key, entry)
+        offsets, sizes = self.entries.offset, self.entries.size
+        end = 0
+        for row in sorted(self.entries.rows(), key=offsets.__getitem__):
+            offset, size = offsets[row], sizes[row]
+            if (offset < end or offset + size > self.arena_size
+                    or self.used + size > self.capacity):
+                self.entries.remove_row(row)
+                clean = False
+                continue
+            if offset > end:
+                _punch(self.arena_fd, end, offset)
+            self.used += size
+            end = offset + size
+        _punch(self.arena_fd, end, self.arena_size)
+        self.end = end
+        if not clean:
+            self.journal.checkpoint(self.entries.columns())
+        if self.index is not None:
+            self.index.reserve(len(self.entries))
         return len(self.entries)
 
-    @staticmethod
-    def _parse(name: str, record: dict) -> tuple[Key, Entry] | None:
-        try:
-            size = int(record["size"])
-            entry = Entry(os.fsencode(record["path"]), size, int(record["mtime_ns"]),
-                          int(record["ctime_ns"]), int(record["offset"]), filled=size,
-                          complete=True)
-            return _key_of(name), entry
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return None
+    def _replay(self, line: bytes) -> None:
+        """Apply a change line of the journal: an entry added, or one dropped."""
+        change = journal.parse(line)
+        if change is None:
+            return  # a torn last line after a crash
+        key, what = change
+        former = self.entries.get(key)
+        if isinstance(what, int):
+            if former is not None and former.offset == what:
+                self.entries.remove(key, former)
+            return
+        if former is not None:
+            self.entries.remove(key, former)
+        self.entries.add(key, what)
+        self.entries.set_flag(key, UNCHECKED)
 
-    def _adopt(self, source: Source, key: Key, entry: Entry) -> None:
-        try:
-            st = source.lstat(entry.path)
-        except (OSError, ValueError):
+    # -- checks of adopted entries -----------------------------------------------------
+
+    def _unchecked(self) -> array:
+        flags = self.entries.flags
+        return array("i", (row for row in self.entries.rows() if flags[row] & UNCHECKED))
+
+    async def check(self, source: Source, workers: int = CHECK_WORKERS) -> None:
+        """Compare every adopted entry with the source, in worker threads, while the mount
+        serves: drop those whose file changed or went (their room returns to the cache),
+        publish the rest for clients."""
+        unchecked = self._unchecked()
+        if not unchecked:
             return
-        if ((st.st_dev, st.st_ino) != key or not entry.matches(st) or entry.offset < self.end
-                or entry.offset + entry.size > self.arena_size
-                or self.used + entry.size > self.capacity):
-            return
-        self.entries[key] = entry
-        self.used += entry.size
-        self.end = entry.offset + entry.size
+        started, before = time.monotonic(), len(self.entries)
+        batches = iter(range(0, len(unchecked), CHECK_BATCH))
+
+        async def worker() -> None:
+            try:
+                for first in batches:
+                    checking = self._checking(unchecked[first : first + CHECK_BATCH])
+                    changes = self._changes
+                    stats = await in_thread(_lstat_all, source, checking)
+                    self._checked(checking, stats, changes)
+            except Exception:  # the mount stays up: an open still checks each entry it serves
+                log.warning("checking adopted cache entries failed; the rest are checked as "
+                            "they are opened", exc_info=True)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(workers):
+                nursery.start_soon(worker)
+        log.info("checked %d adopted cache entries against the source in %.1f s: %d dropped",
+                 len(unchecked), time.monotonic() - started, before - len(self.entries))
+
+    def _checking(self, rows: array) -> list[tuple[int, Key, bytes, int]]:
+        """(row, key, path, offset) of the rows still unchecked, their directories watched
+        first: a change between the watch and the check cannot go unseen."""
+        entries, checking = self.entries, []
+        for row in rows:
+            if entries.live(row) and entries.flags[row] & UNCHECKED:
+                path = entries.paths.get(row)
+                checking.append((row, entries.keys.key(row), path, entries.offset[row]))
+                if self.watch is not None:
+                    self.watch.cover(path)
+        return checking
+
+    def _checked(self, checking: list[tuple[int, Key, bytes, int]],
+                 stats: list[os.stat_result | None], changes: int) -> None:
+        """Settle the rows ``_lstat_all`` compared: drop a changed file's entry, publish the
+        rest. If the watch reported a change meanwhile, the stat may predate it: those are
+        published only after a check of their own (``_publish``)."""
+        entries = self.entries
+        for (row, key, path, offset), st in zip(checking, stats, strict=True):
+            if entries.keys.find(key) != row or entries.offset[row] != offset:
+                continue  # dropped meanwhile (an open saw it change)
+            entries.flags[row] &= ~UNCHECKED
+            entry = entries.entry(row)
+            if st is None or (st.st_dev, st.st_ino) != key or not entry.matches(st):
+                log.info("source file %s changed; dropping its cache entry", os.fsdecode(path))
+                self._release(key, entry)
+            elif changes != self._changes:
+                self._publish(key, entry)
+            else:
+                self._publish_version(key, entry, st)
 
     def close(self, keep: bool) -> None:
         """Remove the cached bytes unless ``keep``; then release the directory lock."""
@@ -273,11 +321,9 @@ class WholeFileCache:
         with contextlib.suppress(BufferError):  # a slice still referenced: unmapped when freed
             self._arena.close()
         os.close(self.arena_fd)
-        if self._journal_fd >= 0:
-            os.close(self._journal_fd)
-        if keep and self._journal_lost:  # the filesystem may have room again by now
-            self._journal_lost = False
-            self._rewrite_journal()
+        if keep:  # the next start reads it at once, with no lines to replay
+            self.journal.checkpoint(self.entries.columns())
+        self.journal.close()
         if not keep and not self.own_tmpfs:  # emptied while still locked
             shutil.rmtree(self.directory, ignore_errors=True)
         os.close(self.dir_fd)
@@ -314,10 +360,9 @@ class WholeFileCache:
             return None
         entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, self.end,
                       progress=trio.Event())
-        self.entries[key] = entry
+        self.entries.add(key, entry)
         self.used += entry.size
         self.end += entry.size
-        self.filling += 1
         return entry
 
     def start_fill(self, key: Key, path: bytes, st: os.stat_result, source: Source,
@@ -398,8 +443,9 @@ class WholeFileCache:
                                   or not entry.matches(final)):
                 error = OSError(errno.EIO, "source file changed while being cached")
             if error is None:
-                self._journal(self._record(key, entry))
+                self.journal.append(journal.added(key, entry))
                 entry.complete = True
+                self.entries.completed(key, entry)
                 self._publish(key, entry)
             else:
                 if _no_room(error):
@@ -407,7 +453,6 @@ class WholeFileCache:
                 self._release(key, entry)
             return error
         finally:
-            self.filling -= 1
             self._wake(entry)
 
     async def wait_for(self, entry: Entry, end: int) -> bool:
@@ -463,7 +508,12 @@ class WholeFileCache:
             st = self._source.lstat(entry.path)
         except (OSError, ValueError):
             return
-        if (st.st_dev, st.st_ino) != key or not entry.matches(st):
+        self._publish_version(key, entry, st)
+
+    def _publish_version(self, key: Key, entry: Entry, st: os.stat_result) -> None:
+        """Publish an entry if ``st``, taken after its directories were watched, shows the
+        version it holds."""
+        if self.index is None or (st.st_dev, st.st_ino) != key or not entry.matches(st):
             return
         try:
             self.index.publish(entry.path, Published(entry.offset, entry.size, st.st_ino,
@@ -475,7 +525,7 @@ class WholeFileCache:
                             e.strerror or e)
                 self._index_full_logged = True
             return
-        entry.shared = True
+        self.entries.set_flag(key, SHARED)
 
     def _withdraw(self, path: bytes) -> None:
         if self.index is not None:
@@ -483,11 +533,11 @@ class WholeFileCache:
 
     def _changed(self, path: bytes, directory: bool) -> None:
         """The watch saw a change to ``path`` (a file, or a directory and all beneath it)."""
+        self._changes += 1
         self._withdraw(path)
         if directory:
             inside = path + b"/" if path else b""
-            assert self.index is not None
-            for published in [p for p in self.index.paths() if p.startswith(inside)]:
+            for published in [p for p in self.entries.shared_paths() if p.startswith(inside)]:
                 self._withdraw(published)
 
     def punch_late(self, now: float) -> None:
@@ -559,12 +609,12 @@ class WholeFileCache:
         # entry sends them to the source.
         was_complete = entry.complete
         entry.complete, entry.failed = False, True
-        if self.entries.get(key) is entry:
-            del self.entries[key]
+        removed, flags = self.entries.remove(key, entry)
+        if removed:
             self.used -= entry.size
         if was_complete:  # journaled: a restart must not adopt it
-            self._journal({"key": _key_name(key), "offset": entry.offset, "dropped": True})
-        if entry.shared:  # a client may be copying from it: withdrawn now, punched later
+            self.journal.append(journal.dropped(key, entry))
+        if flags & SHARED:  # a client may be copying from it: withdrawn now, punched later
             self._withdraw(entry.path)
             self._late_punches.append((time.monotonic() + PUNCH_GRACE_S, entry.offset,
                                        entry.offset + entry.size))
@@ -576,50 +626,18 @@ class WholeFileCache:
         except OSError as e:
             log.warning("%s", e)
 
-    def _opener(self, flags: int) -> Callable[[str, int], int]:
-        return lambda name, _flags: os.open(name, flags, 0o600, dir_fd=self.dir_fd)
 
-    @staticmethod
-    def _record(key: Key, entry: Entry) -> dict:
-        return {"key": _key_name(key), "path": os.fsdecode(entry.path), "size": entry.size,
-                "mtime_ns": entry.mtime_ns, "ctime_ns": entry.ctime_ns, "offset": entry.offset}
-
-    def _journal(self, record: dict) -> None:
-        """Append a record. A journal that cannot take it (a full filesystem) is removed
-        rather than left torn: a restart then starts cold instead of adopting on a guess."""
-        if self._journal_lost:
-            return
-        line = (json.dumps(record) + "\n").encode()
+def _lstat_all(source: Source, checking: list[tuple[int, Key, bytes, int]]
+               ) -> list[os.stat_result | None]:
+    """The source's lstat of each path (None where it has gone): a worker thread's part of
+    ``WholeFileCache.check``."""
+    stats: list[os.stat_result | None] = []
+    for _row, _key, path, _offset in checking:
         try:
-            if self._journal_fd < 0:
-                self._journal_fd = os.open(JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                                           | os.O_CLOEXEC, 0o600, dir_fd=self.dir_fd)
-            if os.write(self._journal_fd, line) != len(line):
-                raise OSError(errno.ENOSPC, "short write")
-        except OSError as e:
-            self._lose_journal(e)
-
-    def _lose_journal(self, error: OSError) -> None:
-        self._journal_lost = True
-        if self._journal_fd >= 0:
-            os.close(self._journal_fd)
-            self._journal_fd = -1
-        for name in (JOURNAL, JOURNAL + _PART):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=self.dir_fd)
-        log.warning("cannot write the cache's journal in %s (%s): removed it; a restart with "
-                    "--keep-cache will start cold", self.directory, error.strerror or error)
-
-    def _rewrite_journal(self) -> None:
-        tmp = JOURNAL + _PART
-        try:
-            with open(tmp, "w",
-                      opener=self._opener(os.O_WRONLY | os.O_CREAT | os.O_TRUNC)) as out:
-                out.writelines(json.dumps(self._record(k, e)) + "\n"
-                               for k, e in self.entries.items())
-            os.rename(tmp, JOURNAL, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
-        except OSError as e:
-            self._lose_journal(e)
+            stats.append(source.lstat(path))
+        except (OSError, ValueError):
+            stats.append(None)
+    return stats
 
 
 class _Copier:

@@ -183,6 +183,7 @@ class Daemon:
                 "max_file_bytes": cache.max_file_size,
                 "directory": cache.directory,
                 "full": cache.full,
+                "table_bytes": cache.entries.nbytes(),
             },
             "reads": self.stats.reads.snapshot(),
             "shared": cache.shared_status(),
@@ -193,6 +194,7 @@ class Daemon:
             "fills": self.fills.status(),
             "prep": self.prep.status(),
             "inodes": len(self.ops.inodes),
+            "inode_table_bytes": self.ops.inodes.nbytes(),
             "freshness": self.ops.freshness.status(),
             "marks": [m.name for m in self.stats.marks],
             **self.groups.status(),
@@ -202,7 +204,7 @@ class Daemon:
         """Mount and serve until unmounted; ``ready`` is told, once the mount is live, how
         changes of the source reach it."""
         try:
-            warm = self.cache.load(self.source)
+            warm = self.cache.adopt()  # checked against the source while serving
             log.info("source %s, cache %s: %d bytes of %d in %d warm entries",
                      self.source.path, self.cache.directory, self.cache.used,
                      self.cache.capacity, warm)
@@ -242,6 +244,7 @@ class Daemon:
             nursery.start_soon(self.peers.run)
             nursery.start_soon(self.ops.freshness.run)
             nursery.start_soon(self.cache.run_shared)
+            nursery.start_soon(self.cache.check, self.source)
             if self.server is not None:
                 nursery.start_soon(self.server.run)
                 nursery.start_soon(self.membership.run)

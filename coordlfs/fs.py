@@ -134,18 +134,18 @@ class Operations(pyfuse3.Operations):
         return attr
 
     def _child(self, parent: int, name: bytes) -> bytes:
-        base = self.inodes[parent].path
+        base = self.inodes.path(parent)
         return base + b"/" + name if base else name
 
     def _known(self, st: os.stat_result, path: bytes) -> int:
         """The inode for a source stat result, noting the version the kernel now sees."""
         inode = self.inodes.inode_for((st.st_dev, st.st_ino), path, stat.S_ISDIR(st.st_mode))
-        self.inodes[inode].version = Version.of(st)
+        self.inodes.seen(inode, Version.of(st))
         return inode
 
     def _node_path(self, inode: int) -> bytes:
         try:
-            return self.inodes[inode].path
+            return self.inodes.path(inode)
         except KeyError:
             raise pyfuse3.FUSEError(errno.ESTALE) from None
 
@@ -176,7 +176,7 @@ class Operations(pyfuse3.Operations):
         if inode == CONTROL_INODE:
             return self._control_attr()
         st = self.source.lstat(self._node_path(inode))
-        return self._attr(self._known(st, self.inodes[inode].path), st)
+        return self._attr(self._known(st, self.inodes.path(inode)), st)
 
     @guarded
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any) -> Any:

@@ -4,49 +4,98 @@ Keying by (dev, ino) makes hard links one inode, as in libfuse's passthrough_hp.
 our own numbers rather than the source's st_ino, because a source spanning several devices
 could repeat st_ino values. A node lives while the kernel holds lookups on it (FUSE lookup
 counts); ``forget`` drops it.
+
+The kernel may hold millions of inodes, so a node is a row of a ``compact.Rows`` table
+(about 115 bytes with its path), not an object: the inode number is the row number, with
+the row's generation in the high 32 bits, so a row reused after a forget gets a number never
+shown before and no map from numbers to rows is needed. ``table[inode]`` is a ``Node``, a
+view of the row for the moment it is used.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass
 
+from coordlfs.compact import Key, Rows
 from coordlfs.source import Version
 
 ROOT_INODE = 1
 CONTROL_INODE = 2
 _FIRST_FREE = 3
+_ROW = (1 << 32) - 1
+#: no version shown to the kernel yet (``Node.version`` None)
+_UNSEEN = -1
 
-Key = tuple[int, int]
+__all__ = ["CONTROL_INODE", "ROOT_INODE", "InodeTable", "Key", "Node"]
 
 
-@dataclass(slots=True)
 class Node:
-    key: Key
-    #: A path that reached this inode (the latest; with hard links any of them will do).
-    path: bytes
-    lookups: int = 0
-    #: the version last shown to the kernel, to notice a source file that changed
-    version: Version | None = None
+    """One node of an ``InodeTable``: valid until the table changes it."""
+
+    __slots__ = ("_row", "_table")
+
+    def __init__(self, table: InodeTable, row: int) -> None:
+        self._table, self._row = table, row
+
+    @property
+    def key(self) -> Key:
+        return self._table.keys.key(self._row)
+
+    @property
+    def path(self) -> bytes:
+        """A path that reached this inode (the latest; with hard links any of them will do)."""
+        return self._table.paths.get(self._row)
+
+    @property
+    def lookups(self) -> int:
+        return self._table.lookups[self._row]
+
+    @property
+    def version(self) -> Version | None:
+        """The version last shown to the kernel, to notice a source file that changed."""
+        return self._table.version(self._row)
+
+    @version.setter
+    def version(self, version: Version) -> None:
+        self._table.set_version(self._row, version)
 
 
-class InodeTable:
+class InodeTable(Rows):
     def __init__(self, root_key: Key) -> None:
-        self._nodes: dict[int, Node] = {ROOT_INODE: Node(root_key, b"", lookups=1)}
-        self._by_key: dict[Key, int] = {root_key: ROOT_INODE}
-        self._next = _FIRST_FREE
+        self.lookups = array("q")
+        self._generation = array("I")
+        #: the version last shown (its inode is the key's): size -1 for none yet
+        self._size, self._mtime, self._ctime = array("q"), array("q"), array("q")
+        super().__init__(self.lookups, self._generation, self._size, self._mtime, self._ctime,
+                         reserved=_FIRST_FREE)
+        self.claim(ROOT_INODE, root_key, b"")
+        self._size[ROOT_INODE] = _UNSEEN
+        self.lookups[ROOT_INODE] = 1
 
-    def __len__(self) -> int:
-        return len(self._nodes)
+    def _row(self, inode: int) -> int:
+        """The row of a live inode number; KeyError for any other."""
+        row = inode & _ROW
+        if not self.live(row) or self._generation[row] != inode >> 32 or row == CONTROL_INODE:
+            raise KeyError(inode)
+        return row
+
+    def _inode(self, row: int) -> int:
+        return self._generation[row] << 32 | row
 
     def __getitem__(self, inode: int) -> Node:
-        return self._nodes[inode]
+        return Node(self, self._row(inode))
 
     def items(self) -> Iterator[tuple[int, Node]]:
-        return iter(self._nodes.items())
+        return ((self._inode(row), Node(self, row)) for row in self.rows())
+
+    def path(self, inode: int) -> bytes:
+        """``self[inode].path``, without the view."""
+        return self.paths.get(self._row(inode))
 
     def find(self, key: Key) -> int | None:
-        return self._by_key.get(key)
+        row = self.keys.find(key)
+        return None if row < 0 else self._inode(row)
 
     def inode_for(self, key: Key, path: bytes, is_dir: bool = False) -> int:
         """The inode of ``key``, creating it with no lookups yet; remembers ``path``.
@@ -54,45 +103,68 @@ class InodeTable:
         A directory met under a new path was renamed in the source: the kernel may still hold
         nodes beneath it, which must be found under the new path too.
         """
-        inode = self._by_key.get(key)
-        if inode is None:
-            inode = self._next
-            self._next += 1
-            self._by_key[key] = inode
-            self._nodes[inode] = Node(key, path)
-            return inode
-        node = self._nodes[inode]
-        if node.path != path:
-            if is_dir and inode != ROOT_INODE:
-                self._moved(node.path, path)
-            node.path = path
-        return inode
+        row = self.keys.find(key)
+        if row < 0:
+            row = self.new_row(key, path)
+            self.lookups[row] = 0
+            self._size[row] = _UNSEEN
+            return self._inode(row)
+        old = self.paths.get(row)
+        if old != path:
+            if is_dir and row != ROOT_INODE:
+                self._moved(old, path)
+            self.paths.put(row, path)
+        return self._inode(row)
 
     def _moved(self, old: bytes, new: bytes) -> None:
         """Rewrite the paths below directory ``old``: rare, so a scan of the table."""
         prefix = old + b"/"
-        for node in self._nodes.values():
-            if node.path.startswith(prefix):
-                node.path = new + node.path[len(old) :]
+        for row in list(self.rows()):
+            path = self.paths.get(row)
+            if path.startswith(prefix):
+                self.paths.put(row, new + path[len(old) :])
+
+    def version(self, row: int) -> Version | None:
+        size = self._size[row]
+        if size == _UNSEEN:
+            return None
+        return Version(self.keys.ino[row], size, self._mtime[row], self._ctime[row])
+
+    def set_version(self, row: int, version: Version) -> None:
+        """Note the version the kernel is shown; its inode is the row's key's."""
+        self._size[row], self._mtime[row], self._ctime[row] = (
+            version.size, version.mtime_ns, version.ctime_ns)
+
+    def seen(self, inode: int, version: Version) -> None:
+        """``self[inode].version = version``, without the view."""
+        self.set_version(self._row(inode), version)
 
     def ref(self, inode: int) -> None:
-        self._nodes[inode].lookups += 1
+        self.lookups[self._row(inode)] += 1
 
     def forget(self, inode: int, count: int) -> bool:
         """Whether the node is gone now."""
-        node = self._nodes.get(inode)
-        if node is None or inode == ROOT_INODE:
+        try:
+            row = self._row(inode)
+        except KeyError:
             return False
-        node.lookups -= count
-        if node.lookups <= 0:
+        if row == ROOT_INODE:
+            return False
+        self.lookups[row] -= count
+        if self.lookups[row] <= 0:
             self.drop(inode)
             return True
         return False
 
     def drop_if_unreferenced(self, inode: int) -> None:
-        if inode != ROOT_INODE and self._nodes[inode].lookups == 0:
+        row = self._row(inode)
+        if row != ROOT_INODE and self.lookups[row] == 0:
             self.drop(inode)
 
     def drop(self, inode: int) -> None:
-        node = self._nodes.pop(inode)
-        del self._by_key[node.key]
+        row = self._row(inode)
+        self.free_row(row)
+        if self._generation[row] < _ROW:
+            self._generation[row] += 1  # the next node in this row gets a new number
+        else:  # four billion nodes in one row: retire it rather than repeat a number
+            self._free.pop()

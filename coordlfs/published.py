@@ -32,7 +32,6 @@ import hashlib
 import mmap
 import os
 import struct
-from collections.abc import Iterable
 from typing import NamedTuple
 
 #: The index's file name in the cache directory.
@@ -48,6 +47,8 @@ HEADER_SIZE = 64
 #: word (sequence << 2 | state), hash (2 words), arena offset, size, inode, mtime, ctime
 SLOT = struct.Struct("<QQQQQQqq")
 _WORD = struct.Struct("<Q")
+#: a slot's word and hash: what finding a path's slot reads
+_PROBE = struct.Struct("<QQQ")
 SLOT_SIZE = SLOT.size
 EMPTY, LIVE, DEAD, BUSY = 0, 1, 2, 3
 _HASH = struct.Struct("<QQ")
@@ -80,8 +81,9 @@ class IndexWriter:
     def __init__(self, dir_fd: int, revalidate: bool = False) -> None:
         self.dir_fd = dir_fd
         self.revalidate = revalidate
-        #: slot of each published path; the table itself is only ever read by clients
-        self._slots: dict[bytes, int] = {}
+        #: live slots; a path's slot is found by probing the table, as a client does, so
+        #: the daemon keeps nothing per published file (a dict of paths cost ~150 bytes each)
+        self._live = 0
         self._dead = 0
         self.generation = 0
         self.withdrawn = 0
@@ -91,13 +93,27 @@ class IndexWriter:
         self._install()
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return self._live
 
     def __contains__(self, path: bytes) -> bool:
-        return path in self._slots
+        return self._slot(*path_hash(path)) >= 0
 
-    def paths(self) -> Iterable[bytes]:
-        return self._slots.keys()
+    def _slot(self, h1: int, h2: int) -> int:
+        """The live slot of a hash, or -1."""
+        slot = h1 & self._mask
+        while True:
+            word, s1, s2 = _PROBE.unpack_from(self._map, HEADER_SIZE + slot * SLOT_SIZE)
+            if word & 3 == LIVE and s1 == h1 and s2 == h2:
+                return slot
+            if word & 3 == EMPTY:
+                return -1
+            slot = (slot + 1) & self._mask
+
+    def reserve(self, files: int) -> None:
+        """Room for ``files`` more published files without growing one doubling at a time
+        (a restart publishing a million adopted entries)."""
+        if (self._live + self._dead + files) * 2 > self._mask + 1:
+            self._grow(self._live + files)
 
     def _create(self, slots: int) -> mmap.mmap:
         """A new, empty table, not yet where clients look (``_install``)."""
@@ -125,20 +141,23 @@ class IndexWriter:
 
     def publish(self, path: bytes, found: Published) -> None:
         """Publish (or republish) a path; OSError if the index cannot grow (no room)."""
-        if path in self._slots:
-            self.withdraw(path)
-        if (len(self._slots) + self._dead + 1) * 2 > self._mask + 1:
-            self._grow()
         h1, h2 = path_hash(path)
+        self._withdraw(h1, h2)
+        if (self._live + self._dead + 1) * 2 > self._mask + 1:
+            self._grow(self._live)
         slot = self._free_slot(h1)
         self._write(self._map, slot, h1, h2, found)
-        self._slots[path] = slot
+        self._live += 1
 
     def withdraw(self, path: bytes) -> bool:
         """Make a path's slot a tombstone; whether it was published."""
-        slot = self._slots.pop(path, None)
-        if slot is None:
+        return self._withdraw(*path_hash(path))
+
+    def _withdraw(self, h1: int, h2: int) -> bool:
+        slot = self._slot(h1, h2)
+        if slot < 0:
             return False
+        self._live -= 1
         at = HEADER_SIZE + slot * SLOT_SIZE
         word = _WORD.unpack_from(self._map, at)[0]
         _WORD.pack_into(self._map, at, ((word >> 2) + 1) << 2 | DEAD)
@@ -163,18 +182,17 @@ class IndexWriter:
                        found.ino, found.mtime_ns, found.ctime_ns)
         _WORD.pack_into(table, at, sequence << 2 | LIVE)  # last: the slot is complete
 
-    def _grow(self) -> None:
-        """Rebuild into a table with room for three times the live slots, without tombstones."""
-        slots = max(MIN_SLOTS, 1 << (len(self._slots) * 3 - 1).bit_length())
-        old, old_slots = self._map, self._slots
+    def _grow(self, files: int) -> None:
+        """Rebuild into a table with room for three times ``files``, without tombstones."""
+        slots = max(MIN_SLOTS, 1 << (files * 3 - 1).bit_length())
+        old, old_slots = self._map, self._mask + 1
         table = self._create(slots)  # the old table stays in use if this fails
-        self._map, self._mask, self._slots, self._dead = table, slots - 1, {}, 0
-        for path, slot in old_slots.items():
+        self._map, self._mask, self._dead = table, slots - 1, 0
+        for slot in range(old_slots):
             fields = SLOT.unpack_from(old, HEADER_SIZE + slot * SLOT_SIZE)
-            h1, h2 = fields[1], fields[2]
-            new = self._free_slot(h1)
-            self._write(self._map, new, h1, h2, Published(*fields[3:]))
-            self._slots[path] = new
+            if fields[0] & 3 == LIVE:
+                h1, h2 = fields[1], fields[2]
+                self._write(self._map, self._free_slot(h1), h1, h2, Published(*fields[3:]))
         self._install()
         _WORD.pack_into(old, _FLAGS_AT, 1)  # after the rename: readers reopen the new table
         old.close()
