@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.pool import Pool
 from typing import Any, Protocol, TypeVar
 
 from coordlfs.bench.reading import copy_files, read_files
@@ -57,6 +58,18 @@ def stop_children(conns: list[Connection], procs: list[Any], farewell: Any) -> N
         if proc.is_alive():
             proc.kill()
             proc.join()
+
+
+def worker_pool(workers: int) -> Pool:
+    """Forked workers that leave Ctrl-C and SIGTERM to the parent: the parent's ``with``
+    terminates them (by SIGTERM, which must then end them, not raise in them), so no worker
+    prints a traceback or outlives a stopped benchmark."""
+    return multiprocessing.get_context("fork").Pool(workers, initializer=_leave_signals)
+
+
+def _leave_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def stop_group(process: subprocess.Popen[str]) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import multiprocessing
 import os
 import socket
 import statistics
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from coordlfs.bench import harness
+from coordlfs.bench.children import worker_pool
 from coordlfs.bench.counters import process_bytes_read
 from coordlfs.errors import UserError
 from coordlfs.order import epoch_order
@@ -67,6 +67,10 @@ class NodeSample:
     """One node after an epoch: what its daemon read and served, its sockets and memory."""
 
     storage_bytes: int
+    #: what the daemon read from source files for itself or a peer (data, where storage
+    #: bytes also count the metadata a dropped page cache makes it read again)
+    source_bytes: int
+    source_files: int
     peer_bytes: int
     cache_bytes: int
     peer_failures: int
@@ -81,6 +85,9 @@ class Run:
     nodes: int
     cache_bytes: int
     mount_seconds: float
+    #: times anyone dropped the page cache during the run (other processes: the storage
+    #: bytes then include metadata read again)
+    cache_drops: int
     #: per epoch: its seconds and each node's sample (counters since the epoch began)
     epoch_seconds: list[float]
     epochs: list[list[NodeSample]]
@@ -89,15 +96,23 @@ class Run:
     def storage(self, epoch: int) -> int:
         return sum(n.storage_bytes for n in self.epochs[epoch])
 
+    def source(self, epoch: int, what: str) -> int:
+        return sum(getattr(n, f"source_{what}") for n in self.epochs[epoch])
+
     def row(self, dataset: Dataset) -> dict[str, Any]:
         total, last = dataset.total_bytes, self.epochs[-1]
         connections = [n.inbound + n.outbound for n in last]
+        later = range(1, len(self.epochs))
         return {
             "nodes": self.nodes,
+            "source_files_epoch1_vs_files": round(self.source(0, "files") / len(dataset.files),
+                                                  4),
+            "source_bytes_epoch1_vs_dataset": round(self.source(0, "bytes") / total, 4),
+            "source_bytes_after_epoch1": sum(self.source(e, "bytes") for e in later),
             "storage_epoch1_vs_dataset": round(self.storage(0) / total, 4),
             "storage_epoch1_vs_blocks": round(self.storage(0) / blocks(dataset), 4),
-            "storage_bytes_after_epoch1": sum(self.storage(e)
-                                              for e in range(1, len(self.epochs))),
+            "storage_bytes_after_epoch1": sum(self.storage(e) for e in later),
+            "cache_drops": self.cache_drops,
             "peer_bytes_last_epoch_vs_dataset": round(sum(n.peer_bytes for n in last) / total,
                                                       3),
             "peer_failures": sum(n.peer_failures for n in last),
@@ -182,18 +197,19 @@ def memory(pid: int) -> tuple[int, int]:
     return found["VmRSS"], found["RssAnon"]
 
 
-def counters(mount: Mount) -> tuple[int, int, int, int]:
-    """Storage bytes of the daemon, and from its status bytes from peers and from its cache
-    and the failures of its links."""
+def counters(mount: Mount) -> tuple[int, ...]:
+    """Storage bytes of the daemon, and from its status bytes and files from the source,
+    bytes from peers and from its cache, and the failures of its links."""
     status = mount.status()
     reads = status["reads"]
     failures = sum(link["failures"] for link in status["peers"]["links"].values())
-    return (process_bytes_read(mount.pid), reads["bytes_from_peers"],
-            reads["bytes_from_cache"], failures)
+    return (process_bytes_read(mount.pid), reads["bytes_from_source"],
+            reads["files_from_source"], reads["bytes_from_peers"], reads["bytes_from_cache"],
+            failures)
 
 
 def sample(mounts: list[Mount], ports: list[int],
-           before: list[tuple[int, int, int, int]]) -> list[NodeSample]:
+           before: list[tuple[int, ...]]) -> list[NodeSample]:
     states = tcp_states()
     samples = []
     for mount, port, then in zip(mounts, ports, before, strict=True):
@@ -223,16 +239,16 @@ def run_nodes(count: int, dataset: Dataset, work: Path, args: argparse.Namespace
     ports = free_ports(count)
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     timeout = ["--peer-timeout", args.peer_timeout] if args.peer_timeout else []
-    started = time.monotonic()
+    started, drops = time.monotonic(), harness.drop_count()
     with contextlib.ExitStack() as stack:
         mounts = [stack.enter_context(mounted(
             dataset.root, work / f"mnt{i}", work / f"node{i}.log", "--cache-size", str(cache),
             "--listen", f"127.0.0.1:{port}", "--peers", peers, "--insecure", *timeout))
             for i, port in enumerate(ports)]
-        result = Run(count, cache, round(time.monotonic() - started, 1), [], [])
+        result = Run(count, cache, round(time.monotonic() - started, 1), 0, [], [])
         print(f"{count} nodes mounted in {result.mount_seconds} s, each caching "
               f"{format_size(cache)}", flush=True)
-        with multiprocessing.get_context("fork").Pool(args.readers) as pool:
+        with worker_pool(args.readers) as pool:
             for epoch in range(args.epochs):
                 before = [counters(m) for m in mounts]
                 began = time.monotonic()
@@ -242,6 +258,7 @@ def run_nodes(count: int, dataset: Dataset, work: Path, args: argparse.Namespace
                 result.epoch_seconds.append(round(time.monotonic() - began, 1))
                 result.epochs.append(sample(mounts, ports, before))
                 print_epoch(result, epoch, dataset)
+        result.cache_drops = harness.drop_count() - drops
         stopping = time.monotonic()
     result.unmount_seconds = round(time.monotonic() - stopping, 1)
     return result
@@ -251,7 +268,8 @@ def print_epoch(result: Run, epoch: int, dataset: Dataset) -> None:
     nodes, total = result.epochs[epoch], dataset.total_bytes
     conns = [n.inbound + n.outbound for n in nodes]
     print(f"  epoch {epoch + 1}: {result.epoch_seconds[epoch]} s; storage "
-          f"{result.storage(epoch) / total:.3f} of the dataset, peers "
+          f"{result.storage(epoch) / total:.3f} of the dataset (source files "
+          f"{result.source(epoch, 'files')} of {len(dataset.files)}), peers "
           f"{sum(n.peer_bytes for n in nodes) / total:.2f}, caches "
           f"{sum(n.cache_bytes for n in nodes) / total:.2f}; connections per node "
           f"{min(conns)}-{max(conns)}; RSS per node "
@@ -260,13 +278,13 @@ def print_epoch(result: Run, epoch: int, dataset: Dataset) -> None:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print("nodes  storage epoch 1 (x D)  after epoch 1  conns/node (in+out)  "
-          "RSS/node MiB (median, max)  mount s  epochs s")
+    print("nodes  epoch 1 from source: files, storage (x blocks)  after: source, storage bytes  "
+          "conns/node (in+out)  RSS/node MiB (median, max)  mount s  epochs s")
     for r in rows:
-        print(f"{r['nodes']:5}  {r['storage_epoch1_vs_dataset']:21.3f}  "
-              f"{r['storage_bytes_after_epoch1']:13}  "
-              f"{r['connections_per_node_max']:8} ({r['inbound_per_node_max']}+"
-              f"{r['outbound_per_node_max']})  "
+        print(f"{r['nodes']:5}  {r['source_files_epoch1_vs_files']:25.3f}, "
+              f"{r['storage_epoch1_vs_blocks']:.3f}  {r['source_bytes_after_epoch1']:14}, "
+              f"{r['storage_bytes_after_epoch1']}  {r['connections_per_node_max']:8} "
+              f"({r['inbound_per_node_max']}+{r['outbound_per_node_max']})  "
               f"{r['rss_mib_per_node_median']:14.1f}, {r['rss_mib_per_node_max']:.1f}  "
               f"{r['mount_seconds']:7}  {r['epoch_seconds']}", flush=True)
 
@@ -302,7 +320,8 @@ def run(args: argparse.Namespace) -> int:
     print_table(rows)
     summary: dict[str, Any] = {}
     for r in rows:
-        for key in ("storage_epoch1_vs_dataset", "storage_bytes_after_epoch1",
+        for key in ("source_files_epoch1_vs_files", "source_bytes_after_epoch1",
+                    "storage_epoch1_vs_blocks", "storage_bytes_after_epoch1",
                     "connections_per_node_max", "rss_mib_per_node_median"):
             summary[f"{key}_{r['nodes']}"] = r[key]
         summary[f"seconds_{r['nodes']}"] = round(r["mount_seconds"] + sum(r["epoch_seconds"])

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing
 import os
 import random
 import time
@@ -29,7 +28,8 @@ from typing import Any
 import xxhash
 
 from coordlfs.bench import harness
-from coordlfs.bench.ratios import median, ratio
+from coordlfs.bench.children import worker_pool
+from coordlfs.bench.ratios import ratio
 from coordlfs.errors import UserError
 from coordlfs.placement import MAX_PEERS, Address, layout, owner, ranking
 
@@ -133,7 +133,7 @@ def simulate(paths: int, counts: tuple[int, ...], workers: int, seed: int) -> li
     tasks = [(start, min(start + CHUNK, paths), counts, seed) for start in range(0, paths, CHUNK)]
     totals = [Tally(n) for n in counts]
     started = time.monotonic()
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    with worker_pool(workers) as pool:
         for done, tallies in enumerate(pool.imap_unordered(place, tasks), 1):
             for total, tally in zip(totals, tallies, strict=True):
                 total.add(tally)
@@ -173,20 +173,20 @@ def check(paths: int, counts: tuple[int, ...], seed: int) -> None:
 
 
 def cost_us(count: int, paths: int) -> dict[str, float]:
-    """Microseconds per call of ``owner``, ``ranking`` and the old ranking: the median of
-    five passes over ``paths`` paths."""
+    """Microseconds per call of ``owner``, ``ranking`` and the old ranking: the best of
+    seven passes over ``paths`` paths, the three taking turns, so that a busy machine slows
+    them alike and the best pass shows the cost itself."""
     nodes = cluster(count)
     sample = [path_of(i * 7919) for i in range(paths)]
-    result = {}
-    for name, rank in (("owner", owner), ("ranking", ranking), ("old_ranking", reference_ranking)):
-        passes = []
-        for _ in range(5):
+    calls = {"owner": owner, "ranking": ranking, "old_ranking": reference_ranking}
+    passes: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(7):
+        for name, rank in calls.items():
             started = time.perf_counter()
             for path in sample:
                 rank(path, nodes)
-            passes.append((time.perf_counter() - started) / paths * 1e6)
-        result[f"{name}_us"] = round(median(passes) or 0.0, 2)
-    return result
+            passes[name].append((time.perf_counter() - started) / paths * 1e6)
+    return {f"{name}_us": round(min(times), 2) for name, times in passes.items()}
 
 
 @dataclass(slots=True)
