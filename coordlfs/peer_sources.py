@@ -71,10 +71,17 @@ _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 
 
 def canonical(nodes: Iterable[Address], what: str) -> tuple[Address, ...]:
-    """The nodes sorted by their text, each once: the order every node agrees on."""
+    """The nodes sorted by their text, each once: the order every node agrees on. A name
+    the resolver cannot even be asked about (an empty or 64-byte label: getaddrinfo raises
+    UnicodeError, not OSError) is refused here, before anything resolves it."""
     ordered = tuple(sorted(set(nodes), key=str))
     if len(ordered) > MAX_PEERS:
         raise UserError(f"{what} names {len(ordered)} nodes; at most {MAX_PEERS}")
+    for node in ordered:
+        try:
+            node.host.encode("idna")
+        except UnicodeError:
+            raise UserError(f"{what}: {node.host!r} is not a host name") from None
     return ordered
 
 
@@ -203,6 +210,8 @@ def resolve_all(name: str, port: int) -> tuple[Address, ...]:
         infos = socket.getaddrinfo(name, port, socket.AF_UNSPEC, socket.SOCK_STREAM)
     except OSError as e:
         raise UserError(f"cannot resolve {name}: {e.strerror or e}") from None
+    except UnicodeError:
+        raise UserError(f"cannot resolve {name}: not a host name") from None
     found = {Address(info[4][0], port) for info in infos
              if info[0] in (socket.AF_INET, socket.AF_INET6)}
     if not found:
@@ -353,13 +362,19 @@ class Membership:
             return
         while True:
             await trio.sleep(self.source.interval)
-            nodes = await trio.to_thread.run_sync(self.source.poll, abandon_on_cancel=True)
-            if nodes is None or nodes == self.peers.nodes:
-                continue
             try:
-                await self.peers.replace(nodes)
-            except UserError as e:  # e.g. this node named twice
-                log.warning("%s: %s; the last good list stays", self.source.name, e)
-                continue
-            if self.server is not None:  # one connection per other node, as at mount
-                self.server.stats.max_connections = connection_cap(len(nodes))
+                await self._follow()
+            except Exception:  # a bug here must not take the mount down: the list stays
+                log.exception("following the nodes from %s failed", self.source.name)
+
+    async def _follow(self) -> None:
+        nodes = await trio.to_thread.run_sync(self.source.poll, abandon_on_cancel=True)
+        if nodes is None or nodes == self.peers.nodes:
+            return
+        try:
+            await self.peers.replace(nodes)
+        except UserError as e:  # e.g. this node named twice
+            log.warning("%s: %s; the last good list stays", self.source.name, e)
+            return
+        if self.server is not None:  # one connection per other node, as at mount
+            self.server.stats.max_connections = connection_cap(len(nodes))

@@ -8,11 +8,14 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import trio
+import trio.testing
 
 from coordlfs.errors import UserError
+from coordlfs.peer_hold import PeerHold
 from coordlfs.peer_sources import (
     DnsSource,
     FileSource,
@@ -108,6 +111,8 @@ def test_files_of_nodes_are_parsed_with_comments_and_blank_lines() -> None:
         parse_peers_file("a:1\n\nhost\n", "f")
     with pytest.raises(UserError, match="f names no node"):
         parse_peers_file("# nobody yet\n\n", "f")
+    with pytest.raises(UserError, match=r"f: 'a\.\.b' is not a host name"):
+        parse_peers_file("a..b:1\n", "f")
     many = "".join(f"10.0.{i // 200}.{i % 200}:1\n" for i in range(MAX_PEERS + 1))
     with pytest.raises(UserError, match=f"at most {MAX_PEERS}"):
         parse_peers_file(many, "f")
@@ -168,6 +173,8 @@ def test_names_resolve_to_every_address(caplog) -> None:
     assert Address("127.0.0.1", 7001) in nodes and nodes == canonical(nodes, "x")
     with pytest.raises(UserError, match=r"cannot resolve coordlfs-test\.invalid"):
         resolve_all("coordlfs-test.invalid", 7001)
+    with pytest.raises(UserError, match="not a host name"):
+        resolve_all("a" * 64 + ".test", 7001)
     source = DnsSource("coordlfs-test.invalid", 7001, insecure=False)
     with caplog.at_level(logging.WARNING, logger="coordlfs.peer_sources"):
         assert source.first() == ()  # a Service with no pod ready yet: alone until it has
@@ -204,3 +211,50 @@ def test_peers_replace_their_nodes_while_running() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+class _Link:
+    """A peer that takes requests and never answers (hashable, as a PeerLink is)."""
+
+
+class _HungPeers:
+    def __init__(self) -> None:
+        self.link = _Link()
+
+    def candidates(self, _path: bytes) -> tuple[list, list]:
+        return [self.link], []
+
+    async def read_many(self, _link: object, _files: list) -> list:
+        await trio.sleep_forever()
+        raise AssertionError("never answered")
+
+
+def test_the_holding_area_lets_go_of_a_peer_that_left() -> None:
+    """Files queued for a peer that left are left to the readers; a reader waiting for a
+    batch in flight to it gets None at once, and the bytes reserved for it are free."""
+    peers = _HungPeers()
+    stat = SimpleNamespace(st_mode=0o100644, st_size=1000, st_mtime_ns=7, st_dev=1, st_ino=1)
+    cache = SimpleNamespace(max_file_size=1 << 30, used=0, capacity=1 << 30,
+                            lookup=lambda _key, _st: None)
+    hold = PeerHold(peers, cache, SimpleNamespace(lstat=lambda _p: stat))  # type: ignore[arg-type]
+    names = [f"f{i}".encode() for i in range(100)]
+    got: list[object] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hold.run)
+            assert hold.prefetch(names) == 100
+            await trio.sleep(1)
+            assert hold.reserved > 0 and hold.status()["batches"] > 0  # asked, never answered
+
+            async def take() -> None:
+                got.append(await hold.take(names[0], stat))  # type: ignore[arg-type]
+            nursery.start_soon(take)
+            await trio.sleep(1)
+            assert not got  # waiting for its batch
+            hold.forget_link(peers.link)  # type: ignore[arg-type]
+            await trio.sleep(1)
+            assert got == [None] and hold.reserved == 0 and not hold.items
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
