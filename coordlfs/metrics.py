@@ -62,11 +62,13 @@ GAUGE, COUNTER = "gauge", "counter"
 FLAT: tuple[tuple[str, str, str, str, str], ...] = (
     ("", "uptime_s", "uptime_seconds", GAUGE, "seconds since the mount started"),
     ("", "inodes", "inodes", GAUGE, "inodes the kernel knows"),
+    ("", "inode_table_bytes", "inode_table_bytes", GAUGE, "memory of the inode table"),
     ("cache", "capacity_bytes", "cache_capacity_bytes", GAUGE, "bytes the cache may hold"),
     ("cache", "used_bytes", "cache_used_bytes", GAUGE, "bytes cached or reserved for fills"),
     ("cache", "files", "cache_files", GAUGE, "complete files in the cache"),
     ("cache", "filling", "cache_filling_files", GAUGE, "files being filled"),
     ("cache", "max_file_bytes", "cache_max_file_bytes", GAUGE, "largest file cached"),
+    ("cache", "table_bytes", "cache_table_bytes", GAUGE, "memory of the cache's entry table"),
     ("cache", "full", "cache_directory_full", GAUGE,
      "1 while the cache directory's filesystem has no room"),
     ("shared", "published", "shared_published_files", GAUGE,
@@ -74,6 +76,10 @@ FLAT: tuple[tuple[str, str, str, str, str], ...] = (
     ("shared", "withdrawn", "shared_withdrawn", COUNTER, "published entries withdrawn"),
     ("shared", "watched_directories", "shared_watched_directories", GAUGE,
      "source directories watched for published files"),
+    ("peers", "changes", "peer_membership_changes", COUNTER,
+     "changes of the node list (--peers-from, --peers-file)"),
+    ("peers", "changed_at", "peer_membership_changed_timestamp_seconds", GAUGE,
+     "when the node list was last set (Unix time)"),
     ("served", "connections", "served_connections", COUNTER, "peer connections admitted"),
     ("served", "requests", "served_requests", COUNTER, "files peers asked for"),
     ("served", "batches", "served_batches", COUNTER, "GETMANY batches peers asked for"),
@@ -265,11 +271,12 @@ def _groups(spec: tuple[tuple[str, str, str], ...],
 
 def families(status: dict[str, Any]) -> Iterator[Metric]:
     """The metric families of one status (``Daemon.status`` with the control file's part)."""
+    peers = status["peers"]
     info = InfoMetricFamily(PREFIX.rstrip("_"), "the mount: version, source, mountpoint, "
-                            "this node's peer address")
+                            "this node's peer address, where the node list comes from")
     info.add_metric([], {"version": status["version"], "protocol": str(status["protocol"]),
                          "source": status["source"], "mountpoint": status["mountpoint"],
-                         "node": status["peers"]["self"] or ""})
+                         "node": peers["self"] or "", "peers_from": peers["source"]})
     yield info
     yield from _reads(status["reads"])
     yield from _flat(status)
@@ -277,7 +284,7 @@ def families(status: dict[str, Any]) -> Iterator[Metric]:
     yield _by_reason("fill_skipped", "prefetched files not filled, by reason", "reason",
                      fills["skipped"])
     yield _by_reason("fill_failures", "fills that failed, by cause", "cause", fills["failed"])
-    yield from _peers(status["peers"])
+    yield from _peers(peers)
     yield from _groups(ALIGNED_GROUP, status["groups"])
     prep = status["prep"]["groups"]
     yield from _groups(PREP_GROUP, prep)
