@@ -141,8 +141,10 @@ def slurm_cluster(directory: Path, nodes: Sequence[str], prolog: Path,
     """A running cluster of ``nodes`` (names that resolve: loopback addresses) whose Prolog and
     Epilog are the given programs; on exit, jobs are cancelled (their epilogs run), then
     slurmd, slurmctld and munged are stopped by pid."""
-    for sub in ("munge", "state", "spool", "log"):
+    for sub in ("munge", "state", "log"):
         (directory / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+    # where a batch job's script waits for its user: open to all, as /var/spool/slurmd is
+    (directory / "spool").mkdir(mode=0o755)
     key = directory / "munge" / "key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)

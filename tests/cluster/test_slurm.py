@@ -10,21 +10,24 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import digests, make_dataset
+from conftest import OTHER_UID, digests, force_unmount, make_dataset
 
 from coordlfs.control import Control
 from coordlfs.mounting import mount_at, mounts
@@ -70,17 +73,19 @@ class Site:
         return {**self.cluster.env, "SLURM_JOB_ID": job, "SLURMD_NODENAME": node,
                 "SLURM_NODELIST": node, "COORDLFS_SLURM_CONF": str(self.directory / "conf")}
 
-    def left_behind(self) -> list[str]:
-        """coordlfs mounts and daemons of this site that outlived their jobs."""
+    def left_behind(self) -> dict[str, int | None]:
+        """coordlfs mounts and daemons of this site that outlived their jobs: mountpoint ->
+        daemon pid (None: a mount without its daemon)."""
         ours = str(self.directory)
-        found = [m.mountpoint for m in mounts() if m.mountpoint.startswith(ours)]
+        found: dict[str, int | None] = {
+            m.mountpoint: None for m in mounts() if m.mountpoint.startswith(ours)}
         for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
             try:
-                argv = cmdline.read_bytes().split(b"\0")
+                argv = os.fsdecode(cmdline.read_bytes()).split("\0")
             except OSError:
                 continue
-            if b"coordlfs.detached" in argv and any(a.startswith(os.fsencode(ours)) for a in argv):
-                found.append(f"daemon {cmdline.parent.name}")
+            if "coordlfs.detached" in argv and argv[-2].startswith(ours):  # [..., mountpoint, ""]
+                found[argv[-2]] = int(cmdline.parent.name)
         return found
 
 
@@ -100,37 +105,46 @@ def free_ports(hosts: tuple[str, ...], count: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
-    directory = tmp_path_factory.mktemp("slurm")
-    source = directory / "data"
-    source.mkdir()
-    make_dataset(source, 40)
-    secret = directory / "secret"
-    secret.write_bytes(base64.b64encode(os.urandom(32)))
-    secret.chmod(0o600)
-    settings = {
-        "SOURCE": str(source),
-        "MOUNTPOINT": f"{directory}/mnt/%n/%j",  # two nodes share this machine: %n too
-        "CACHE_DIR": f"/dev/shm/coordlfs/test-slurm-{os.getpid()}-%j-%n",
-        "LISTEN": "%n",  # each node's daemon on its own loopback address, at the same port
-        "PORT_BASE": str(free_ports(NODES, PORTS)),
-        "PORT_COUNT": str(PORTS),
-        "CACHE_SIZE": "64M",
-        "SECRET_FILE": str(secret),
-        "LOG": f"{directory}/logs/%j-%n.log",
-        "STATE_DIR": f"{directory}/state",
-        "COORDLFS": f"{sys.executable} -m coordlfs",
-    }
-    (directory / "conf").write_text("# written by test_slurm\n" + "".join(
-        f"{key}={value}\n" for key, value in settings.items()))
-    # Prolog= takes no arguments nor environment: a wrapper names the config.
-    wrapper = directory / "coordlfs-slurm"
-    wrapper.write_text(f"#!/bin/sh\nCOORDLFS_SLURM_CONF={directory}/conf exec {SCRIPT} \"$@\"\n")
-    wrapper.chmod(0o755)
-    with slurm_cluster(directory / "cluster", NODES, wrapper, wrapper) as cluster:
-        built = Site(cluster, directory, source, secret, settings)
-        yield built
-    assert not built.left_behind()
+def site() -> Iterator[Site]:
+    # Not under pytest's tmp_path (mode 700): the job run as another user reaches its mount.
+    directory = Path(tempfile.mkdtemp(prefix="coordlfs-slurm-", dir="/tmp"))
+    directory.chmod(0o755)
+    built = None
+    try:
+        source = directory / "data"
+        source.mkdir()
+        make_dataset(source, 40)
+        secret = directory / "secret"
+        secret.write_bytes(base64.b64encode(os.urandom(32)))
+        secret.chmod(0o600)
+        settings = {
+            "SOURCE": str(source),
+            "MOUNTPOINT": f"{directory}/mnt/%n/%j",  # two nodes share this machine: %n too
+            "CACHE_DIR": f"/dev/shm/coordlfs/test-slurm-{os.getpid()}-%j-%n",
+            "LISTEN": "%n",  # each node's daemon on its own loopback address
+            "PORT_BASE": str(free_ports(NODES, PORTS)),
+            "PORT_COUNT": str(PORTS),
+            "CACHE_SIZE": "64M",
+            "SECRET_FILE": str(secret),
+            "LOG": f"{directory}/logs/%j-%n.log",
+            "STATE_DIR": f"{directory}/state",
+            "COORDLFS": f"{sys.executable} -m coordlfs",
+        }
+        (directory / "conf").write_text("# written by test_slurm\n" + "".join(
+            f"{key}={value}\n" for key, value in settings.items()))
+        # Prolog= takes no arguments nor environment: a wrapper names the config.
+        wrapper = directory / "coordlfs-slurm"
+        wrapper.write_text(
+            f"#!/bin/sh\nCOORDLFS_SLURM_CONF={directory}/conf exec {SCRIPT} \"$@\"\n")
+        wrapper.chmod(0o755)
+        with slurm_cluster(directory / "cluster", NODES, wrapper, wrapper) as cluster:
+            built = Site(cluster, directory, source, secret, settings)
+            yield built
+        assert not built.left_behind()
+    finally:
+        for mountpoint, pid in (built.left_behind() if built else {}).items():
+            force_unmount(mountpoint, pid)
+        shutil.rmtree(directory)
 
 
 def srun(site: Site, *argv: str, nodes: tuple[str, ...] = NODES) -> subprocess.CompletedProcess:
@@ -217,6 +231,32 @@ def script(action: str, env: dict[str, str]) -> None:
     done = subprocess.run([SCRIPT, action], env=env, capture_output=True, text=True,
                           timeout=JOB_TIMEOUT)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_job_of_another_user_reads_its_mount(site: Site) -> None:
+    """The prolog runs as root; the job as its user (the mount allows other users)."""
+    node = NODES[1]
+    out = site.directory / f"out-{OTHER_UID}"
+    out.mkdir(mode=0o777)
+    out.chmod(0o777)
+    mountpoint = site.settings["MOUNTPOINT"].replace("%j", "$SLURM_JOB_ID").replace(
+        "%n", "$SLURMD_NODENAME")
+    result = site.cluster.run(
+        "sbatch", "--wait", f"--uid={OTHER_UID}", f"--gid={OTHER_UID}", f"--nodelist={node}",
+        "--chdir=/", f"--output={out}/%j.out", "--parsable",
+        f"--wrap=id -u; cd {mountpoint} && find . -type f -exec sha256sum {{}} +",
+        timeout=JOB_TIMEOUT)
+    job = result.stdout.strip().split(";")[0]
+    output = (out / f"{job}.out").read_text()
+    assert result.returncode == 0, result.stderr + output
+    uid, *lines = output.splitlines()
+    assert uid == str(OTHER_UID)
+    read = {path.removeprefix("./"): digest for digest, path in (
+        line.split(maxsplit=1) for line in lines)}
+    assert read == {str(p.relative_to(site.source)): hashlib.sha256(p.read_bytes()).hexdigest()
+                    for p in site.source.rglob("*") if p.is_file()}
+    site.cluster.wait_jobs_over()
+    assert not site.left_behind()
 
 
 def test_prolog_and_epilog_run_twice_do_no_harm(site: Site, daemon_logs: list[Path]) -> None:
