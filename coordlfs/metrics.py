@@ -372,8 +372,9 @@ def _bind(address: Address) -> socket.socket:
     try:
         return socket.create_server(where, family=family, dualstack_ipv6=(
             family == socket.AF_INET6 and socket.has_dualstack_ipv6()))
-    except OSError as e:  # its text names the address again: the errno's alone
-        raise UserError(f"cannot serve metrics on {address}: {os.strerror(e.errno)}") from None
+    except OSError as e:  # create_server's text names the address again: the errno's alone
+        reason = os.strerror(e.errno) if e.errno else str(e)
+        raise UserError(f"cannot serve metrics on {address}: {reason}") from None
 
 
 class MetricsServer:
