@@ -50,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 0.25,0.5,0.75)")
     harness.add_training_arguments(parser, readers=4, readers_help="reader processes",
                                    compute_ms=0.0)
+    parser.set_defaults(epochs=4)  # three steady-state epochs to take the median of
 
 
 class Recorder:
@@ -95,9 +96,11 @@ class Row:
 
 
 def steady_seconds(result: ConfigResult) -> float:
-    """The median epoch time after the first (cold) epoch."""
-    later = [e.seconds for e in result.epochs[1:]] or [result.epochs[0].seconds]
-    return median(later) or 0.0
+    """The median epoch time after the first (cold) epoch, leaving out epochs during which
+    another process dropped the kernel's caches (unless all were)."""
+    later = result.epochs[1:] or result.epochs
+    clean = [e for e in later if e.epoch not in result.disturbed_epochs] or later
+    return median([e.seconds for e in clean]) or 0.0
 
 
 def parse_budgets(text: str) -> list[str]:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from benchtools import assert_one_line_errors, small_run
 
-from coordlfs.bench.whatif import summarize
+from coordlfs.bench.epochs import ConfigResult, EpochResult
+from coordlfs.bench.whatif import steady_seconds, summarize
 
 
 def _cgroups() -> set[Path]:
@@ -52,6 +53,17 @@ def test_summary_takes_medians_per_budget() -> None:
                                           "error_percent": 0.0}
     assert summary["budgets"]["0.75"]["error_percent"] == 20.0
     assert summary["max_abs_error_percent"] == 20.0 and not summary["within_goal"]
+
+
+def test_steady_state_is_the_median_after_the_first_epoch_undisturbed() -> None:
+    def result(seconds: list[float], disturbed: list[int]) -> ConfigResult:
+        epochs = [EpochResult(i + 1, s, 0, 0.0, 1.0, 0.0) for i, s in enumerate(seconds)]
+        return ConfigResult("coordlfs", epochs, [], disturbed_epochs=disturbed)
+
+    assert steady_seconds(result([20, 8, 9, 30], [])) == 9
+    assert steady_seconds(result([20, 8, 9, 30], [4])) == 8.5  # epoch 4: caches dropped
+    assert steady_seconds(result([20, 8, 9], [2, 3])) == 8.5  # all disturbed: all count
+    assert steady_seconds(result([20], [])) == 20
 
 
 def test_bad_options_are_one_line(tmp_path: Path) -> None:
