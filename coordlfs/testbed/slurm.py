@@ -19,7 +19,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +32,12 @@ START_WAIT = 30.0
 STOP_WAIT = 15.0
 
 
+#: Where Debian puts the daemons, on PATH or not (a non-login root shell may lack sbin).
+SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+
+
 def missing_programs() -> list[str]:
-    return [p for p in PROGRAMS if shutil.which(p) is None]
+    return [p for p in PROGRAMS if shutil.which(p, path=SEARCH_PATH) is None]
 
 
 def free_port(host: str = "0.0.0.0") -> int:
@@ -42,7 +46,7 @@ def free_port(host: str = "0.0.0.0") -> int:
         return s.getsockname()[1]
 
 
-def _wait_for(what: str, ready, timeout: float = START_WAIT) -> None:
+def _wait_for(what: str, ready: Callable[[], bool], timeout: float = START_WAIT) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         if time.monotonic() > deadline:
@@ -58,7 +62,7 @@ class SlurmCluster:
 
     @property
     def env(self) -> dict[str, str]:
-        return {**os.environ, "SLURM_CONF": str(self.conf)}
+        return {**os.environ, "PATH": SEARCH_PATH, "SLURM_CONF": str(self.conf)}
 
     def run(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """A Slurm command (srun, scontrol, ...) against this cluster."""
@@ -83,12 +87,14 @@ class SlurmCluster:
         """No job left but those in ``keep``: each other job's epilog has run on its nodes."""
         _wait_for("the end of Slurm's jobs", lambda: set(self.jobs()) <= set(keep), timeout)
 
-    def wait_idle(self, timeout: float = START_WAIT) -> None:
+    def idle(self) -> bool:
         """Every node registered and idle (none drained), no job left."""
-        def idle() -> bool:
-            states = self.node_states()
-            return len(states) == len(self.nodes) and set(states.values()) == {"idle"}
-        _wait_for("Slurm's nodes", lambda: not self.jobs() and idle(), timeout)
+        states = self.node_states()
+        return not self.jobs() and len(states) == len(self.nodes) and set(
+            states.values()) == {"idle"}
+
+    def wait_idle(self, timeout: float = START_WAIT) -> None:
+        _wait_for("Slurm's nodes", self.idle, timeout)
 
     def resume(self) -> None:
         """Nodes a failed prolog drained take jobs again."""
@@ -98,12 +104,13 @@ class SlurmCluster:
 
 
 def _config(directory: Path, nodes: Sequence[str], prolog: Path, epilog: Path) -> str:
-    node_lines = "".join(f"NodeName={name} NodeHostname={socket.gethostname()} "
+    host = socket.gethostname().split(".")[0]  # as slurmctld compares it: short
+    node_lines = "".join(f"NodeName={name} NodeHostname={host} "
                          f"Port={free_port()} CPUs=2 RealMemory=1000 State=UNKNOWN\n"
                          for name in nodes)
     return f"""\
 ClusterName=coordlfstest
-SlurmctldHost={socket.gethostname()}(127.0.0.1)
+SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
@@ -151,12 +158,20 @@ def slurm_cluster(directory: Path, nodes: Sequence[str], prolog: Path,
     conf = directory / "slurm.conf"
     conf.write_text(_config(directory, nodes, prolog, epilog))
     cluster = SlurmCluster(directory, conf, tuple(nodes))
-    started: list[subprocess.Popen[bytes]] = []
+    started: dict[str, subprocess.Popen[bytes]] = {}  # by name, in the order started
 
     def start(name: str, *argv: str) -> None:
         with open(directory / "log" / f"{name}.out", "wb") as out:
-            started.append(subprocess.Popen(argv, env=cluster.env, stdout=out, stderr=out,
-                                            stdin=subprocess.DEVNULL))
+            started[name] = subprocess.Popen(argv, env=cluster.env, stdout=out, stderr=out,
+                                             stdin=subprocess.DEVNULL)
+
+    def running(ready: Callable[[], bool]) -> bool:
+        """``ready()``, or an error with a daemon's last words if it died."""
+        for name, process in started.items():
+            if process.poll() is not None:
+                said = (directory / "log" / f"{name}.out").read_text(errors="replace")
+                raise UserError(f"{name} exited ({process.returncode}): {said[-2000:]}")
+        return ready()
 
     try:
         munge = directory / "munge"
@@ -164,19 +179,21 @@ def slurm_cluster(directory: Path, nodes: Sequence[str], prolog: Path,
         start("munged", "munged", "-F", "--force", f"--socket={munge}/socket",
               f"--key-file={key}", f"--log-file={munge}/log", f"--pid-file={munge}/pid",
               f"--seed-file={munge}/seed")
-        _wait_for("munged", (munge / "socket").exists)
+        _wait_for("munged", lambda: running((munge / "socket").exists))
         start("slurmctld", "slurmctld", "-D", "-f", str(conf))
-        _wait_for("slurmctld", lambda: cluster.run("scontrol", "ping").returncode == 0)
+        _wait_for("slurmctld", lambda: running(
+            lambda: cluster.run("scontrol", "ping").returncode == 0))
         for name in nodes:
             start(f"slurmd-{name}", "slurmd", "-D", "-N", name, "-f", str(conf))
-        cluster.wait_idle()
+        _wait_for("slurmd", lambda: running(cluster.idle))
         yield cluster
     finally:
         with contextlib.suppress(UserError, subprocess.TimeoutExpired, OSError):
-            if started[2:] and cluster.jobs():  # let their epilogs run before slurmd stops
+            # jobs left by a failed test: their epilogs run before slurmd stops
+            if any(name.startswith("slurmd-") for name in started) and cluster.jobs():
                 cluster.run("scancel", "--full", *cluster.jobs())
                 cluster.wait_jobs_over()
-        for process in reversed(started):
+        for process in reversed(started.values()):
             process.terminate()
             try:
                 process.wait(STOP_WAIT)
