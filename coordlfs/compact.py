@@ -23,8 +23,6 @@ Key = tuple[int, int]
 
 #: Hash tables per ``KeyMap``; each grows alone, so a resize re-inserts 1/1024 of the rows.
 _SHARDS = 1 << 10
-_MUL = 0x9E3779B97F4A7C15
-_M64 = (1 << 64) - 1
 _M32 = (1 << 32) - 1
 #: Bytes of paths per heap segment: what one compaction copies at most.
 SEGMENT = 1 << 20
@@ -54,10 +52,9 @@ class KeyMap:
     def columns(self) -> tuple[array, ...]:
         return self.dev, self.ino
 
-    @staticmethod
-    def _hash(dev: int, ino: int) -> int:
-        h = ((ino ^ dev << 48) * _MUL) & _M64
-        return h ^ h >> 29
+    def _hash(self, row: int) -> int:
+        """The hash of a row's key, as ``find`` computes it from the key."""
+        return hash((self.devices[self.dev[row]], self.ino[row]))
 
     def key(self, row: int) -> Key:
         return self.devices[self.dev[row]], self.ino[row]
@@ -68,7 +65,7 @@ class KeyMap:
         if dev is None:
             return -1
         ino = key[1]
-        h = self._hash(dev, ino)
+        h = hash(key)  # the tuple's: mixed well (xxHash's rounds) and at C speed
         table = self._tables[h & (_SHARDS - 1)]
         mask = len(table) - 1
         slot = (h >> 10) & mask
@@ -88,7 +85,7 @@ class KeyMap:
             dev = self._devices[key[0]] = len(self.devices)
             self.devices.append(key[0])
         self.dev[row], self.ino[row] = dev, key[1]
-        h = self._hash(dev, key[1])
+        h = hash(key)
         shard = h & (_SHARDS - 1)
         if (self._counts[shard] + 1) * 3 > len(self._tables[shard]) * 2:
             self._resize(shard, len(self._tables[shard]) * 2)
@@ -108,7 +105,7 @@ class KeyMap:
         table = self._tables[shard] = array("i", [_EMPTY]) * size
         for row in old:
             if row != _EMPTY:
-                self._place(table, self._hash(self.dev[row], self.ino[row]), row)
+                self._place(table, self._hash(row), row)
 
     def reserve(self, rows: int) -> None:
         """Size the tables for ``rows`` rows at once (a load), instead of doubling."""
@@ -120,7 +117,7 @@ class KeyMap:
                 self._resize(shard, want)
 
     def remove(self, row: int) -> None:
-        h = self._hash(self.dev[row], self.ino[row])
+        h = self._hash(row)
         shard = h & (_SHARDS - 1)
         table = self._tables[shard]
         mask = len(table) - 1
@@ -131,7 +128,7 @@ class KeyMap:
         self._counts[shard] -= 1
         hole, slot = slot, (slot + 1) & mask
         while (moved := table[slot]) != _EMPTY:
-            home = (self._hash(self.dev[moved], self.ino[moved]) >> 10) & mask
+            home = (self._hash(moved) >> 10) & mask
             # ``moved`` may fill the hole unless its home lies cyclically in (hole, slot]
             if (hole < slot and not hole < home <= slot) or (
                     hole > slot and slot < home <= hole):
@@ -172,8 +169,17 @@ class PathHeap:
         start = loc & _M32
         return bytes(self._segments[loc >> 32][start : start + self.size[row]])
 
+    def equals(self, row: int, path: bytes) -> bool:
+        """``get(row) == path``, with one copy fewer."""
+        if self.size[row] != len(path):
+            return False
+        loc = self.loc[row]
+        start = loc & _M32
+        return self._segments[loc >> 32][start : start + len(path)] == path
+
     def put(self, row: int, path: bytes) -> None:
-        self.drop(row)
+        if self.loc[row] >= 0:
+            self.drop(row)
         current = self._current
         if current < 0 or len(self._segments[current]) + len(path) > SEGMENT:
             current = self._next_segment()

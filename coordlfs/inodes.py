@@ -76,9 +76,12 @@ class InodeTable(Rows):
     def _row(self, inode: int) -> int:
         """The row of a live inode number; KeyError for any other."""
         row = inode & _ROW
-        if not self.live(row) or self._generation[row] != inode >> 32 or row == CONTROL_INODE:
-            raise KeyError(inode)
-        return row
+        try:
+            if self.paths.loc[row] >= 0 and self._generation[row] == inode >> 32:
+                return row  # (the control inode's row is never live)
+        except IndexError:
+            pass
+        raise KeyError(inode)
 
     def _inode(self, row: int) -> int:
         return self._generation[row] << 32 | row
@@ -109,12 +112,11 @@ class InodeTable(Rows):
             self.lookups[row] = 0
             self._size[row] = _UNSEEN
             return self._inode(row)
-        old = self.paths.get(row)
-        if old != path:
+        if not self.paths.equals(row, path):
             if is_dir and row != ROOT_INODE:
-                self._moved(old, path)
+                self._moved(self.paths.get(row), path)
             self.paths.put(row, path)
-        return self._inode(row)
+        return self._generation[row] << 32 | row
 
     def _moved(self, old: bytes, new: bytes) -> None:
         """Rewrite the paths below directory ``old``: rare, so a scan of the table."""
