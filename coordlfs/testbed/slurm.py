@@ -138,6 +138,7 @@ Prolog={prolog}
 Epilog={epilog}
 PrologFlags=Alloc
 SlurmdDebug=info
+MailProg=/bin/true
 {node_lines}PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
