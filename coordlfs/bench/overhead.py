@@ -3,7 +3,13 @@
 MinIO promises memory within the capacity plus a bounded overhead; this measures the bound.
 The daemon's anonymous resident set (RssAnon) is read after mounting, after every file was
 looked up (inodes) and after every file was read (cache entries). Cached bytes themselves live
-in the tmpfs arena; what it allocates beyond them is reported too.
+in the tmpfs arena; what it allocates beyond them is reported too, and so is what the kernel
+allocates per file (FUSE inodes and dentries, from /proc/slabinfo), which the daemon cannot
+shrink but a user must budget for.
+
+``--direct`` builds the daemon's tables in this process instead, with no files and no mount
+(ten million entries take minutes, not the hours a mount would), measures their RssAnon
+growth the same way, and times a warm restart's adoption of them from a checkpoint.
 """
 
 from __future__ import annotations
@@ -11,21 +17,31 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from coordlfs.bench import harness
-from coordlfs.cache import ARENA
+from coordlfs.cache import ARENA, WholeFileCache
+from coordlfs.entries import Entry
 from coordlfs.errors import UserError
+from coordlfs.inodes import InodeTable
+from coordlfs.source import Version
+from coordlfs.stats import ReadCounters
 from coordlfs.testbed.mounts import mounted
+
+#: the kernel's slab caches that grow per file the kernel holds through the mount
+SLABS = ("fuse_inode", "dentry")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--files", type=int, default=20_000, help="files to create (default 20000)")
     parser.add_argument("--size", type=int, default=4096, help="bytes per file (default 4096)")
+    parser.add_argument("--direct", action="store_true",
+                        help="build the daemon's tables in this process (no files, no mount)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
 
-def _rss(pid: int) -> int:
+def _rss(pid: int | str) -> int:
     """Anonymous resident bytes: the daemon's own heap, not the tmpfs pages it maps."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("RssAnon:"):
@@ -33,12 +49,29 @@ def _rss(pid: int) -> int:
     raise UserError(f"no RssAnon for pid {pid}")
 
 
+def _slabs() -> dict[str, int]:
+    """Bytes of the kernel's per-file slab caches (objects in use times object size)."""
+    found = dict.fromkeys(SLABS, 0)
+    try:
+        for line in Path("/proc/slabinfo").read_text().splitlines()[2:]:
+            name, active, _total, size, *_rest = line.split()
+            if name in found:
+                found[name] = int(active) * int(size)
+    except OSError:  # not root, or no SLUB statistics: reported as 0
+        pass
+    return found
+
+
+def _path(i: int) -> bytes:
+    return b"d%d/f%d" % (i % 100, i)
+
+
 def measure(files: int, size: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
         src, mnt = Path(tmp, "src"), Path(tmp, "mnt")
         mnt.mkdir()
         for i in range(files):
-            path = src / f"d{i % 100}" / f"f{i}"
+            path = src / os.fsdecode(_path(i))
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(os.urandom(size))
         cache_dir = Path("/dev/shm", f"coordlfs-overhead-{os.getpid()}")
@@ -46,16 +79,18 @@ def measure(files: int, size: int) -> dict[str, float]:
                      cache_dir=cache_dir) as mount:
             pid = mount.pid
             names = [mnt / p.relative_to(src) for p in src.rglob("f*")]
-            start = _rss(pid)
+            start, slabs = _rss(pid), _slabs()
             for name in names:
                 os.stat(name)
-            looked_up = _rss(pid)
+            looked_up, kernel = _rss(pid), _slabs()
+            known = mount.status()  # before reads: the kernel may forget inodes meanwhile
             for name in names:
                 with open(name, "rb") as f:
                     f.read()
             cached = _rss(pid)
             status = mount.status()
             arena = os.stat(cache_dir / ARENA).st_blocks * 512
+    kernel_bytes = {name: (kernel[name] - slabs[name]) / files for name in SLABS}
     return {
         "files": files,
         "file_bytes": size,
@@ -64,18 +99,73 @@ def measure(files: int, size: int) -> dict[str, float]:
         "rss_start_bytes": start,
         "bytes_per_inode": (looked_up - start) / files,
         "bytes_per_cached_file": (cached - looked_up) / files,
+        "bytes_per_file_together": (cached - start) / files,
+        "table_bytes_per_inode": known["inode_table_bytes"] / known["inodes"],
+        "table_bytes_per_cached_file": status["cache"]["table_bytes"]
+        / max(1, status["cache"]["files"]),
+        **{f"kernel_{name}_bytes_per_file": value for name, value in kernel_bytes.items()},
+        "kernel_bytes_per_file": sum(kernel_bytes.values()),
         "arena_bytes_per_file_beyond_data": (arena - status["cache"]["used_bytes"]) / files,
     }
+
+
+def measure_direct(files: int, size: int) -> dict[str, float]:
+    """The daemon's tables of ``files`` inodes and cache entries, built here, and the
+    adoption of the entries from a checkpoint, as a warm restart does."""
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
+        cache = WholeFileCache(os.path.join(tmp, "cache"), files * size, size, ReadCounters())
+        start = _rss("self")
+        began = time.monotonic()
+        inodes = InodeTable((1, 1))
+        for i in range(files):
+            inode = inodes.inode_for((1, i + 2), _path(i))
+            inodes.ref(inode)
+            inodes.seen(inode, Version(i + 2, size, i, i))
+        looked_up = _rss("self")
+        for i in range(files):
+            cache.entries.add((1, i + 2), Entry(_path(i), size, i, i, i * size, filled=size,
+                                                complete=True))
+        cached, built = _rss("self"), time.monotonic()
+        result = {
+            "files": files,
+            "file_bytes": size,
+            "bytes_per_inode": (looked_up - start) / files,
+            "bytes_per_cached_file": (cached - looked_up) / files,
+            "bytes_per_file_together": (cached - start) / files,
+            "table_bytes_per_inode": inodes.nbytes() / files,
+            "table_bytes_per_cached_file": cache.entries.nbytes() / files,
+            "build_s_per_million": (built - began) / files * 1e6,
+        }
+        del inodes
+        cache.close(keep=True)  # writes the checkpoint a restart reads
+        written = time.monotonic()
+        again = WholeFileCache(os.path.join(tmp, "cache"), files * size, size, ReadCounters())
+        adopted = again.adopt()
+        result.update(checkpoint_s=written - built, adopt_s=time.monotonic() - written,
+                      adopted=adopted)
+        again.close(keep=False)
+    return result
 
 
 def run(args: argparse.Namespace) -> int:
     if args.files <= 0 or args.size <= 0:
         raise UserError("--files and --size must be positive")
-    result = measure(args.files, args.size)
+    result = (measure_direct if args.direct else measure)(args.files, args.size)
+    where = "this process's tables" if args.direct else "daemon heap"
+    print(f"per inode looked up      {result['bytes_per_inode']:.0f} bytes ({where}; "
+          f"{result['table_bytes_per_inode']:.0f} in its table)")
+    print(f"per cached file          {result['bytes_per_cached_file']:.0f} bytes ({where}; "
+          f"{result['table_bytes_per_cached_file']:.0f} in its table; the data is in tmpfs)")
+    print(f"per file, both           {result['bytes_per_file_together']:.0f} bytes")
+    if args.direct:
+        print(f"restart                  checkpoint written in {result['checkpoint_s']:.2f} s, "
+              f"{result['adopted']} entries adopted in {result['adopt_s']:.2f} s")
+        harness.write_report(args.json, result)
+        return 0
     print(f"daemon heap at start     {result['rss_start_bytes'] / 2**20:.1f} MiB")
-    print(f"per inode looked up      {result['bytes_per_inode']:.0f} bytes")
-    print(f"per cached file          {result['bytes_per_cached_file']:.0f} bytes "
-          f"(daemon heap; the data is in tmpfs)")
+    print(f"kernel per file          {result['kernel_bytes_per_file']:.0f} bytes ("
+          + ", ".join(f"{name} {result[f'kernel_{name}_bytes_per_file']:.0f}"
+                      for name in SLABS) + ")")
     print(f"tmpfs beyond the data    {result['arena_bytes_per_file_beyond_data']:.1f} bytes "
           f"per cached file of {args.size} bytes (the arena packs them)")
     harness.write_report(args.json, result)
