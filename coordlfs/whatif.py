@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -356,11 +357,14 @@ def recommend(rates: Rates) -> str:
 
 
 def analyse(status: dict[str, Any], marks: list[dict[str, Any]], window: dict[str, Any],
-            since: str | None, cpus: int, dataset_bytes: float | None = None) -> dict[str, Any]:
+            since: str | None, cpus: int, leave_out: Collection[int] = ()) -> dict[str, Any]:
     """The whole analysis from a mount's status, its marks and the counters since ``since``
-    (``window``: the ``stats`` reply, used when fewer than two marks follow ``since``)."""
+    (``window``: the ``stats`` reply, used when fewer than two marks follow ``since``).
+    ``leave_out``: epochs (1 is the first interval) the caller knows were disturbed."""
     epochs = epoch_intervals(marks, since)
     notes: list[str] = []
+    if leave_out:
+        notes.append(f"epochs {', '.join(map(str, sorted(leave_out)))} left out (disturbed)")
     if not epochs:
         epochs = [interval(f"{window['since']} .. {window['until']}", window["seconds"],
                            window["reads"])]
@@ -369,8 +373,8 @@ def analyse(status: dict[str, Any], marks: list[dict[str, Any]], window: dict[st
     compute_s, job = compute_per_epoch(status.get("profiles", []))
     if job is not None:
         notes.append(f"compute per epoch from the step times of {job}")
-    rates = measure(epochs, status["cache"]["capacity_bytes"], compute_s, cpus, dataset_bytes,
-                    tuple(notes))
+    rates = measure([e for number, e in enumerate(epochs, 1) if number not in leave_out],
+                    status["cache"]["capacity_bytes"], compute_s, cpus, notes=tuple(notes))
     now = rates.cache_fraction
     return {
         "mountpoint": status["mountpoint"],

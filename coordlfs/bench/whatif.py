@@ -95,12 +95,18 @@ class Row:
     disturbed_epochs: list[int]
 
 
+def disturbed_steady(result: ConfigResult) -> set[int]:
+    """The epochs after the first during which another process dropped the kernel's caches,
+    to be left out; none if that would leave out every one."""
+    disturbed = set(result.disturbed_epochs) - {1}
+    return set() if disturbed >= {e.epoch for e in result.epochs[1:]} else disturbed
+
+
 def steady_seconds(result: ConfigResult) -> float:
-    """The median epoch time after the first (cold) epoch, leaving out epochs during which
-    another process dropped the kernel's caches (unless all were)."""
-    later = result.epochs[1:] or result.epochs
-    clean = [e for e in later if e.epoch not in result.disturbed_epochs] or later
-    return median([e.seconds for e in clean]) or 0.0
+    """The median epoch time after the first (cold) epoch, leaving out the disturbed ones."""
+    left_out = disturbed_steady(result)
+    later = [e.seconds for e in result.epochs[1:] if e.epoch not in left_out]
+    return median(later or [result.epochs[0].seconds]) or 0.0
 
 
 def parse_budgets(text: str) -> list[str]:
@@ -117,7 +123,8 @@ def one_run(dataset: Dataset, settings: Settings, work: Path, budgets: list[str]
     print(f"measuring the rates at budget {format_size(calibration_budget)}", flush=True)
     calibration = run_coordlfs(dataset, calibration_budget, settings, work, observer=recorder)
     assert recorder.analysis_input is not None
-    analysis = whatif.analyse(*recorder.analysis_input, None, os.cpu_count() or 1)
+    analysis = whatif.analyse(*recorder.analysis_input, None, os.cpu_count() or 1,
+                              leave_out=disturbed_steady(calibration))
     rates = whatif.Rates.from_json(analysis["rates"])
     print(whatif.format_report(analysis), flush=True)
     rows = []

@@ -190,3 +190,12 @@ def test_hits_that_overlapped_the_misses_are_taken_at_memory_speed() -> None:
     assert rates.storage_bps == pytest.approx(S)
     assert rates.cache_bps == whatif.MAX_BPS
     assert any("hits cost no measurable time" in n for n in rates.assumptions)
+
+
+def test_epochs_left_out_do_not_count() -> None:
+    runs = marked_run([*HALF, (GB / 2, GB / 2, 0)])
+    runs[-1]["time"] += 30.0  # the last epoch was disturbed: 30 s longer
+    data = whatif.analyse(status(GB / 2), runs, WINDOW, None, cpus=2, leave_out={4})
+    rates = whatif.Rates.from_json(data["rates"])
+    assert len(data["epochs"]) == 4 and "epochs 4 left out (disturbed)" in rates.assumptions
+    assert rates.storage_bps == pytest.approx(S) and rates.cache_bps == pytest.approx(C)
