@@ -115,7 +115,7 @@ def test_a_file_of_nodes_adds_and_removes_nodes_without_a_remount(mount,
     assert c.status()["peers"]["self"] == str(c_) and a.status()["peers"]["changes"] == 1
     moved = [n for n in names if owner(n.encode(), three) != owner(n.encode(), two)]
     assert all(owner(n.encode(), three) == c_ for n in moved)
-    assert 0.2 < len(moved) / len(names) < 0.47  # about a third
+    assert 0.15 < len(moved) / len(names) < 0.55  # about a third (4 sigma either way)
     before = a.status()
     drop_caches()
     assert read_files(a.mountpoint, names) == want
