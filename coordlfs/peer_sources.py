@@ -205,15 +205,17 @@ def parse_peers_file(text: str, path: str) -> tuple[Address, ...]:
 
 
 def resolve_all(name: str, port: int) -> tuple[Address, ...]:
-    """Every address ``name`` resolves to, IPv4 and IPv6, each at ``port``."""
+    """Every IPv4 address ``name`` resolves to, each at ``port``; its IPv6 addresses if it
+    has none. One family, as ``placement.resolve`` chooses: a dual-stack Service gives each
+    pod an A and an AAAA record, and a pod listed twice would be two nodes."""
     try:
         infos = socket.getaddrinfo(name, port, socket.AF_UNSPEC, socket.SOCK_STREAM)
     except OSError as e:
         raise UserError(f"cannot resolve {name}: {e.strerror or e}") from None
     except UnicodeError:
         raise UserError(f"cannot resolve {name}: not a host name") from None
-    found = {Address(info[4][0], port) for info in infos
-             if info[0] in (socket.AF_INET, socket.AF_INET6)}
+    found = {Address(info[4][0], port) for info in infos if info[0] == socket.AF_INET} or \
+        {Address(info[4][0], port) for info in infos if info[0] == socket.AF_INET6}
     if not found:
         raise UserError(f"cannot resolve {name}: no IPv4 or IPv6 address")
     return canonical(found, f"dns:{name}:{port}")

@@ -206,9 +206,12 @@ class Namespaced:
 
 
 def write_hosts(nodes: list[Node], listed: list[Node]) -> None:
-    """Every node resolves NAME to the addresses of ``listed``: rewritten in place, since
-    ``ip netns exec`` bind-mounted the file itself over /etc/hosts."""
-    text = "127.0.0.1 localhost\n" + "".join(f"{n.address} {NAME}\n" for n in listed)
+    """Every node resolves NAME to the addresses of ``listed``, and to an IPv6 address that
+    is no node (as a dual-stack Service's AAAA records: a name with IPv4 addresses gives
+    those only). Rewritten in place: ``ip netns exec`` bind-mounted the file itself over
+    /etc/hosts."""
+    text = "127.0.0.1 localhost\nfd00::99 " + NAME + "\n" + "".join(
+        f"{n.address} {NAME}\n" for n in listed)
     for n in nodes:
         with open(Path("/etc/netns") / n.name / "hosts", "w") as f:
             f.write(text)
