@@ -14,7 +14,9 @@ out only when a full one fits. Each held file is served once. A file is dropped 
 the readers have passed it (its place in the order is ``LAG`` places behind the last file
 taken), or when the area has been full for ``STALE_S`` (oldest first), so an order the readers
 do not follow costs peer traffic, never memory beyond the bound. A file that changed here
-since it was asked for (another size or mtime) is never served from the area.
+since it was asked for (another size or mtime) is never served from the area. A peer that
+leaves the cluster (``Peers.replace``) takes its queue and its requests in flight with it;
+what it already sent stays held.
 """
 
 from __future__ import annotations

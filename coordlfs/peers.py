@@ -327,9 +327,9 @@ class Peers:
         UserError (this node named twice): nothing changes."""
         me = None if self.listen is None else await trio.to_thread.run_sync(
             find_self, self.listen, nodes, abandon_on_cancel=True)
-        wanted = [node for node in nodes if node != me]
+        wanted = {node for node in nodes if node != me}
         gone = [link for address, link in self.links.items() if address not in wanted]
-        joined = [node for node in wanted if node not in self.links]
+        joined = [node for node in nodes if node in wanted and node not in self.links]
         for link in gone:
             del self.links[link.address]
             link.retire()
