@@ -155,7 +155,8 @@ class Daemon:
         source = peer_source(config, listen)
         nodes = source.first()
         me = find_self(listen, nodes)
-        log.info("%d nodes from %s; this node is %s", len(nodes), source.name, me)
+        log.info("%d nodes from %s; this node is %s", len(nodes), source.name,
+                 me or "not among them")
         if nodes and me is None:
             log.warning("%s is not among the nodes from %s: this node caches nothing for the "
                         "others", listen, source.name)
