@@ -32,9 +32,9 @@ from typing import Any
 from coordlfs.bench import harness
 from coordlfs.bench.children import worker_pool
 from coordlfs.bench.counters import process_bytes_read
+from coordlfs.bench.placement import parse_counts
 from coordlfs.errors import UserError
 from coordlfs.order import epoch_order
-from coordlfs.placement import MAX_PEERS
 from coordlfs.sizes import format_size
 from coordlfs.testbed.dataset import Dataset
 from coordlfs.testbed.mounts import Mount, mounted, unmount_if_mounted
@@ -287,16 +287,6 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"({r['inbound_per_node_max']}+{r['outbound_per_node_max']})  "
               f"{r['rss_mib_per_node_median']:14.1f}, {r['rss_mib_per_node_max']:.1f}  "
               f"{r['mount_seconds']:7}  {r['epoch_seconds']}", flush=True)
-
-
-def parse_counts(text: str) -> list[int]:
-    try:
-        counts = [int(item) for item in text.split(",")]
-    except ValueError:
-        raise UserError(f"bad --nodes {text!r}: expected counts such as 8,16,32,64") from None
-    if not all(2 <= n <= MAX_PEERS for n in counts):
-        raise UserError(f"bad --nodes {text!r}: each count 2 to {MAX_PEERS}")
-    return counts
 
 
 def run(args: argparse.Namespace) -> int:

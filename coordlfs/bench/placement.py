@@ -225,6 +225,7 @@ def row(tally: Tally, costs: dict[str, float]) -> Row:
 
 
 def parse_counts(text: str) -> tuple[int, ...]:
+    """``--nodes``: counts of nodes, each 2 (one may leave) to the most ``--peers`` takes."""
     try:
         counts = tuple(int(item) for item in text.split(","))
     except ValueError:
