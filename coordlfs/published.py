@@ -188,11 +188,13 @@ class IndexWriter:
         old, old_slots = self._map, self._mask + 1
         table = self._create(slots)  # the old table stays in use if this fails
         self._map, self._mask, self._dead = table, slots - 1, 0
-        for slot in range(old_slots):
+        words = memoryview(old)[HEADER_SIZE : HEADER_SIZE + old_slots * SLOT_SIZE].cast("Q")
+        live = [slot for slot, word in enumerate(words[:: SLOT_SIZE // 8]) if word & 3 == LIVE]
+        words.release()
+        for slot in live:
             fields = SLOT.unpack_from(old, HEADER_SIZE + slot * SLOT_SIZE)
-            if fields[0] & 3 == LIVE:
-                h1, h2 = fields[1], fields[2]
-                self._write(self._map, self._free_slot(h1), h1, h2, Published(*fields[3:]))
+            h1, h2 = fields[1], fields[2]
+            self._write(self._map, self._free_slot(h1), h1, h2, Published(*fields[3:]))
         self._install()
         _WORD.pack_into(old, _FLAGS_AT, 1)  # after the rename: readers reopen the new table
         old.close()
