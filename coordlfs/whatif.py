@@ -277,11 +277,12 @@ def measure(epochs: list[Interval], cache_bytes: float, compute_s: float | None,
         notes_.append(f"prep never bounded an epoch: it is assumed to keep up at {cpus} CPUs "
                       "(fewer CPUs may not)")
     fastest = 1 / MAX_BPS
-    if weights.get(1, 0.0) < fastest:
-        notes_.append("hits cost no measurable time beside the misses (readers were served "
-                      "them while others waited for storage): the cache's speed is taken as "
-                      f"memory's, {format_size(MAX_BPS)}/s, so epochs that are nearly all "
-                      "hits will take longer than predicted")
+    if weights.get(1, 0.0) < 1 / DEFAULT_CACHE_BPS:
+        notes_.append("hits cost little time beside the misses (readers were served them "
+                      "while others waited for storage; at most memory speed, "
+                      f"{format_size(MAX_BPS)}/s, is taken): epochs that are nearly all "
+                      "hits, with nothing to hide them behind, will take longer than "
+                      "predicted")
     peer_bytes = sum(e.peer_bytes for e in epochs)
     misses = peer_bytes + sum(e.storage_bytes for e in epochs)
     return Rates(dataset, cache_bytes, 1 / weights[0], 1 / max(weights.get(1, 0.0), fastest),
