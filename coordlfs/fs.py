@@ -28,7 +28,7 @@ from coordlfs.control_server import ControlHandle, ControlServer
 from coordlfs.freshness import WATCHED_TIMEOUT, Freshness
 from coordlfs.groups import Member
 from coordlfs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable, Key
-from coordlfs.listing import DOTS, NAMES_ONLY, Entry, Listing
+from coordlfs.listing import DOTS, Listing
 from coordlfs.peers import Peers
 from coordlfs.readers import AlignedReads, Reader, Readers
 from coordlfs.source import Source, Version
@@ -241,33 +241,21 @@ class Operations(pyfuse3.Operations):
         handle = self._handles[fh]
         assert isinstance(handle, DirHandle)
         listing = handle.listing
-        find, names_only = self.inodes.find, NAMES_ONLY.attr_for
+        attributed = functools.partial(self._reply_attributed, token, handle.path)
         async with listing.lock:
-            while True:
-                if not (listing.continues_at(start_id)
-                        or await in_thread(listing.fill, start_id, NAMES_ONLY.works)):
-                    return  # the end of the directory
-                for entry in listing.entries[listing.index :]:
-                    if entry.st is None:  # the hot path of a huge directory: inline
-                        known = find((listing.dev, entry.ino))
-                        attr = names_only(entry.ino if known is None else known, entry.mode)
-                        if not pyfuse3.readdir_reply(token, entry.name, attr, entry.next):
-                            return
-                    elif not self._reply_attributed(token, handle.path, entry):
-                        return
-                    listing.took(entry)
+            while listing.continues_at(start_id) or await in_thread(listing.fill, start_id):
+                if not listing.reply(token, self.inodes.find, attributed):
+                    return  # the kernel's buffer is full
                 start_id = listing.end
 
-    def _reply_attributed(self, token: pyfuse3.ReaddirToken, base: bytes, entry: Entry) -> bool:
+    def _reply_attributed(self, token: pyfuse3.ReaddirToken, base: bytes, name: bytes,
+                          st: os.stat_result, after: int) -> bool:
         """Reply with an entry's attributes; the kernel then holds a lookup on it (but not on
         ``.`` and ``..``). Whether the reply had room."""
-        st = entry.st
-        assert st is not None
-        if entry.name in DOTS:
-            attr = self._attr(self._dot_inode(st), st)
-            return pyfuse3.readdir_reply(token, entry.name, attr, entry.next)
-        inode = self._known(st, base + b"/" + entry.name if base else entry.name)
-        if not pyfuse3.readdir_reply(token, entry.name, self._attr(inode, st), entry.next):
+        if name in DOTS:
+            return pyfuse3.readdir_reply(token, name, self._attr(self._dot_inode(st), st), after)
+        inode = self._known(st, base + b"/" + name if base else name)
+        if not pyfuse3.readdir_reply(token, name, self._attr(inode, st), after):
             self.inodes.drop_if_unreferenced(inode)
             return False
         self.inodes.ref(inode)

@@ -26,7 +26,7 @@ import ctypes
 import os
 import stat
 import struct
-from typing import NamedTuple
+from collections.abc import Callable
 
 import pyfuse3
 import trio
@@ -47,21 +47,18 @@ _libc.getdents64.restype = ctypes.c_ssize_t
 _RECORD = struct.Struct("=QqHB")
 
 
-class Entry(NamedTuple):
-    name: bytes
-    #: the source's inode number (``d_ino``)
-    ino: int
-    #: the file type bits of st_mode (``d_type << 12``); 0 when the source does not say
-    mode: int
-    #: the source's cookie for the position after this entry: the kernel's next offset
-    next: int
-    #: attributes, for an entry that carries them (see ``ATTRIBUTED``), or a dot's
-    st: os.stat_result | None
+#: One entry: its name, the source's ``d_ino``, the file type bits of st_mode (``d_type << 12``;
+#: 0 when the source does not say), the source's cookie for the position after it (the
+#: kernel's next offset), and its attributes if it carries them (see ``ATTRIBUTED``; the dots
+#: always do), else None. A plain tuple: a NamedTuple costs 0.7 µs more an entry.
+Entry = tuple[bytes, int, int, int, os.stat_result | None]
+#: Replies with an entry's attributes (name, attributes, next offset); whether it had room.
+Attributed = Callable[[bytes, os.stat_result, int], bool]
 
 
 class Listing:
-    """One open directory of the source. Its ``fill`` blocks: run it in a worker thread,
-    holding ``lock`` (one buffer, so one request of the handle at a time)."""
+    """One open directory of the source. Its ``fill`` blocks: run it in a worker thread.
+    Hold ``lock`` from ``continues_at`` to ``reply``: a handle has one buffer."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -71,46 +68,41 @@ class Listing:
         #: the buffered entries; ``entries[index]`` is the next one to reply with
         self.entries: list[Entry] = []
         self.index = 0
-        #: the offset the next buffered entry (or the next fill) follows
+        #: the offset the next buffered entry follows
         self.offset = 0
         #: entries read since the listing last started at offset 0
         self._read = 0
-        #: the offset the descriptor reads from next
-        self._at = 0
+        #: the offset the descriptor reads from next: after the last entry buffered
+        self.end = 0
         self._buffer = ctypes.create_string_buffer(BUFFER)
 
     def continues_at(self, offset: int) -> bool:
         """Whether buffered entries answer a request for ``offset`` with no system call."""
         return self.index < len(self.entries) and offset == self.offset
 
-    @property
-    def end(self) -> int:
-        """The offset after the last buffered entry: where the next fill reads from."""
-        return self._at
-
-    def fill(self, offset: int, names_only: bool) -> bool:
+    def fill(self, offset: int) -> bool:
         """Buffer the entries after ``offset``, seeking there unless the descriptor is there
-        already; False at the end of the directory. ``names_only``: whether entries past the
-        first ``ATTRIBUTED`` may go without attributes (``NamesOnly.works``)."""
+        already; False at the end of the directory."""
         at = offset if offset > len(DOTS) else 0  # past the dots: a source cookie
-        if at != self._at:
+        if at != self.end:
             os.lseek(self.fd, at, os.SEEK_SET)
-            self._at = at
+            self.end = at
         if offset == 0:
             self._read = 0
-        self.entries, self.index, self.offset = [], 0, offset
+        entries: list[Entry] = []
+        self.entries, self.index, self.offset = entries, 0, offset
         for after, dot in enumerate(DOTS[offset:], offset + 1):
             st = os.stat(dot, dir_fd=self.fd, follow_symlinks=False)
-            self.entries.append(Entry(dot, st.st_ino, stat.S_IFDIR, after, st))
+            entries.append((dot, st.st_ino, stat.S_IFDIR, after, st))
         got = _libc.getdents64(self.fd, self._buffer, BUFFER)
         if got < 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
-        attributed = not names_only or self._read < ATTRIBUTED
-        data, pos = self._buffer.raw[:got], 0
+        attributed = not NAMES_ONLY.works or self._read < ATTRIBUTED
+        data, pos, record = self._buffer.raw[:got], 0, _RECORD.unpack_from
         while pos < got:
-            ino, self._at, length, kind = _RECORD.unpack_from(data, pos)
-            name = data[pos + _RECORD.size : data.index(b"\0", pos + _RECORD.size)]
+            ino, self.end, length, kind = record(data, pos)
+            name = data[pos + _RECORD.size : pos + length].rstrip(b"\0")  # NUL, then padding
             pos += length
             if name in DOTS:
                 continue  # listed first, as above
@@ -120,14 +112,32 @@ class Listing:
                     st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # removed since getdents read it: as if removed before
-            self.entries.append(Entry(name, ino, kind << 12, self._at, st))
-        self._read += len(self.entries)
-        return got > 0 or bool(self.entries)
+            entries.append((name, ino, kind << 12, self.end, st))
+        self._read += len(entries)
+        return got > 0 or bool(entries)
 
-    def took(self, entry: Entry) -> None:
-        """The kernel took ``entry``: the next request continues after it."""
-        self.index += 1
-        self.offset = entry.next
+    def reply(self, token: pyfuse3.ReaddirToken, known: Callable[[tuple[int, int]], int | None],
+              attributed: Attributed) -> bool:
+        """Reply with the buffered entries in order until the kernel's buffer is full; whether
+        all went. An entry without attributes shows the mount's inode number as its d_ino if
+        ``known`` ((st_dev, st_ino) -> inode) finds one, else the source's."""
+        reply, dev = pyfuse3.readdir_reply, self.dev
+        attr, node_id = NAMES_ONLY.attr, NAMES_ONLY.node_id
+        taken = self.index
+        for name, ino, mode, after, st in self.entries[taken:]:
+            if st is None:  # the hot path of a huge directory: inline
+                inode = known((dev, ino))
+                attr.st_ino = ino if inode is None else inode
+                attr.st_mode = mode
+                node_id.value = 0
+                if not reply(token, name, attr, after):
+                    break
+            elif not attributed(name, st, after):
+                break
+            taken += 1
+            self.offset = after
+        self.index = taken
+        return taken == len(self.entries)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -152,7 +162,8 @@ class NamesOnly:
         self.attr = pyfuse3.EntryAttributes()
         offset = self._node_id_offset(self.attr)
         self.works = offset is not None
-        self._node_id = ctypes.c_uint64.from_address(id(self.attr) + (offset or 0))
+        #: the node id replies go with: cleared after every write of ``attr.st_ino``
+        self.node_id = ctypes.c_uint64.from_address(id(self.attr) + (offset or 0))
 
     @classmethod
     def _node_id_offset(cls, attr: pyfuse3.EntryAttributes) -> int | None:
@@ -167,15 +178,6 @@ class NamesOnly:
         works = attr.st_ino == 0 and ino in ctypes.string_at(id(attr), size)
         attr.generation = 0
         return offset if works else None
-
-    def attr_for(self, d_ino: int, mode: int) -> pyfuse3.EntryAttributes:
-        """The attributes to reply with; valid until the next call (the reply copies them)."""
-        attr = self.attr
-        attr.st_ino = d_ino
-        attr.st_mode = mode
-        self._node_id.value = 0
-        return attr
-
 
 
 #: made once: finding the node id's place costs a probe
