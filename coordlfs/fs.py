@@ -244,7 +244,7 @@ class Operations(pyfuse3.Operations):
         attributed = functools.partial(self._reply_attributed, token, handle.path)
         async with listing.lock:
             while listing.continues_at(start_id) or await in_thread(listing.fill, start_id):
-                if not listing.reply(token, self.inodes.find, attributed):
+                if not listing.reply(token, attributed):
                     return  # the kernel's buffer is full
                 start_id = listing.end
 

@@ -62,8 +62,6 @@ class Listing:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        #: the device of its entries, to find the ones the kernel holds by (st_dev, d_ino)
-        self.dev = os.fstat(fd).st_dev
         self.lock = trio.Lock()
         #: the buffered entries; ``entries[index]`` is the next one to reply with
         self.entries: list[Entry] = []
@@ -116,18 +114,20 @@ class Listing:
         self._read += len(entries)
         return got > 0 or bool(entries)
 
-    def reply(self, token: pyfuse3.ReaddirToken, known: Callable[[tuple[int, int]], int | None],
-              attributed: Attributed) -> bool:
+    def reply(self, token: pyfuse3.ReaddirToken, attributed: Attributed) -> bool:
         """Reply with the buffered entries in order until the kernel's buffer is full; whether
-        all went. An entry without attributes shows the mount's inode number as its d_ino if
-        ``known`` ((st_dev, st_ino) -> inode) finds one, else the source's."""
-        reply, dev = pyfuse3.readdir_reply, self.dev
+        all went.
+
+        An entry without attributes shows the source's inode number as its ``d_ino``: asking
+        the inode table for the mount's would cost more than the rest of the entry. A stat of
+        it shows the mount's, as ``ls -i`` of a mount point shows a number stat does not.
+        """
+        reply = pyfuse3.readdir_reply
         attr, node_id = NAMES_ONLY.attr, NAMES_ONLY.node_id
         taken = self.index
         for name, ino, mode, after, st in self.entries[taken:]:
             if st is None:  # the hot path of a huge directory: inline
-                inode = known((dev, ino))
-                attr.st_ino = ino if inode is None else inode
+                attr.st_ino = ino
                 attr.st_mode = mode
                 node_id.value = 0
                 if not reply(token, name, attr, after):
