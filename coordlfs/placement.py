@@ -225,9 +225,8 @@ def ranking(path: bytes, nodes: tuple[Address, ...]) -> list[Address]:
     ``XXH64(path, seed=XXH64(node))`` first, a tie broken by the higher name (the sort is
     stable and ``order`` is by name, highest first)."""
     at = layout(nodes)
-    weights = at.weights(path)
-    return [at.order[i] for i in sorted(range(len(weights)), key=weights.__getitem__,
-                                        reverse=True)]
+    weights, order = at.weights(path), at.order
+    return [order[i] for i in sorted(range(len(weights)), key=weights.__getitem__, reverse=True)]
 
 
 def owner(path: bytes, nodes: tuple[Address, ...]) -> Address:
