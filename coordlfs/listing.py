@@ -100,7 +100,7 @@ class Listing:
         data, pos, record = self._buffer.raw[:got], 0, _RECORD.unpack_from
         while pos < got:
             ino, self.end, length, kind = record(data, pos)
-            name = data[pos + _RECORD.size : pos + length].rstrip(b"\0")  # NUL, then padding
+            name = data[pos + _RECORD.size : data.index(b"\0", pos + _RECORD.size)]
             pos += length
             if name in DOTS:
                 continue  # listed first, as above

@@ -9,8 +9,8 @@ from types import ModuleType
 from coordlfs.errors import Parser, UserError, exit_status
 
 #: ``coordlfs bench NAME`` runs the module of that name in this package
-BENCHMARKS = ("aligned", "cluster", "epochs", "fio", "hits", "hpsearch", "misses", "overhead",
-              "nodes", "placement", "stagger", "whatif")
+BENCHMARKS = ("aligned", "cluster", "epochs", "fio", "hits", "hpsearch", "listing", "misses",
+              "overhead", "nodes", "placement", "stagger", "whatif")
 
 
 def module_of(name: str) -> ModuleType:
