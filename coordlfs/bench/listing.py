@@ -127,27 +127,37 @@ def scan_tenths(directory: Path, entries: int) -> tuple[list[bytes], list[float]
     return names, [step / (b - a) for a, b in itertools.pairwise(marks) if b > a]
 
 
+def side_by_side(commands: dict[str, list[str]], sides: dict[str, Path], number: int,
+                 cold: bool, times: dict[str, dict[str, list[float]]]) -> None:
+    """Run ``number``: each command on both sides, in an order that alternates by run."""
+    order = ("source", "mount") if number % 2 else ("mount", "source")
+    for name, argv in commands.items():
+        for side in order:
+            if cold:
+                drop_caches()
+            times.setdefault(name, {"source": [], "mount": []})[side].append(
+                timed(argv, sides[side]))
+
+
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     source = make_directory(work, args.entries)
-    commands = COMMANDS | (LONG if args.long else {})
-    times: dict[str, dict[str, list[float]]] = {c: {"source": [], "mount": []} for c in commands}
+    long = LONG if args.long else {}
+    times: dict[str, dict[str, list[float]]] = {}
     # each of ours counts twice (drop_pagecache, drop_slab)
-    drops = harness.drop_count() + (len(commands) * 2 * args.repeat * 2 if args.cold else 0)
+    drops = harness.drop_count() + (len(COMMANDS | long) * 2 * args.repeat * 2 if args.cold
+                                    else 0)
     with mounted(source.parent, work / "mnt", work / "mount.log", "--cache-size", "64M") as m:
         listed = m.mountpoint / source.name
         sides = {"source": source, "mount": listed}
         if not args.cold:
             for directory in sides.values():
                 timed(["ls", "-f"], directory)
-        with peak_rss(m.pid) as rss:
+        with peak_rss(m.pid) as rss:  # before ls -l, whose stats make the kernel hold inodes
             for number in harness.repeated(args.repeat):
-                order = ("source", "mount") if number % 2 else ("mount", "source")
-                for name, argv in commands.items():
-                    for side in order:
-                        if args.cold:
-                            drop_caches()
-                        times[name][side].append(timed(argv, sides[side]))
+                side_by_side(COMMANDS, sides, number, args.cold, times)
         names, rates = scan_tenths(listed, args.entries)
+        for number in range(1, args.repeat + 1) if long else ():
+            side_by_side(long, sides, number, args.cold, times)
     if sorted(names) != sorted(os.listdir(os.fsencode(source))):
         raise UserError("bench listing: the mount listed other names than the source")
     summary: dict[str, Any] = {}
