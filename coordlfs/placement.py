@@ -15,8 +15,8 @@ find a file, and when the list changes only the files of the nodes that came or 
 A miss ranks the nodes once, so the ranking must stay cheap at a few hundred nodes: the
 nodes' seeds and their tie-break order are worked out once per node set (``Layout``, found
 by the tuple's identity, since hashing a tuple of 256 addresses costs more than ranking),
-leaving one C-level XXH64 call per node and a sort (``coordlfs bench placement``: 26 µs for
-256 nodes, against 130 µs when every call hashed every node's name again). The function is
+leaving one C-level XXH64 call per node and a sort (``coordlfs bench placement``: 39 µs for
+256 nodes, against 131 µs when every call hashed every node's name again). The function is
 unchanged, so nodes of different versions still agree on every file's owner.
 
 Nodes are named by their ``HOST:PORT`` entry exactly as written in ``--peers``, so every node
