@@ -215,7 +215,7 @@ def layout(nodes: tuple[Address, ...]) -> Layout:
         return found
     made = Layout.of(nodes)
     if len(_layouts) >= _MAX_LAYOUTS:
-        del _layouts[next(iter(_layouts))]
+        _layouts.clear()  # node sets change rarely; one call, safe beside another thread's
     _layouts[id(nodes)] = made
     return made
 
