@@ -44,6 +44,7 @@ import os
 import shutil
 import time
 from array import array
+from typing import NamedTuple
 
 import trio
 
@@ -67,8 +68,9 @@ FILL_CHUNK = 1 << 20
 ARENA = "arena"
 #: Adopted entries one worker thread compares with the source per hand-off, and the worker
 #: threads that do (a cold source waits on its disk for each lstat; a warm one on the GIL).
-CHECK_BATCH = 2048
-CHECK_WORKERS = 4
+#: What the event loop does per batch (about 5 ms) holds up the mount's requests that long.
+CHECK_BATCH = 512
+CHECK_WORKERS = 2
 #: Offsets the arena hands out, as a multiple of the capacity. Offsets of dropped entries are
 #: not reused, so a mount can drop (capacity x (ARENA_SPAN - 1)) bytes of changed files
 #: before it stops caching new ones; a remount compacts. The span costs no memory: the arena
@@ -266,10 +268,16 @@ class WholeFileCache:
         async def worker() -> None:
             try:
                 for first in batches:
+                    began = time.monotonic()
                     checking = self._checking(unchecked[first : first + CHECK_BATCH])
                     changes = self._changes
+                    spent = time.monotonic() - began
                     stats = await in_thread(_lstat_all, source, checking)
+                    began = time.monotonic()
                     self._checked(checking, stats, changes)
+                    spent += time.monotonic() - began
+                    # at most half of the event loop's time, the rest for the mount's requests
+                    await trio.sleep(spent * (2 * workers - 1))
             except Exception:  # the mount stays up: an open still checks each entry it serves
                 log.warning("checking adopted cache entries failed; the rest are checked as "
                             "they are opened", exc_info=True)
@@ -280,36 +288,36 @@ class WholeFileCache:
         log.info("checked %d adopted cache entries against the source in %.1f s: %d dropped",
                  len(unchecked), time.monotonic() - started, before - len(self.entries))
 
-    def _checking(self, rows: array) -> list[tuple[int, Key, bytes, int]]:
-        """(row, key, path, offset) of the rows still unchecked, their directories watched
-        first: a change between the watch and the check cannot go unseen."""
+    def _checking(self, rows: array) -> list[Checking]:
+        """The rows still unchecked, their directories watched first: a change between the
+        watch and the check cannot go unseen."""
         entries, checking = self.entries, []
         for row in rows:
             if entries.live(row) and entries.flags[row] & UNCHECKED:
                 path = entries.paths.get(row)
-                checking.append((row, entries.keys.key(row), path, entries.offset[row]))
-                if self.watch is not None:
-                    self.watch.cover(path)
+                checking.append(Checking(row, entries.keys.key(row), path, entries.offset[row],
+                                         self._cover(path)))
         return checking
 
-    def _checked(self, checking: list[tuple[int, Key, bytes, int]],
+    def _checked(self, checking: list[Checking],
                  stats: list[os.stat_result | None], changes: int) -> None:
         """Settle the rows ``_lstat_all`` compared: drop a changed file's entry, publish the
         rest. If the watch reported a change meanwhile, the stat may predate it: those are
         published only after a check of their own (``_publish``)."""
         entries = self.entries
-        for (row, key, path, offset), st in zip(checking, stats, strict=True):
+        for (row, key, path, offset, publishable), st in zip(checking, stats, strict=True):
             if entries.keys.find(key) != row or entries.offset[row] != offset:
                 continue  # dropped meanwhile (an open saw it change)
             entries.flags[row] &= ~UNCHECKED
-            entry = entries.entry(row)
-            if st is None or (st.st_dev, st.st_ino) != key or not entry.matches(st):
+            if st is None or (st.st_dev, st.st_ino) != key or not entries.matches(row, st):
                 log.info("source file %s changed; dropping its cache entry", os.fsdecode(path))
-                self._release(key, entry)
+                self._release(key, entries.entry(row))
+            elif not publishable:
+                continue
             elif changes != self._changes:
-                self._publish(key, entry)
+                self._publish(key, entries.entry(row))
             else:
-                self._publish_version(key, entry, st)
+                self._index(key, path, entries.published(row, st.st_ino))
 
     def close(self, keep: bool) -> None:
         """Remove the cached bytes unless ``keep``; then release the directory lock."""
@@ -496,28 +504,35 @@ class WholeFileCache:
         file, not what the path names now. Where the source cannot be watched, clients
         compare each hit with the source themselves (the index's ``revalidate``).
         """
-        if self.index is None or self.watch is None or self._source is None:
+        if not self._cover(entry.path):
             return
-        covered = self.watch.cover(entry.path)
-        if not self.watch.watching:
-            if not self.index.revalidate:
-                self.index.set_revalidate()
-        elif not covered:
-            return
+        assert self._source is not None
         try:
             st = self._source.lstat(entry.path)
         except (OSError, ValueError):
             return
-        self._publish_version(key, entry, st)
+        if (st.st_dev, st.st_ino) == key and entry.matches(st):
+            self._index(key, entry.path, Published(entry.offset, entry.size, st.st_ino,
+                                                   entry.mtime_ns, entry.ctime_ns))
 
-    def _publish_version(self, key: Key, entry: Entry, st: os.stat_result) -> None:
-        """Publish an entry if ``st``, taken after its directories were watched, shows the
-        version it holds."""
-        if self.index is None or (st.st_dev, st.st_ino) != key or not entry.matches(st):
-            return
+    def _cover(self, path: bytes) -> bool:
+        """Watch the directories leading to ``path``, before its version is checked; whether
+        a check from now on may publish it."""
+        if self.index is None or self.watch is None or self._source is None:
+            return False
+        covered = self.watch.cover(path)
+        if not self.watch.watching:
+            if not self.index.revalidate:
+                self.index.set_revalidate()
+            return True
+        return covered
+
+    def _index(self, key: Key, path: bytes, found: Published) -> None:
+        """Publish an entry whose version was just seen in the source, after its
+        directories were watched."""
+        assert self.index is not None
         try:
-            self.index.publish(entry.path, Published(entry.offset, entry.size, st.st_ino,
-                                                     entry.mtime_ns, entry.ctime_ns))
+            self.index.publish(path, found)
         except OSError as e:  # no room to grow the index: clients read this one through us
             if not self._index_full_logged:
                 log.warning("the index for coordlfs.client cannot grow (%s): files cached "
@@ -627,12 +642,22 @@ class WholeFileCache:
             log.warning("%s", e)
 
 
-def _lstat_all(source: Source, checking: list[tuple[int, Key, bytes, int]]
-               ) -> list[os.stat_result | None]:
+class Checking(NamedTuple):
+    """An adopted entry being checked against the source."""
+
+    row: int
+    key: Key
+    path: bytes
+    offset: int
+    #: its directories are watched: the check may publish it
+    publishable: bool
+
+
+def _lstat_all(source: Source, checking: list[Checking]) -> list[os.stat_result | None]:
     """The source's lstat of each path (None where it has gone): a worker thread's part of
     ``WholeFileCache.check``."""
     stats: list[os.stat_result | None] = []
-    for _row, _key, path, _offset in checking:
+    for _row, _key, path, _offset, _publishable in checking:
         try:
             stats.append(source.lstat(path))
         except (OSError, ValueError):

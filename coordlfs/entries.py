@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import trio
 
 from coordlfs.compact import Key, Rows
+from coordlfs.published import Published
 
 #: flags of a row
 FILLING, SHARED, UNCHECKED = 1, 2, 4
@@ -138,6 +139,16 @@ class EntryTable(Rows, Mapping[Key, Entry]):
         self._filling.pop(row, None)
         self._objects.pop(row, None)
         self.free_row(row)
+
+    def matches(self, row: int, st: os.stat_result) -> bool:
+        """``Entry.matches``, from the row."""
+        return (self.size[row], self.mtime_ns[row], self.ctime_ns[row]) == (
+            st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def published(self, row: int, ino: int) -> Published:
+        """What the index for clients says of the row's entry."""
+        return Published(self.offset[row], self.size[row], ino, self.mtime_ns[row],
+                         self.ctime_ns[row])
 
     def set_flag(self, key: Key, flag: int, on: bool = True) -> None:
         row = self.keys.find(key)

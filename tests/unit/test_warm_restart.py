@@ -119,7 +119,7 @@ def test_check_with_a_change_meanwhile_publishes_only_after_its_own_check(
     cache.share(source)
     cache.adopt()
     checking = cache._checking(cache._unchecked())
-    stats = [source.lstat(path) for _row, _key, path, _offset in checking]
+    stats = [source.lstat(checked.path) for checked in checking]
     changes = cache._changes
     (Path(source.path) / NAMES[4]).write_bytes(b"changed after the stat")
     cache._changed(NAMES[4].encode(), False)  # what the watch reports
