@@ -26,6 +26,7 @@ import ctypes
 import os
 import stat
 import struct
+import threading
 from collections.abc import Callable
 
 import pyfuse3
@@ -45,6 +46,21 @@ _libc.getdents64.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
 _libc.getdents64.restype = ctypes.c_ssize_t
 #: d_ino, d_off, d_reclen, d_type; the name follows, NUL-terminated
 _RECORD = struct.Struct("=QqHB")
+_local = threading.local()
+
+
+def _getdents(fd: int) -> bytes:
+    """The next records of directory ``fd``, at most ``BUFFER`` bytes; none at its end. The
+    buffer they are read into is the worker thread's, so an open directory holds only the
+    entries parsed from it."""
+    buffer = getattr(_local, "buffer", None)
+    if buffer is None or len(buffer) < BUFFER:
+        buffer = _local.buffer = ctypes.create_string_buffer(BUFFER)
+    got = _libc.getdents64(fd, buffer, BUFFER)
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ctypes.string_at(buffer, got)
 
 
 #: One entry: its name, the source's ``d_ino``, the file type bits of st_mode (``d_type << 12``;
@@ -72,7 +88,6 @@ class Listing:
         self._read = 0
         #: the offset the descriptor reads from next: after the last entry buffered
         self.end = 0
-        self._buffer = ctypes.create_string_buffer(BUFFER)
 
     def continues_at(self, offset: int) -> bool:
         """Whether buffered entries answer a request for ``offset`` with no system call."""
@@ -92,12 +107,9 @@ class Listing:
         for after, dot in enumerate(DOTS[offset:], offset + 1):
             st = os.stat(dot, dir_fd=self.fd, follow_symlinks=False)
             entries.append((dot, st.st_ino, stat.S_IFDIR, after, st))
-        got = _libc.getdents64(self.fd, self._buffer, BUFFER)
-        if got < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
+        data = _getdents(self.fd)
         attributed = not NAMES_ONLY.works or self._read < ATTRIBUTED
-        data, pos, record = self._buffer.raw[:got], 0, _RECORD.unpack_from
+        got, pos, record = len(data), 0, _RECORD.unpack_from
         while pos < got:
             ino, self.end, length, kind = record(data, pos)
             name = data[pos + _RECORD.size : data.index(b"\0", pos + _RECORD.size)]
