@@ -109,12 +109,12 @@ class Listing:
             entries.append((dot, st.st_ino, stat.S_IFDIR, after, st))
         data = _getdents(self.fd)
         attributed = not NAMES_ONLY.works or self._read < ATTRIBUTED
-        got, pos, record = len(data), 0, _RECORD.unpack_from
+        got, pos, record, after = len(data), 0, _RECORD.unpack_from, self.end
         while pos < got:
-            ino, self.end, length, kind = record(data, pos)
+            ino, after, length, kind = record(data, pos)
             name = data[pos + _RECORD.size : data.index(b"\0", pos + _RECORD.size)]
             pos += length
-            if name in DOTS:
+            if name in DOTS:  # (by name: some filesystems give every type as DT_UNKNOWN)
                 continue  # listed first, as above
             st = None
             if attributed:
@@ -122,7 +122,8 @@ class Listing:
                     st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # removed since getdents read it: as if removed before
-            entries.append((name, ino, kind << 12, self.end, st))
+            entries.append((name, ino, kind << 12, after, st))
+        self.end = after
         self._read += len(entries)
         return got > 0 or bool(entries)
 
