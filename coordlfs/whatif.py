@@ -278,11 +278,11 @@ def measure(epochs: list[Interval], cache_bytes: float, compute_s: float | None,
                       "(fewer CPUs may not)")
     fastest = 1 / MAX_BPS
     if weights.get(1, 0.0) < 1 / DEFAULT_CACHE_BPS:
-        notes_.append("hits cost little time beside the misses (readers were served them "
-                      "while others waited for storage; at most memory speed, "
-                      f"{format_size(MAX_BPS)}/s, is taken): epochs that are nearly all "
-                      "hits, with nothing to hide them behind, will take longer than "
-                      "predicted")
+        notes_.append("hits cost little time beside the misses (fitted faster than the FUSE "
+                      f"path's {format_size(DEFAULT_CACHE_BPS)}/s, as when readers are served "
+                      "hits while others wait for storage; at most memory speed, "
+                      f"{format_size(MAX_BPS)}/s, is taken): epochs that are nearly all hits "
+                      "may take longer than predicted")
     peer_bytes = sum(e.peer_bytes for e in epochs)
     misses = peer_bytes + sum(e.storage_bytes for e in epochs)
     return Rates(dataset, cache_bytes, 1 / weights[0], 1 / max(weights.get(1, 0.0), fastest),
@@ -342,8 +342,9 @@ def recommend(rates: Rates) -> str:
         hidden = rates.cache_bps > DEFAULT_CACHE_BPS
         parts.append(f"a cache of {format_size(size)} ({enough.cache_fraction:.0%} of the "
                      f"dataset) would cut epoch time by {'at most ' if hidden else ''}"
-                     f"{_cut(now.epoch_s, enough.epoch_s):.0f}% ({now.epoch_s:.1f} s -> "
-                     f"{enough.epoch_s:.1f} s{', hits hidden behind misses' if hidden else ''})")
+                     f"{_cut(now.epoch_s, enough.epoch_s):.0f}% ({_seconds(now.epoch_s)} s -> "
+                     f"{_seconds(enough.epoch_s)} s"
+                     f"{', hits hidden behind misses' if hidden else ''})")
     else:
         parts.append(f"a bigger cache would not help: the epoch is bound by {_WHY[now.bound]}")
     more = predict(rates, rates.cache_fraction, cpus=2 * rates.cpus)
@@ -396,7 +397,10 @@ def analyse(status: dict[str, Any], marks: list[dict[str, Any]], window: dict[st
 # -- output ---------------------------------------------------------------------------------
 
 def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+    """Seconds to three significant places at most, so a short epoch is not shown as 0."""
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}" if value >= 1 else f"{value:.3f}"
 
 
 def _share(value: float | None) -> str:
@@ -407,8 +411,9 @@ def _rows(title: str, rows: list[dict[str, Any]], label: Any) -> list[str]:
     lines = [f"{title:18} {'fetch s':>8} {'prep s':>7} {'compute s':>9} {'epoch s':>8} "
              f"{'stall':>6}  bound"]
     for row in rows:
-        lines.append(f"{label(row):18} {row['fetch_s']:8.1f} {_seconds(row['prep_s']):>7} "
-                     f"{_seconds(row['compute_s']):>9} {row['epoch_s']:8.1f} "
+        lines.append(f"{label(row):18} {_seconds(row['fetch_s']):>8} "
+                     f"{_seconds(row['prep_s']):>7} {_seconds(row['compute_s']):>9} "
+                     f"{_seconds(row['epoch_s']):>8} "
                      f"{_share(row['stall_share']):>6}  {row['bound']}")
     return lines
 

@@ -192,7 +192,7 @@ def test_hits_that_overlapped_the_misses_are_taken_at_memory_speed() -> None:
     assert any("hits cost little time" in n for n in rates.assumptions)
     assert whatif.recommend(rates).startswith(
         "a cache of 953.7 MiB (100% of the dataset) would cut epoch time by at most 99% "
-        "(10.1 s -> 0.1 s, hits hidden behind misses)")
+        "(10.1 s -> 0.100 s, hits hidden behind misses)")
 
 
 def test_epochs_left_out_do_not_count() -> None:
