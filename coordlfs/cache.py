@@ -209,10 +209,11 @@ class WholeFileCache:
         columns, lines = journal.read(self.dir_fd)
         if columns is not None:
             self.entries.load(columns)
-        clean = columns is not None
+        replay = journal.Replay()
         for line in lines:
-            clean = False
-            self._replay(line)
+            replay.line(line)
+        clean = columns is not None and not replay.lines
+        self._replayed(replay)
         for name in os.listdir(self.dir_fd):  # a torn journal rewrite, or an older layout
             if name not in (ARENA, JOURNAL, INDEX):
                 os.unlink(name, dir_fd=self.dir_fd)
@@ -237,21 +238,19 @@ class WholeFileCache:
             self.index.reserve(len(self.entries))
         return len(self.entries)
 
-    def _replay(self, line: bytes) -> None:
-        """Apply a change line of the journal: an entry added, or one dropped."""
-        change = journal.parse(line)
-        if change is None:
-            return  # a torn last line after a crash
-        key, what = change
-        former = self.entries.get(key)
-        if isinstance(what, int):
-            if former is not None and former.offset == what:
-                self.entries.remove(key, former)
-            return
-        if former is not None:
-            self.entries.remove(key, former)
-        self.entries.add(key, what)
-        self.entries.set_flag(key, UNCHECKED)
+    def _replayed(self, replay: journal.Replay) -> None:
+        """Apply the change lines after the checkpoint: entries replaced or dropped leave,
+        the entries the lines end with come in (unchecked, as the checkpoint's)."""
+        entries = self.entries
+        for key in replay.replaced():
+            row = entries.keys.find(key)
+            if row >= 0:
+                entries.remove_row(row)
+        for key, offset in replay.drops.items():
+            row = entries.keys.find(key)
+            if row >= 0 and entries.offset[row] == offset:
+                entries.remove_row(row)
+        entries.load(replay.columns())
 
     # -- checks of adopted entries -----------------------------------------------------
 

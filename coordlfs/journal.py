@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 JOURNAL = "index.jsonl"
 _PART = JOURNAL + ".part"
 _FORMAT = 1
+_decode = json.JSONDecoder().decode
 #: the checkpoint's columns in the order written, and their array codes
 _CODES = (("dev", "Q"), ("ino", "Q"), ("size", "q"), ("mtime_ns", "q"), ("ctime_ns", "q"),
           ("offset", "q"), ("path_len", "I"))
@@ -56,20 +57,80 @@ def dropped(key: Key, entry: Entry) -> dict:
     return {"key": key_name(key), "offset": entry.offset, "dropped": True}
 
 
-def parse(line: bytes) -> tuple[Key, Entry | int] | None:
-    """A change line: (key, the complete entry added) or (key, the arena offset of the entry
-    dropped); None for a line that is neither (torn, hostile)."""
+class Replay:
+    """The change lines after a checkpoint, reduced to what each key ends with: the entry of
+    its last line, or gone. The entries become columns at the end, so that the lines a
+    killed daemon left (a million, after a crash) adopt in bulk, with no table insert and no
+    object per line beyond a tuple."""
+
+    def __init__(self) -> None:
+        #: key -> position of its last entry added, or -1 if that was dropped again
+        self._at: dict[Key, int] = {}
+        #: key -> arena offset of a drop of the checkpoint's entry (no line added it)
+        self.drops: dict[Key, int] = {}
+        #: (dev, ino, size, mtime_ns, ctime_ns, offset, path) added; None once replaced
+        self._added: list[tuple | None] = []
+        #: lines read, good or not (a torn one is rewritten away)
+        self.lines = 0
+
+    def replaced(self) -> Iterator[Key]:
+        """Keys whose checkpoint entry (if any) a line replaced or dropped."""
+        return iter(self._at)
+
+    def line(self, line: bytes) -> None:
+        """Apply one change line; one that is neither an addition nor a drop (torn, hostile)
+        is skipped."""
+        self.lines += 1
+        try:
+            record = _decode(line.decode())
+            key = _key_of(record["key"])
+            if record.get("dropped"):
+                self._drop(key, int(record["offset"]))
+                return
+            added = (*key, int(record["size"]), int(record["mtime_ns"]),
+                     int(record["ctime_ns"]), int(record["offset"]),
+                     os.fsencode(record["path"]))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return
+        self._forget(key)
+        self._at[key] = len(self._added)
+        self._added.append(added)
+
+    def _drop(self, key: Key, offset: int) -> None:
+        at = self._at.get(key)
+        if at is None:
+            self.drops[key] = offset
+        elif at >= 0 and self._added[at][5] == offset:  # type: ignore[index]
+            self._forget(key)
+            self._at[key] = -1
+
+    def _forget(self, key: Key) -> None:
+        at = self._at.get(key, -1)
+        if at >= 0:
+            self._added[at] = None
+
+    def columns(self) -> Columns:
+        """The entries the lines end with."""
+        added = [entry for entry in self._added if entry is not None]
+        try:
+            return _as_columns(added)
+        except OverflowError:  # a line with a number out of its column's range
+            return _as_columns([entry for entry in added if _fits(entry)])
+
+
+def _as_columns(added: list[tuple]) -> Columns:
+    dev, ino, size, mtime, ctime, offset, paths = zip(*added, strict=True) if added else [()] * 7
+    return Columns(array("Q", dev), array("Q", ino), array("q", size), array("q", mtime),
+                   array("q", ctime), array("q", offset), array("I", map(len, paths)),
+                   b"".join(paths))
+
+
+def _fits(entry: tuple) -> bool:
     try:
-        record = json.loads(line)
-        key = _key_of(record["key"])
-        if record.get("dropped"):
-            return key, int(record["offset"])
-        size = int(record["size"])
-        return key, Entry(os.fsencode(record["path"]), size, int(record["mtime_ns"]),
-                          int(record["ctime_ns"]), int(record["offset"]), filled=size,
-                          complete=True)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
+        _as_columns([entry])
+    except OverflowError:
+        return False
+    return True
 
 
 def read(dir_fd: int) -> tuple[Columns | None, Iterator[bytes]]:

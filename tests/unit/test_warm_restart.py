@@ -200,3 +200,27 @@ def test_adopting_many_entries_is_quick(tmp_path: Path) -> None:
     assert time.process_time() - started < 5  # about 0.5 s here; generous for a busy machine
     assert cache.entries.get((1, 777)).path == b"d777/f0000777.bin"
     cache.close(keep=False)
+
+
+def test_change_lines_replace_drop_and_skip_what_does_not_fit(tmp_path: Path,
+                                                              source: Source) -> None:
+    """Lines after the checkpoint: an entry added again at a new offset replaces the
+    checkpoint's, a drop of an offset no entry has changes nothing, numbers out of range are
+    skipped like any hostile line."""
+    _kept(tmp_path, source)
+    st = source.lstat(NAMES[5].encode())
+    key = f"{st.st_dev:x}-{st.st_ino:x}"
+    lines = [
+        {"key": key, "path": NAMES[5], "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+         "ctime_ns": st.st_ctime_ns, "offset": 1 << 19},  # refilled at another offset
+        {"key": key, "offset": 12345, "dropped": True},  # not its offset: nothing
+        {"key": f"{1 << 70:x}-1", "path": "x", "size": 1, "mtime_ns": 1, "ctime_ns": 1,
+         "offset": 0},  # a device no column holds
+    ]
+    with open(tmp_path / "cache" / JOURNAL, "a") as journal:
+        journal.writelines(json.dumps(line) + "\n" for line in lines)
+    cache = _cache(tmp_path)
+    assert cache.adopt() == len(NAMES)
+    assert cache.entries.get((st.st_dev, st.st_ino)).offset == 1 << 19
+    assert _served(cache, source, NAMES[6]) == (Path(source.path) / NAMES[6]).read_bytes()
+    cache.close(keep=False)
