@@ -123,7 +123,7 @@ def resolve(address: Address) -> Resolved:
     try:
         infos = socket.getaddrinfo(address.host, address.port, socket.AF_UNSPEC,
                                    socket.SOCK_STREAM)
-    except OSError as e:
+    except (OSError, UnicodeError) as e:  # UnicodeError: a label empty or too long
         raise UserError(f"cannot resolve peer {address}: {e}") from None
     found = [info for info in infos if info[0] == socket.AF_INET] or \
         [info for info in infos if info[0] == socket.AF_INET6]

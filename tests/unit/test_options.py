@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from coordlfs import placement
 from coordlfs.cli import build_parser
 from coordlfs.config import DEFAULT_MAX_FILE_SHARE, MountConfig
 from coordlfs.errors import UserError
@@ -133,11 +134,20 @@ def test_the_config_reaches_the_daemon_whole(tmp_path: Path) -> None:
     (["--listen", "127.0.0.1:7001", "--insecure", "--secret-file", "/s"], "not both"),
     (["-o", "listen=127.0.0.1:7001,insecure,peers=127.0.0.1:7001+localhost:7001"],
      "names this node twice"),
+    (["--listen", "127.0.0.1:7001", "--insecure", "--peers", "127.0.0.1:7001", "--peers-file",
+      "/nodes"], "give one of --peers, --peers-file"),
+    (["--peers-from", "slurm"], "--peers-from needs --listen"),
 ])
 def test_cluster_options_are_checked_together(tmp_path: Path, argv: list[str],
                                               says: str) -> None:
     with pytest.raises(UserError, match=re.escape(says)):
         resolve(options_of(*argv), str(tmp_path), str(tmp_path))
+
+
+def test_a_name_getaddrinfo_cannot_take_is_one_line() -> None:
+    """An empty label makes getaddrinfo raise UnicodeError, not OSError: it was a traceback."""
+    with pytest.raises(UserError, match=re.escape("cannot resolve peer a..b:7001")):
+        placement.resolve(placement.parse_address("a..b:7001", "--peers"))
 
 
 def test_help_lists_every_option_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
