@@ -1,6 +1,6 @@
 """The MinIO cache's entries: a row per cached file, an object only while one is in use.
 
-A complete entry is a row of an ``EntryTable`` (about 115 bytes with its path: key, path,
+A complete entry is a row of an ``EntryTable`` (about 70 bytes and its path: key, path,
 version, arena offset, flags); an ``Entry`` object is made for it when a reader, a fill or
 the peer server asks (``get``), and shared by all of them while any holds it (the table
 keeps a weak reference), so that dropping the entry fails it for every holder at once. An
@@ -150,10 +150,10 @@ class EntryTable(Rows, Mapping[Key, Entry]):
         return Published(self.offset[row], self.size[row], ino, self.mtime_ns[row],
                          self.ctime_ns[row])
 
-    def set_flag(self, key: Key, flag: int, on: bool = True) -> None:
+    def set_flag(self, key: Key, flag: int) -> None:
         row = self.keys.find(key)
         if row >= 0:
-            self.flags[row] = self.flags[row] | flag if on else self.flags[row] & ~flag
+            self.flags[row] |= flag
 
     def shared_paths(self) -> Iterator[bytes]:
         """Paths of entries that were published (a scan of the table)."""

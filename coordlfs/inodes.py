@@ -6,7 +6,7 @@ could repeat st_ino values. A node lives while the kernel holds lookups on it (F
 counts); ``forget`` drops it.
 
 The kernel may hold millions of inodes, so a node is a row of a ``compact.Rows`` table
-(about 115 bytes with its path), not an object: the inode number is the row number, with
+(about 75 bytes and its path), not an object: the inode number is the row number, with
 the row's generation in the high 32 bits, so a row reused after a forget gets a number never
 shown before and no map from numbers to rows is needed. ``table[inode]`` is a ``Node``, a
 view of the row for the moment it is used.
