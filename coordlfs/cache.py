@@ -20,7 +20,7 @@ a sweep in worker threads (``check``) compares every adopted entry with the sour
 background, drops those of changed or removed files and publishes the rest for clients.
 Whatever no adopted entry covers is punched out at once.
 
-Entries are rows of an ``entries.EntryTable`` (about 115 bytes each), not objects.
+Entries are rows of an ``entries.EntryTable`` (about 70 bytes and the path each), not objects.
 
 A file is filled by a background task in chunks; readers wait only until the bytes they asked
 for have arrived, so a large file streams while it is being cached.
