@@ -265,10 +265,11 @@ class WholeFileCache:
         unchecked = self._unchecked()
         if not unchecked:
             return
-        started, before = time.monotonic(), len(self.entries)
+        started, dropped = time.monotonic(), 0
         batches = iter(range(0, len(unchecked), CHECK_BATCH))
 
         async def worker() -> None:
+            nonlocal dropped
             try:
                 for first in batches:
                     began = time.monotonic()
@@ -277,7 +278,7 @@ class WholeFileCache:
                     spent = time.monotonic() - began
                     stats = await in_thread(_lstat_all, source, checking)
                     began = time.monotonic()
-                    self._checked(checking, stats, changes)
+                    dropped += self._checked(checking, stats, changes)
                     spent += time.monotonic() - began
                     # the mount's requests first: the check takes a share of the loop's time
                     await trio.sleep(spent * (workers / _CHECK_SHARE - 1))
@@ -289,7 +290,7 @@ class WholeFileCache:
             for _ in range(workers):
                 nursery.start_soon(worker)
         log.info("checked %d adopted cache entries against the source in %.1f s: %d dropped",
-                 len(unchecked), time.monotonic() - started, before - len(self.entries))
+                 len(unchecked), time.monotonic() - started, dropped)
 
     def _checking(self, rows: array) -> list[Checking]:
         """The rows still unchecked, their directories watched first: a change between the
@@ -303,11 +304,12 @@ class WholeFileCache:
         return checking
 
     def _checked(self, checking: list[Checking],
-                 stats: list[os.stat_result | None], changes: int) -> None:
+                 stats: list[os.stat_result | None], changes: int) -> int:
         """Settle the rows ``_lstat_all`` compared: drop a changed file's entry, publish the
-        rest. If the watch reported a change meanwhile, the stat may predate it: those are
-        published only after a check of their own (``_publish``)."""
-        entries = self.entries
+        rest; returns how many were dropped. If the watch reported a change meanwhile, the
+        stat may predate it: those are published only after a check of their own
+        (``_publish``)."""
+        entries, dropped = self.entries, 0
         for (row, key, path, offset, publishable), st in zip(checking, stats, strict=True):
             if entries.keys.find(key) != row or entries.offset[row] != offset:
                 continue  # dropped meanwhile (an open saw it change)
@@ -315,12 +317,14 @@ class WholeFileCache:
             if st is None or (st.st_dev, st.st_ino) != key or not entries.matches(row, st):
                 log.info("source file %s changed; dropping its cache entry", os.fsdecode(path))
                 self._release(key, entries.entry(row))
+                dropped += 1
             elif not publishable:
                 continue
             elif changes != self._changes:
                 self._publish(key, entries.entry(row))
             else:
                 self._index(key, path, entries.published(row, st.st_ino))
+        return dropped
 
     def close(self, keep: bool) -> None:
         """Remove the cached bytes unless ``keep``; then release the directory lock."""
