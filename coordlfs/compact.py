@@ -1,11 +1,12 @@
 """Per-file state in rows of machine words, for tables of millions of files.
 
-An object per cached file or known inode, with a tuple key of two ints, a bytes path and a
-dict slot each way, costs the daemon about 800 bytes per file: 8 GB at ten million files.
+An object per cached file and per known inode, each with a tuple key of two ints, a bytes
+path and a dict slot each way, cost the daemon about 1,000 bytes per file: 10 GB at ten
+million files.
 The tables built on ``Rows`` keep a row per file instead: numbers in ``array`` columns
 indexed by the row number, the path packed with others in a ``PathHeap``, and the file's key
 ``(st_dev, st_ino)`` found through a ``KeyMap``, open-addressed hash tables of row numbers.
-A row costs its bytes (about 110 for a path of 40); a lookup costs a few more Python steps
+A row costs its bytes (about 80, and its path's); a lookup costs a few more Python steps
 than a dict's.
 
 Nothing here pauses for long at any size: the hash tables are sharded, so one grows at a
@@ -29,8 +30,6 @@ _M32 = (1 << 32) - 1
 #: Bytes of paths per heap segment: what one compaction copies at most.
 SEGMENT = 1 << 20
 _EMPTY = -1
-
-
 
 
 class KeyMap:
