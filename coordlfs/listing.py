@@ -175,8 +175,10 @@ class NamesOnly:
         self.attr = pyfuse3.EntryAttributes()
         offset = self._node_id_offset(self.attr)
         self.works = offset is not None
-        #: the node id replies go with: cleared after every write of ``attr.st_ino``
-        self.node_id = ctypes.c_uint64.from_address(id(self.attr) + (offset or 0))
+        #: the node id replies go with: cleared after every write of ``attr.st_ino`` (a
+        #: number of its own when not found: no listing then goes without attributes)
+        self.node_id = (ctypes.c_uint64() if offset is None
+                        else ctypes.c_uint64.from_address(id(self.attr) + offset))
 
     @classmethod
     def _node_id_offset(cls, attr: pyfuse3.EntryAttributes) -> int | None:

@@ -173,3 +173,19 @@ def test_the_root_listing_keeps_the_control_entry_hidden(
             assert [name for name, _i, _next in listed] == [b".", b"..", b"big"]
 
         m.run(body)
+
+
+def test_without_names_only_every_entry_carries_attributes_and_a_lookup(
+        big: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another pyfuse3's layout, where the node id's place is not found: as before, streamed."""
+    monkeypatch.setattr(listing.NAMES_ONLY, "works", False)
+    with mounted(big, tmp_path / "cache", monkeypatch) as m:
+        async def body() -> None:
+            fh = await m.ops.opendir(await big_inode(m), ctx())
+            listed = await list_in_requests(m, fh)
+            await m.ops.releasedir(fh)
+            assert len(listed) == ENTRIES + 2
+            for name, ino, _next in listed[2:]:
+                assert ino and m.ops.inodes[ino].lookups == 1, name
+
+        m.run(body)
