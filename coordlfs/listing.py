@@ -3,10 +3,10 @@
 An open directory holds its source descriptor and the entries of one buffer (``BUFFER``
 bytes of records: some two thousand names), never the whole directory: a listing of a
 million names costs the daemon the same memory as one of ten. The offset each entry carries
-to the kernel is the source filesystem's own seek cookie (``d_off``), so a request that does
-not continue where the last one stopped (``rewinddir``, ``seekdir``, a reader whose buffer
-took fewer entries than the reply held) is an ``lseek`` to that cookie, exact under
-concurrent creations and removals as the source's own ``seekdir`` is.
+to the kernel is the source filesystem's own seek cookie (``d_off``, shifted past the dots'
+offsets), so a request that does not continue where the last one stopped (``rewinddir``,
+``seekdir``, a reader whose buffer took fewer entries than the reply held) is an ``lseek`` to
+that cookie, exact under concurrent creations and removals as the source's own ``seekdir``.
 
 pyfuse3 answers only READDIRPLUS: every entry replied with a node id makes the kernel build an
 inode and a dentry and hold a lookup on it, which the daemon must count, and which needs an
@@ -37,9 +37,15 @@ BUFFER = 64 << 10
 #: Entries from the start of a listing that carry attributes and a lookup (READDIRPLUS proper).
 ATTRIBUTED = 4096
 #: ``.`` and ``..``: listed first with the mount's inode numbers (the kernel takes no lookup on
-#: them) and offsets 1 and 2, as ``dir_emit_dots`` lists them in Linux filesystems, whose own
-#: cookies for their entries then start above 2.
+#: them) and offsets 1 and 2, as ``dir_emit_dots`` lists them.
 DOTS = (b".", b"..")
+#: The offset of an entry is the source's cookie plus this, so that no cookie (an overlayfs
+#: merged directory numbers its entries 1, 2, ... with the dots among them) passes for the
+#: start or a dot.
+_SHIFT = len(DOTS) + 1
+#: The largest offset, ext4's cookie for the end of a directory: kept as it is (the cookies
+#: within ``_SHIFT`` of it become it too; a hash cookie lands there once in 2^61).
+_LAST = (1 << 63) - 1
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.getdents64.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
@@ -86,8 +92,10 @@ class Listing:
         self.offset = 0
         #: entries read since the listing last started at offset 0
         self._read = 0
-        #: the offset the descriptor reads from next: after the last entry buffered
+        #: the offset after the last entry buffered
         self.end = 0
+        #: the source's cookie the descriptor reads from next
+        self._at = 0
 
     def continues_at(self, offset: int) -> bool:
         """Whether buffered entries answer a request for ``offset`` with no system call."""
@@ -96,10 +104,10 @@ class Listing:
     def fill(self, offset: int) -> bool:
         """Buffer the entries after ``offset``, seeking there unless the descriptor is there
         already; False at the end of the directory."""
-        at = offset if offset > len(DOTS) else 0  # past the dots: a source cookie
-        if at != self.end:
+        at = 0 if offset < _SHIFT else offset if offset == _LAST else offset - _SHIFT
+        if at != self._at:
             os.lseek(self.fd, at, os.SEEK_SET)
-            self.end = at
+            self._at = at
         if offset == 0:
             self._read = 0
         entries: list[Entry] = []
@@ -109,9 +117,11 @@ class Listing:
             entries.append((dot, st.st_ino, stat.S_IFDIR, after, st))
         data = _getdents(self.fd)
         attributed = not NAMES_ONLY.works or self._read < ATTRIBUTED
-        got, pos, record, after = len(data), 0, _RECORD.unpack_from, self.end
+        got, pos, record, near_last = len(data), 0, _RECORD.unpack_from, _LAST - _SHIFT
+        cookie, after = at, max(offset, len(DOTS))  # where it stands if no record follows
         while pos < got:
-            ino, after, length, kind = record(data, pos)
+            ino, cookie, length, kind = record(data, pos)
+            after = cookie + _SHIFT if cookie < near_last else _LAST
             name = data[pos + _RECORD.size : data.index(b"\0", pos + _RECORD.size)]
             pos += length
             if name in DOTS:  # (by name: some filesystems give every type as DT_UNKNOWN)
@@ -123,7 +133,7 @@ class Listing:
                 except FileNotFoundError:
                     continue  # removed since getdents read it: as if removed before
             entries.append((name, ino, kind << 12, after, st))
-        self.end = after
+        self._at, self.end = cookie, after
         self._read += len(entries)
         return got > 0 or bool(entries)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,33 @@ def test_without_names_only_every_entry_carries_attributes_and_a_lookup(
                 assert ino and m.ops.inodes[ino].lookups == 1, name
 
         m.run(body)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts an overlayfs")
+def test_a_source_whose_cookies_start_at_1_resumes_at_every_offset(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An overlayfs merged directory numbers its entries 1, 2, 3 ... with its dots among them:
+    no cookie of a real entry may pass for the start or a dot."""
+    layers = {name: tmp_path / name for name in ("lower", "upper", "work", "src")}
+    for path in layers.values():
+        path.mkdir()
+    for i in range(30):
+        (layers["lower" if i % 2 else "upper"] / f"f{i}").write_bytes(b"")
+    options = ",".join(f"{n}dir={layers[n]}" for n in ("lower", "upper", "work"))
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(layers["src"])],
+                   check=True)
+    try:
+        with mounted(layers["src"], tmp_path / "cache", monkeypatch) as m:
+            async def body() -> None:
+                fh = await m.ops.opendir(ROOT_INODE, ctx())
+                whole = [(n, after) for n, _i, after in await list_in_requests(m, fh)]
+                names = [name for name, _after in whole]
+                assert sorted(names) == sorted([b".", b"..", *(b"f%d" % i for i in range(30))])
+                for at in range(len(whole)):
+                    got = await list_in_requests(m, fh, whole[at - 1][1] if at else 0, limit=1)
+                    assert [n for n, _i, _next in got] == names[at:], at
+                await m.ops.releasedir(fh)
+
+            m.run(body)
+    finally:
+        subprocess.run(["umount", "-l", str(layers["src"])], check=False)
