@@ -349,11 +349,15 @@ class WholeFileCache:
 
     def lookup(self, key: Key, st: os.stat_result) -> Entry | None:
         """The entry holding this version of the file (complete or being filled), if any."""
-        entry = self.entries.get(key)
-        if entry is None:
+        row = self.entries.keys.find(key)
+        if row < 0:
             return None
+        entry = self.entries.entry(row)
         if entry.matches(st):
-            if entry.complete and self.index is not None and entry.path not in self.index:
+            # Published and nothing ever withdrawn: no need to look in the index (a hash)
+            if (entry.complete and self.index is not None
+                    and (self.index.withdrawn or not self.entries.flags[row] & SHARED)
+                    and entry.path not in self.index):
                 self._publish(key, entry)  # withdrawn for a change that changed nothing
             return entry
         if entry.complete:

@@ -31,7 +31,7 @@ from coordlfs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable, Key
 from coordlfs.listing import DOTS, Listing
 from coordlfs.peers import Peers
 from coordlfs.readers import AlignedReads, Reader, Readers
-from coordlfs.source import Source, Version
+from coordlfs.source import Source
 from coordlfs.stats import ReadCounters
 from coordlfs.threads import in_thread
 
@@ -140,7 +140,7 @@ class Operations(pyfuse3.Operations):
     def _known(self, st: os.stat_result, path: bytes) -> int:
         """The inode for a source stat result, noting the version the kernel now sees."""
         inode = self.inodes.inode_for((st.st_dev, st.st_ino), path, stat.S_ISDIR(st.st_mode))
-        self.inodes.seen(inode, Version.of(st))
+        self.inodes.seen(inode, st)
         return inode
 
     def _node_path(self, inode: int) -> bytes:
@@ -286,19 +286,18 @@ class Operations(pyfuse3.Operations):
                                     direct_io=True, keep_cache=False)
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
-        st = self.source.lstat(self._node_path(inode))
-        node = self.inodes[inode]
+        path = self._node_path(inode)
+        st = self.source.lstat(path)
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
-        version = Version.of(st)
-        changed = node.version != version
+        changed = not self.inodes.shown(inode, st)
         if changed:
             # The kernel holds old attributes and maybe old pages: drop both before the reader
             # sees this open succeed (attributes only here; keep_cache=False drops the pages).
-            log.info("source file %s changed; invalidating", os.fsdecode(node.path))
-            node.version = version
+            log.info("source file %s changed; invalidating", os.fsdecode(path))
+            self.inodes.seen(inode, st)
             pyfuse3.invalidate_inode(inode, attr_only=True)
-        handle = FileHandle(inode, node.path, st)
+        handle = FileHandle(inode, path, st)
         handle.reader = self.readers.opened(handle, ctx.pid)
         return pyfuse3.FileInfo(fh=self._new_handle(handle), keep_cache=not changed)
 

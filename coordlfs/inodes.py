@@ -14,6 +14,7 @@ view of the row for the moment it is used.
 
 from __future__ import annotations
 
+import os
 from array import array
 from collections.abc import Iterator
 
@@ -137,9 +138,18 @@ class InodeTable(Rows):
         self._size[row], self._mtime[row], self._ctime[row] = (
             version.size, version.mtime_ns, version.ctime_ns)
 
-    def seen(self, inode: int, version: Version) -> None:
-        """``self[inode].version = version``, without the view."""
-        self.set_version(self._row(inode), version)
+    def seen(self, inode: int, st: os.stat_result) -> None:
+        """``self[inode].version = Version.of(st)``, without the view or the version."""
+        row = self._row(inode)
+        self._size[row], self._mtime[row], self._ctime[row] = (
+            st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def shown(self, inode: int, st: os.stat_result) -> bool:
+        """Whether ``st`` is the version last shown to the kernel (``self[inode].version ==
+        Version.of(st)``, without the view or the version)."""
+        row = self._row(inode)
+        return (self._size[row] == st.st_size and self._mtime[row] == st.st_mtime_ns
+                and self._ctime[row] == st.st_ctime_ns and self.keys.ino[row] == st.st_ino)
 
     def ref(self, inode: int) -> None:
         self.lookups[self._row(inode)] += 1
@@ -154,17 +164,19 @@ class InodeTable(Rows):
             return False
         self.lookups[row] -= count
         if self.lookups[row] <= 0:
-            self.drop(inode)
+            self._drop(row)
             return True
         return False
 
     def drop_if_unreferenced(self, inode: int) -> None:
         row = self._row(inode)
         if row != ROOT_INODE and self.lookups[row] == 0:
-            self.drop(inode)
+            self._drop(row)
 
     def drop(self, inode: int) -> None:
-        row = self._row(inode)
+        self._drop(self._row(inode))
+
+    def _drop(self, row: int) -> None:
         self.free_row(row)
         if self._generation[row] < _ROW:
             self._generation[row] += 1  # the next node in this row gets a new number

@@ -120,7 +120,7 @@ def measure_direct(files: int, size: int) -> dict[str, float]:
         for i in range(files):
             inode = inodes.inode_for((1, i + 2), _path(i))
             inodes.ref(inode)
-            inodes.seen(inode, Version(i + 2, size, i, i))
+            inodes[inode].version = Version(i + 2, size, i, i)
         looked_up = _rss("self")
         for i in range(files):
             cache.entries.add((1, i + 2), Entry(_path(i), size, i, i, i * size, filled=size,
