@@ -133,10 +133,6 @@ class Operations(pyfuse3.Operations):
         attr.entry_timeout = attr.attr_timeout = WATCHED_TIMEOUT
         return attr
 
-    def _child(self, parent: int, name: bytes) -> bytes:
-        base = self.inodes.path(parent)
-        return base + b"/" + name if base else name
-
     def _known(self, st: os.stat_result, path: bytes) -> int:
         """The inode for a source stat result, noting the version the kernel now sees."""
         inode = self.inodes.inode_for((st.st_dev, st.st_ino), path, stat.S_ISDIR(st.st_mode))
@@ -158,8 +154,9 @@ class Operations(pyfuse3.Operations):
         elif name == b"..":
             path = self._node_path(parent_inode).rpartition(b"/")[0]
         else:
-            self.freshness.watch(parent_inode, self._node_path(parent_inode))
-            path = self._child(parent_inode, name)
+            base = self._node_path(parent_inode)
+            self.freshness.watch(parent_inode, base)
+            path = base + b"/" + name if base else name
         try:
             st = self.source.lstat(path)
         except FileNotFoundError:
