@@ -178,8 +178,8 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
         f"bytes    {format_size(reads['bytes_from_cache'])} from cache, "
         f"{format_size(reads['bytes_from_source'])} from source, "
         f"{format_size(reads['bytes_from_peers'])} from peers",
-        f"files    {reads['files_from_source']} from source, {reads['files_from_peers']} from "
-        "peers",
+        f"files    {reads['files_from_cache']} from cache, {reads['files_from_source']} from "
+        f"source, {reads['files_from_peers']} from peers",
     ]
     if reads["client_hits"] or reads["client_misses"]:
         lines.append(f"clients  {reads['client_hits']} hits "

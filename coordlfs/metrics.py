@@ -148,8 +148,10 @@ READS: tuple[tuple[str, str, dict[str, str], str], ...] = (
     ("read_bytes", "from", {"cache": "bytes_from_cache", "peers": "bytes_from_peers",
                             "storage": "bytes_from_source"},
      "bytes read through the mount, by where they came from"),
-    ("read_files", "from", {"peers": "files_from_peers", "storage": "files_from_source"},
-     "files whose bytes came from a peer (per open) or storage (per fill or stream)"),
+    ("read_files", "from", {"cache": "files_from_cache", "peers": "files_from_peers",
+                            "storage": "files_from_source"},
+     "files whose bytes came from the cache (an open of a complete entry), a peer (per open) "
+     "or storage (per fill or stream)"),
     ("read_requests", "result", {"hit": "cache_hits", "miss": "misses"},
      "read requests answered from a complete cache entry (hit) or waiting for bytes (miss)"),
     ("client_reads", "result", {"hit": "client_hits", "miss": "client_misses"},

@@ -245,6 +245,8 @@ class Readers:
         handle.member, held = self.aligned.opened(pid, handle.path, key, Version.of(st),
                                                   cached=entry is not None)
         if entry is not None:
+            if entry.complete:
+                self.counters.files_from_cache += 1
             return self._cached(entry, handle)
         if held is not None:
             return WindowReader(self, handle, held)

@@ -17,6 +17,8 @@ class ReadCounters:
     misses: int = 0
     bytes_from_cache: int = 0
     bytes_from_source: int = 0
+    #: files opened through the mount whose entry was complete in the cache (one per open)
+    files_from_cache: int = 0
     #: files whose bytes were fetched from the source (one per fill, one per streaming open)
     files_from_source: int = 0
     #: bytes and files (per open) that a peer mount served from its cache

@@ -60,6 +60,7 @@ def test_the_series_are_the_stats_counters(mount, dataset) -> None:
         ("coordlfs_read_bytes_total", "from", "cache"): reads["bytes_from_cache"],
         ("coordlfs_read_bytes_total", "from", "peers"): reads["bytes_from_peers"],
         ("coordlfs_read_bytes_total", "from", "storage"): reads["bytes_from_source"],
+        ("coordlfs_read_files_total", "from", "cache"): reads["files_from_cache"],
         ("coordlfs_read_files_total", "from", "peers"): reads["files_from_peers"],
         ("coordlfs_read_files_total", "from", "storage"): reads["files_from_source"],
         ("coordlfs_read_requests_total", "result", "hit"): reads["cache_hits"],
@@ -71,6 +72,7 @@ def test_the_series_are_the_stats_counters(mount, dataset) -> None:
     assert {key: value(samples, key[0], **{key[1]: key[2]}) for key in expected} == expected
     assert reads["bytes_from_source"] == sum(sizes.values()) and reads["files_from_source"] == 200
     assert reads["bytes_from_cache"] > 0 and reads["client_hits"] == 30
+    assert reads["files_from_cache"] == 50  # an open each of a complete entry
     for name, key in (("coordlfs_cache_used_bytes", "used_bytes"),
                       ("coordlfs_cache_capacity_bytes", "capacity_bytes"),
                       ("coordlfs_cache_files", "files")):
