@@ -128,7 +128,7 @@ def test_control_entry_is_hidden_but_reachable(mount, dataset) -> None:
     assert status["source"] == str(source) and status["mountpoint"] == str(m.mountpoint)
     assert set(status["cache"]) >= {"capacity_bytes", "used_bytes", "files"}
     assert set(status["reads"]) == {"cache_hits", "misses", "bytes_from_cache",
-                                    "bytes_from_source", "files_from_source",
+                                    "bytes_from_source", "files_from_source", "files_from_cache",
                                     "bytes_from_peers", "files_from_peers", "client_hits",
                                     "client_misses", "client_bytes_from_cache",
                                     "client_bytes_from_mount"}
