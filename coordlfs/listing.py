@@ -1,12 +1,16 @@
 """A directory listing streamed from the source, one ``getdents64`` buffer at a time.
 
-An open directory holds its source descriptor and the entries of one buffer (``BUFFER``
-bytes of records: some two thousand names), never the whole directory: a listing of a
-million names costs the daemon the same memory as one of ten. The offset each entry carries
-to the kernel is the source filesystem's own seek cookie (``d_off``, shifted past the dots'
-offsets), so a request that does not continue where the last one stopped (``rewinddir``,
-``seekdir``, a reader whose buffer took fewer entries than the reply held) is an ``lseek`` to
-that cookie, exact under concurrent creations and removals as the source's own ``seekdir``.
+An open directory holds its source descriptor and the entries of at most two buffers
+(``BUFFER`` bytes of records: some two thousand names each), never the whole directory: a
+listing of a million names costs the daemon the same memory as one of ten. The second is the
+next buffer, read in a worker thread while the kernel and the reader take the current one, so
+that the source's reads and their parsing overlap the replies instead of waiting for them.
+
+The offset each entry carries to the kernel is the source filesystem's own seek cookie
+(``d_off``, shifted past the dots' offsets), so a request that does not continue where the
+last one stopped (``rewinddir``, ``seekdir``, a reader whose buffer took fewer entries than the
+reply held) is an ``lseek`` to that cookie, exact under concurrent creations and removals as
+the source's own ``seekdir``; the buffer read ahead is then waited for and dropped.
 
 pyfuse3 answers only READDIRPLUS: every entry replied with a node id makes the kernel build an
 inode and a dentry and hold a lookup on it, which the daemon must count, and which needs an
@@ -17,7 +21,9 @@ node id in the reply's memory, at an offset found and checked at start, and with
 entry carries attributes as before. The first ``ATTRIBUTED`` entries of a listing carry them
 anyway: a directory of a few thousand files lists as it always did (its files then open
 without a LOOKUP each), and only the names beyond, which would cost the kernel a kilobyte and
-the daemon an inode each, stream as names.
+the daemon an inode each, stream as names, until the kernel looks one of them up: a reader
+that stats what it lists (``ls -l``, ``du``) then gets attributes for the rest, as the
+kernel's own READDIRPLUS_AUTO rule would give them.
 """
 
 from __future__ import annotations
@@ -92,7 +98,7 @@ class _ReadAhead:
     fill waits for it before using or seeking the descriptor, and a close while it runs leaves
     the descriptor to it (``finish`` closes it), so that no descriptor is closed under a read."""
 
-    def __init__(self, offset: int, fd: int) -> None:
+    def __init__(self, offset: int, fd: int, read: Callable[[], _Read]) -> None:
         #: the offset it continues from: the end of the buffer it follows
         self.offset = offset
         self.fd = fd
@@ -100,6 +106,13 @@ class _ReadAhead:
         self.result: outcome.Outcome[_Read] | None = None
         #: set by ``Listing.close`` while the thread runs
         self.close_when_done = False
+        token = trio.lowlevel.current_trio_token()
+
+        def deliver(result: outcome.Outcome[_Read]) -> None:
+            with contextlib.suppress(trio.RunFinishedError):  # the daemon is exiting
+                token.run_sync_soon(self.finish, result)
+
+        trio.lowlevel.start_thread_soon(read, deliver)
 
     def finish(self, result: outcome.Outcome[_Read]) -> None:
         """Runs in trio's thread, as ``Listing.close`` does: no race on ``close_when_done``."""
@@ -142,8 +155,6 @@ class Listing:
         """Buffer the entries after ``offset``: the buffer read ahead if it follows on, else
         read now (seeking unless the descriptor is there already); False at the end of the
         directory. Then read the next buffer ahead."""
-        if offset == 0:
-            self._read, self.wants_attributes = 0, False
         read = None
         if (ahead := self._ahead) is not None:
             await ahead.done.wait()  # its thread moves the descriptor: never seek under it
@@ -152,21 +163,17 @@ class Listing:
             self._at = ahead.result.value[1] if isinstance(ahead.result, outcome.Value) else -1
             if ahead.offset == offset:
                 read = ahead.result.unwrap()
+        if offset == 0:
+            self._read, self.wants_attributes = 0, False
         if read is None:
             read = await in_thread(self._read_after, offset, self._at, self._attributed())
         entries, self._at, self.end, more = read
         self.entries, self.index, self.offset = entries, 0, offset
         self._read += len(entries)
         if more:
-            self._ahead = ahead = _ReadAhead(self.end, self.fd)
-            token = trio.lowlevel.current_trio_token()
-            call = functools.partial(self._read_after, self.end, self._at, self._attributed())
-
-            def deliver(result: outcome.Outcome[_Read]) -> None:
-                with contextlib.suppress(trio.RunFinishedError):  # the daemon is exiting
-                    token.run_sync_soon(ahead.finish, result)
-
-            trio.lowlevel.start_thread_soon(call, deliver)
+            read_next = functools.partial(self._read_after, self.end, self._at,
+                                          self._attributed())
+            self._ahead = _ReadAhead(self.end, self.fd, read_next)
         return more
 
     def _attributed(self) -> bool:
