@@ -73,6 +73,17 @@ async def list_in_requests(m: Mount, fh: int, start: int = 0,
     return m.kernel.listed[first:]
 
 
+async def assert_resumes(m: Mount, fh: int, whole: list[tuple[bytes, int]],
+                         places: tuple[int, ...]) -> None:
+    """A request at the offset ``whole`` gave entry ``at - 1`` (0 for ``at`` 0) lists the
+    names from entry ``at`` on, for each ``at`` of ``places`` in turn."""
+    names = [name for name, _after in whole]
+    for at in places:
+        start = whole[at - 1][1] if at else 0
+        got = await list_in_requests(m, fh, start, limit=3 * ROOM)
+        assert [name for name, _i, _next in got] == names[at : at + 3 * ROOM], at
+
+
 def test_a_huge_directory_lists_every_name_once_and_past_the_head_hands_out_no_inode(
         big: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with mounted(big, tmp_path / "cache", monkeypatch) as m:
@@ -105,11 +116,7 @@ def test_resuming_at_any_offset_given_continues_after_that_entry(
         async def body() -> None:
             fh = await m.ops.opendir(await big_inode(m), ctx())
             whole = [(name, after) for name, _i, after in await list_in_requests(m, fh)]
-            names = [name for name, _after in whole]
-            for at in (ENTRIES - 5, 1500, 2, 1, 0, ROOM // 2, 2999, 700):
-                start = whole[at - 1][1] if at else 0
-                got = await list_in_requests(m, fh, start, limit=3 * ROOM)
-                assert [name for name, _i, _next in got] == names[at : at + 3 * ROOM], at
+            await assert_resumes(m, fh, whole, (ENTRIES - 5, 1500, 2, 1, 0, ROOM // 2, 2999, 700))
             await m.ops.releasedir(fh)
 
         m.run(body)
@@ -255,11 +262,9 @@ def test_the_next_buffer_is_read_ahead_and_a_seek_drops_it(
             assert [entry[0] for entry in read_ahead[:3]] == names[buffered : buffered + 3]
             await list_in_requests(m, fh, whole[ROOM - 1][1], limit=buffered - ROOM + 1)
             assert current.entries is read_ahead  # taken, not read again
-            for at in (buffered + len(read_ahead) + 5, buffered + len(read_ahead), 2 * ROOM,
-                       0, buffered + 7, ENTRIES - 3):
-                start = whole[at - 1][1] if at else 0
-                got = await list_in_requests(m, fh, start, limit=3 * ROOM)
-                assert [name for name, _i, _next in got] == names[at : at + 3 * ROOM], at
+            past = buffered + len(read_ahead)
+            await assert_resumes(m, fh, whole, (past + 5, past, 2 * ROOM, 0, buffered + 7,
+                                                ENTRIES - 3))
             await m.ops.releasedir(fh)
 
         m.run(body)
