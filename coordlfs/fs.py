@@ -78,7 +78,6 @@ class FileHandle:
 
 @dataclass(slots=True, eq=False)
 class DirHandle:
-    inode: int
     path: bytes
     #: the source directory, read a buffer at a time (``coordlfs.listing``)
     listing: Listing
@@ -102,8 +101,6 @@ class Operations(pyfuse3.Operations):
         self.inodes = InodeTable((root.st_dev, root.st_ino))
         self.freshness = Freshness(source, self.inodes, revalidate_s)
         self._handles: dict[int, FileHandle | DirHandle | ControlHandle] = {}
-        #: the open listings of each directory: a lookup of a child asks them for attributes
-        self._listings: dict[int, set[Listing]] = {}
         self._next_fh = 1
 
     # -- attributes ---------------------------------------------------------------
@@ -159,8 +156,6 @@ class Operations(pyfuse3.Operations):
         else:
             base = self._node_path(parent_inode)
             self.freshness.watch(parent_inode, base)
-            for listing in self._listings.get(parent_inode, ()):
-                listing.wants_attributes = True  # a reader stats what it lists
             path = base + b"/" + name if base else name
         try:
             st = self.source.lstat(path)
@@ -236,8 +231,7 @@ class Operations(pyfuse3.Operations):
         path = self._node_path(inode)
         self.freshness.watch(inode, path)
         listing = await in_thread(lambda: Listing(self.source.open_dir(path)))
-        self._listings.setdefault(inode, set()).add(listing)
-        return self._new_handle(DirHandle(inode, path, listing))
+        return self._new_handle(DirHandle(path, listing))
 
     @guarded
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
@@ -246,7 +240,7 @@ class Operations(pyfuse3.Operations):
         listing = handle.listing
         attributed = functools.partial(self._reply_attributed, token, handle.path)
         async with listing.lock:
-            while listing.continues_at(start_id) or await listing.fill(start_id):
+            while listing.continues_at(start_id) or await in_thread(listing.fill, start_id):
                 if not listing.reply(token, attributed):
                     return  # the kernel's buffer is full
                 start_id = listing.end
@@ -274,10 +268,6 @@ class Operations(pyfuse3.Operations):
     async def releasedir(self, fh: int) -> None:
         handle = self._handles.pop(fh)
         assert isinstance(handle, DirHandle)
-        listings = self._listings[handle.inode]
-        listings.discard(handle.listing)
-        if not listings:
-            del self._listings[handle.inode]
         async with handle.listing.lock:
             handle.listing.close()
 

@@ -1,16 +1,12 @@
 """A directory listing streamed from the source, one ``getdents64`` buffer at a time.
 
-An open directory holds its source descriptor and the entries of at most two buffers
-(``BUFFER`` bytes of records: some two thousand names each), never the whole directory: a
-listing of a million names costs the daemon the same memory as one of ten. The second is the
-next buffer, read in a worker thread while the kernel and the reader take the current one, so
-that the source's reads and their parsing overlap the replies instead of waiting for them.
-
-The offset each entry carries to the kernel is the source filesystem's own seek cookie
-(``d_off``, shifted past the dots' offsets), so a request that does not continue where the
-last one stopped (``rewinddir``, ``seekdir``, a reader whose buffer took fewer entries than the
-reply held) is an ``lseek`` to that cookie, exact under concurrent creations and removals as
-the source's own ``seekdir``; the buffer read ahead is then waited for and dropped.
+An open directory holds its source descriptor and the entries of one buffer (``BUFFER``
+bytes of records: some two thousand names), never the whole directory: a listing of a
+million names costs the daemon the same memory as one of ten. The offset each entry carries
+to the kernel is the source filesystem's own seek cookie (``d_off``, shifted past the dots'
+offsets), so a request that does not continue where the last one stopped (``rewinddir``,
+``seekdir``, a reader whose buffer took fewer entries than the reply held) is an ``lseek`` to
+that cookie, exact under concurrent creations and removals as the source's own ``seekdir``.
 
 pyfuse3 answers only READDIRPLUS: every entry replied with a node id makes the kernel build an
 inode and a dentry and hold a lookup on it, which the daemon must count, and which needs an
@@ -21,27 +17,20 @@ node id in the reply's memory, at an offset found and checked at start, and with
 entry carries attributes as before. The first ``ATTRIBUTED`` entries of a listing carry them
 anyway: a directory of a few thousand files lists as it always did (its files then open
 without a LOOKUP each), and only the names beyond, which would cost the kernel a kilobyte and
-the daemon an inode each, stream as names, until the kernel looks one of them up: a reader
-that stats what it lists (``ls -l``, ``du``) then gets attributes for the rest, as the
-kernel's own READDIRPLUS_AUTO rule would give them.
+the daemon an inode each, stream as names.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import functools
 import os
 import stat
 import struct
 import threading
 from collections.abc import Callable
 
-import outcome
 import pyfuse3
 import trio
-
-from coordlfs.threads import in_thread
 
 #: Bytes of ``linux_dirent64`` records read at a time: what one open directory holds.
 BUFFER = 64 << 10
@@ -87,45 +76,11 @@ def _getdents(fd: int) -> bytes:
 Entry = tuple[bytes, int, int, int, os.stat_result | None]
 #: Replies with an entry's attributes (name, attributes, next offset); whether it had room.
 Attributed = Callable[[bytes, os.stat_result, int], bool]
-#: A buffer read: its entries, the cookie the descriptor then stands at, the offset after its
-#: last entry, and whether the source gave any record (False: the end of the directory).
-_Read = tuple[list[Entry], int, int, bool]
-
-
-class _ReadAhead:
-    """The buffer after the current one, read in a worker thread while the kernel and the
-    reader take the current one. Its thread reads the descriptor and moves its position: a
-    fill waits for it before using or seeking the descriptor, and a close while it runs leaves
-    the descriptor to it (``finish`` closes it), so that no descriptor is closed under a read."""
-
-    def __init__(self, offset: int, fd: int, read: Callable[[], _Read]) -> None:
-        #: the offset it continues from: the end of the buffer it follows
-        self.offset = offset
-        self.fd = fd
-        self.done = trio.Event()
-        self.result: outcome.Outcome[_Read] | None = None
-        #: set by ``Listing.close`` while the thread runs
-        self.close_when_done = False
-        token = trio.lowlevel.current_trio_token()
-
-        def deliver(result: outcome.Outcome[_Read]) -> None:
-            with contextlib.suppress(trio.RunFinishedError):  # the daemon is exiting
-                token.run_sync_soon(self.finish, result)
-
-        trio.lowlevel.start_thread_soon(read, deliver)
-
-    def finish(self, result: outcome.Outcome[_Read]) -> None:
-        """Runs in trio's thread, as ``Listing.close`` does: no race on ``close_when_done``."""
-        self.result = result
-        self.done.set()
-        if self.close_when_done:
-            os.close(self.fd)
 
 
 class Listing:
-    """One open directory of the source, at most two buffers of it: the one replied from and
-    the next, read ahead (``_ReadAhead``). Hold ``lock`` from ``continues_at`` to ``reply``
-    and around ``fill`` and ``close``."""
+    """One open directory of the source. Its ``fill`` blocks: run it in a worker thread.
+    Hold ``lock`` from ``continues_at`` to ``reply``: a handle has one buffer."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -139,59 +94,31 @@ class Listing:
         self._read = 0
         #: the offset after the last entry buffered
         self.end = 0
-        #: the source's cookie the descriptor reads from next (-1: not known, seek)
+        #: the source's cookie the descriptor reads from next
         self._at = 0
-        self._ahead: _ReadAhead | None = None
-        #: set when the kernel looks a child up (``ls -l``, ``du`` and ``find -size`` stat
-        #: each entry as they read it): the rest of this pass carries attributes, which then
-        #: answer those stats, as the kernel's own READDIRPLUS_AUTO rule would decide
-        self.wants_attributes = False
 
     def continues_at(self, offset: int) -> bool:
         """Whether buffered entries answer a request for ``offset`` with no system call."""
         return self.index < len(self.entries) and offset == self.offset
 
-    async def fill(self, offset: int) -> bool:
-        """Buffer the entries after ``offset``: the buffer read ahead if it follows on, else
-        read now (seeking unless the descriptor is there already); False at the end of the
-        directory. Then read the next buffer ahead."""
-        read = None
-        if (ahead := self._ahead) is not None:
-            await ahead.done.wait()  # its thread moves the descriptor: never seek under it
-            self._ahead = None
-            assert ahead.result is not None
-            self._at = ahead.result.value[1] if isinstance(ahead.result, outcome.Value) else -1
-            if ahead.offset == offset:
-                read = ahead.result.unwrap()
+    def fill(self, offset: int) -> bool:
+        """Buffer the entries after ``offset``, seeking there unless the descriptor is there
+        already; False at the end of the directory."""
+        at = 0 if offset < _SHIFT else offset if offset == _LAST else offset - _SHIFT
+        if at != self._at:
+            os.lseek(self.fd, at, os.SEEK_SET)
+            self._at = at
         if offset == 0:
-            self._read, self.wants_attributes = 0, False
-        if read is None:
-            read = await in_thread(self._read_after, offset, self._at, self._attributed())
-        entries, self._at, self.end, more = read
-        self.entries, self.index, self.offset = entries, 0, offset
-        self._read += len(entries)
-        if more:
-            read_next = functools.partial(self._read_after, self.end, self._at,
-                                          self._attributed())
-            self._ahead = _ReadAhead(self.end, self.fd, read_next)
-        return more
-
-    def _attributed(self) -> bool:
-        return not NAMES_ONLY.works or self._read < ATTRIBUTED or self.wants_attributes
-
-    def _read_after(self, offset: int, at: int, attributed: bool) -> _Read:
-        """The entries after ``offset``, the descriptor standing at cookie ``at``; blocks, and
-        touches nothing of the listing but its descriptor (it may run as a read-ahead)."""
-        want = 0 if offset < _SHIFT else offset if offset == _LAST else offset - _SHIFT
-        if want != at:
-            os.lseek(self.fd, want, os.SEEK_SET)
+            self._read = 0
         entries: list[Entry] = []
+        self.entries, self.index, self.offset = entries, 0, offset
         for after, dot in enumerate(DOTS[offset:], offset + 1):
             st = os.stat(dot, dir_fd=self.fd, follow_symlinks=False)
             entries.append((dot, st.st_ino, stat.S_IFDIR, after, st))
         data = _getdents(self.fd)
+        attributed = not NAMES_ONLY.works or self._read < ATTRIBUTED
         got, pos, record, near_last = len(data), 0, _RECORD.unpack_from, _LAST - _SHIFT
-        cookie, after = want, max(offset, len(DOTS))  # where it stands if no record follows
+        cookie, after = at, max(offset, len(DOTS))  # where it stands if no record follows
         while pos < got:
             ino, cookie, length, kind = record(data, pos)
             after = cookie + _SHIFT if cookie < near_last else _LAST
@@ -206,7 +133,9 @@ class Listing:
                 except FileNotFoundError:
                     continue  # removed since getdents read it: as if removed before
             entries.append((name, ino, kind << 12, after, st))
-        return entries, cookie, after, got > 0 or bool(entries)
+        self._at, self.end = cookie, after
+        self._read += len(entries)
+        return got > 0 or bool(entries)
 
     def reply(self, token: pyfuse3.ReaddirToken, attributed: Attributed) -> bool:
         """Reply with the buffered entries in order until the kernel's buffer is full; whether
@@ -234,11 +163,7 @@ class Listing:
         return taken == len(self.entries)
 
     def close(self) -> None:
-        """Close the descriptor, or leave it to a read-ahead still reading it."""
-        if self._ahead is not None and not self._ahead.done.is_set():
-            self._ahead.close_when_done = True
-        else:
-            os.close(self.fd)
+        os.close(self.fd)
 
 
 class NamesOnly:

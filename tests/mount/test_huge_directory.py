@@ -98,17 +98,3 @@ def test_seekdir_back_to_a_telldir_position_resumes_there(mount, tmp_path: Path)
             assert read(d, 500) == after, mark
     finally:
         libc.closedir(d)
-
-
-def test_ls_l_lists_as_the_source_once_its_stats_switch_the_listing_to_attributes(
-        mount, tmp_path: Path) -> None:
-    """``ls -l`` stats each entry as it reads it: the first LOOKUP past the head switches the
-    rest of the listing to attributes, which the kernel takes in place of a LOOKUP each: what
-    it prints is the source's, line for line."""
-    src, big = make_source(tmp_path)
-    m = mount(src)
-    command = ["ls", "-l", "--time-style=full-iso", "--quoting-style=escape"]
-    out = [subprocess.run([*command, d], capture_output=True, check=True,
-                          env={"LC_ALL": "C"}).stdout
-           for d in (os.fsencode(m.mountpoint / "big"), big)]
-    assert out[0] == out[1]

@@ -7,16 +7,12 @@ many fills and most of them go as names only, as a million would with the real s
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
 import struct
 import subprocess
-import threading
 from pathlib import Path
 
-import outcome
 import pytest
-import trio
 from inprocess import Mount, ctx, mounted
 
 from coordlfs import listing
@@ -73,17 +69,6 @@ async def list_in_requests(m: Mount, fh: int, start: int = 0,
     return m.kernel.listed[first:]
 
 
-async def assert_resumes(m: Mount, fh: int, whole: list[tuple[bytes, int]],
-                         places: tuple[int, ...]) -> None:
-    """A request at the offset ``whole`` gave entry ``at - 1`` (0 for ``at`` 0) lists the
-    names from entry ``at`` on, for each ``at`` of ``places`` in turn."""
-    names = [name for name, _after in whole]
-    for at in places:
-        start = whole[at - 1][1] if at else 0
-        got = await list_in_requests(m, fh, start, limit=3 * ROOM)
-        assert [name for name, _i, _next in got] == names[at : at + 3 * ROOM], at
-
-
 def test_a_huge_directory_lists_every_name_once_and_past_the_head_hands_out_no_inode(
         big: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with mounted(big, tmp_path / "cache", monkeypatch) as m:
@@ -116,7 +101,11 @@ def test_resuming_at_any_offset_given_continues_after_that_entry(
         async def body() -> None:
             fh = await m.ops.opendir(await big_inode(m), ctx())
             whole = [(name, after) for name, _i, after in await list_in_requests(m, fh)]
-            await assert_resumes(m, fh, whole, (ENTRIES - 5, 1500, 2, 1, 0, ROOM // 2, 2999, 700))
+            names = [name for name, _after in whole]
+            for at in (ENTRIES - 5, 1500, 2, 1, 0, ROOM // 2, 2999, 700):
+                start = whole[at - 1][1] if at else 0
+                got = await list_in_requests(m, fh, start, limit=3 * ROOM)
+                assert [name for name, _i, _next in got] == names[at : at + 3 * ROOM], at
             await m.ops.releasedir(fh)
 
         m.run(body)
@@ -231,111 +220,3 @@ def test_a_source_whose_cookies_start_at_1_resumes_at_every_offset(
             m.run(body)
     finally:
         subprocess.run(["umount", "-l", str(layers["src"])], check=False)
-
-
-def listing_of(m: Mount, fh: int) -> listing.Listing:
-    handle = m.ops._handles[fh]
-    assert isinstance(handle, DirHandle)
-    return handle.listing
-
-
-def test_the_next_buffer_is_read_ahead_and_a_seek_drops_it(
-        big: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A request that continues takes the buffer read ahead; one elsewhere (inside the buffer
-    read ahead, at its start once it was dropped, back at the start) waits for it, drops it
-    and resumes exactly."""
-    with mounted(big, tmp_path / "cache", monkeypatch) as m:
-        async def body() -> None:
-            fh = await m.ops.opendir(await big_inode(m), ctx())
-            whole = [(name, after) for name, _i, after in await list_in_requests(m, fh)]
-            names = [name for name, _after in whole]
-            await list_in_requests(m, fh, 0, limit=ROOM)
-            current = listing_of(m, fh)
-            ahead = current._ahead
-            assert ahead is not None and ahead.offset == current.end
-            with trio.fail_after(10):
-                await ahead.done.wait()  # read with no request asking for it
-            assert ahead.result is not None
-            assert isinstance(ahead.result, outcome.Value)
-            read_ahead = ahead.result.value[0]
-            buffered = len(current.entries)
-            assert [entry[0] for entry in read_ahead[:3]] == names[buffered : buffered + 3]
-            await list_in_requests(m, fh, whole[ROOM - 1][1], limit=buffered - ROOM + 1)
-            assert current.entries is read_ahead  # taken, not read again
-            past = buffered + len(read_ahead)
-            await assert_resumes(m, fh, whole, (past + 5, past, 2 * ROOM, 0, buffered + 7,
-                                                ENTRIES - 3))
-            await m.ops.releasedir(fh)
-
-        m.run(body)
-
-
-def test_releasedir_while_a_read_ahead_reads_leaves_the_descriptor_to_it(
-        big: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The descriptor is closed once the thread reading it ahead is done, not under it; a
-    request cancelled while it waits for that thread leaves the listing whole."""
-    reads = 0
-    release = threading.Event()
-    getdents = listing._getdents
-
-    def held(fd: int) -> bytes:  # every read after the first (the read-ahead) waits
-        nonlocal reads
-        reads += 1
-        if reads > 1:
-            release.wait(timeout=60)
-        return getdents(fd)
-
-    monkeypatch.setattr(listing, "_getdents", held)
-    with mounted(big, tmp_path / "cache", monkeypatch) as m:
-        async def body() -> None:
-            fh = await m.ops.opendir(await big_inode(m), ctx())
-            first = await list_in_requests(m, fh, 0, limit=ROOM)
-            current = listing_of(m, fh)
-            ahead = current._ahead
-            assert ahead is not None and not ahead.done.is_set()
-            with trio.move_on_after(0.2) as waited:  # a seek waits for the read-ahead
-                await m.ops.readdir(fh, 0, None)
-            assert waited.cancelled_caught
-            with trio.fail_after(10):  # releasedir does not wait for it either
-                await m.ops.releasedir(fh)
-            os.fstat(current.fd)  # still open: the thread reads it
-            release.set()
-            with trio.fail_after(10):
-                await ahead.done.wait()
-            with pytest.raises(OSError) as closed:
-                os.fstat(current.fd)
-            assert closed.value.errno == errno.EBADF
-            assert [name for name, _i, _next in first[:2]] == [b".", b".."]
-
-        try:
-            m.run(body)
-        finally:
-            release.set()
-
-
-def test_a_lookup_of_a_child_switches_the_rest_of_the_listing_to_attributes(
-        big: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``ls -l`` stats each entry as it reads it: once the kernel looks one up, the entries
-    past the buffers already read carry attributes and a lookup, as the kernel's
-    READDIRPLUS_AUTO would ask; a listing of another directory, or the next pass, does not."""
-    per_buffer = BUFFER // SMALLEST_RECORD
-    with mounted(big, tmp_path / "cache", monkeypatch) as m:
-        async def body() -> None:
-            inode = await big_inode(m)
-            fh, other = await m.ops.opendir(inode, ctx()), await m.ops.opendir(ROOT_INODE, ctx())
-            head = await list_in_requests(m, fh, limit=ATTRIBUTED + 3 * per_buffer)
-            assert not head[-1][1]  # past the head: names only
-            await m.ops.lookup(inode, head[-1][0], ctx())
-            rest = await list_in_requests(m, fh, head[-1][2])
-            # the buffer being replied and the one read ahead went names only
-            assert all(ino for _name, ino, _next in rest[2 * per_buffer :])
-            for name, ino, _next in rest:
-                assert not ino or m.ops.inodes[ino].lookups == 1, name
-            names = [name for name, _i, _next in head + rest]
-            assert sorted(names[2:]) == sorted(os.listdir(os.fsencode(big / "big")))
-            again = await list_in_requests(m, fh)
-            assert not any(ino for _name, ino, _next in again[ATTRIBUTED + 2 * per_buffer :])
-            for handle in (fh, other):
-                await m.ops.releasedir(handle)
-
-        m.run(body)
