@@ -83,6 +83,11 @@ class DirHandle:
     listing: Listing
 
 
+def _child(base: bytes, name: bytes) -> bytes:
+    """The source path of ``name`` in the directory at ``base`` ('' is the root)."""
+    return base + b"/" + name if base else name
+
+
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
@@ -156,7 +161,7 @@ class Operations(pyfuse3.Operations):
         else:
             base = self._node_path(parent_inode)
             self.freshness.watch(parent_inode, base)
-            path = base + b"/" + name if base else name
+            path = _child(base, name)
         try:
             st = self.source.lstat(path)
         except FileNotFoundError:
@@ -172,8 +177,9 @@ class Operations(pyfuse3.Operations):
     async def getattr(self, inode: int, ctx: Any = None) -> Any:
         if inode == CONTROL_INODE:
             return self._control_attr()
-        st = self.source.lstat(self._node_path(inode))
-        return self._attr(self._known(st, self.inodes.path(inode)), st)
+        path = self._node_path(inode)
+        st = self.source.lstat(path)
+        return self._attr(self._known(st, path), st)
 
     @guarded
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any) -> Any:
@@ -251,7 +257,7 @@ class Operations(pyfuse3.Operations):
         ``.`` and ``..``). Whether the reply had room."""
         if name in DOTS:
             return pyfuse3.readdir_reply(token, name, self._attr(self._dot_inode(st), st), after)
-        inode = self._known(st, base + b"/" + name if base else name)
+        inode = self._known(st, _child(base, name))
         if not pyfuse3.readdir_reply(token, name, self._attr(inode, st), after):
             self.inodes.drop_if_unreferenced(inode)
             return False
