@@ -29,7 +29,6 @@ not read is refused whole (EACCES).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -41,6 +40,7 @@ from typing import Any
 
 import trio
 
+from coordlfs.beneath import open_beneath
 from coordlfs.cache import FILL_CHUNK, Entry, WholeFileCache
 from coordlfs.control_server import Caller, ControlServer
 from coordlfs.control_spec import Refused
@@ -56,31 +56,6 @@ MAX_QUEUED = 1 << 19
 #: from the worker thread are shared by them, while a reader waiting for the last of them
 #: waits for at most this many reads in a row.
 BATCH = 8
-
-_RESOLVE_NO_MAGICLINKS = 0x02
-_RESOLVE_NO_SYMLINKS = 0x04
-_RESOLVE_BENEATH = 0x08
-_SYS_OPENAT2 = 437  # the same number on every architecture (it postdates the split tables)
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
-                ("resolve", ctypes.c_uint64)]
-
-
-def open_beneath(root_fd: int, path: bytes, flags: int) -> int:
-    """Open ``path`` relative to ``root_fd`` without leaving it and without following any
-    symlink on the way (openat2), as a reader through the mount would reach that file: the
-    mount shows links as links, so a path through one is not the file it names."""
-    how = _OpenHow(flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
-                   _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(_SYS_OPENAT2, root_fd, path, ctypes.byref(how), ctypes.sizeof(how))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), os.fsdecode(path))
-    return fd
-
 
 def open_source(root_fd: int, path: bytes) -> SourceReader:
     """A reader of the file ``path`` beneath ``root_fd``: O_DIRECT where the filesystem
