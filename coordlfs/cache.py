@@ -42,7 +42,6 @@ import logging
 import mmap
 import os
 import shutil
-import threading
 import time
 from array import array
 from typing import NamedTuple
@@ -81,11 +80,6 @@ _CHECK_PAUSE_S = 0.0005
 #: before it stops caching new ones; a remount compacts. The span costs no memory: the arena
 #: is sparse and the mapping is read-only.
 ARENA_SPAN = 2
-#: The arena is allocated ahead of its bump pointer in steps of this (a multiple of 2 MiB, so
-#: whole huge pages): on a tmpfs in huge pages (``cache_tmpfs``) a write into a hole costs
-#: ~250 µs per 110 KB file (the kernel allocates and clears a huge page for a part of it),
-#: a write into allocated pages ~17 µs. It costs at most this much memory beyond the entries.
-PREALLOCATE_STEP = 8 << 20
 #: errnos that mean the cache's filesystem has no room (a full tmpfs, a quota)
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 #: Free room on a full cache filesystem that counts as room again: enough that fills do not
@@ -110,37 +104,6 @@ def _punch(fd: int, start: int, end: int) -> None:
     if last > first and _libc.fallocate(fd, _PUNCH_HOLE, first, last - first) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot punch a hole in the arena: {os.strerror(err)}")
-
-
-class _Preallocated:
-    """How far the arena is allocated: fill threads extend it (``PREALLOCATE_STEP`` at a
-    time) before writing past it. Best effort: where ``fallocate`` fails (no room for a
-    whole step, a filesystem without it) the write goes into the hole and reports its own
-    error."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self.fd = fd
-        self.size = size
-        self.edge = 0
-        self.stopped = False
-        self._lock = threading.Lock()
-
-    def restart(self, end: int) -> None:
-        """Allocation starts again at the step holding ``end`` (adopted entries end there)."""
-        self.edge = end // PREALLOCATE_STEP * PREALLOCATE_STEP
-        self.stopped = False
-
-    def cover(self, end: int) -> None:
-        """Allocate up to at least ``end`` (in a fill thread)."""
-        if end <= self.edge or self.stopped:
-            return
-        with self._lock:
-            while end > self.edge and not self.stopped:
-                length = min(PREALLOCATE_STEP, self.size - self.edge)
-                if length <= 0 or _libc.fallocate(self.fd, 0, self.edge, length) != 0:
-                    self.stopped = True  # until ``restart``: the writes say what is wrong
-                    return
-                self.edge += length
 
 
 def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
@@ -203,7 +166,6 @@ class WholeFileCache:
             raise UserError(f"cannot use cache directory {directory}: {e.strerror}") from None
         #: hits are slices of this: no syscall and no copy in the daemon
         self._view = memoryview(self._arena)
-        self._allocated = _Preallocated(self.arena_fd, self.arena_size)
         self._span_logged = False
         #: the cache's filesystem ran out of room: no new entries until it has room again
         self.full = False
@@ -270,7 +232,6 @@ class WholeFileCache:
             end = offset + size
         _punch(self.arena_fd, end, self.arena_size)
         self.end = end
-        self._allocated.restart(end)
         if not clean:
             self.journal.checkpoint(self.entries.columns())
         if self.index is not None:
@@ -459,7 +420,7 @@ class WholeFileCache:
 
     async def fill(self, key: Key, entry: Entry, source: Source) -> None:
         """Copy the source file into the entry; on any failure the entry is given up."""
-        copier = _Copier(source, entry, self)
+        copier = _Copier(source, entry, self.arena_fd)
         try:
             try:
                 while entry.filled < entry.size:
@@ -479,12 +440,6 @@ class WholeFileCache:
         if error is not None and not _no_room(error):
             log.warning("caching %s failed: %s", os.fsdecode(entry.path), error,
                         exc_info=not isinstance(error, OSError))
-
-    def write(self, entry: Entry, offset: int, data: bytes | memoryview) -> None:
-        """In a fill thread: ``data`` into the entry at ``offset``."""
-        start = entry.offset + offset
-        self._allocated.cover(start + len(data))
-        write_all(self.arena_fd, data, start)
 
     def arrived(self, entry: Entry, got: int) -> None:
         """``got`` more bytes of a filling entry are in the arena: its readers may go on."""
@@ -737,10 +692,10 @@ class _Copier:
     threads').
     """
 
-    def __init__(self, source: Source, entry: Entry, cache: WholeFileCache) -> None:
+    def __init__(self, source: Source, entry: Entry, arena_fd: int) -> None:
         self.source = source
         self.entry = entry
-        self.cache = cache
+        self.arena_fd = arena_fd
         self.reader: SourceReader | None = None
         self.final: os.stat_result | None = None
 
@@ -748,7 +703,7 @@ class _Copier:
         if self.reader is None:
             self.reader = self.source.open_reader(self.entry.path)
         data = self.reader.read_view(offset, min(FILL_CHUNK, self.entry.size - offset))
-        self.cache.write(self.entry, offset, data)
+        write_all(self.arena_fd, data, self.entry.offset + offset)
         if offset + len(data) >= self.entry.size:
             self.final = self.reader.fstat()
             self.close()

@@ -41,7 +41,7 @@ from typing import Any
 import trio
 
 from coordlfs.beneath import open_beneath
-from coordlfs.cache import FILL_CHUNK, Entry, WholeFileCache
+from coordlfs.cache import FILL_CHUNK, Entry, WholeFileCache, write_all
 from coordlfs.control_server import Caller, ControlServer
 from coordlfs.control_spec import Refused
 from coordlfs.source import Source, SourceReader
@@ -170,7 +170,7 @@ class _Fill:
             data = self.reader.read_view(done, min(FILL_CHUNK, entry.size - done))
             if not data:
                 raise OSError(errno.EIO, "source file shrank while being cached")
-            cache.write(entry, done, data)
+            write_all(cache.arena_fd, data, entry.offset + done)
             done += len(data)
         self.final = self.reader.fstat()
 

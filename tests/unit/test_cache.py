@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from coordlfs.cache import PREALLOCATE_STEP, WholeFileCache
+from coordlfs.cache import WholeFileCache
 from coordlfs.errors import UserError
 from coordlfs.published import INDEX, IndexReader
 from coordlfs.source import Source
@@ -204,15 +204,3 @@ def test_complete_entries_are_published_and_withdrawn_when_dropped(files: Path,
     assert _published(tmp_path, "f0") == (files / "f0").read_bytes()
     assert _published(tmp_path, "f1") is None
     again.close(keep=False)
-
-
-def test_arena_is_allocated_ahead_in_steps(files: Path, tmp_path: Path) -> None:
-    """Fills write into pages allocated a step at a time (on a tmpfs in huge pages a write
-    into a hole costs ~15x more), and never much beyond the entries."""
-    source = Source(str(files))
-    cache = _cache(tmp_path, capacity=64 << 20)
-    assert _fill_all(cache, source, ["f0", "f1", "f2", "f3"]) == [True] * 4
-    allocated = os.fstat(cache.arena_fd).st_blocks * 512
-    steps = -(-cache.end // PREALLOCATE_STEP)
-    assert cache.end <= allocated <= steps * PREALLOCATE_STEP + (1 << 20)
-    cache.close(keep=False)
