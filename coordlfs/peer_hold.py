@@ -12,8 +12,11 @@ time); a file whose batch was not sent yet is left to the reader, which asks for
 Memory is bounded: the bytes held and in flight never exceed ``capacity``; a new batch goes
 out only when a full one fits. Each held file is served once. A file is dropped unread when
 the readers have passed it (its place in the order is ``LAG`` places behind the last file
-taken), or when the area has been full for ``STALE_S`` (oldest first), so an order the readers
-do not follow costs peer traffic, never memory beyond the bound. A file that changed here
+a reader asked for), at once when the area is full and a reader has asked for a later file
+(a file read again while the kernel still has its pages is never asked for: a full area of
+them would hold up the next batches), or when the area has been full for ``STALE_S`` (oldest
+first), so an order the readers do not follow costs peer traffic, never memory beyond the
+bound. A file that changed here
 since it was asked for (another size or mtime) is never served from the area. A peer that
 leaves the cluster (``Peers.replace``) takes its queue and its requests in flight with it;
 what it already sent stays held.
@@ -153,6 +156,7 @@ class PeerHold:
         item = self.items.get(path)
         if item is None:
             return None
+        self._reached(item.position)
         same = (item.size, item.st.st_mtime_ns) == (st.st_size, st.st_mtime_ns)
         if item.state == _State.FLYING and same:
             await item.arrived.wait()
@@ -163,8 +167,6 @@ class PeerHold:
             return None
         self._forget(item)
         self.stats["hits"] += 1
-        self._taken_at = max(self._taken_at, item.position)
-        self._drop_passed()
         assert item.data is not None
         return item.link, item.data
 
@@ -179,12 +181,30 @@ class PeerHold:
         item.state = _State.GONE
         item.arrived.set()  # a reader waiting for its batch stops waiting
 
-    def _drop_passed(self) -> None:
+    def _reached(self, position: int) -> None:
+        """A reader asked for the file at ``position``, held or not: what lies far behind
+        it was passed. (A file the kernel still had in its page cache is never asked for.)"""
+        if position > self._taken_at:
+            self._taken_at = position
+            if not self._drop_passed(LAG) and self._full:
+                self._poke()  # a feeder waiting for room drops what this passed
+
+    @property
+    def _full(self) -> bool:
+        """Whether a full batch's bytes no longer fit."""
+        return self.reserved + MAX_CHUNK > self.capacity
+
+    def _drop_passed(self, lag: int) -> bool:
+        """Drop the held files more than ``lag`` places behind the readers, oldest first;
+        whether any went."""
+        dropped = False
         while self._held:
             oldest = next(iter(self._held.values()))
-            if oldest.position >= self._taken_at - LAG:
-                return
+            if oldest.position >= self._taken_at - lag:
+                break
             self._drop_unread(oldest)
+            dropped = True
+        return dropped
 
     def _drop_unread(self, item: _Item) -> None:
         self.stats["dropped_unread"] += 1
@@ -244,11 +264,12 @@ class PeerHold:
                     self._forget(item)
             if not queue:
                 await self._changed.wait()
-            elif self.reserved + MAX_CHUNK > self.capacity:
+            elif self._full:
+                if self._drop_passed(0):  # full, with files the readers went past: they
+                    continue  # are in the kernel's pages, or a reader is late for them
                 with trio.move_on_after(STALE_S) as waited:
                     await self._changed.wait()
-                while waited.cancelled_caught and self._held and (
-                        self.reserved + MAX_CHUNK > self.capacity):
+                while waited.cancelled_caught and self._held and self._full:
                     self._drop_unread(next(iter(self._held.values())))
             else:
                 break

@@ -24,6 +24,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from coordlfs.bench.children import Readers, batch_paths, running
 from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.hits import cpu_seconds
 from coordlfs.bench.ratios import median, ratio
+from coordlfs.client import Dataset as ClientDataset
 from coordlfs.config import DEFAULT_FILL_DEPTH
 from coordlfs.control import Control
 from coordlfs.control_spec import MAX_PREFETCH_PATHS, PREFETCH
@@ -76,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--order-handed-over", action="store_true",
                         help="before each epoch, hand each node's order to its mount "
                              "(prefetch), as a job that knows it does")
+    parser.add_argument("--client", action="store_true",
+                        help="each node's readers read through coordlfs.client (a hit from "
+                             "shared memory, the bytes copied out) and each epoch's order is "
+                             "handed over with Dataset.prefetch; implies --order-handed-over")
     harness.add_training_arguments(parser, readers=4, readers_help="reader processes per node",
                                    compute_ms=0.0)
 
@@ -130,6 +136,9 @@ class Plan:
     cache: int
     #: whether each mount is told the order of its node's reads before each epoch
     order_handed_over: bool = False
+    #: whether coordlfs's readers read through ``coordlfs.client`` (which hands the order
+    #: over with ``Dataset.prefetch``)
+    client: bool = False
 
 
 def node_copies(dataset: Dataset, work: Path, nodes: int) -> list[Path]:
@@ -162,6 +171,8 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
     # fills in flight (a MiB each), twice over for the allocator's slack
     extra = 2 * (peer_hold.CAPACITY + 2 * peer_hold.DEPTH * MAX_CHUNK
                  + DEFAULT_FILL_DEPTH * MAX_CHUNK) if plan.order_handed_over else 0
+    # client readers copy the bytes out: every system gets their headroom, as in bench epochs
+    extra += harness.CLIENT_HEADROOM_PER_READER * plan.job.readers if plan.client else 0
     budget = budget_for(dataset, plan.cache, extra, plan.job)
     with contextlib.ExitStack() as stack:
         net: list[Node] | None = None
@@ -170,12 +181,16 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
         groups: list[Readers] = []
         storage_pids: list[list[int]] = []
         controls: list[Control | None] = []
-        bases: list[Path] = []
+        bases: list[str | Path] = []
+        tellers: list[Teller | None] = []
+        client = plan.client and system != "page cache"
         for i, root in enumerate(roots):
             cgroup = stack.enter_context(memory_cgroup(
                 f"{CGROUP_PREFIX}-{os.getpid()}-{i}", None, None, read_bps=plan.job.throttle,
                 throttle_path=root if plan.job.throttle else None))
-            group = stack.enter_context(running(Readers(plan.job.readers)))
+            base = work / f"mnt{i}"
+            group = stack.enter_context(running(Readers(plan.job.readers,
+                                                        str(base) if client else None)))
             for pid in group.pids:
                 cgroup.add(pid)
             groups.append(group)
@@ -183,6 +198,7 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                 storage_pids.append(group.pids)
                 controls.append(None)
                 bases.append(root)
+                tellers.append(None)
             else:
                 options: list[str] = ["--window-size", "0"]
                 enter: list[str] = []
@@ -191,7 +207,6 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                     options += ["--listen", f"{net[i].address}:{PORT}", "--peers", peers,
                                 "--secret-file", str(_secret(work))]
                     enter = net[i].enter()
-                base = work / f"mnt{i}"
                 mount = stack.enter_context(mounted(
                     root, base, work / f"mount{i}.log", "--cache-size", str(plan.cache),
                     *options, enter=enter))
@@ -199,7 +214,8 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                 cgroup.add(daemon)
                 storage_pids.append([daemon])
                 controls.append(control)
-                bases.append(base)
+                bases.append("" if client else base)
+                tellers.append(_teller(stack, base, control, plan))
             cgroup.set_memory_limit(budget)
         drop_caches()
         epochs = []
@@ -212,7 +228,7 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                           in zip(storage_pids, working, controls, strict=True)]
                 futures = [pool.submit(node_epoch, groups[i], bases[i],
                                        [names[k] for k in order[i::plan.nodes]], plan,
-                                       controls[i] if plan.order_handed_over else None)
+                                       tellers[i])
                            for i in range(plan.nodes)]
                 done = [f.result() for f in futures]
                 after = [_counters(pids, busy, control) for pids, busy, control
@@ -233,15 +249,33 @@ def _peer_counters(control: Control | None) -> dict[str, Any]:
             "served_files": status["served"]["requests"]}
 
 
-def node_epoch(readers: Readers, base: Path, share: list[str], plan: Plan,
-               told: Control | None) -> tuple[float, float, int]:
-    """One node's epoch: (seconds, seconds waiting for data, bytes). A mount ``told`` the
-    order first gets it as a job that knows its order hands it over (``prefetch``, in
-    pieces), and the time that takes counts as waiting."""
-    started = time.perf_counter()
-    if told is not None:
+Teller = Callable[[list[str]], object]
+
+
+def _teller(stack: contextlib.ExitStack, base: Path, control: Control, plan: Plan
+            ) -> Teller | None:
+    """How a node's job hands its order to the mount, if it does: the client's
+    ``Dataset.prefetch``, or the ``prefetch`` command in pieces."""
+    if plan.client:
+        return stack.enter_context(ClientDataset(base)).prefetch
+    if not plan.order_handed_over:
+        return None
+
+    def tell(share: list[str]) -> None:
         for start in range(0, len(share), MAX_PREFETCH_PATHS):
-            told.call(PREFETCH, paths=share[start:start + MAX_PREFETCH_PATHS])
+            control.call(PREFETCH, paths=share[start:start + MAX_PREFETCH_PATHS])
+
+    return tell
+
+
+def node_epoch(readers: Readers, base: str | Path, share: list[str], plan: Plan,
+               tell: Teller | None) -> tuple[float, float, int]:
+    """One node's epoch: (seconds, seconds waiting for data, bytes). A job that knows its
+    order hands it over first (``tell``); the time that takes counts as waiting. ``base``
+    is empty for client readers, which name files relative to the mount."""
+    started = time.perf_counter()
+    if tell is not None:
+        tell(share)
     telling = time.perf_counter() - started
     seconds, waited, got = readers.epoch(batch_paths(share, base, plan.job.batch),
                                          plan.job.compute_s)
@@ -413,11 +447,12 @@ def run(args: argparse.Namespace) -> int:
     cache = int(dataset.total_bytes * args.cache)
     plan = Plan(args.nodes, JobPlan(1, args.epochs, args.readers, args.batch,
                                     args.compute_ms / 1000, args.seed, throttle), link, cache,
-                args.order_handed_over)
+                args.order_handed_over or args.client, args.client)
     print(f"{harness.describe_dataset(dataset)}; {args.nodes} nodes, each caching "
           f"{format_size(cache)}; link {link or 'unshaped'}; throttle "
           f"{harness.describe_throttle(throttle)} per node"
-          f"{'; the order handed over' if plan.order_handed_over else ''}", flush=True)
+          f"{'; the order handed over' if plan.order_handed_over else ''}"
+          f"{'; coordlfs read through coordlfs.client' if plan.client else ''}", flush=True)
     runs = [{s: run_system(s, plan, dataset, roots, work) for s in SYSTEMS}
             for _number in harness.repeated(args.repeat)]
     summary = summarize(runs)
