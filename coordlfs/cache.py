@@ -232,6 +232,7 @@ class WholeFileCache:
             end = offset + size
         _punch(self.arena_fd, end, self.arena_size)
         self.end = end
+        self._room_changed()
         if not clean:
             self.journal.checkpoint(self.entries.columns())
         if self.index is not None:
@@ -382,6 +383,7 @@ class WholeFileCache:
         self.entries.add(key, entry)
         self.used += entry.size
         self.end += entry.size
+        self._room_changed()
         return entry
 
     def start_fill(self, key: Key, path: bytes, st: os.stat_result, source: Source,
@@ -505,6 +507,7 @@ class WholeFileCache:
                         "read through the mount", self.directory, e.strerror or e)
             return
         self._source, self.watch = source, watch
+        self._room_changed()
 
     def _publish(self, key: Key, entry: Entry) -> None:
         """Publish a complete entry if its source file still is the version it holds.
@@ -584,6 +587,8 @@ class WholeFileCache:
             while True:
                 await trio.sleep(1.0)
                 self.punch_late(time.monotonic())
+                if self.full:  # clients send no misses to notice it: they read the source
+                    self._room_is_back()
 
     def shared_status(self) -> dict | None:
         """Where clients find the index and the arena, and what the index holds."""
@@ -605,6 +610,7 @@ class WholeFileCache:
         if self.full:
             return
         self.full = True
+        self._room_changed()
         message = ("cache directory %s is full (%s): new files are read from the source "
                    "until it has room again")
         if self._no_room_warned:
@@ -619,9 +625,17 @@ class WholeFileCache:
             return False
         log.info("cache directory %s has room again: caching new files", self.directory)
         self.full = False
+        self._room_changed()
         return True
 
     # -- internals -----------------------------------------------------------------
+
+    def _room_changed(self) -> None:
+        """Publish how large a new file MinIO would still take: clients read a larger file
+        from the source themselves (through the mount it would only be streamed)."""
+        if self.index is not None:
+            self.index.set_room(0 if self.full else
+                                max(0, min(self.capacity - self.used, self.arena_size - self.end)))
 
     @staticmethod
     def _wake(entry: Entry) -> None:
@@ -638,6 +652,7 @@ class WholeFileCache:
         removed, flags = self.entries.remove(key, entry)
         if removed:
             self.used -= entry.size
+            self._room_changed()
         if was_complete:  # journaled: a restart must not adopt it
             self.journal.append(journal.dropped(key, entry))
         if flags & SHARED:  # a client may be copying from it: withdrawn now, punched later

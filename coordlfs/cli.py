@@ -181,11 +181,14 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
         f"files    {reads['files_from_cache']} from cache, {reads['files_from_source']} from "
         f"source, {reads['files_from_peers']} from peers",
     ]
-    if reads["client_hits"] or reads["client_misses"]:
+    direct = reads.get("client_direct", 0)  # a daemon older than direct reads: none
+    if reads["client_hits"] or reads["client_misses"] or direct:
         lines.append(f"clients  {reads['client_hits']} hits "
                      f"({format_size(reads['client_bytes_from_cache'])}) from shared memory, "
                      f"{reads['client_misses']} reads "
-                     f"({format_size(reads['client_bytes_from_mount'])}) through the mount")
+                     f"({format_size(reads['client_bytes_from_mount'])}) through the mount, "
+                     f"{direct} ({format_size(reads.get('client_bytes_direct', 0))}) "
+                     "from the source directly")
     lines += _peer_lines(status)
     for name, group in status["groups"].items():
         members = ", ".join(f"{m['job']} (pid {m['pid']})" for m in group["members"])

@@ -8,9 +8,19 @@
 
 A hit costs no system call and no copy: the daemon publishes the files its cache holds in
 an index in shared memory (``coordlfs.published``), and the client maps that index and the
-cache's arena read-only, so ``read`` returns a read-only view of the cached bytes. Anything
-else goes through the mount, which fills the cache as it does for every reader (and waits
-for a prefetch of the file already under way), so the next read is a hit.
+cache's arena read-only, so ``read`` returns a read-only view of the cached bytes. A miss
+goes through the mount, which fills the cache as it does for every reader (and waits for a
+prefetch of the file already under way), so the next read is a hit.
+
+A miss the cache will not hold (MinIO is full: the index says how large a new file it would
+still take) is read from the source directly instead: through the mount it would only be
+streamed, at the price of a FUSE round trip per request. The client opens it beneath the
+source's root with its own credentials, never through a symlink (the mount shows links as
+links), and only if the mount would let it read the file too (``access`` on the mount's
+path: the kernel checks the modes the mount shows); it reads with O_DIRECT, so that the
+bytes do not stay in the page cache, and checks the file's version after. Anything else
+(a file that fits, a peer's file: a mount with peers gets every miss, an error) goes through
+the mount, which gives the same bytes or the same error.
 
 The daemon withdraws a file from the index the moment its source changes (it watches the
 source); where it cannot watch the source, the index says so and the client compares the
@@ -31,20 +41,28 @@ Only the standard library and the mount's control file are needed: no torch, no 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import io
+import mmap
 import os
 import posixpath
+import stat
+import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from coordlfs import control_spec
+from coordlfs.beneath import open_beneath
 from coordlfs.control import Control, ControlError, find_mount
 from coordlfs.published import IndexReader, Published
 
 #: Reads between two reports of a client's counts to the mount.
 REPORT_EVERY = 10_000
+#: A direct read's aligned buffer (one per thread), and the most one read asks for.
+DIRECT_CHUNK = 1 << 20
 
 
 @dataclass(slots=True)
@@ -53,6 +71,9 @@ class _Counts:
     misses: int = 0
     bytes_from_cache: int = 0
     bytes_from_mount: int = 0
+    #: misses read from the source directly (the cache had no room for them)
+    direct: int = 0
+    bytes_direct: int = 0
 
 
 class _Reports:
@@ -108,9 +129,12 @@ class Dataset:
         # not this user's to read (or no index): every read goes through the mount
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             self._index = IndexReader(shared["index"], shared["arena"])
+        self._direct = _DirectReader(self._source_dir, (status.get("cache") or {}).get(
+            "max_file_bytes")) if self._index is not None and _no_peers(status) else None
         self._reports = _Reports(self._control)
         self._until_report = REPORT_EVERY
-        self._finalizer = weakref.finalize(self, _close, self._reports, self._index)
+        self._finalizer = weakref.finalize(self, _close, self._reports, self._index,
+                                           self._direct)
         _open_datasets.add(self)
 
     @property
@@ -144,6 +168,15 @@ class Dataset:
                 counts.bytes_from_cache += found.size
                 self._count_read()
                 return index.arena[found.offset : found.offset + found.size]
+            room = index.room
+            if self._direct is not None and room is not None:
+                data = self._direct.read(name, room, self._mount_dir + name)
+                if data is not None:
+                    counts = self._reports.total
+                    counts.direct += 1
+                    counts.bytes_direct += len(data)
+                    self._count_read()
+                    return data
         with open(self._mount_dir + name, "rb", buffering=0) as f:
             data = f.readall()
         counts = self._reports.total
@@ -184,8 +217,14 @@ class Dataset:
 
     @property
     def stats(self) -> dict[str, int]:
-        """This process's reads: hits (from shared memory) and misses (through the mount)."""
+        """This process's reads: hits (from shared memory), misses (through the mount) and
+        direct reads (misses the cache had no room for, from the source)."""
         return asdict(self._reports.total)
+
+    def report(self) -> None:
+        """Tell the mount the counts it has not seen yet (they go in batches, and on
+        ``close``): for a benchmark that reads the mount's stats between epochs."""
+        self._reports.send()
 
     def close(self) -> None:
         """Report the counts the mount has not seen yet and unmap the cache (views still
@@ -199,10 +238,118 @@ class Dataset:
         self.close()
 
 
-def _close(reports: _Reports, index: IndexReader | None) -> None:
+def _close(reports: _Reports, index: IndexReader | None, direct: _DirectReader | None) -> None:
     reports.send()
     if index is not None:
         index.close()
+    if direct is not None:
+        direct.close()
+
+
+def _no_peers(status: dict[str, Any]) -> bool:
+    """Whether the mount caches every file itself: with peers, a miss may be a peer's to
+    serve from its cache, which only the mount can ask for."""
+    return not (status.get("peers") or {}).get("nodes")
+
+
+class _DirectReader:
+    """Reads misses the cache will not hold straight from the source (see the module's
+    docstring); ``read`` returns None for whatever the mount must answer."""
+
+    def __init__(self, source_dir: bytes, max_file_size: int | None) -> None:
+        self.source_dir = source_dir
+        #: files over it are never cached: always read directly (None: the mount did not say)
+        self.max_file_size = max_file_size
+        #: an O_PATH descriptor of the source's root opened as this process (None: not yet;
+        #: -1: it cannot, as a user who may not reach the source: every miss goes to the mount)
+        self._root: int | None = None
+        self._buffers = threading.local()
+
+    def _root_fd(self) -> int:
+        if self._root is None:
+            try:
+                self._root = os.open(self.source_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                self._root = -1
+        return self._root
+
+    def read(self, name: bytes, room: int, mount_path: bytes) -> bytes | None:
+        """The file's bytes if it is a regular file the cache has no room for and the mount
+        would let this process read; None sends the read to the mount."""
+        root = self._root_fd()
+        if root < 0:
+            return None
+        for _attempt in range(2):  # changed during the read: once more, then the mount
+            try:
+                fd = _open(root, name)
+            except OSError:  # a symlink on the way, gone, not this user's: the mount says
+                return None
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or (
+                        st.st_size <= room and (self.max_file_size is None
+                                                or st.st_size <= self.max_file_size)):
+                    return None  # the mount caches it (or shows what it is)
+                if not os.access(mount_path, os.R_OK, effective_ids=True):
+                    return None  # the mount's modes refuse it: the mount gives the error
+                data = self._read_all(fd, st.st_size)
+                if _version(os.fstat(fd)) == _version(st) and len(data) == st.st_size:
+                    return data
+            except OSError:
+                return None
+            finally:
+                os.close(fd)
+        return None
+
+    def _read_all(self, fd: int, size: int) -> bytes:
+        """Read to EOF through this thread's aligned buffer; a file O_DIRECT cannot read
+        (EINVAL: alignment) is read buffered, its pages dropped after."""
+        buffer = getattr(self._buffers, "view", None)
+        if buffer is None:
+            buffer = self._buffers.view = memoryview(mmap.mmap(-1, DIRECT_CHUNK))
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        buffered = not flags & os.O_DIRECT
+        pieces: list[bytes] = []
+        offset = 0
+        while True:
+            # a page past the size expected: EOF shows as a short read, with no call more
+            want = min(DIRECT_CHUNK, -(-(size - offset + 1) // mmap.PAGESIZE) * mmap.PAGESIZE)
+            try:
+                got = os.preadv(fd, [buffer[:want]], offset)
+            except OSError as e:
+                if e.errno != errno.EINVAL or buffered:
+                    raise
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+                buffered = True
+                continue
+            pieces.append(bytes(buffer[:got]))
+            offset += got
+            if got < want:
+                break
+        if buffered:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return b"".join(pieces)
+
+    def close(self) -> None:
+        if self._root is not None and self._root >= 0:
+            os.close(self._root)
+        self._root = -1
+
+
+def _open(root: int, name: bytes) -> int:
+    """Open a source file for a direct read: O_DIRECT where its filesystem allows it;
+    O_NONBLOCK so that a FIFO in the source does not block the open (it is not read)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
+    try:
+        return open_beneath(root, name, flags | os.O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    return open_beneath(root, name, flags)
+
+
+def _version(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 class ViewFile(io.BufferedIOBase):

@@ -263,8 +263,11 @@ BATCH = Arg("batch", COUNT)
 _READS = Integer(0, 1 << 60, '"{name}" must be a count of reads or bytes')
 CLIENT_REPORT = Command(
     "client.report", "add a coordlfs.client's reads since its last report to the counters",
-    Access.OWN, tuple(Arg(name, _READS) for name in ("hits", "misses", "bytes_from_cache",
-                                                      "bytes_from_mount")))
+    Access.OWN, (*(Arg(name, _READS) for name in ("hits", "misses", "bytes_from_cache",
+                                                   "bytes_from_mount")),
+                 # later than the rest: optional, so that an older client's report still adds
+                 *(Arg(name, _READS, optional=True, default=0)
+                   for name in ("direct", "bytes_direct"))))
 
 STATUS = Command("status", "the mount's status", Access.READ, reply='"status"')
 HELP = Command("help", "the commands this mount understands", Access.READ,

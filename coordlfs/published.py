@@ -22,7 +22,12 @@ updating, and reopens ``published``. Stores reach other processes in program ord
 x86-64 (TSO), the only order the seqlock relies on.
 
 The header also says whether clients must compare a hit's version with the source
-(``revalidate``): set when the daemon cannot watch the source for changes.
+(``revalidate``): set when the daemon cannot watch the source for changes; and how large a
+new file MinIO would still take (``room``), so that a client reads a file that will never be
+cached from the source itself instead of through the mount. The room word came later than
+the rest: it has a flag bit (``_ROOM_SET``) so that a client tells a daemon that publishes
+it from an older one, whose header is zeros there; an older client reads the first five
+words only, so the magic stays.
 """
 
 from __future__ import annotations
@@ -38,11 +43,14 @@ from typing import NamedTuple
 INDEX = "published"
 _PART = INDEX + ".part"
 MAGIC = b"CLFSIDX1"
-#: magic, retired, revalidate, slot count, generation; slots start at HEADER_SIZE
-_HEADER = struct.Struct("<8sQQQQ")
+#: magic, retired, revalidate, slot count, generation, room; slots start at HEADER_SIZE
+_HEADER = struct.Struct("<8sQQQQQ")
 #: the two words a reader checks on every hit: retired, revalidate
 _FLAGS = struct.Struct("<QQ")
 _FLAGS_AT = 8
+_ROOM_AT = 40
+#: set in the room word by a daemon that publishes the room (an older one leaves it zero)
+_ROOM_SET = 1 << 63
 HEADER_SIZE = 64
 #: word (sequence << 2 | state), hash (2 words), arena offset, size, inode, mtime, ctime
 SLOT = struct.Struct("<QQQQQQqq")
@@ -81,6 +89,8 @@ class IndexWriter:
     def __init__(self, dir_fd: int, revalidate: bool = False) -> None:
         self.dir_fd = dir_fd
         self.revalidate = revalidate
+        #: how large a new file MinIO would still take, bytes (``set_room``)
+        self.room = 0
         #: live slots; a path's slot is found by probing the table, as a client does, so
         #: the daemon keeps nothing per published file (a dict of paths cost ~150 bytes each)
         self._live = 0
@@ -127,7 +137,8 @@ class IndexWriter:
             table = mmap.mmap(fd, HEADER_SIZE + slots * SLOT_SIZE, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
-        _HEADER.pack_into(table, 0, MAGIC, 0, int(self.revalidate), slots, self.generation)
+        _HEADER.pack_into(table, 0, MAGIC, 0, int(self.revalidate), slots, self.generation,
+                          self.room | _ROOM_SET)
         return table
 
     def _install(self) -> None:
@@ -138,6 +149,12 @@ class IndexWriter:
         """From now on clients compare every hit's version with the source."""
         self.revalidate = True
         _WORD.pack_into(self._map, _FLAGS_AT + 8, 1)
+
+    def set_room(self, room: int) -> None:
+        """Clients read a file larger than ``room`` from the source, not through the mount."""
+        if room != self.room:
+            self.room = room
+            _WORD.pack_into(self._map, _ROOM_AT, room | _ROOM_SET)
 
     def publish(self, path: bytes, found: Published) -> None:
         """Publish (or republish) a path; OSError if the index cannot grow (no room)."""
@@ -244,7 +261,7 @@ class IndexReader:
             table = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        magic, _retired, revalidate, slots, _generation = _HEADER.unpack_from(table, 0)
+        magic, _retired, revalidate, slots, _generation, _room = _HEADER.unpack_from(table, 0)
         if magic != MAGIC or len(table) < HEADER_SIZE + slots * SLOT_SIZE:
             table.close()
             raise OSError(f"{self.index_path} is no coordlfs index")
@@ -268,6 +285,13 @@ class IndexReader:
                 return None  # the mount is going away: the caller reads through it
             table.close()
         return None
+
+    @property
+    def room(self) -> int | None:
+        """How large a new file MinIO would still take, as of now; None from a daemon that
+        does not say (then every miss goes through the mount)."""
+        word = _WORD.unpack_from(self._map, _ROOM_AT)[0]
+        return word & ~_ROOM_SET if word & _ROOM_SET else None
 
     def _probe(self, table: mmap.mmap, h1: int, h2: int) -> Published | None:
         """Linear probing from the hash's slot; it ends, as the writer keeps half the table

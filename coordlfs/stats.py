@@ -30,6 +30,10 @@ class ReadCounters:
     client_misses: int = 0
     client_bytes_from_cache: int = 0
     client_bytes_from_mount: int = 0
+    #: ... and straight from the source (misses the cache had no room for), which the
+    #: mount never saw: added to ``files_from_source`` and ``bytes_from_source`` too
+    client_direct: int = 0
+    client_bytes_direct: int = 0
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)
@@ -94,9 +98,12 @@ def register_commands(server: ControlServer, stats: Stats) -> None:
         return {"mark": asdict(mark)}
 
     def client_report(args: dict, _caller: Caller) -> dict:
+        reads = stats.reads
         for name, value in args.items():
             field = "client_" + name
-            setattr(stats.reads, field, getattr(stats.reads, field) + value)
+            setattr(reads, field, getattr(reads, field) + value)
+        reads.files_from_source += args["direct"]
+        reads.bytes_from_source += args["bytes_direct"]
         return {}
 
     server.serve("stats", stats_cmd)

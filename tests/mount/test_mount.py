@@ -131,7 +131,8 @@ def test_control_entry_is_hidden_but_reachable(mount, dataset) -> None:
                                     "bytes_from_source", "files_from_source", "files_from_cache",
                                     "bytes_from_peers", "files_from_peers", "client_hits",
                                     "client_misses", "client_bytes_from_cache",
-                                    "client_bytes_from_mount"}
+                                    "client_bytes_from_mount", "client_direct",
+                                    "client_bytes_direct"}
     assert status["cache"]["capacity_bytes"] == 4 << 20
 
 

@@ -1,0 +1,201 @@
+"""coordlfs.client reads misses the cache has no room for from the source itself: the same
+bytes as the source, counted; a symlink on the way, a file the mount's modes refuse and a
+mount with peers send the read through the mount, which answers as it always did."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import OTHER_UID, force_unmount, run_cli
+from test_client import client_digests, every_file
+from test_control_security import as_user
+
+from coordlfs.client import Dataset
+from coordlfs.control import Control, ControlError
+
+#: A cache of a few dataset files (~110 KB each): nearly every miss has no room.
+SMALL_CACHE = "1M"
+
+
+def test_misses_the_cache_has_no_room_for_are_read_from_the_source(mount, dataset) -> None:
+    source, _sizes = dataset
+    names, expected, total = every_file(source)
+    m = mount(source, "--cache-size", SMALL_CACHE)
+    with Dataset(m.mountpoint) as ds:
+        assert client_digests(ds, names) == expected
+        first = ds.stats
+        cached = m.status()["cache"]["files"]
+        # through the mount: only files that fitted, and each of them it cached
+        assert 0 < first["misses"] <= cached
+        assert first["direct"] == len(names) - first["misses"] > 0
+        assert first["bytes_direct"] + first["bytes_from_mount"] == total
+        assert client_digests(ds, names) == expected  # again: hits and direct reads
+        second = ds.stats
+        assert second["hits"] - first["hits"] == cached
+        assert second["misses"] == first["misses"]
+    reads = m.status()["reads"]
+    assert reads["client_direct"] == second["direct"]
+    assert reads["client_bytes_direct"] == second["bytes_direct"]
+    # the mount's count from the source holds the clients' direct reads
+    assert reads["files_from_source"] == len(names) + second["direct"] - first["direct"]
+    assert reads["bytes_from_source"] == total + second["bytes_direct"] - first["bytes_direct"]
+    shown = run_cli("stats", str(m.mountpoint)).stdout
+    assert f"{second['direct']} (" in shown and "from the source directly" in shown
+
+
+def _big_source(tmp_path: Path) -> Path:
+    """Files larger than SMALL_CACHE: no read of them is ever cached."""
+    src = tmp_path / "src"
+    (src / "real").mkdir(parents=True)
+    (src / "a.bin").write_bytes(os.urandom(3 << 20))
+    (src / "real" / "x.bin").write_bytes(os.urandom(2 << 20 | 77))
+    (src / "link").symlink_to("real")
+    return src
+
+
+def test_a_file_changed_after_a_direct_read_reads_new(mount, tmp_path: Path) -> None:
+    src = _big_source(tmp_path)
+    m = mount(src, "--cache-size", SMALL_CACHE)
+    with Dataset(m.mountpoint) as ds:
+        assert bytes(ds.read("a.bin")) == (src / "a.bin").read_bytes()
+        new = os.urandom(3 << 20)
+        with open(src / "a.bin", "r+b") as f:  # in place, same size
+            f.write(new)
+        assert bytes(ds.read("a.bin")) == new
+        replacement = tmp_path / "a.new"
+        replacement.write_bytes(b"shorter")
+        os.rename(replacement, src / "a.bin")
+        assert bytes(ds.read("a.bin")) == b"shorter"  # fits the cache: through the mount
+        assert ds.stats["direct"] == 2 and ds.stats["misses"] == 1
+
+
+def test_a_path_through_a_symlink_goes_through_the_mount(mount, tmp_path: Path) -> None:
+    src = _big_source(tmp_path)
+    m = mount(src, "--cache-size", SMALL_CACHE)
+    with Dataset(m.mountpoint) as ds:
+        data = (src / "real" / "x.bin").read_bytes()
+        assert bytes(ds.read("link/x.bin")) == data  # the mount shows the link: it follows
+        assert ds.stats["direct"] == 0 and ds.stats["misses"] == 1
+        assert bytes(ds.read("real/x.bin")) == data
+        assert ds.stats["direct"] == 1
+        with pytest.raises(FileNotFoundError):
+            ds.read("real/none.bin")
+        with pytest.raises(IsADirectoryError):
+            ds.read("real")
+
+
+def test_a_mount_with_peers_never_reads_directly(mount, tmp_path: Path) -> None:
+    from test_metrics import free_port
+
+    src = _big_source(tmp_path)
+    listen, absent = free_port(), free_port()
+    m = mount(src, "--cache-size", SMALL_CACHE, "--insecure", "--listen",
+              f"127.0.0.1:{listen}", "--peers", f"127.0.0.1:{listen},127.0.0.1:{absent}")
+    with Dataset(m.mountpoint) as ds:
+        assert bytes(ds.read("a.bin")) == (src / "a.bin").read_bytes()
+        assert bytes(ds.read("real/x.bin")) == (src / "real" / "x.bin").read_bytes()
+        assert ds.stats["direct"] == 0 and ds.stats["misses"] == 2
+
+
+# -- another user ---------------------------------------------------------------------------
+
+_ACL_VERSION = 2
+_USER_OBJ, _USER, _GROUP_OBJ, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_NO_ID = 0xFFFFFFFF
+
+
+def _grant_by_acl(path: Path, uid: int) -> None:
+    """Owner rw, named user ``uid`` r, nobody else (mode 0640: the mask shows as group)."""
+    entries = [(_USER_OBJ, 6, _NO_ID), (_USER, 4, uid), (_GROUP_OBJ, 0, _NO_ID),
+               (_MASK, 4, _NO_ID), (_OTHER, 0, _NO_ID)]
+    value = struct.pack("<I", _ACL_VERSION) + b"".join(struct.pack("<HHI", *e) for e in entries)
+    os.setxattr(path, "system.posix_acl_access", value)
+
+
+@pytest.fixture
+def reachable() -> Iterator[Path]:
+    """A directory every user may enter (pytest's tmp_path is root's alone)."""
+    path = Path(tempfile.mkdtemp(prefix="coordlfs-direct-", dir="/var/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _read_each(mountpoint: str, names: list[str]) -> dict:
+    """As another user: each file's bytes' length or the error's name, and the counts."""
+    results = {}
+    with Dataset(mountpoint) as ds:
+        shared = ds.shared
+        for name in names:
+            try:
+                results[name] = len(bytes(ds.read(name)))
+            except OSError as e:
+                results[name] = type(e).__name__
+        return {"shared": shared, "results": results, "stats": ds.stats}
+
+
+def _mount_direct(name: str) -> str:
+    try:
+        with open(name, "rb") as f:
+            return str(len(f.read()))
+    except OSError as e:
+        return type(e).__name__
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+def test_another_user_gets_what_the_mount_gives(mount, reachable: Path) -> None:
+    """The other user may map the index here (the cache directory opened to them), so the
+    client would read directly: a file the source refuses them, and one an ACL grants them
+    but the mount's modes refuse (the mount shows modes, not ACLs), both get the mount's
+    EACCES; a file they may read comes directly."""
+    src = reachable / "src"
+    src.mkdir()
+    src.chmod(0o755)
+    files = {"open.bin": 0o644, "closed.bin": 0o600, "acl.bin": 0o600}
+    for name, mode in files.items():
+        (src / name).write_bytes(os.urandom(2 << 20))
+        (src / name).chmod(mode)
+    _grant_by_acl(src / "acl.bin", OTHER_UID)
+    cache = reachable / "cache"
+    mountpoint = reachable / "mnt"
+    try:
+        m = mount(src, "--allow-other", "--cache-size", SMALL_CACHE, mountpoint=mountpoint,
+                  cache_dir=cache)
+        cache.chmod(0o755)
+        for part in ("published", "arena"):
+            (cache / part).chmod(0o644)
+        names = sorted(files)
+        by_mount = as_user(OTHER_UID, lambda: [_mount_direct(str(mountpoint / n))
+                                               for n in names])
+        assert by_mount == ["PermissionError", "PermissionError", str(2 << 20)]
+        seen = as_user(OTHER_UID, lambda: _read_each(str(mountpoint), names))
+        assert seen["shared"]
+        assert seen["results"] == {"acl.bin": "PermissionError",
+                                   "closed.bin": "PermissionError", "open.bin": 2 << 20}
+        assert seen["stats"]["direct"] == 1
+        force_unmount(mountpoint, m.pid)
+    finally:
+        force_unmount(mountpoint, None)
+
+
+def test_reports_of_direct_reads_are_checked(mount, dataset) -> None:
+    source, _sizes = dataset
+    m = mount(source)
+    control = Control(m.mountpoint)
+    for bad in (-1, "3", True, 1 << 61):
+        with pytest.raises(ControlError, match='"direct" must be (an integer|a count)'):
+            control.request("client.report", hits=0, misses=0, bytes_from_cache=0,
+                            bytes_from_mount=0, direct=bad)
+    # an older client's report, without them
+    control.request("client.report", hits=1, misses=0, bytes_from_cache=5, bytes_from_mount=0)
+    control.request("client.report", hits=0, misses=0, bytes_from_cache=0,
+                    bytes_from_mount=0, direct=2, bytes_direct=7)
+    reads = m.status()["reads"]
+    assert (reads["client_hits"], reads["client_direct"], reads["client_bytes_direct"]) == (1, 2, 7)
+    assert (reads["files_from_source"], reads["bytes_from_source"]) == (2, 7)
