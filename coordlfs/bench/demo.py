@@ -15,10 +15,11 @@ reader handing each epoch's order to the mount first (``prefetch``) and copying 
 bytes out (``bytes()``).
 
 Bytes from storage are what the processes under test had the kernel read from the disk
-(``read_bytes`` of ``/proc/PID/io``: the reader for the page cache; the daemon, which reads the
-source, for coordlfs), so that other processes using the disk do not blur the numbers; the
-disk's own sector counter (``/sys/block/<dev>/stat``) goes into the JSON beside it. Either way
-the dataset must be on a disk, not on tmpfs.
+(``read_bytes`` of ``/proc/PID/io``: the reader for the page cache; for coordlfs the daemon,
+which reads the source, and the reader, which reads through the client the misses the cache
+has no room for from the source itself), so that other processes using the disk do not blur
+the numbers; the disk's own sector counter (``/sys/block/<dev>/stat``) goes into the JSON
+beside it. Either way the dataset must be on a disk, not on tmpfs.
 
     python -m coordlfs.bench.demo [--files N] [--dir DIR] [--epochs 3] [--json FILE]
 
@@ -88,6 +89,7 @@ def serve_reader(client: str | None = None) -> None:
         elif dataset is not None:
             dataset.prefetch(request["paths"])
             total = copy_files(dataset, request["paths"])
+            dataset.report()  # its direct reads in the mount's count of the epoch
         else:
             total = read_files(request["paths"], buf)
         _reply({"seconds": time.perf_counter() - start, "bytes": total})

@@ -15,7 +15,8 @@ the budget B, on storage throttled by a blkio limit:
   (``prefetch``), as ``AlignedSampler`` does.
 
 Bytes from storage are the kernel's per-process counters (``/proc/PID/io`` ``read_bytes`` of
-the readers, or of the daemon), not coordlfs's. A trainer loop consumes the batches in order,
+the readers, and of the daemon: a client's readers read misses the cache has no room for
+from the source themselves), not coordlfs's. A trainer loop consumes the batches in order,
 sleeping ``--compute-ms`` per batch for the GPU step; the time it waits for the next batch
 is the stall time, as DS-Analyzer measures it.
 """
@@ -251,8 +252,8 @@ def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path,
             drop_caches()
             if client:
                 with ClientDataset(mountpoint) as trainer:
-                    result = run_epochs("client", group, [daemon], dataset, "", settings,
-                                        trainer.prefetch)
+                    result = run_epochs("client", group, [daemon, *group.pids], dataset,
+                                        "", settings, trainer.prefetch)
             else:
                 result = run_epochs("coordlfs", group, [daemon], dataset, mountpoint, settings,
                                     observer.before_epoch if observer else None)
