@@ -11,15 +11,14 @@ time); a file whose batch was not sent yet is left to the reader, which asks for
 
 Memory is bounded: the bytes held and in flight never exceed ``capacity``; a new batch goes
 out only when a full one fits. Each held file is served once. A file is dropped unread when
-the readers have passed it (its place in the order is ``LAG`` places behind the last file
-a reader asked for), at once when the area is full and a reader has asked for a later file
-(a file read again while the kernel still has its pages is never asked for: a full area of
-them would hold up the next batches), or when the area has been full for ``STALE_S`` (oldest
-first), so an order the readers do not follow costs peer traffic, never memory beyond the
-bound. A file that changed here
-since it was asked for (another size or mtime) is never served from the area. A peer that
-leaves the cluster (``Peers.replace``) takes its queue and its requests in flight with it;
-what it already sent stays held.
+the readers have passed it (its place in the order is ``LAG`` places behind the last file a
+reader asked for, held or not: a file read again while the kernel still has its pages is
+never asked for, and an area full of them would hold up the next batches), or when the area
+has been full for ``STALE_S`` (oldest first), so an order the readers do not follow costs
+peer traffic, never memory beyond the bound. A file that changed here since it was asked for
+(another size or mtime) is never served from the area. A peer that leaves the cluster
+(``Peers.replace``) takes its queue and its requests in flight with it; what it already sent
+stays held.
 """
 
 from __future__ import annotations
@@ -51,8 +50,11 @@ log = logging.getLogger(__name__)
 CAPACITY = 8 << 20
 #: GETMANY requests in flight per peer: enough to keep a link busy across round trips.
 DEPTH = 4
-#: A held file this many places in the order behind the last file taken was passed over.
-LAG = 4096
+#: A held file this many places in the order behind the last file a reader asked for was
+#: passed: read from the kernel's pages (never asked of the mount), or by a reader that fetched
+#: it itself. A job's loader processes read at most a few hundred places apart (readers x
+#: batches ahead x batch size), so a nearer file may still be on its way to a late reader.
+LAG = 512
 #: Seconds the area may stay full before its oldest held file is dropped unread.
 STALE_S = 10.0
 #: Files waiting to be asked for, at most; more are left to the readers.
@@ -186,25 +188,11 @@ class PeerHold:
         it was passed. (A file the kernel still had in its page cache is never asked for.)"""
         if position > self._taken_at:
             self._taken_at = position
-            if not self._drop_passed(LAG) and self._full:
-                self._poke()  # a feeder waiting for room drops what this passed
-
-    @property
-    def _full(self) -> bool:
-        """Whether a full batch's bytes no longer fit."""
-        return self.reserved + MAX_CHUNK > self.capacity
-
-    def _drop_passed(self, lag: int) -> bool:
-        """Drop the held files more than ``lag`` places behind the readers, oldest first;
-        whether any went."""
-        dropped = False
-        while self._held:
-            oldest = next(iter(self._held.values()))
-            if oldest.position >= self._taken_at - lag:
-                break
-            self._drop_unread(oldest)
-            dropped = True
-        return dropped
+            while self._held:
+                oldest = next(iter(self._held.values()))
+                if oldest.position >= position - LAG:
+                    return
+                self._drop_unread(oldest)
 
     def _drop_unread(self, item: _Item) -> None:
         self.stats["dropped_unread"] += 1
@@ -264,12 +252,11 @@ class PeerHold:
                     self._forget(item)
             if not queue:
                 await self._changed.wait()
-            elif self._full:
-                if self._drop_passed(0):  # full, with files the readers went past: they
-                    continue  # are in the kernel's pages, or a reader is late for them
+            elif self.reserved + MAX_CHUNK > self.capacity:
                 with trio.move_on_after(STALE_S) as waited:
                     await self._changed.wait()
-                while waited.cancelled_caught and self._held and self._full:
+                while waited.cancelled_caught and self._held and (
+                        self.reserved + MAX_CHUNK > self.capacity):
                     self._drop_unread(next(iter(self._held.values())))
             else:
                 break

@@ -235,18 +235,19 @@ def test_files_the_readers_had_in_the_kernels_pages_do_not_hold_up_the_next() ->
         hold, peers = holding_area(capacity=2 * MAX_CHUNK)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(hold.run)
-            order = paths(0, 200)
+            order = paths(0, 2 * peer_hold.LAG)
             hold.prefetch(order)
             await trio.sleep(1)
             held = hold.status()["held"]
             assert 0 < held < 100 and hold.reserved + MAX_CHUNK > hold.capacity
-            skipped = order[held + 20]  # queued, not asked yet: the reader fetches it itself
+            batches = hold.stats["batches"]
+            skipped = order[held + peer_hold.LAG]  # queued: the reader fetches it itself
             assert await hold.take(skipped, stat_of(skipped)) is None
             await trio.sleep(peer_hold.STALE_S / 10)
-            assert hold.stats["dropped_unread"] >= held
-            for path in order[held + 21:held + 40]:
-                got = await hold.take(path, stat_of(path))
-                assert got is not None and got[1] == content(path)
+            assert hold.stats["dropped_unread"] == held and hold.stats["batches"] > batches
+            later = order[held]  # a late reader's: still within LAG of the skipped file
+            got = await hold.take(later, stat_of(later))
+            assert got is not None and got[1] == content(later)
             assert hold.reserved <= hold.capacity and peers.most_reserved <= hold.capacity
             nursery.cancel_scope.cancel()
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
