@@ -4,9 +4,9 @@ Concurrent hyper-parameter-search jobs over one dataset each decode and augment 
 on a small server the CPUs do the same work N times and the GPUs wait. The jobs of a prep group
 split each epoch's batches instead (the protocol is in ``coordlfs.prep``): a producer thread
 claims batches from the mount, prepares them with this job's own DataLoader workers, writes each
-to a file in the mount's staging area (tmpfs) with ``torch.save`` and publishes it; the loop
-takes every batch of the epoch once, in an order of its own, mapping other jobs' batches with
-``torch.load(mmap=True)`` (no copy through FUSE, none in the consumer) and using its own from
+to a file in the mount's staging area (tmpfs: its tensors' bytes as they are, ``batch_file``)
+and publishes it; the loop takes every batch of the epoch once, in an order of its own, mapping
+other jobs' batches (no copy through FUSE, none in the consumer) and using its own from
 memory. Augmentations are fresh each epoch, as every batch is prepared anew each epoch.
 
 Without a mount, when the mount refuses, or when this job is expelled mid-epoch (it hung), the
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import random
 import secrets
 import threading
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from coordlfs import batch_file
 from coordlfs import control_spec as spec
 from coordlfs.adapters import MountFiles, mount_files, prefetching
 from coordlfs.control import Control, ControlError, control_for, dataset_root
@@ -46,38 +46,12 @@ from coordlfs.control_spec import Command
 from coordlfs.errors import UserError
 from coordlfs.order import SEED_LIMIT, batch_count, batches_of, epoch_order
 
-#: Staging files hold the batch's tensor bytes plus ``torch.save``'s zip and pickle framing;
-#: a reservation adds this much, and this much per tensor (zip entry, 64-byte alignment), so
-#: the file never outgrows it.
-FRAMING_BYTES = 4 << 10
-FRAMING_PER_TENSOR = 1 << 10
-
 
 def local_order(seed: int, epoch: int, n: int) -> list[int]:
     """A job's own shuffle of ``n`` items for ``epoch``, where it has no group to share one."""
     generator = torch.Generator()
     generator.manual_seed((seed + epoch) % (1 << 63))
     return torch.randperm(n, generator=generator).tolist()
-
-
-def staged_size(batch: Any) -> int:
-    """Bytes to reserve for ``batch``'s staging file."""
-    leaves = list(_leaves(batch))
-    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    others = [x for x in leaves if not isinstance(x, torch.Tensor)]
-    return (FRAMING_BYTES + len(pickle.dumps(others))
-            + sum(t.untyped_storage().nbytes() + FRAMING_PER_TENSOR for t in tensors))
-
-
-def _leaves(obj: Any) -> Iterator[Any]:
-    if isinstance(obj, dict):
-        for value in obj.values():
-            yield from _leaves(value)
-    elif isinstance(obj, list | tuple):
-        for value in obj:
-            yield from _leaves(value)
-    else:
-        yield obj
 
 
 class _Claims(Sampler[list[int]]):
@@ -311,7 +285,7 @@ class SharedPrepLoader:
             number = reply["batch"]
             batch = producer.own.pop(number, None)
             if batch is None:
-                batch = torch.load(reply["path"], mmap=True, weights_only=False)
+                batch = batch_file.read(reply["path"])
             used.add(number)
             yield batch
             done = [number]
@@ -390,11 +364,11 @@ class _Producer:
                     return
 
     def _stage(self, number: int, batch: Any) -> None:
-        size = staged_size(batch)
-        while (room := self._reserve(number, size))["full"]:
+        staged = batch_file.BatchFile(batch)
+        while (room := self._reserve(number, staged.size))["full"]:
             if self._stopping.is_set():
                 return
-        torch.save(batch, room["path"])
+        staged.write(room["path"])
         self.own[number] = batch
         self.link.call(spec.PREP_PUBLISH, batch=number)
         self.loader.prepared += 1

@@ -193,7 +193,7 @@ def test_a_hung_member_is_expelled_and_finishes_alone(mounted, jobs) -> None:
 
 
 def test_the_staging_bound_holds(mounted, jobs) -> None:
-    m, sizes = mounted("--staging-size", "14K")  # two batches of 4 items (about 5 KiB each)
+    m, sizes = mounted("--staging-size", "700")  # two batches of 4 items (320 bytes each)
     procs = [jobs.start(m.mountpoint, "hp", f"job{k}", 2, "--min-members", "2", "--batch", "4",
                         "--step-ms", str(5 * k)) for k in range(2)]
     for proc in procs:
@@ -201,7 +201,7 @@ def test_the_staging_bound_holds(mounted, jobs) -> None:
             assert sorted(items_of(epoch)) == list(range(len(sizes)))
     staging = m.status()["prep"]["staging"]
     assert staging["full"] > 0  # producers did wait
-    assert 0 < staging["peak_bytes"] <= 14 << 10
+    assert 0 < staging["peak_bytes"] <= 700
     assert_clean(m)
     shown = run_cli("stats", str(m.mountpoint))
     assert shown.returncode == 0 and f"{staging['published']} batches published" in shown.stdout
