@@ -368,7 +368,10 @@ class _Producer:
         while (room := self._reserve(number, staged.size))["full"]:
             if self._stopping.is_set():
                 return
-        staged.write(room["path"])
+        try:
+            staged.write(room["path"])
+        except OSError as e:  # the staging area's filesystem is full: as if it refused
+            raise StagingRefused(f"cannot stage batch {number}: {e.strerror}") from None
         self.own[number] = batch
         self.link.call(spec.PREP_PUBLISH, batch=number)
         self.loader.prepared += 1
