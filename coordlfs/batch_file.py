@@ -88,9 +88,7 @@ class BatchFile:
         """Write the file (created owner-only): the header, then each tensor's bytes."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            # sized first: on a tmpfs in huge pages (``huge=within_size``) the writes then
-            # fill 2 MiB pages from the start
-            os.ftruncate(fd, self.size)
+            os.ftruncate(fd, self.size)  # the gaps between tensors stay holes
             _write_at(fd, 0, self._head)
             for t, offset in zip(self._tensors, self._offsets, strict=True):
                 if t.numel():

@@ -36,11 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordlfs import cache_tmpfs, membership
+from coordlfs import membership
 from coordlfs.control_server import Caller, ControlServer
 from coordlfs.control_spec import RequestError
 from coordlfs.membership import Memberships, job_name
-from coordlfs.mounting import mount_at
 from coordlfs.order import SEED_LIMIT, batch_count
 from coordlfs.processes import process_alive
 
@@ -132,19 +131,10 @@ class Prep(Memberships[PrepGroup, PrepMember]):
 
     def __init__(self, capacity: int, root: str = STAGING_ROOT,
                  alive: Callable[[int], bool] = process_alive,
-                 clock: Callable[[], float] = time.monotonic,
-                 own_tmpfs: bool | None = None) -> None:
-        """``own_tmpfs``: stage in a tmpfs of the area's own in huge pages (default: for
-        the default ``root``, the daemon's)."""
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(alive)
         self.capacity = capacity
         self.directory = os.path.join(root, str(os.getpid()))
-        _remove_stale(root)
-        if own_tmpfs if own_tmpfs is not None else root == STAGING_ROOT:
-            cache_tmpfs.mount_own(self.directory, capacity)
-        #: a tmpfs of the staging area's own (``cache_tmpfs``): a 19 MB batch is written in
-        #: ~1.7 ms of CPU there, ~4.8 ms in /dev/shm's 4 KiB pages
-        self.own_tmpfs = cache_tmpfs.is_own(self.directory)
         self.used = 0
         self.peak = 0
         self.counters = {"published": 0, "released": 0, "taken_over": 0, "expelled": 0,
@@ -154,6 +144,7 @@ class Prep(Memberships[PrepGroup, PrepMember]):
         #: called after each tick: time passed and members may have gone, so a waiting
         #: request may have its answer
         self.on_tick: list[Callable[[], None]] = []
+        _remove_stale(root)
 
     # -- membership ------------------------------------------------------------------
 
@@ -468,13 +459,13 @@ class Prep(Memberships[PrepGroup, PrepMember]):
                                f"member {member.id}")
 
     def close(self) -> None:
-        _remove_directory(self.directory)
+        shutil.rmtree(self.directory, ignore_errors=True)
 
     def status(self) -> dict[str, Any]:
         return {
             "staging": {"capacity_bytes": self.capacity, "used_bytes": self.used,
                         "peak_bytes": self.peak, "directory": self.directory,
-                        "huge_pages": self.own_tmpfs, **self.counters},
+                        **self.counters},
             "groups": {g.name: _group_status(g) for g in self.groups.values()},
         }
 
@@ -507,16 +498,7 @@ def _remove_stale(root: str) -> None:
         return
     for name in names:
         if name.isdigit() and not process_alive(int(name)):
-            _remove_directory(os.path.join(root, name))
-
-
-def _remove_directory(directory: str) -> None:
-    """A staging directory and its files; a tmpfs of its own is let go (its memory goes once
-    no job maps a batch of it any more)."""
-    if mount_at(directory) is not None:
-        cache_tmpfs.unmount_own(directory)
-    else:
-        shutil.rmtree(directory, ignore_errors=True)
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def register_commands(server: ControlServer, prep: Prep) -> None:
