@@ -32,3 +32,14 @@ def open_beneath(root_fd: int, path: bytes, flags: int) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), os.fsdecode(path))
     return fd
+
+
+def mode_grants(st: os.stat_result, uid: int, gids: frozenset[int], bit: int) -> bool:
+    """Whether the mode grants ``bit`` (4 read, 1 search) to ``uid`` in ``gids``: the owner's
+    bits for the owner, else the group's for a member, else the others', as
+    ``generic_permission`` does with the modes a mount (``default_permissions``) shows."""
+    if st.st_uid == uid:
+        return bool(st.st_mode & (bit << 6))
+    if st.st_gid in gids:
+        return bool(st.st_mode & (bit << 3))
+    return bool(st.st_mode & bit)

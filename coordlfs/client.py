@@ -16,8 +16,11 @@ A miss the cache will not hold (MinIO is full: the index says how large a new fi
 still take) is read from the source directly instead: through the mount it would only be
 streamed, at the price of a FUSE round trip per request. The client opens it beneath the
 source's root with its own credentials, never through a symlink (the mount shows links as
-links), and only if the mount would let it read the file too (``access`` on the mount's
-path: the kernel checks the modes the mount shows); it reads with O_DIRECT, so that the
+links), and only if the mount would let it read the file too: the kernel checks a reader of
+the mount against the modes the mount shows, the source's, without ACLs, so the client
+checks the same modes of each directory on the way and of the file (``access`` on the
+mount's path would say the same, but costs a FUSE lookup per file once the kernel has
+dropped its dentries, as much as the read it saves); it reads with O_DIRECT, so that the
 bytes do not stay in the page cache, and checks the file's version after. Anything else
 (a file that fits, a peer's file: a mount with peers gets every miss, an error) goes through
 the mount, which gives the same bytes or the same error.
@@ -55,7 +58,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from coordlfs import control_spec
-from coordlfs.beneath import open_beneath
+from coordlfs.beneath import mode_grants, open_beneath
 from coordlfs.control import Control, ControlError, find_mount
 from coordlfs.published import IndexReader, Published
 
@@ -170,7 +173,7 @@ class Dataset:
                 return index.arena[found.offset : found.offset + found.size]
             room = index.room
             if self._direct is not None and room is not None:
-                data = self._direct.read(name, room, self._mount_dir + name)
+                data = self._direct.read(name, room)
                 if data is not None:
                     counts = self._reports.total
                     counts.direct += 1
@@ -264,6 +267,11 @@ class _DirectReader:
         #: -1: it cannot, as a user who may not reach the source: every miss goes to the mount)
         self._root: int | None = None
         self._buffers = threading.local()
+        #: this process's uid and groups, as the mount's kernel check sees them (``_root_fd``)
+        self._uid = -1
+        self._gids: frozenset[int] = frozenset()
+        #: it may read and search anything (CAP_DAC_OVERRIDE or CAP_DAC_READ_SEARCH)
+        self._overrides = False
 
     def _root_fd(self) -> int:
         if self._root is None:
@@ -271,9 +279,29 @@ class _DirectReader:
                 self._root = os.open(self.source_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError:
                 self._root = -1
+            # at the same time as the root, so that both are of the same credentials
+            self._uid, self._gids = os.geteuid(), frozenset((os.getegid(), *os.getgroups()))
+            self._overrides = _overrides_modes()
         return self._root
 
-    def read(self, name: bytes, room: int, mount_path: bytes) -> bytes | None:
+    def _mount_allows(self, root: int, name: bytes, st: os.stat_result) -> bool:
+        """Whether the mount would let this process read the file: search on the root and
+        every directory on the way, read on the file, by the modes alone (``generic_permission``
+        on what the mount shows). One fstatat per directory, no FUSE request."""
+        if self._overrides:
+            return True
+        uid, gids = self._uid, self._gids
+        if not mode_grants(st, uid, gids, 4) or not mode_grants(os.fstat(root), uid, gids, 1):
+            return False
+        at = name.find(b"/")
+        while at > 0:
+            if not mode_grants(os.stat(name[:at], dir_fd=root, follow_symlinks=False), uid,
+                               gids, 1):
+                return False
+            at = name.find(b"/", at + 1)
+        return True
+
+    def read(self, name: bytes, room: int) -> bytes | None:
         """The file's bytes if it is a regular file the cache has no room for and the mount
         would let this process read; None sends the read to the mount."""
         root = self._root_fd()
@@ -290,7 +318,7 @@ class _DirectReader:
                         st.st_size <= room and (self.max_file_size is None
                                                 or st.st_size <= self.max_file_size)):
                     return None  # the mount caches it (or shows what it is)
-                if not os.access(mount_path, os.R_OK, effective_ids=True):
+                if not self._mount_allows(root, name, st):
                     return None  # the mount's modes refuse it: the mount gives the error
                 data = self._read_all(fd, st.st_size)
                 if _version(os.fstat(fd)) == _version(st) and len(data) == st.st_size:
@@ -346,6 +374,19 @@ def _open(root: int, name: bytes) -> int:
         if e.errno != errno.EINVAL:
             raise
     return open_beneath(root, name, flags)
+
+
+def _overrides_modes() -> bool:
+    """Whether this process's effective capabilities skip the modes' read and search checks
+    (root's, usually): CAP_DAC_OVERRIDE or CAP_DAC_READ_SEARCH."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"CapEff:"):
+                    return bool(int(line.split()[1], 16) & 0b110)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def _version(st: os.stat_result) -> tuple[int, int, int, int]:

@@ -110,10 +110,11 @@ _USER_OBJ, _USER, _GROUP_OBJ, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
 _NO_ID = 0xFFFFFFFF
 
 
-def _grant_by_acl(path: Path, uid: int) -> None:
-    """Owner rw, named user ``uid`` r, nobody else (mode 0640: the mask shows as group)."""
-    entries = [(_USER_OBJ, 6, _NO_ID), (_USER, 4, uid), (_GROUP_OBJ, 0, _NO_ID),
-               (_MASK, 4, _NO_ID), (_OTHER, 0, _NO_ID)]
+def _grant_by_acl(path: Path, uid: int, bits: int) -> None:
+    """Owner rwx, named user ``uid`` ``bits``, nobody else (the mask shows as the group's
+    bits: not the others')."""
+    entries = [(_USER_OBJ, 7, _NO_ID), (_USER, bits, uid), (_GROUP_OBJ, 0, _NO_ID),
+               (_MASK, bits, _NO_ID), (_OTHER, 0, _NO_ID)]
     value = struct.pack("<I", _ACL_VERSION) + b"".join(struct.pack("<HHI", *e) for e in entries)
     os.setxattr(path, "system.posix_acl_access", value)
 
@@ -151,9 +152,10 @@ def _mount_direct(name: str) -> str:
 @pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
 def test_another_user_gets_what_the_mount_gives(mount, reachable: Path) -> None:
     """The other user may map the index here (the cache directory opened to them), so the
-    client would read directly: a file the source refuses them, and one an ACL grants them
-    but the mount's modes refuse (the mount shows modes, not ACLs), both get the mount's
-    EACCES; a file they may read comes directly."""
+    client would read directly: a file the source refuses them, one an ACL grants them but
+    the mount's modes refuse (the mount shows modes, not ACLs), and one in a directory an
+    ACL lets them search but the mount's modes do not, all get the mount's EACCES; a file
+    they may read comes directly."""
     src = reachable / "src"
     src.mkdir()
     src.chmod(0o755)
@@ -161,7 +163,12 @@ def test_another_user_gets_what_the_mount_gives(mount, reachable: Path) -> None:
     for name, mode in files.items():
         (src / name).write_bytes(os.urandom(2 << 20))
         (src / name).chmod(mode)
-    _grant_by_acl(src / "acl.bin", OTHER_UID)
+    _grant_by_acl(src / "acl.bin", OTHER_UID, 4)
+    (src / "dir").mkdir(mode=0o700)
+    (src / "dir" / "in.bin").write_bytes(os.urandom(2 << 20))
+    (src / "dir" / "in.bin").chmod(0o644)
+    _grant_by_acl(src / "dir", OTHER_UID, 5)
+    files["dir/in.bin"] = 0o644
     cache = reachable / "cache"
     mountpoint = reachable / "mnt"
     try:
@@ -173,11 +180,13 @@ def test_another_user_gets_what_the_mount_gives(mount, reachable: Path) -> None:
         names = sorted(files)
         by_mount = as_user(OTHER_UID, lambda: [_mount_direct(str(mountpoint / n))
                                                for n in names])
-        assert by_mount == ["PermissionError", "PermissionError", str(2 << 20)]
+        assert by_mount == ["PermissionError", "PermissionError", "PermissionError",
+                            str(2 << 20)]
         seen = as_user(OTHER_UID, lambda: _read_each(str(mountpoint), names))
         assert seen["shared"]
         assert seen["results"] == {"acl.bin": "PermissionError",
-                                   "closed.bin": "PermissionError", "open.bin": 2 << 20}
+                                   "closed.bin": "PermissionError",
+                                   "dir/in.bin": "PermissionError", "open.bin": 2 << 20}
         assert seen["stats"]["direct"] == 1
         force_unmount(mountpoint, m.pid)
     finally:
@@ -189,7 +198,7 @@ def test_reports_of_direct_reads_are_checked(mount, dataset) -> None:
     m = mount(source)
     control = Control(m.mountpoint)
     for bad in (-1, "3", True, 1 << 61):
-        with pytest.raises(ControlError, match='"direct" must be (an integer|a count)'):
+        with pytest.raises(ControlError, match=r'"direct" must be (an integer|a count)'):
             control.request("client.report", hits=0, misses=0, bytes_from_cache=0,
                             bytes_from_mount=0, direct=bad)
     # an older client's report, without them
