@@ -304,7 +304,7 @@ class PeerServer:
         finally:
             limit.release_on_behalf_of(token)
 
-    def _answer_now(self, kind: Kind, payload: bytes) -> Answer | _Later:
+    def _answer_now(self, kind: Kind, payload: bytes | bytearray) -> Answer | _Later:
         """Everything about a request that needs no waiting, on the event loop: the answer,
         or the answers some of which wait for entries being filled. A malformed request is
         refused whole; each file of a GETMANY is answered as a GET of it would be."""

@@ -95,6 +95,8 @@ FEATURES = (b"getmany",)
 _JOIN_BELOW = 64 << 10
 NONCE_SIZE = 32
 _READ_SIZE = 1 << 16
+#: Payloads from this size are received into a buffer of their own (``FrameStream._payload``).
+_RECEIVE_INTO_FROM = 64 << 10
 #: A connection idle this many peer timeouts is closed by the server: long enough that a
 #: job's pauses between reads (an evaluation, a checkpoint) rarely cost a reconnection (one
 #: round trip), short enough that dead or idle peers do not hold descriptors for long.
@@ -146,7 +148,8 @@ class IdleTimeout(Exception):
 class Frame:
     kind: Kind
     request_id: int
-    payload: bytes
+    #: a large payload is the buffer it was received into (``FrameStream._payload``)
+    payload: bytes | bytearray
 
 
 class FrameStream:
@@ -211,14 +214,34 @@ class FrameStream:
             raise ProtocolError(f"unknown frame kind {kind}")
         if length > MAX_PAYLOAD:  # before reading: never allocate what a peer announces
             raise ProtocolError(f"frame announces {length} bytes, more than {MAX_PAYLOAD}")
-        end = HEADER.size + length
-        await self._fill(end)
-        with memoryview(self._buffer) as view:
-            payload = bytes(view[HEADER.size:end])
-        del self._buffer[:end]
+        del self._buffer[:HEADER.size]
+        payload = await self._payload(length)
         if xxhash.xxh64_intdigest(payload) != digest:
             raise ProtocolError(f"checksum mismatch in {Kind(kind).name} frame {request_id}")
         return Frame(Kind(kind), request_id, payload)
+
+    async def _payload(self, length: int) -> bytes | bytearray:
+        """The frame's payload, its header already cut. A large one (a batch of files) is
+        received straight into a buffer of its size, which becomes the payload: cutting it
+        from the shared buffer cost two more copies of every byte."""
+        receive_into = getattr(getattr(self.stream, "socket", None), "recv_into", None)
+        if length < _RECEIVE_INTO_FROM or receive_into is None or length <= len(self._buffer):
+            await self._fill(length)
+            with memoryview(self._buffer) as view:
+                payload = bytes(view[:length])
+            del self._buffer[:length]
+            return payload
+        buffer = bytearray(length)
+        have = len(self._buffer)
+        buffer[:have] = self._buffer
+        self._buffer.clear()
+        with memoryview(buffer) as view:
+            while have < length:
+                got = await receive_into(view[have:])
+                if not got:
+                    raise ProtocolError("connection closed mid-frame")
+                have += got
+        return buffer
 
     async def _fill(self, size: int) -> bool:
         """Buffer at least ``size`` bytes; False on EOF before the first byte of a frame."""
@@ -291,8 +314,8 @@ async def send_features(fs: FrameStream) -> None:
     await fs.send(Kind.DATA, 0, b" ".join(FEATURES))
 
 
-def decode_features(payload: bytes) -> frozenset[bytes]:
-    return frozenset(payload.split())
+def decode_features(payload: bytes | bytearray) -> frozenset[bytes]:
+    return frozenset(bytes(payload).split())
 
 
 def _path_problem(path: bytes) -> str | None:
@@ -437,7 +460,7 @@ class GetMany:
             raise ProtocolError(f"bad GETMANY: {problem}")
         return request
 
-    def decode_reply(self, payload: bytes) -> list[memoryview | tuple[Fail, str]]:
+    def decode_reply(self, payload: bytes | bytearray) -> list[memoryview | tuple[Fail, str]]:
         """Per file, in order: its bytes (a view of ``payload``, not a copy), or why it was
         not served. A reply with another count of files, or a file of another length, is a
         ProtocolError: a peer that lies about a file is not trusted with the others."""

@@ -83,7 +83,7 @@ class PeerStats:
 class _Pending:
     done: trio.Event
     kind: Kind | None = None
-    payload: bytes = b""
+    payload: bytes | bytearray = b""
     error: str = ""
 
 
@@ -122,7 +122,7 @@ class PeerLink:
         (``peer_wire``'s features), so False until one has come."""
         return bool(self._features and b"getmany" in self._features)
 
-    async def get(self, request: Get) -> tuple[Kind, bytes]:
+    async def get(self, request: Get) -> tuple[Kind, bytes | bytearray]:
         """Send one request and wait for its reply: (DATA, bytes) or (FAIL, payload)."""
         stream, kind, payload = await self._exchange(Kind.GET, request.encode())
         if kind == Kind.DATA and len(payload) != request.length:
@@ -146,7 +146,8 @@ class PeerLink:
         except ProtocolError as e:
             await self._lied(stream, str(e))
 
-    async def _exchange(self, kind: Kind, payload: bytes) -> tuple[FrameStream, Kind, bytes]:
+    async def _exchange(self, kind: Kind, payload: bytes
+                        ) -> tuple[FrameStream, Kind, bytes | bytearray]:
         """Send one request and wait for its reply, on the stream it went out on."""
         stream = await self._connected()
         request_id = self._next_id

@@ -8,7 +8,8 @@ coordlfs, its own mount whose daemon lives in the node's network namespace
 time, and the epoch ends when the slowest node finishes, as synchronous training does. Three
 systems: the page cache; MinIO alone (each node caches what it reads); MinIO with peers (a
 miss is fetched from the node that caches the file). Storage bytes per node come from the
-kernel's per-process counters of the readers (page cache) or the daemon (coordlfs).
+kernel's per-process counters of the readers (page cache) or the daemon (coordlfs; and its
+readers with ``--client``, which read misses MinIO has no room for from the source).
 
 A second part measures the peer path's throughput on an unshaped loopback link: a large file
 that one mount caches read through the other mount, and the same bytes fetched with the
@@ -212,7 +213,8 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                     *options, enter=enter))
                 daemon, control = mount.pid, mount.control
                 cgroup.add(daemon)
-                storage_pids.append([daemon])
+                # a client's readers read from storage the misses MinIO has no room for
+                storage_pids.append([daemon, *group.pids] if client else [daemon])
                 controls.append(control)
                 bases.append("" if client else base)
                 tellers.append(_teller(stack, base, control, plan))
