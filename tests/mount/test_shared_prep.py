@@ -13,6 +13,7 @@ import time
 import warnings
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from conftest import make_dataset, run_cli
 
 from coordlfs import control_spec as spec
 from coordlfs.control import Control, ControlError
+from coordlfs.shared_prep import _Channel
 from coordlfs.torch import SharedPrepLoader
 
 JOB = str(Path(__file__).with_name("prep_job.py"))
@@ -295,3 +297,24 @@ def test_a_waiting_request_blocks_only_its_reader(mounted) -> None:
     (reply, seconds), = answers
     assert reply["epoch"] == 0 and 0.3 <= seconds < 2
     assert control.status()["control"]["waiting"] == 0
+
+
+def test_a_channel_keeps_its_descriptor_across_requests_and_refusals(mounted) -> None:
+    """The loader's requests go over one descriptor each thread (a write and a read each); a
+    refused request's message comes back and the descriptor still serves; one interrupted
+    mid-request is closed, so no stale reply answers the next."""
+    m, _sizes = mounted()
+    channel = _Channel(str(m.mountpoint))
+    try:
+        assert channel.call(spec.PREP_LIST)["groups"] == {}
+        fd = channel._fd
+        with pytest.raises(ControlError, match="no prep member 12345"):
+            channel.call(spec.PREP_LEAVE, member=12345)
+        assert channel.call(spec.PREP_LIST)["ok"] and channel._fd == fd
+        with mock.patch("coordlfs.shared_prep.os.read", side_effect=KeyboardInterrupt), \
+                pytest.raises(KeyboardInterrupt):
+            channel.call(spec.PREP_LIST)
+        assert channel._fd is None
+        assert channel.call(spec.PREP_LIST)["groups"] == {}
+    finally:
+        channel.close()
