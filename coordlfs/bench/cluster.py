@@ -166,6 +166,7 @@ def _secret(work: Path) -> Path:
 def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                work: Path) -> SystemResult:
     names = [rel for rel, _size in dataset.files]
+    sizes = dict(dataset.files)
     # a node's budget is that of one job of ``readers`` in ``bench aligned``; with the order
     # handed over, every system gets the memory the mount then holds beside its cache: the
     # peer holding area, the replies in flight to and from the peer (a MiB each), and the
@@ -228,11 +229,12 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                            for pids, group in zip(storage_pids, groups, strict=True)]
                 before = [_counters(pids, busy, control) for pids, busy, control
                           in zip(storage_pids, working, controls, strict=True)]
-                futures = [pool.submit(node_epoch, groups[i], bases[i],
-                                       [names[k] for k in order[i::plan.nodes]], plan,
+                shares = [[names[k] for k in order[i::plan.nodes]] for i in range(plan.nodes)]
+                futures = [pool.submit(node_epoch, groups[i], bases[i], shares[i], plan,
                                        tellers[i])
                            for i in range(plan.nodes)]
                 done = [f.result() for f in futures]
+                _check_bytes(system, epoch, done, shares, sizes)
                 after = [_counters(pids, busy, control) for pids, busy, control
                          in zip(storage_pids, working, controls, strict=True)]
                 epochs.append([NodeEpoch(round(seconds, 3), round(100 * waited / seconds, 1),
@@ -242,6 +244,15 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                 _print_epoch(system, epoch, epochs[-1], dataset)
         counters = [_peer_counters(control) for control in controls if net is not None]
     return SystemResult(system, epochs, plan.cache, counters)
+
+
+def _check_bytes(system: str, epoch: int, done: list[tuple[float, float, int]],
+                 shares: list[list[str]], sizes: dict[str, int]) -> None:
+    """Every node's readers got every byte of their share."""
+    for node, ((_seconds, _waited, got), share) in enumerate(zip(done, shares, strict=True)):
+        if got != (want := sum(sizes[name] for name in share)):
+            raise UserError(f"{system}: node {node} read {got} bytes in epoch {epoch + 1}, "
+                            f"its share has {want}")
 
 
 def _peer_counters(control: Control | None) -> dict[str, Any]:

@@ -82,3 +82,17 @@ def test_small_run_with_the_order_handed_over(tmp_path: Path, daemon_logs: list[
     assert all(n["held"]["reserved_bytes"] <= n["held"]["capacity_bytes"] for n in nodes)
     assert report["runs"][0]["minio"]["peer_counters"] == []
     assert "epoch_time_ratio" in report["summary"]
+
+
+def test_small_run_through_the_client(tmp_path: Path, daemon_logs: list[Path]) -> None:
+    """Each node's readers read through ``coordlfs.client``, the order handed over with
+    ``Dataset.prefetch``: the other node's files come through the holding area, and every
+    file's bytes arrive (the bench checks each node's bytes per epoch)."""
+    report = small_run(tmp_path, daemon_logs, "--client")
+    assert report["settings"]["client"] is True
+    assert report["settings"]["order_handed_over"] is False  # implied, not set
+    peers = report["runs"][0]["minio+peers"]
+    assert sum(n["storage_bytes"] for n in peers["epochs"][1]) == 0
+    assert sum(n["peer_bytes"] for n in peers["epochs"][1]) > 0
+    assert sum(n["held"]["hits"] for n in peers["peer_counters"]) > 0
+    assert "epoch_time_ratio" in report["summary"]
