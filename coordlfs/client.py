@@ -274,6 +274,9 @@ class _DirectReader:
         self._overrides = False
 
     def _root_fd(self) -> int:
+        if self._root is not None and os.geteuid() != self._uid:
+            self.close()  # a process that changed user: opened again, checked as that user
+            self._root = None
         if self._root is None:
             try:
                 self._root = os.open(self.source_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -130,15 +130,18 @@ def reachable() -> Iterator[Path]:
 
 def _read_each(mountpoint: str, names: list[str]) -> dict:
     """As another user: each file's bytes' length or the error's name, and the counts."""
-    results = {}
     with Dataset(mountpoint) as ds:
-        shared = ds.shared
-        for name in names:
-            try:
-                results[name] = len(bytes(ds.read(name)))
-            except OSError as e:
-                results[name] = type(e).__name__
-        return {"shared": shared, "results": results, "stats": ds.stats}
+        return _results(ds, names)
+
+
+def _results(ds: Dataset, names: list[str]) -> dict:
+    results: dict[str, int | str] = {}
+    for name in names:
+        try:
+            results[name] = len(bytes(ds.read(name)))
+        except OSError as e:
+            results[name] = type(e).__name__
+    return {"shared": ds.shared, "results": results, "stats": ds.stats}
 
 
 def _mount_direct(name: str) -> str:
@@ -188,6 +191,11 @@ def test_another_user_gets_what_the_mount_gives(mount, reachable: Path) -> None:
                                    "closed.bin": "PermissionError",
                                    "dir/in.bin": "PermissionError", "open.bin": 2 << 20}
         assert seen["stats"]["direct"] == 1
+        with Dataset(mountpoint) as ds:  # root's: reads everything directly
+            assert ds.read("acl.bin") and ds.stats["direct"] == 1
+            # a forked child that became another user: checked as that user
+            inherited = as_user(OTHER_UID, lambda: _results(ds, names))
+        assert inherited["results"] == seen["results"]
         force_unmount(mountpoint, m.pid)
     finally:
         force_unmount(mountpoint, None)
