@@ -1,0 +1,65 @@
+"""The room the cache publishes for clients follows what MinIO would still take: it shrinks
+with each reservation, grows back when an entry is dropped, is 0 while the cache's
+filesystem is full, and a restart publishes what its adopted entries leave."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import trio
+
+from coordlfs.cache import WholeFileCache
+from coordlfs.published import INDEX, IndexReader
+from coordlfs.source import Source
+from coordlfs.stats import ReadCounters
+
+CAPACITY = 20_000
+
+
+def _room(tmp_path: Path) -> int | None:
+    reader = IndexReader(str(tmp_path / "cache" / INDEX), str(tmp_path / "cache" / "arena"))
+    try:
+        return reader.room
+    finally:
+        reader.close()
+
+
+def _fill(cache: WholeFileCache, source: Source, name: bytes) -> None:
+    async def go() -> None:
+        st = source.lstat(name)
+        key = (st.st_dev, st.st_ino)
+        entry = cache.reserve(key, name, st)
+        assert entry is not None
+        await cache.fill(key, entry, source)
+
+    trio.run(go)
+
+
+def test_the_room_follows_reservations_drops_and_a_full_filesystem(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(os.urandom(3000))
+    (src / "b").write_bytes(os.urandom(5000))
+    source = Source(str(src))
+    cache = WholeFileCache(str(tmp_path / "cache"), CAPACITY, 1 << 20, ReadCounters())
+    cache.share(source)
+    assert _room(tmp_path) == CAPACITY
+    _fill(cache, source, b"a")
+    _fill(cache, source, b"b")
+    assert _room(tmp_path) == CAPACITY - 8000
+    (src / "a").write_bytes(b"changed")
+    st = source.lstat(b"a")
+    assert cache.lookup((st.st_dev, st.st_ino), st) is None  # dropped: its room is back
+    assert _room(tmp_path) == CAPACITY - 5000
+    cache._note_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert _room(tmp_path) == 0
+    assert cache._room_is_back()  # the cache's filesystem has room: noticed
+    assert _room(tmp_path) == CAPACITY - 5000
+    cache.close(keep=True)
+    again = WholeFileCache(str(tmp_path / "cache"), CAPACITY, 1 << 20, ReadCounters())
+    again.share(source)
+    again.adopt()
+    assert _room(tmp_path) == CAPACITY - 5000
+    again.close(keep=False)
