@@ -38,6 +38,7 @@ from coordlfs.cache import Entry, WholeFileCache
 from coordlfs.control_server import Caller, ControlServer
 from coordlfs.errors import UserError
 from coordlfs.peer_wire import (
+    Buffer,
     Fail,
     FrameStream,
     FrameTimeout,
@@ -66,7 +67,8 @@ class _Waiting(NamedTuple):
     request: Get
 
 
-Answer = tuple[Kind, bytes | memoryview]
+#: A reply: its kind and payload (a FILES payload in parts, ``encode_files``)
+Answer = tuple[Kind, Buffer | list[Buffer]]
 
 
 @dataclass(slots=True)

@@ -66,11 +66,15 @@ import hmac
 import math
 import secrets
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
 import trio
 import xxhash
+
+#: What a frame's payload, or a part of it, may be.
+Buffer = bytes | bytearray | memoryview
 
 MAGIC = b"CLFP"
 VERSION = 1
@@ -95,6 +99,8 @@ FEATURES = (b"getmany",)
 _JOIN_BELOW = 64 << 10
 NONCE_SIZE = 32
 _READ_SIZE = 1 << 16
+#: Parts one ``sendmsg`` may take, well below any IOV_MAX; a frame in more is joined.
+_MAX_PARTS = 256
 #: Payloads from this size are received into a buffer of their own (``FrameStream._payload``).
 _RECEIVE_INTO_FROM = 64 << 10
 #: A connection idle this many peer timeouts is closed by the server: long enough that a
@@ -166,26 +172,42 @@ class FrameStream:
         self._buffer = bytearray()
         self._send_lock = trio.Lock()
 
-    async def send(self, kind: Kind, request_id: int, payload: bytes | memoryview = b"") -> None:
+    async def send(self, kind: Kind, request_id: int,
+                   payload: Buffer | Sequence[Buffer] = b"") -> None:
         """Send one frame under a lock, so that concurrent requests on one connection never
-        interleave their bytes. The checksum is taken before the first await; a large payload
-        goes out as it is rather than copied behind its header."""
-        if len(payload) > MAX_PAYLOAD:
-            raise ValueError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+        interleave their bytes. The payload may come in parts (a batch's files, views of the
+        cache): the checksum is taken over them before the first await, and a large payload
+        goes out as it is, in one ``sendmsg`` of every part where the stream is a socket,
+        rather than copied behind its header."""
+        parts = [payload] if isinstance(payload, Buffer) else list(payload)
+        length = sum(map(len, parts))
+        if length > MAX_PAYLOAD:
+            raise ValueError(f"payload of {length} bytes exceeds {MAX_PAYLOAD}")
         if not 0 <= request_id < 1 << 32:
             raise ValueError(f"request id {request_id} out of range")
-        header = HEADER.pack(MAGIC, VERSION, kind, request_id, len(payload),
-                             xxhash.xxh64_intdigest(payload))
+        digest = xxhash.xxh64()
+        for part in parts:
+            digest.update(part)
+        header = HEADER.pack(MAGIC, VERSION, kind, request_id, length, digest.intdigest())
         async with self._send_lock:
             with trio.move_on_after(self.frame_timeout) as scope:
-                if len(payload) > _JOIN_BELOW:
-                    await self.stream.send_all(header)
-                    await self.stream.send_all(payload)
-                else:
-                    await self.stream.send_all(header + payload)
+                await self._send_parts([header, *parts], HEADER.size + length)
         if scope.cancelled_caught:
             raise FrameTimeout(f"the peer took more than {self.frame_timeout:g} s to take a "
-                               f"{Kind(kind).name} frame of {len(payload)} bytes")
+                               f"{Kind(kind).name} frame of {length} bytes")
+
+    async def _send_parts(self, parts: list[Buffer], length: int) -> None:
+        socket = getattr(self.stream, "socket", None)
+        if length <= _JOIN_BELOW or len(parts) > _MAX_PARTS:
+            await self.stream.send_all(b"".join(parts))
+        elif socket is None or not hasattr(socket, "sendmsg"):
+            for part in parts:
+                await self.stream.send_all(part)
+        else:
+            try:
+                await _sendmsg_all(socket, [memoryview(part) for part in parts])
+            except OSError as e:  # as SocketStream.send_all says it
+                raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
 
     async def receive(self, idle_timeout: float = math.inf) -> Frame | None:
         """The next frame, or None when the peer closed the connection between frames.
@@ -256,6 +278,18 @@ class FrameStream:
 
     async def aclose(self) -> None:
         await self.stream.aclose()
+
+
+async def _sendmsg_all(socket: trio.socket.SocketType, views: list[memoryview]) -> None:
+    """Every byte of ``views``, in as few ``sendmsg`` calls as the socket takes them."""
+    while views:
+        sent = await socket.sendmsg(views)
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
 
 
 def _proof(secret: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
@@ -486,13 +520,14 @@ class GetMany:
         return answers
 
 
-def encode_files(answers: list[tuple[Kind, bytes | memoryview]]) -> bytes:
-    """A FILES payload from each file's answer as a GET would have it: DATA and its bytes,
-    or FAIL and its payload (code and message)."""
-    parts: list[bytes | memoryview] = []
+def encode_files(answers: list[tuple[Kind, Buffer]]) -> list[Buffer]:
+    """A FILES payload, in parts (``FrameStream.send`` sends them without joining them),
+    from each file's answer as a GET would have it: DATA and its bytes, or FAIL and its
+    payload (code and message)."""
+    parts: list[Buffer] = []
     for kind, payload in answers:
         if kind == Kind.DATA:
             parts += [FILES_ENTRY.pack(0, len(payload)), payload]
         else:
             parts += [FILES_ENTRY.pack(payload[0], len(payload) - 1), payload[1:]]
-    return b"".join(parts)
+    return parts

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import trio
+import trio.testing
 import xxhash
 
 from coordlfs.peer_wire import (
@@ -81,4 +82,26 @@ def test_a_large_frame_that_lies_or_stops_midway_is_refused(damage: str) -> None
             nursery.start_soon(send)
             with pytest.raises(ProtocolError, match=r"checksum|closed mid-frame"):
                 await frames.receive()
+    trio.run(main)
+
+
+@pytest.mark.parametrize("over", ["socket", "memory stream"])
+def test_a_payload_in_parts_goes_out_as_one_frame(over: str) -> None:
+    """A batch's reply is sent in parts (views of the cache, not joined): one frame, its
+    checksum over every part, byte-exact over a socket (sendmsg, partial sends resumed)
+    and over a stream with no socket."""
+    parts = [memoryview(os.urandom(n)) for n in (5, 110_000, 5, 1, 5, 300_000, 5, 0, 5,
+                                                 600_000)]
+
+    async def main() -> None:
+        if over == "socket":
+            sender, receiver = (trio.SocketStream(s) for s in trio.socket.socketpair())
+        else:
+            sender, receiver = trio.testing.memory_stream_pair()
+        frames = FrameStream(receiver)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(FrameStream(sender).send, Kind.FILES, 9, parts)
+            frame = await frames.receive()
+        assert frame is not None and frame.request_id == 9
+        assert bytes(frame.payload) == b"".join(parts)
     trio.run(main)
