@@ -40,7 +40,7 @@ from typing import Any
 
 import trio
 
-from coordlfs.beneath import open_beneath
+from coordlfs.beneath import mode_grants, open_beneath
 from coordlfs.cache import FILL_CHUNK, Entry, WholeFileCache, write_all
 from coordlfs.control_server import Caller, ControlServer
 from coordlfs.control_spec import Refused
@@ -88,13 +88,8 @@ class Credentials:
         return cls(caller.uid, frozenset(gids))
 
     def may(self, st: os.stat_result, bit: int) -> bool:
-        """Whether the mode grants ``bit`` (4 read, 1 search): the owner's bits for the owner,
-        else the group's for a member, else the others', as ``generic_permission`` does."""
-        if st.st_uid == self.uid:
-            return bool(st.st_mode & (bit << 6))
-        if st.st_gid in self.gids:
-            return bool(st.st_mode & (bit << 3))
-        return bool(st.st_mode & bit)
+        """Whether the mode grants ``bit`` (4 read, 1 search) to these credentials."""
+        return mode_grants(st, self.uid, self.gids, bit)
 
 
 def readable(source: Source, who: Credentials, paths: list[bytes]) -> list[bytes]:

@@ -154,11 +154,15 @@ READS: tuple[tuple[str, str, dict[str, str], str], ...] = (
      "or storage (per fill or stream)"),
     ("read_requests", "result", {"hit": "cache_hits", "miss": "misses"},
      "read requests answered from a complete cache entry (hit) or waiting for bytes (miss)"),
-    ("client_reads", "result", {"hit": "client_hits", "miss": "client_misses"},
-     "coordlfs.client reads from shared memory (hit) or through the mount (miss)"),
+    ("client_reads", "result", {"hit": "client_hits", "miss": "client_misses",
+                                "direct": "client_direct"},
+     "coordlfs.client reads from shared memory (hit), through the mount (miss) or from the "
+     "source directly (direct: a file the cache had no room for)"),
     ("client_read_bytes", "from", {"cache": "client_bytes_from_cache",
-                                   "mount": "client_bytes_from_mount"},
-     "coordlfs.client bytes from shared memory (cache) or through the mount"),
+                                   "mount": "client_bytes_from_mount",
+                                   "source": "client_bytes_direct"},
+     "coordlfs.client bytes from shared memory (cache), through the mount or from the source "
+     "directly"),
 )
 
 #: A peer link's counters: (key, name, help), labelled by peer.
