@@ -8,6 +8,7 @@ import os
 import shutil
 import struct
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -216,3 +217,27 @@ def test_reports_of_direct_reads_are_checked(mount, dataset) -> None:
     reads = m.status()["reads"]
     assert (reads["client_hits"], reads["client_direct"], reads["client_bytes_direct"]) == (1, 2, 7)
     assert (reads["files_from_source"], reads["bytes_from_source"]) == (2, 7)
+
+
+def test_a_prefetch_hands_over_the_tail_that_fits_and_the_head_is_read_directly(
+        mount, dataset) -> None:
+    """With room for part of a cold order, the fills take its last files while the reader
+    reads the first ones from the source: every file is read from storage once, and the cache
+    ends up holding exactly the tail that was handed over."""
+    source, _sizes = dataset
+    names, expected, total = every_file(source)
+    m = mount(source, "--cache-size", str(total // 2))
+    with Dataset(m.mountpoint) as ds:
+        queued = ds.prefetch(names)
+        assert 0 < queued < len(names)
+        assert client_digests(ds, names) == expected
+        first = ds.stats
+        assert first["direct"] >= len(names) - queued
+        assert first["hits"] + first["misses"] + first["direct"] == len(names)
+        deadline = time.monotonic() + 30
+        while (fills := m.status()["fills"])["queued"] or fills["in_flight"]:
+            assert time.monotonic() < deadline, fills
+            time.sleep(0.05)
+        assert m.status()["cache"]["files"] == queued
+        assert client_digests(ds, names) == expected  # the tail hits, the head is direct
+        assert ds.stats["hits"] - first["hits"] == queued
