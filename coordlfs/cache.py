@@ -169,6 +169,8 @@ class WholeFileCache:
         self._span_logged = False
         #: the cache's filesystem ran out of room: no new entries until it has room again
         self.full = False
+        #: bytes of files handed over for filling and not reserved yet (``promise``)
+        self.promised = 0
         self._no_room_warned = False
         self.journal = journal.Journal(self.dir_fd, directory)
         #: changes the watch reported: a check that saw one meanwhile re-checks to publish
@@ -630,12 +632,20 @@ class WholeFileCache:
 
     # -- internals -----------------------------------------------------------------
 
+    def promise(self, size: int) -> None:
+        """Count ``size`` more (or, negative, fewer) bytes as promised to files a job handed
+        over (``fills.FillQueue.add``) and not reserved yet."""
+        self.promised = max(0, self.promised + size)
+        self._room_changed()
+
     def _room_changed(self) -> None:
         """Publish how large a new file MinIO would still take: clients read a larger file
-        from the source themselves (through the mount it would only be streamed)."""
+        from the source themselves (through the mount it would only be streamed). Room
+        promised to files handed over for filling is not theirs (the mount's own readers
+        still take what comes first, as MinIO does)."""
         if self.index is not None:
-            self.index.set_room(0 if self.full else
-                                max(0, min(self.capacity - self.used, self.arena_size - self.end)))
+            self.index.set_room(0 if self.full else max(0, min(
+                self.capacity - self.used - self.promised, self.arena_size - self.end)))
 
     @staticmethod
     def _wake(entry: Entry) -> None:

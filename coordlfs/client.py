@@ -173,9 +173,6 @@ class Dataset:
                 return index.arena[found.offset : found.offset + found.size]
             room = index.room
             if self._direct is not None and room is not None:
-                if name in self._direct.first:  # left out of a prefetch: never the mount's
-                    self._direct.first.discard(name)
-                    room = -1
                 data = self._direct.read(name, room)
                 if data is not None:
                     counts = self._reports.total
@@ -213,18 +210,21 @@ class Dataset:
         """Hand the mount the order of reads to come: it fills the files not cached yet in
         bulk, in this order. Returns at once, with how many files the mount queued.
 
-        Where the cache has room for only part of them and this process may read the source
-        (``_DirectReader.split``), only the last files of the order that fit are handed over;
-        the ones before them are read from the source directly when their turn comes."""
+        Where this process may read the source (``_DirectReader.split``), only the last files
+        of the order that fit in the cache's room are handed over, with what they come to;
+        the mount then leaves that room to them, so the reads of the files before them (in
+        any process) find none and read the source directly."""
         index = self._index
         names = [n for n in map(self._name, paths) if index is None or index.find(n) is None]
+        sizes: list[int] | None = None
         if self._direct is not None and index is not None and (room := index.room) is not None:
-            names = self._direct.split(names, room)
+            names, sizes = self._direct.split(names, room)
         queued = 0
         step = control_spec.MAX_PREFETCH_PATHS
         for start in range(0, len(names), step):
             chunk = [n.decode("utf-8", "surrogateescape") for n in names[start:start + step]]
-            queued += self._control.call(control_spec.PREFETCH, paths=chunk)["queued"]
+            promised = {} if sizes is None else {"bytes": sum(sizes[start:start + step])}
+            queued += self._control.call(control_spec.PREFETCH, paths=chunk, **promised)["queued"]
         return queued
 
     @property
@@ -281,37 +281,36 @@ class _DirectReader:
         self._gids: frozenset[int] = frozenset()
         #: it may read and search anything (CAP_DAC_OVERRIDE or CAP_DAC_READ_SEARCH)
         self._overrides = False
-        #: files ``split`` left out of a prefetch, read directly whatever the room (each is
-        #: forgotten when read)
-        self.first: set[bytes] = set()
 
-    def split(self, names: list[bytes], room: int) -> list[bytes]:
-        """Of an order's misses, those to hand to the mount's fills: the longest tail whose
-        files fit in ``room`` together. The files before it go to ``first``.
+    def split(self, names: list[bytes], room: int) -> tuple[list[bytes], list[int]]:
+        """Of an order's misses, those to hand to the mount's fills and their sizes: the
+        longest tail whose files fit in ``room`` together.
 
         MinIO caches whichever files come first, and which ones makes no difference to the
         hits of later epochs. Handing over the head of a cold epoch's order makes the reader
         wait on the fills for the first part and then read the rest (no room left) alone;
         handing over the tail lets the fills run ahead there while the reader reads the head
         from the source, each file still read from storage once. Each file of the tail is
-        stat'ed (a cold one reads its inode, as its fill would), the head not at all."""
+        stat'ed (a cold one reads its inode, as its fill would), the head not at all; a file
+        that cannot be, or is never cached, counts 0."""
         root = self._root_fd()
         if root < 0:
-            return names
+            return names, [0] * len(names)
+        sizes: list[int] = []
         total = 0
         for cut in range(len(names), 0, -1):
             try:
                 st = os.stat(names[cut - 1], dir_fd=root, follow_symlinks=False)
             except OSError:
-                continue  # the mount will say what it is
-            if not stat.S_ISREG(st.st_mode) or (self.max_file_size is not None
-                                                and st.st_size > self.max_file_size):
-                continue  # never cached: a read of it goes to the source whatever the room
-            total += st.st_size
+                st = None  # the mount will say what it is
+            size = 0 if st is None or not stat.S_ISREG(st.st_mode) or (
+                self.max_file_size is not None and st.st_size > self.max_file_size) \
+                else st.st_size
+            total += size
             if total > room:
-                self.first.update(names[:cut])
-                return names[cut:]
-        return names
+                return names[cut:], sizes[::-1]
+            sizes.append(size)
+        return names, sizes[::-1]
 
     def _root_fd(self) -> int:
         if self._root is not None and os.geteuid() != self._uid:

@@ -312,7 +312,11 @@ PEER_OWNER = Command("peer.owner", "the node that caches a file", Access.READ,
 PREFETCH = Command(
     "prefetch", "queue files to be read into the cache in this order, many at once (after "
     "the caller's earlier ones; up to a bound in all)", Access.FILES,
-    (Arg("paths", FilePaths()),), '"queued" (how many were taken)')
+    (Arg("paths", FilePaths()),
+     # what the files come to, where the caller knows: the room clients see leaves it to them
+     Arg("bytes", Integer(0, 1 << 60, '"{name}" must be a count of bytes'), optional=True,
+         default=0)),
+    '"queued" (how many were taken)')
 
 PREP_JOIN = Command(
     "prep.join", "join (or create) a prep group for a live process of the caller's",

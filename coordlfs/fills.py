@@ -235,8 +235,11 @@ class FillQueue:
     failures: dict[str, int] = field(default_factory=dict)
     _more: trio.Event = field(default_factory=trio.Event)
 
-    def add(self, requester: int, paths: list[bytes]) -> int:
-        """Queue ``paths`` after the requester's earlier ones; returns how many fit."""
+    def add(self, requester: int, paths: list[bytes], size: int = 0) -> int:
+        """Queue ``paths`` after the requester's earlier ones; returns how many fit. ``size``
+        is what they come to, where the requester said (``Dataset.prefetch``): promised to
+        them in the room clients see (``WholeFileCache.promise``), so that a client's miss on
+        a file not handed over is read from the source rather than taking their room."""
         if self.depth == 0:
             return 0
         taken = paths[: max(0, MAX_QUEUED - self.queued)]
@@ -244,6 +247,8 @@ class FillQueue:
             self.queues.setdefault(requester, deque()).extend(taken)
             self.queued += len(taken)
             self._more.set()
+            if len(taken) == len(paths):
+                self.cache.promise(size)
         return len(taken)
 
     def reserve_all(self, fills: list[_Fill]) -> None:
@@ -252,6 +257,8 @@ class FillQueue:
         cache = self.cache
         for fill in fills:
             st = fill.st
+            if st is not None:
+                cache.promise(-st.st_size)  # reserved now, or never
             if st is None or fill.skip:
                 continue
             key = (st.st_dev, st.st_ino)
@@ -326,6 +333,8 @@ class FillQueue:
         while True:
             paths = self._take()
             if not paths:
+                if not self.in_flight:
+                    self.cache.promise(-self.cache.promised)  # what no file ever took
                 if self._more.is_set():  # a new one for every idle worker to wait on
                     self._more = trio.Event()
                 await self._more.wait()
@@ -368,6 +377,6 @@ def register_commands(server: ControlServer, fills: FillQueue, source: Source,
         if not caller.privileged:
             paths = readable(source, Credentials.of(caller), paths)
         from_peers(paths)
-        return {"queued": fills.add(caller.pid, paths)}
+        return {"queued": fills.add(caller.pid, paths, args["bytes"])}
 
     server.serve("prefetch", prefetch)

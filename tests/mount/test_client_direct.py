@@ -221,23 +221,25 @@ def test_reports_of_direct_reads_are_checked(mount, dataset) -> None:
 
 def test_a_prefetch_hands_over_the_tail_that_fits_and_the_head_is_read_directly(
         mount, dataset) -> None:
-    """With room for part of a cold order, the fills take its last files while the reader
-    reads the first ones from the source: every file is read from storage once, and the cache
-    ends up holding exactly the tail that was handed over."""
+    """With room for part of a cold order, the fills take its last files (their room is
+    promised to them) while a reader reads the first ones from the source: through the
+    mount go only files that fit in what the tail leaves, less than one file, and the cache
+    ends up holding the whole tail."""
     source, _sizes = dataset
     names, expected, total = every_file(source)
     m = mount(source, "--cache-size", str(total // 2))
-    with Dataset(m.mountpoint) as ds:
-        queued = ds.prefetch(names)
+    # one hands the order over, another reads (a sampler and a DataLoader's worker)
+    with Dataset(m.mountpoint) as planner, Dataset(m.mountpoint) as ds:
+        queued = planner.prefetch(names)
         assert 0 < queued < len(names)
         assert client_digests(ds, names) == expected
         first = ds.stats
-        assert first["direct"] >= len(names) - queued
-        assert first["hits"] + first["misses"] + first["direct"] == len(names)
+        assert first["bytes_from_mount"] < max((source / n).stat().st_size for n in names)
+        assert first["direct"] >= len(names) - queued - first["misses"]
         deadline = time.monotonic() + 30
         while (fills := m.status()["fills"])["queued"] or fills["in_flight"]:
             assert time.monotonic() < deadline, fills
             time.sleep(0.05)
-        assert m.status()["cache"]["files"] == queued
+        assert m.status()["cache"]["files"] >= queued
         assert client_digests(ds, names) == expected  # the tail hits, the head is direct
-        assert ds.stats["hits"] - first["hits"] == queued
+        assert ds.stats["hits"] - first["hits"] >= queued
