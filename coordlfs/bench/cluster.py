@@ -39,7 +39,6 @@ from coordlfs.bench.aligned import Plan as JobPlan
 from coordlfs.bench.aligned import budget_for
 from coordlfs.bench.children import Readers, batch_paths, running
 from coordlfs.bench.counters import process_bytes_read
-from coordlfs.bench.hits import cpu_seconds
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.client import Dataset as ClientDataset
 from coordlfs.config import DEFAULT_FILL_DEPTH
@@ -293,6 +292,15 @@ def node_epoch(readers: Readers, base: str | Path, share: list[str], plan: Plan,
     seconds, waited, got = readers.epoch(batch_paths(share, base, plan.job.batch),
                                          plan.job.compute_s)
     return seconds + telling, waited + telling, got
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of a process so far, its exited threads included (``/proc/PID/stat``): the
+    per-thread schedstat sum of ``bench.hits`` loses a thread's time when it exits (the
+    daemon's idle worker threads go after 10 s), and an epoch came out negative."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _counters(pids: list[int], busy: list[int], control: Control | None
