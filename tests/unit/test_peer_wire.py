@@ -547,16 +547,21 @@ def test_getmany_encode_refuses_what_decode_would():
         GetMany((Wanted(b"a", 1, 1 << 63),)).encode()
 
 
+def _files(answers: list) -> bytes:
+    """A FILES reply's payload in one piece, as it arrives (``encode_files`` gives its parts)."""
+    return b"".join(encode_files(answers))
+
+
 def test_files_reply_round_trip_with_failures_among_data():
     request = many((b"a", 3), (b"b", 2), (b"c", 4))
-    reply = encode_files([(Kind.DATA, b"abc"), (Kind.FAIL, encode_fail(Fail.STALE, "older")),
+    reply = _files([(Kind.DATA, b"abc"), (Kind.FAIL, encode_fail(Fail.STALE, "older")),
                           (Kind.DATA, memoryview(b"wxyz"))])
     assert request.decode_reply(reply) == [b"abc", (Fail.STALE, "older"), b"wxyz"]
 
 
 def test_the_largest_files_reply_fits_one_frame():
     request = many(*[(f"f{i}".encode(), MAX_CHUNK // MAX_FILES) for i in range(MAX_FILES)])
-    worst = encode_files([(Kind.DATA, bytes(MAX_CHUNK // MAX_FILES))] * (MAX_FILES - 1)
+    worst = _files([(Kind.DATA, bytes(MAX_CHUNK // MAX_FILES))] * (MAX_FILES - 1)
                          + [(Kind.FAIL, encode_fail(Fail.ERROR, "x" * 500))])
     assert len(worst) <= MAX_PAYLOAD
     assert MAX_FILES * (FILES_ENTRY.size + MAX_FAIL_MESSAGE) + MAX_CHUNK <= MAX_PAYLOAD
@@ -564,12 +569,12 @@ def test_the_largest_files_reply_fits_one_frame():
 
 
 @pytest.mark.parametrize(("reply", "error"), [
-    (encode_files([(Kind.DATA, b"abc")]), "ends before file 2"),
-    (encode_files([(Kind.DATA, b"abc"), (Kind.DATA, b"toolong")]), "sent 7 bytes"),
-    (encode_files([(Kind.DATA, b"ab"), (Kind.DATA, b"xy")]), "sent 2 bytes"),
-    (encode_files([(Kind.DATA, b"abc"), (Kind.DATA, b"xy")]) + b"!", "past its files"),
-    (encode_files([(Kind.DATA, b"abc")]) + FILES_ENTRY.pack(0, 5) + b"xy", "inside a file"),
-    (encode_files([(Kind.DATA, b"abc")]) + FILES_ENTRY.pack(99, 1) + b"x", "FAIL code 99"),
+    (_files([(Kind.DATA, b"abc")]), "ends before file 2"),
+    (_files([(Kind.DATA, b"abc"), (Kind.DATA, b"toolong")]), "sent 7 bytes"),
+    (_files([(Kind.DATA, b"ab"), (Kind.DATA, b"xy")]), "sent 2 bytes"),
+    (_files([(Kind.DATA, b"abc"), (Kind.DATA, b"xy")]) + b"!", "past its files"),
+    (_files([(Kind.DATA, b"abc")]) + FILES_ENTRY.pack(0, 5) + b"xy", "inside a file"),
+    (_files([(Kind.DATA, b"abc")]) + FILES_ENTRY.pack(99, 1) + b"x", "FAIL code 99"),
 ])
 def test_a_lying_files_reply_is_a_protocol_error(reply: bytes, error: str):
     with pytest.raises(ProtocolError, match=error):
