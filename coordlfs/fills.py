@@ -247,7 +247,7 @@ class FillQueue:
             self.queues.setdefault(requester, deque()).extend(taken)
             self.queued += len(taken)
             self._more.set()
-            if len(taken) == len(paths):
+            if size and len(taken) == len(paths):
                 self.cache.promise(size)
         return len(taken)
 
