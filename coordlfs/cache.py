@@ -54,7 +54,7 @@ from coordlfs.entries import SHARED, UNCHECKED, Entry, EntryTable
 from coordlfs.errors import UserError
 from coordlfs.freshness import PublishedWatch
 from coordlfs.journal import JOURNAL
-from coordlfs.published import INDEX, IndexWriter, Published, retire
+from coordlfs.published import BEAT_EVERY_S, INDEX, IndexWriter, Published, retire
 from coordlfs.source import Source, SourceReader
 from coordlfs.stats import ReadCounters
 from coordlfs.threads import in_thread
@@ -581,16 +581,25 @@ class WholeFileCache:
                 log.warning("%s", e)
 
     async def run_shared(self) -> None:
-        """Withdraw published entries whose source changes, and punch dropped ones late."""
+        """Withdraw published entries whose source changes, punch dropped ones late, and
+        beat, so that clients stop trusting the index soon after this loop stops."""
         if self.watch is None:
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.watch.run)
+            nursery.start_soon(self._beat)
             while True:
                 await trio.sleep(1.0)
                 self.punch_late(time.monotonic())
                 if self.full:  # clients send no misses to notice it: they read the source
                     self._room_is_back()
+
+    async def _beat(self) -> None:
+        """In the loop that withdraws changed files: a loop that stops beats no more."""
+        assert self.index is not None
+        while True:
+            self.index.beat()
+            await trio.sleep(BEAT_EVERY_S)
 
     def shared_status(self) -> dict | None:
         """Where clients find the index and the arena, and what the index holds."""

@@ -32,6 +32,14 @@ is the daemon user's alone: a process that cannot open it (another user of an
 ``--allow-other`` mount) reads everything through the mount, where the kernel checks its
 permissions.
 
+A daemon that is killed or stopped withdraws nothing more, so the client trusts the index only
+while the daemon beats: ``published.STALE_AFTER_S`` (2 s) after the daemon's last beat (at
+most that after it died or stopped), ``read`` serves no hit more. Each read then goes where a
+miss goes: through the mount (a killed daemon's answers ENOTCONN; a stopped one's waits for it
+to go on) or, for a file the cache has no room for, to the source directly. Checking costs a
+read of the clock, no system call. A reader whose clock is not the daemon's (another time
+namespace) does not use the index at all.
+
 A view ``read`` returns stays valid while the file is unchanged. Once the source changes,
 the cached bytes are dropped a few seconds later (``cache.PUNCH_GRACE_S``) and a view kept
 that long reads zeros: copy what you keep (``bytes(buf)``). Hits and misses are counted

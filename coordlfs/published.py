@@ -28,6 +28,19 @@ cached from the source itself instead of through the mount. The room word came l
 the rest: it has a flag bit (``_ROOM_SET``) so that a client tells a daemon that publishes
 it from an older one, whose header is zeros there; an older client reads the first five
 words only, so the magic stays.
+
+A daemon that dies (SIGKILL, the OOM killer) or stops (SIGSTOP) withdraws nothing more, and
+a client would go on serving what it had mapped after the source changed. So the daemon
+beats: it writes its CLOCK_MONOTONIC time (one clock for every process of the machine) in
+the header every ``BEAT_EVERY_S`` and at each publish, and a reader finds nothing in an
+index whose beat is ``STALE_AFTER_S`` old: no hit later than that after the daemon's last
+moment of life. Reading the clock costs no system call (the vDSO), so a hit still costs
+none. A daemon whose loop is late costs its clients hits, not correctness: they read through
+the mount meanwhile, and hit again at its next beat. The beat word, like the room, came
+later and has a flag bit (``_BEAT_SET``, the lowest: no arithmetic on a hit to strip it): an
+older daemon's index has no beat and is trusted as before. A reader whose clock is behind
+the daemon's (another time namespace) would trust a dead daemon longer: it does not use the
+index at all.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ import hashlib
 import mmap
 import os
 import struct
+from time import monotonic_ns
 from typing import NamedTuple
 
 #: The index's file name in the cache directory.
@@ -45,12 +59,23 @@ _PART = INDEX + ".part"
 MAGIC = b"CLFSIDX1"
 #: magic, retired, revalidate, slot count, generation, room; slots start at HEADER_SIZE
 _HEADER = struct.Struct("<8sQQQQQ")
-#: the two words a reader checks on every hit: retired, revalidate
-_FLAGS = struct.Struct("<QQ")
+#: the words a reader checks on every hit: retired, revalidate, beat
+_FLAGS = struct.Struct("<QQ24xQ")
 _FLAGS_AT = 8
 _ROOM_AT = 40
 #: set in the room word by a daemon that publishes the room (an older one leaves it zero)
 _ROOM_SET = 1 << 63
+#: the beat: the daemon's CLOCK_MONOTONIC nanoseconds, with ``_BEAT_SET`` (an older daemon
+#: leaves the word zero)
+_BEAT_AT = 48
+_BEAT_SET = 1
+#: Seconds between the daemon's beats (``IndexWriter.beat``).
+BEAT_EVERY_S = 0.5
+#: Seconds after the daemon's last beat that its clients stop trusting the index: the bound
+#: on hits after it dies or stops. Four beats: a loop busy for a second and a half does not
+#: send clients to the mount.
+STALE_AFTER_S = 2.0
+_STALE_NS = int(STALE_AFTER_S * 1e9)
 HEADER_SIZE = 64
 #: word (sequence << 2 | state), hash (2 words), arena offset, size, inode, mtime, ctime
 SLOT = struct.Struct("<QQQQQQqq")
@@ -143,6 +168,7 @@ class IndexWriter:
 
     def _install(self) -> None:
         """Clients open the table just created from now on."""
+        self.beat()
         os.rename(_PART, INDEX, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
 
     def set_revalidate(self) -> None:
@@ -165,6 +191,12 @@ class IndexWriter:
         slot = self._free_slot(h1)
         self._write(self._map, slot, h1, h2, found)
         self._live += 1
+        self.beat()  # a daemon publishing is alive: its clients can find this at once
+
+    def beat(self) -> None:
+        """Tell clients the daemon is alive and withdrawing: they trust the index for
+        ``STALE_AFTER_S`` from now."""
+        _WORD.pack_into(self._map, _BEAT_AT, monotonic_ns() | _BEAT_SET)
 
     def withdraw(self, path: bytes) -> bool:
         """Make a path's slot a tombstone; whether it was published."""
@@ -254,6 +286,11 @@ class IndexReader:
         self.arena = memoryview(self._arena)
         self._arena_size = len(self.arena)
         self._map, self._mask, self.revalidate = self._open()
+        # Ahead of our clock (``| _BEAT_SET``: rounded as the beat is) only from a clock of
+        # another time namespace, which would make a dead daemon's beat look fresh
+        if _WORD.unpack_from(self._map, _BEAT_AT)[0] > monotonic_ns() | _BEAT_SET:
+            self.close()
+            raise OSError(f"{index} was written with a clock other than this process's")
 
     def _open(self) -> tuple[mmap.mmap, int, bool]:
         fd = os.open(self.index_path, os.O_RDONLY | os.O_CLOEXEC)
@@ -268,13 +305,16 @@ class IndexReader:
         return table, slots - 1, bool(revalidate)
 
     def find(self, path: bytes) -> Published | None:
-        """The published version of ``path``, or None (not published, or being changed)."""
+        """The published version of ``path``, or None (not published, being changed, or
+        the daemon has not beaten for ``STALE_AFTER_S``)."""
         h1, h2 = path_hash(path)
         for _attempt in range(3):  # a table retired meanwhile: look again in the new one
             table = self._map
             found = self._probe(table, h1, h2)
-            retired, revalidate = _FLAGS.unpack_from(table, _FLAGS_AT)
+            retired, revalidate, beat = _FLAGS.unpack_from(table, _FLAGS_AT)
             if not retired:
+                if beat and monotonic_ns() - beat >= _STALE_NS:
+                    return None  # the daemon is dead or stopped: it withdraws nothing
                 self.revalidate = revalidate != 0
                 if found is not None and found.offset + found.size > self._arena_size:
                     return None

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from pathlib import Path
 
 import pytest
 
-from coordlfs.published import INDEX, MIN_SLOTS, IndexReader, IndexWriter, Published
+from coordlfs.published import INDEX, MIN_SLOTS, STALE_AFTER_S, IndexReader, IndexWriter, Published
 
 
 @pytest.fixture
@@ -126,3 +127,68 @@ def test_an_index_without_the_room_says_none(directory) -> None:
     assert reader.room is None
     writer.close()
     reader.close()
+
+
+# -- the beat: a daemon that stops beating (killed, stopped) is not trusted past the bound;
+# an index from a daemon that does not beat is trusted as before
+
+
+def _set_beat(root: Path, word: int) -> None:
+    with open(root / INDEX, "r+b") as f, mmap.mmap(f.fileno(), 64) as header:
+        header[48:56] = word.to_bytes(8, "little")
+
+
+def _beat_at(seconds_ago: float) -> int:
+    return (time.monotonic_ns() - int(seconds_ago * 1e9)) | 1
+
+
+def test_an_index_whose_daemon_stopped_beating_is_not_trusted(directory) -> None:
+    root, fd = directory
+    writer = IndexWriter(fd)
+    writer.publish(b"a", _version(1))
+    reader = IndexReader(str(root / INDEX), str(root / "arena"))
+    assert reader.find(b"a") == _version(1)
+    _set_beat(root, _beat_at(STALE_AFTER_S + 0.1))  # the daemon's last beat, too long ago
+    assert reader.find(b"a") is None
+    writer.beat()  # alive again (SIGCONT): trusted again
+    assert reader.find(b"a") == _version(1)
+    _set_beat(root, _beat_at(STALE_AFTER_S / 2))  # late, within the bound
+    assert reader.find(b"a") == _version(1)
+    reader.close()
+    writer.close()
+
+
+def test_a_new_table_is_installed_with_a_beat(directory) -> None:
+    root, fd = directory
+    writer = IndexWriter(fd)
+    writer.publish(b"a", _version(1))
+    reader = IndexReader(str(root / INDEX), str(root / "arena"))
+    _set_beat(root, _beat_at(STALE_AFTER_S + 0.1))
+    assert reader.find(b"a") is None
+    writer.reserve(MIN_SLOTS)  # grown with no publish (a restart adopting many files)
+    assert writer.generation > 1
+    assert reader.find(b"a") == _version(1)  # the new table's beat is of now
+    reader.close()
+    writer.close()
+
+
+def test_a_reader_whose_clock_is_behind_the_daemons_does_not_use_the_index(directory) -> None:
+    root, fd = directory
+    writer = IndexWriter(fd)
+    _set_beat(root, _beat_at(-60))  # a daemon in another time namespace: its beat looks fresh
+    with pytest.raises(OSError):
+        IndexReader(str(root / INDEX), str(root / "arena"))
+    writer.beat()
+    IndexReader(str(root / INDEX), str(root / "arena")).close()
+    writer.close()
+
+
+def test_an_index_without_the_beat_is_trusted_as_before(directory) -> None:
+    root, fd = directory
+    writer = IndexWriter(fd)
+    writer.publish(b"a", _version(1))
+    _set_beat(root, 0)  # as an older daemon leaves it
+    reader = IndexReader(str(root / INDEX), str(root / "arena"))
+    assert reader.find(b"a") == _version(1)
+    reader.close()
+    writer.close()
