@@ -69,7 +69,7 @@ SNAPSHOT_TIMEOUT_S = 5.0
 #: Connections served at once. Prometheus scrapes a target over one connection at a time, so
 #: 16 leave room for a few scrapers (HA pairs, a person with curl) and their retries, while
 #: 16 threads and descriptors are nothing beside what the readers need (a quarter of even a
-#: 64-descriptor limit; the daemon has 1,024 or more).
+#: 64-descriptor limit).
 MAX_CONNECTIONS = 16
 #: Seconds a connection may last, from its accept to the last byte of its answer: as long as
 #: Prometheus's default scrape timeout, after which it has given up anyway; a scrape takes
@@ -440,6 +440,7 @@ class _Server(http.server.ThreadingHTTPServer):
         socketserver.BaseServer.__init__(self, sock.getsockname(), _Handler.factory(registry))
         self.socket = sock
         self.refused = RateLimitedLog(log, logging.WARNING, LOG_INTERVAL_S)
+        self._ended = RateLimitedLog(log, logging.INFO, LOG_INTERVAL_S)
         self._lock = threading.Lock()
         #: each connection served: its scraper's address and when it must be done by
         self._open: dict[socket.socket, tuple[str, float]] = {}
@@ -490,8 +491,9 @@ class _Server(http.server.ThreadingHTTPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that failed (the scraper went away) is a line in the log, not a
-        traceback on stderr."""
-        log.info("metrics connection from %s ended: %r", client_address[0], sys.exc_info()[1])
+        traceback on stderr; rate-limited, since anyone can make connections fail."""
+        self._ended("metrics connection from %s ended: %r", client_address[0],
+                    sys.exc_info()[1])
 
 
 def _bind(address: Address) -> socket.socket:
