@@ -15,21 +15,33 @@ error taking the status is raised in the scrape's thread, never in the loop.
 The socket is bound when the daemon is assembled (``MetricsServer.bind``), before the mount
 exists, so a port in use or a bad address is a one-line error of ``coordlfs mount``; the
 server's threads are daemon threads, and ``close`` stops it when the daemon exits.
+
+Whoever reaches the port can connect, and nothing they do may take what the mount's readers
+need (each connection holds a thread and a descriptor): at most ``MAX_CONNECTIONS`` are served
+at once, and one more is answered 503 at once and closed; a connection lasts at most
+``CONNECTION_TIMEOUT_S`` from its accept to the last byte of its answer, so one that sends
+nothing, trickles its request or does not read the answer is closed; a request holds at most
+``MAX_REQUEST_BYTES``. One request per connection (HTTP/1.0, prometheus_client's), so no idle
+keep-alive connection is kept. Refusals are logged at most once per ``LOG_INTERVAL_S``, as the
+peer port's, so a stranger cannot grow the log.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import http.server
 import logging
+import math
 import os
 import socket
 import socketserver
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from http import HTTPStatus
-from typing import Any
+from typing import Any, BinaryIO
 
 import trio
 from prometheus_client import CollectorRegistry, MetricsHandler, ProcessCollector
@@ -41,6 +53,12 @@ from prometheus_client.core import (
 )
 
 from coordlfs.errors import UserError
+from coordlfs.peer_server import (
+    ACCEPT_RESOURCE_ERRNOS,
+    ACCEPT_RETRY_S,
+    LOG_INTERVAL_S,
+    RateLimitedLog,
+)
 from coordlfs.placement import Address
 
 log = logging.getLogger(__name__)
@@ -48,6 +66,19 @@ log = logging.getLogger(__name__)
 #: Seconds a scrape waits for the loop to take the status: a scrape that times out is
 #: answered 503 rather than held, well within Prometheus's default 10 s scrape timeout.
 SNAPSHOT_TIMEOUT_S = 5.0
+#: Connections served at once. Prometheus scrapes a target over one connection at a time, so
+#: 16 leave room for a few scrapers (HA pairs, a person with curl) and their retries, while
+#: 16 threads and descriptors are nothing beside what the readers need (a quarter of even a
+#: 64-descriptor limit).
+MAX_CONNECTIONS = 16
+#: Seconds a connection may last, from its accept to the last byte of its answer: as long as
+#: Prometheus's default scrape timeout, after which it has given up anyway; a scrape takes
+#: about a millisecond (the status at most ``SNAPSHOT_TIMEOUT_S``). Checked every half
+#: second (``serve_forever``'s poll).
+CONNECTION_TIMEOUT_S = 10.0
+#: Bytes of a request, its line and headers (a scrape has no body): Prometheus sends about
+#: 300; http.server alone would take 64 KiB a line and 100 headers, 6 MiB a connection.
+MAX_REQUEST_BYTES = 8192
 #: Every series' name starts with this.
 PREFIX = "coordlfs_"
 #: The states of a peer link (``peers.PeerLink.state``), each a series whether or not a link
@@ -338,7 +369,49 @@ class StatusCollector:
         yield from families(self.snapshots.take())
 
 
+#: The answer to a connection past the cap, sent without waiting and without reading its
+#: request (a scraper sees why it was refused; Prometheus marks the target down).
+BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+        b"Connection: close\r\n\r\n" + f"{MAX_CONNECTIONS} metrics connections open, the "
+        "most served at once\n".encode())
+
+
+class RequestTooLarge(Exception):
+    """A request past ``MAX_REQUEST_BYTES``: its connection is closed unanswered."""
+
+
+class _BoundedLines:
+    """A connection's input as http.server reads it, a line at a time, with at most ``left``
+    bytes in all."""
+
+    def __init__(self, rfile: BinaryIO, left: int) -> None:
+        self.rfile, self.left = rfile, left
+
+    def readline(self, size: int = -1) -> bytes:
+        if self.left <= 0:
+            raise RequestTooLarge
+        line = self.rfile.readline(self.left if size < 0 else min(size, self.left))
+        self.left -= len(line)
+        return line
+
+    def close(self) -> None:
+        self.rfile.close()
+
+
 class _Handler(MetricsHandler):
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = _BoundedLines(self.rfile, MAX_REQUEST_BYTES)  # type: ignore[assignment]
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except RequestTooLarge:
+            self.server.refused("metrics request from %s refused: over %d bytes",
+                                self.client_address[0], MAX_REQUEST_BYTES)
+
     def do_GET(self) -> None:
         try:
             super().do_GET()
@@ -354,18 +427,73 @@ class _Handler(MetricsHandler):
 
 class _Server(http.server.ThreadingHTTPServer):
     """prometheus_client's handler on a socket bound beforehand (``bind``); a thread per
-    scrape, daemon threads."""
+    connection, daemon threads, at most ``MAX_CONNECTIONS``, each closed after
+    ``CONNECTION_TIMEOUT_S``.
+
+    Every connection ends in ``shutdown_request`` (answered, failed or turned away), which
+    forgets it before closing it; the timeout's ``shutdown`` runs under the same lock on a
+    connection not yet forgotten, so it never reaches a descriptor closed and reused."""
 
     def __init__(self, sock: socket.socket, registry: CollectorRegistry) -> None:
         # BaseServer, not TCPServer: the socket exists; and no getfqdn (HTTPServer.server_bind),
         # whose reverse lookup could hold up a mount
         socketserver.BaseServer.__init__(self, sock.getsockname(), _Handler.factory(registry))
         self.socket = sock
+        self.refused = RateLimitedLog(log, logging.WARNING, LOG_INTERVAL_S)
+        self._ended = RateLimitedLog(log, logging.INFO, LOG_INTERVAL_S)
+        self._lock = threading.Lock()
+        #: each connection served: its scraper's address and when it must be done by
+        self._open: dict[socket.socket, tuple[str, float]] = {}
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        """The next connection. Out of descriptors or memory (the readers hold them; the
+        connection waits in the backlog), pause rather than spin on a socket that stays
+        readable, since serve_forever drops the error and selects again."""
+        try:
+            return super().get_request()
+        except OSError as e:
+            if e.errno in ACCEPT_RESOURCE_ERRNOS:
+                self.refused("cannot accept metrics connections now: %s", e.strerror or e)
+                time.sleep(ACCEPT_RETRY_S)
+            raise
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        """Admit a connection under the cap; past it, answer 503 and close it at once."""
+        with self._lock:
+            if len(self._open) < MAX_CONNECTIONS:
+                self._open[request] = (client_address[0],
+                                       time.monotonic() + CONNECTION_TIMEOUT_S)
+                return True
+        self.refused("metrics connection from %s turned away: %d connections open, the most "
+                     "served at once", client_address[0], MAX_CONNECTIONS)
+        with contextlib.suppress(OSError):  # a new socket's buffer takes it, or nothing
+            request.send(BUSY, socket.MSG_DONTWAIT)
+        return False
+
+    def service_actions(self) -> None:
+        """Close the connections past their time (serve_forever calls this between accepts
+        and every half second): ``shutdown`` wakes their threads, which end."""
+        now = time.monotonic()
+        with self._lock:
+            late = [(sock, who) for sock, (who, until) in self._open.items() if until <= now]
+            for sock, who in late:
+                self._open[sock] = (who, math.inf)
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        for _sock, who in late:
+            self.refused("metrics connection from %s closed: not done in %g s", who,
+                         CONNECTION_TIMEOUT_S)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._lock:
+            self._open.pop(request, None)
+        super().shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that failed (the scraper went away) is a line in the log, not a
-        traceback on stderr."""
-        log.info("metrics connection from %s ended: %r", client_address[0], sys.exc_info()[1])
+        traceback on stderr; rate-limited, since anyone can make connections fail."""
+        self._ended("metrics connection from %s ended: %r", client_address[0],
+                    sys.exc_info()[1])
 
 
 def _bind(address: Address) -> socket.socket:

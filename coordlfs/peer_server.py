@@ -93,7 +93,8 @@ DESCRIPTOR_SHARE = 4
 LOG_INTERVAL_S = 10.0
 #: Seconds to wait before accepting again when the process is out of descriptors or memory.
 ACCEPT_RETRY_S = 0.1
-_ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: What ``accept`` fails with when the process is out of descriptors or memory.
+ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 def connection_cap(nodes: int) -> int:
@@ -196,7 +197,7 @@ class PeerServer:
         try:
             return await listener.accept()
         except OSError as e:
-            if e.errno not in _ACCEPT_RESOURCE_ERRNOS:
+            if e.errno not in ACCEPT_RESOURCE_ERRNOS:
                 raise
             self._refused("cannot accept peer connections now: %s", e.strerror or e)
             await trio.sleep(ACCEPT_RETRY_S)

@@ -111,9 +111,13 @@ def _volumes(pod: Pod, dataset: Path, secret: bytes) -> None:
             directory.mkdir(parents=True)
 
 
-def _expanded(args: list[str]) -> list[str]:
-    """``$(VAR)`` replaced from the ConfigMap, as the kubelet does."""
-    env = {v["name"]: CONFIG["data"][v["valueFrom"]["configMapKeyRef"]["key"]]
+def _expanded(args: list[str], pod: Pod) -> list[str]:
+    """``$(VAR)`` replaced from the ConfigMap or the downward API (the pod's IP is its
+    node's address), as the kubelet does."""
+    downward = {"status.podIP": pod.node.address}
+    env = {v["name"]: downward[v["valueFrom"]["fieldRef"]["fieldPath"]]
+           if "fieldRef" in v["valueFrom"]
+           else CONFIG["data"][v["valueFrom"]["configMapKeyRef"]["key"]]
            for v in CONTAINER["env"]}
     return [re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], a) for a in args]
 
@@ -132,7 +136,7 @@ def _start(pod: Pod, hosts: Path | None) -> None:
                f'mount --bind {hosts} /etc/hosts && mount -t tmpfs -o size={size} pod-cache '
                f'{cache} && exec "$@"', "pod"]
     argv = [*pod.node.enter(), *own, *pod.command(CONTAINER["command"]),
-            *pod.command(_expanded(CONTAINER["args"]))]
+            *pod.command(_expanded(CONTAINER["args"], pod))]
     with open(pod.log, "ab") as log:
         pod.process = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True,
                                        env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"})

@@ -55,11 +55,20 @@ POD = DAEMONSET["spec"]["template"]["spec"]
 (CONTAINER,) = POD["containers"]
 
 
+#: the downward API's fields the container takes, as the kubelet would give them
+DOWNWARD = {"status.podIP": "192.0.2.10"}
+
+
 def _expanded_args() -> list[str]:
-    """The container's args with ``$(VAR)`` replaced as the kubelet does, from the ConfigMap."""
+    """The container's args with ``$(VAR)`` replaced as the kubelet does, from the ConfigMap
+    or the downward API."""
     env = {}
     for variable in CONTAINER["env"]:
-        ref = variable["valueFrom"]["configMapKeyRef"]
+        source = variable["valueFrom"]
+        if "fieldRef" in source:
+            env[variable["name"]] = DOWNWARD[source["fieldRef"]["fieldPath"]]
+            continue
+        ref = source["configMapKeyRef"]
         assert ref["name"] == CONFIG["metadata"]["name"]
         env[variable["name"]] = CONFIG["data"][ref["key"]]
     return [re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], a) for a in CONTAINER["args"]]
@@ -171,7 +180,9 @@ def test_peers_are_the_headless_services_pods() -> None:
 
 
 def test_metrics_port_is_declared_and_scraped() -> None:
-    port = int(OPTIONS["metrics"].rsplit(":", 1)[1])
+    host, _, number = OPTIONS["metrics"].rpartition(":")
+    assert host == DOWNWARD["status.podIP"]  # the pod's own address, not every address
+    port = int(number)
     assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in CONTAINER["ports"]
     annotations = DAEMONSET["spec"]["template"]["metadata"]["annotations"]
     assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
