@@ -27,6 +27,17 @@ class MountEntry:
     source: str
     #: "major:minor" of the mounted filesystem; for FUSE also the name of its bdi in /sys
     device: str = ""
+    #: the filesystem's own options (FUSE: ``user_id=``, ``allow_other``)
+    options: tuple[str, ...] = ()
+
+    @property
+    def owner(self) -> int | None:
+        """The uid that mounted a FUSE filesystem: it (or root) alone may unmount it, and
+        without ``allow_other`` the kernel lets no one else in."""
+        for option in self.options:
+            if option.startswith("user_id="):
+                return int(option[8:])
+        return None
 
 
 def _unescape(field: str) -> str:
@@ -41,7 +52,7 @@ def mounts() -> list[MountEntry]:
             left, _, right = line.partition(" - ")
             fields, rest = left.split(), right.split()
             entries.append(MountEntry(_unescape(fields[4]), rest[0], _unescape(rest[1]),
-                                      fields[2]))
+                                      fields[2], tuple(rest[2].split(","))))
     return entries
 
 
@@ -51,6 +62,18 @@ def mount_at(path: str) -> MountEntry | None:
     found = None
     for entry in mounts():
         if entry.mountpoint == real:
+            found = entry
+    return found
+
+
+def mount_holding(path: str) -> MountEntry | None:
+    """The mount ``path`` is on, from the mount table alone, without a walk up that stats
+    each directory (which a directory this user may not enter would cut short). Of the
+    mounts on the way the last listed is on top: it was mounted over, or inside, the rest."""
+    real = os.path.realpath(path)
+    found = None
+    for entry in mounts():
+        if real == entry.mountpoint or real.startswith(entry.mountpoint.rstrip("/") + "/"):
             found = entry
     return found
 
@@ -158,6 +181,11 @@ def spawn_daemon(config: MountConfig) -> str:
 
 def unmount(mountpoint: str, pid: int | None, lazy: bool) -> None:
     """Unmount and wait for the daemon (if its pid is known) to exit."""
+    entry = mount_at(mountpoint)
+    owner = entry.owner if entry is not None else None
+    if owner is not None and os.getuid() not in (0, owner):  # fusermount would say "not found"
+        raise UserError(f"permission denied: {mountpoint} is mounted by uid {owner}; only that "
+                        "user and root may unmount it")
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     if tool is None:
         raise UserError("fusermount3 not found (install the fuse3 package)")
