@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import TextIO
 
 from coordlfs.config import MountConfig
 from coordlfs.errors import UserError
@@ -124,6 +125,30 @@ def check_mountpoint_free(mountpoint: str) -> None:
                         "is mounted there")
 
 
+def warn_if_not_empty(mountpoint: str, source: str) -> None:
+    """The mount hides what its mountpoint holds while it is up: said, not refused (as sshfs
+    and rclone do). Not over the source itself, which the mount serves."""
+    if mountpoint == source:
+        return
+    with contextlib.suppress(OSError), os.scandir(mountpoint) as entries:
+        if next(entries, None) is not None:
+            print(f"coordlfs: warning: mountpoint {mountpoint} is not empty: the mount hides "
+                  "what it holds", file=sys.stderr)
+
+
+def open_log(path: str) -> TextIO:
+    """The log file, to append to, its directory made. One this user cannot write (the
+    default is under HOME, which may be missing or not this user's) is a one-line error:
+    falling back to a shared directory such as /tmp would let another user plant the file,
+    and to no log would hide why a detached daemon failed."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return open(path, "a")
+    except OSError as e:
+        raise UserError(f"cannot write the log file {path}: {e.strerror}; give --log FILE "
+                        "(or --foreground, which logs to stderr)") from None
+
+
 def free_space(directory: str) -> int:
     """Bytes free on the filesystem that holds (or will hold) ``directory``."""
     path = directory
@@ -148,9 +173,8 @@ def spawn_daemon(config: MountConfig) -> str:
     every failure.
     """
     log_file = config.log_file or ""
-    read_end, write_end = os.pipe()
-    os.makedirs(os.path.dirname(log_file), exist_ok=True)
-    with open(log_file, "ab") as log:
+    with open_log(log_file) as log:
+        read_end, write_end = os.pipe()
         child = subprocess.Popen(
             # source and mountpoint are there for ps(1) only: which daemon serves which mount
             [sys.executable, "-m", "coordlfs.detached", str(write_end), config.source,
