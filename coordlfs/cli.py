@@ -19,6 +19,7 @@ from coordlfs.mounting import (
     mount_at,
     spawn_daemon,
     unmount,
+    warn_if_not_empty,
 )
 from coordlfs.sizes import format_size
 from coordlfs.stagger import (
@@ -117,6 +118,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     source = check_directory(args.source, "source")
     mountpoint = check_directory(args.mountpoint, "mountpoint")
     check_mountpoint_free(mountpoint)
+    warn_if_not_empty(mountpoint, source)
     config = options.resolve(values, source, mountpoint)
     default = options.BY_NAME["cache_size"].default_text
     summary = (f"{config.source} on {config.mountpoint}, cache {format_size(config.cache_size)}"

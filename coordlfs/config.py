@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 import xxhash
 
+from coordlfs.errors import UserError
 from coordlfs.sizes import physical_memory
 
 #: Where cached bytes live by default: shared memory, like CoorDL's /dev/shm cache.
@@ -92,5 +93,7 @@ def default_cache_size() -> int:
 
 def default_log_file(mountpoint: str) -> str:
     state = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    if not os.path.isabs(state):  # no HOME, and no home in the password database
+        raise UserError(f"no directory for the default log file ({state}); give --log FILE")
     escaped = os.path.realpath(mountpoint).strip("/").replace("/", "-") or "root"
     return os.path.join(state, "coordlfs", f"{escaped}.log")

@@ -22,7 +22,7 @@ from typing import Any
 from coordlfs import CONTROL_NAME, control_spec
 from coordlfs.control_spec import Command
 from coordlfs.errors import UserError
-from coordlfs.mounting import mount_at
+from coordlfs.mounting import mount_at, mount_holding
 
 #: Paths per ``group.files`` request, well under the 1 MiB request limit for long paths.
 FILES_PER_REQUEST = 2000
@@ -40,6 +40,30 @@ class ControlError(UserError):
     """The mount refused a request, or the path is no coordlfs mount."""
 
 
+class MountDenied(ControlError, PermissionError):
+    """This user may not reach the path: a ControlError for the CLI and for callers that
+    degrade without the mount, a PermissionError (EACCES, the path) for the rest."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def denied(path: str) -> MountDenied:
+    """A MountDenied for ``path`` that names the directory barring the way: a coordlfs
+    mount of another user (without ``--allow-other`` the kernel lets no one else in), or a
+    directory this user may not enter."""
+    real = os.path.realpath(path)
+    parts = real.strip("/").split("/")
+    on_the_way = ["/" + "/".join(parts[:n]) for n in range(len(parts) + 1)]
+    closed = next((d for d in on_the_way if not os.access(d, os.X_OK)), None)
+    entry = mount_at(closed) if closed else None
+    if entry is not None and entry.fstype == "fuse.coordlfs" and "allow_other" not in entry.options:
+        why = f" ({closed} is a coordlfs mount of uid {entry.owner}, without --allow-other)"
+    else:
+        why = f" (this user may not enter {closed})" if closed else ""
+    return MountDenied(errno.EACCES, f"permission denied: {path}{why}", path)
+
+
 class Control:
     def __init__(self, mountpoint: str | os.PathLike[str]) -> None:
         self.mountpoint = os.fspath(mountpoint)
@@ -50,6 +74,8 @@ class Control:
             return os.open(self.path, flags)
         except FileNotFoundError:
             raise ControlError(f"{self.mountpoint} is not a coordlfs mount") from None
+        except PermissionError:
+            raise denied(self.mountpoint) from None
         except OSError as e:
             raise ControlError(f"{self.mountpoint}: {e.strerror}") from None
 
@@ -137,16 +163,17 @@ class Control:
 
 
 def find_mount(path: str | os.PathLike[str]) -> str | None:
-    """The coordlfs mount that holds ``path``, or None."""
-    current = os.path.realpath(path)
-    while True:
-        if os.path.ismount(current):
-            entry = mount_at(current)
-            return current if entry is not None and entry.fstype == "fuse.coordlfs" else None
-        parent = os.path.dirname(current)
-        if parent == current:
-            return None
-        current = parent
+    """The coordlfs mount that holds ``path``, or None; a path this user may not reach is a
+    MountDenied, not None: it may well be on a mount, only not this user's to read."""
+    real = os.path.realpath(path)
+    try:
+        os.stat(real)
+    except PermissionError:
+        raise denied(os.fspath(path)) from None
+    except OSError:
+        pass  # not there: on the mount that holds its directory, if any
+    entry = mount_holding(real)
+    return entry.mountpoint if entry is not None and entry.fstype == "fuse.coordlfs" else None
 
 
 def control_for(path: str | os.PathLike[str] | None, what: str) -> Control | None:
@@ -155,7 +182,11 @@ def control_for(path: str | os.PathLike[str] | None, what: str) -> Control | Non
     if path is None:
         warnings.warn(f"coordlfs: no path given, {what} without the mount", stacklevel=3)
         return None
-    mount = find_mount(path)
+    try:
+        mount = find_mount(path)
+    except MountDenied as e:
+        warnings.warn(f"coordlfs: {e}; {what} without the mount", stacklevel=3)
+        return None
     if mount is None:
         warnings.warn(f"coordlfs: {path} is not on a coordlfs mount; {what} without it",
                       stacklevel=3)

@@ -27,7 +27,7 @@ from coordlfs.fs import Operations
 from coordlfs.groups import Groups
 from coordlfs.groups import register_commands as register_group_commands
 from coordlfs.metrics import MetricsServer
-from coordlfs.mounting import set_read_ahead
+from coordlfs.mounting import open_log, set_read_ahead
 from coordlfs.peer_hold import PeerHold
 from coordlfs.peer_server import PeerServer, connection_cap, listen_socket
 from coordlfs.peer_server import register_commands as register_peer_commands
@@ -68,11 +68,8 @@ class DroppedReplies(logging.Filter):
 
 
 def setup_logging(log_file: str | None, debug: bool) -> None:
-    if log_file:
-        os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
-        handler: logging.Handler = logging.FileHandler(log_file)
-    else:
-        handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(open_log(os.path.abspath(log_file)) if log_file
+                                    else sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -1,5 +1,6 @@
 """An fsspec filesystem, protocol ``coordlfs``: libraries built on fsspec (HuggingFace
-datasets, webdataset, zarr, pandas) read a coordlfs mount through its client with a URL change.
+datasets, zarr, pandas) read a coordlfs mount through its client with a URL change (webdataset
+opens URLs itself: ``coordlfs.webdataset``).
 
     import fsspec
     with fsspec.open("coordlfs:///mnt/data/train/a/x.jpg") as f:   # an absolute path on a mount

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import TextIO
 
 from coordlfs.config import MountConfig
 from coordlfs.errors import UserError
@@ -27,6 +28,17 @@ class MountEntry:
     source: str
     #: "major:minor" of the mounted filesystem; for FUSE also the name of its bdi in /sys
     device: str = ""
+    #: the filesystem's own options (FUSE: ``user_id=``, ``allow_other``)
+    options: tuple[str, ...] = ()
+
+    @property
+    def owner(self) -> int | None:
+        """The uid that mounted a FUSE filesystem: it (or root) alone may unmount it, and
+        without ``allow_other`` the kernel lets no one else in."""
+        for option in self.options:
+            if option.startswith("user_id="):
+                return int(option[8:])
+        return None
 
 
 def _unescape(field: str) -> str:
@@ -41,7 +53,7 @@ def mounts() -> list[MountEntry]:
             left, _, right = line.partition(" - ")
             fields, rest = left.split(), right.split()
             entries.append(MountEntry(_unescape(fields[4]), rest[0], _unescape(rest[1]),
-                                      fields[2]))
+                                      fields[2], tuple(rest[2].split(","))))
     return entries
 
 
@@ -51,6 +63,18 @@ def mount_at(path: str) -> MountEntry | None:
     found = None
     for entry in mounts():
         if entry.mountpoint == real:
+            found = entry
+    return found
+
+
+def mount_holding(path: str) -> MountEntry | None:
+    """The mount ``path`` is on, from the mount table alone, without a walk up that stats
+    each directory (which a directory this user may not enter would cut short). Of the
+    mounts on the way the last listed is on top: it was mounted over, or inside, the rest."""
+    real = os.path.realpath(path)
+    found = None
+    for entry in mounts():
+        if real == entry.mountpoint or real.startswith(entry.mountpoint.rstrip("/") + "/"):
             found = entry
     return found
 
@@ -101,6 +125,30 @@ def check_mountpoint_free(mountpoint: str) -> None:
                         "is mounted there")
 
 
+def warn_if_not_empty(mountpoint: str, source: str) -> None:
+    """The mount hides what its mountpoint holds while it is up: said, not refused (as sshfs
+    and rclone do). Not over the source itself, which the mount serves."""
+    if mountpoint == source:
+        return
+    with contextlib.suppress(OSError), os.scandir(mountpoint) as entries:
+        if next(entries, None) is not None:
+            print(f"coordlfs: warning: mountpoint {mountpoint} is not empty: the mount hides "
+                  "what it holds", file=sys.stderr)
+
+
+def open_log(path: str) -> TextIO:
+    """The log file, to append to, its directory made. One this user cannot write (the
+    default is under HOME, which may be missing or not this user's) is a one-line error:
+    falling back to a shared directory such as /tmp would let another user plant the file,
+    and to no log would hide why a detached daemon failed."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return open(path, "a")
+    except OSError as e:
+        raise UserError(f"cannot write the log file {path}: {e.strerror}; give --log FILE "
+                        "(or --foreground, which logs to stderr)") from None
+
+
 def free_space(directory: str) -> int:
     """Bytes free on the filesystem that holds (or will hold) ``directory``."""
     path = directory
@@ -125,9 +173,8 @@ def spawn_daemon(config: MountConfig) -> str:
     every failure.
     """
     log_file = config.log_file or ""
-    read_end, write_end = os.pipe()
-    os.makedirs(os.path.dirname(log_file), exist_ok=True)
-    with open(log_file, "ab") as log:
+    with open_log(log_file) as log:
+        read_end, write_end = os.pipe()
         child = subprocess.Popen(
             # source and mountpoint are there for ps(1) only: which daemon serves which mount
             [sys.executable, "-m", "coordlfs.detached", str(write_end), config.source,
@@ -158,6 +205,11 @@ def spawn_daemon(config: MountConfig) -> str:
 
 def unmount(mountpoint: str, pid: int | None, lazy: bool) -> None:
     """Unmount and wait for the daemon (if its pid is known) to exit."""
+    entry = mount_at(mountpoint)
+    owner = entry.owner if entry is not None else None
+    if owner is not None and os.getuid() not in (0, owner):  # fusermount would say "not found"
+        raise UserError(f"permission denied: {mountpoint} is mounted by uid {owner}; only that "
+                        "user and root may unmount it")
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     if tool is None:
         raise UserError("fusermount3 not found (install the fuse3 package)")

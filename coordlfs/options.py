@@ -103,6 +103,21 @@ def _short_size(n: int) -> str:
     return str(n)
 
 
+#: The smallest cache (0 aside: off). The cache fills files in 1 MiB chunks and the kernel
+#: reads the mount in 1 MiB requests (``cache.FILL_CHUNK``, ``daemon.READ_AHEAD_KB``): a
+#: smaller cache holds less than one read brings in, so nearly every read is a miss, and
+#: a size that small is a slip (1K for 1G) more often than a wish.
+MIN_CACHE_SIZE = 1 << 20
+
+
+def _cache_size(text: str, flag: str) -> int:
+    size = parse_size(text, flag)
+    if 0 < size < MIN_CACHE_SIZE:
+        raise UserError(f"bad {flag} {text}: at least {_short_size(MIN_CACHE_SIZE)}, the "
+                        "size of one read (or 0: no cache, every read from the source)")
+    return size
+
+
 def _size_above_zero(text: str, flag: str) -> int:
     size = parse_size(text, flag)
     if size <= 0:
@@ -156,14 +171,36 @@ def _peers_from(text: str, flag: str) -> str:
 
 
 def _fit_free_space(cache_size: int, values: Values) -> int:
-    """A new cache directory gets no more than its filesystem has free, less a margin."""
+    """A new cache directory gets no more than its filesystem has free, less a margin; a
+    cache of 0 is said out loud, since every read then goes to the source."""
+    if cache_size == 0:
+        print("coordlfs: warning: --cache-size 0: no cache, every read goes to the source",
+              file=sys.stderr)
+        return 0
     cache_dir = values["cache_dir"]
     room = usable_room(free_space(cache_dir))
     if cache_size > room and not os.path.isdir(cache_dir):
+        if room < MIN_CACHE_SIZE:
+            raise UserError(f"only {format_size(room)} free for {cache_dir} (less a margin), "
+                            f"less than the smallest cache ({_short_size(MIN_CACHE_SIZE)}); "
+                            "give --cache-dir on a filesystem with room")
         print(f"coordlfs: warning: --cache-size {format_size(cache_size)} is more than the "
               f"{format_size(room)} free for {cache_dir} (less a margin); using "
               f"{format_size(room)}", file=sys.stderr)
         return room
+    return cache_size
+
+
+def _within_cache(max_file_size: int, values: Values) -> int:
+    """A file larger than the cache can never be cached: such a limit is lowered to the
+    cache's size (which the status then shows), with a warning."""
+    cache_size = values["cache_size"]
+    if max_file_size <= cache_size:
+        return max_file_size
+    if cache_size:  # with no cache at all, --cache-size 0 has said so
+        print(f"coordlfs: warning: --max-file-size {format_size(max_file_size)} is more than "
+              f"the cache ({format_size(cache_size)}): files above the cache size can never be "
+              f"cached; using {format_size(cache_size)}", file=sys.stderr)
     return cache_size
 
 
@@ -192,12 +229,13 @@ RUN = "the mount"
 #: Every option of ``coordlfs mount``, in the order of ``--help`` and the README's table.
 OPTIONS: tuple[Option, ...] = (
     Option("cache_size", "cache capacity: bytes with a K/M/G/T suffix (powers of 1024) or N% "
-           "of RAM; never more than the cache directory's free space", parse_size, "SIZE",
-           default=lambda values: default_cache_size(), default_text="50% of RAM",
-           settle=_fit_free_space),
-    Option("max_file_size", "larger files are streamed from the source, never cached", parse_size,
-           "SIZE", default=lambda values: int(values["cache_size"] * DEFAULT_MAX_FILE_SHARE),
-           default_text="a quarter of the cache"),
+           "of RAM; never more than the cache directory's free space; at least 1M (0: no "
+           "cache)", _cache_size, "SIZE", default=lambda values: default_cache_size(),
+           default_text="50% of RAM", settle=_fit_free_space),
+    Option("max_file_size", "larger files are streamed from the source, never cached; at "
+           "most the cache size", parse_size, "SIZE",
+           default=lambda values: int(values["cache_size"] * DEFAULT_MAX_FILE_SHARE),
+           default_text="a quarter of the cache", settle=_within_cache),
     Option("cache_dir", "where cached bytes live, on tmpfs", _path, "DIR",
            default=lambda values: default_cache_dir(values["source"]),
            default_text="/dev/shm/coordlfs/<source>-<hash>"),

@@ -37,7 +37,7 @@ def test_mount_options_mean_their_flags() -> None:
 
 
 SAMPLES = {"listen": "127.0.0.1:7", "peers": "127.0.0.1:7+127.0.0.1:8", "cache_tmpfs": "no",
-           "peers_from": "dns:peers.example:7878", "metrics": "127.0.0.1:9"}
+           "peers_from": "dns:peers.example:7878", "metrics": "127.0.0.1:9", "cache_size": "7M"}
 
 
 def test_every_mount_option_has_its_flag() -> None:
@@ -70,6 +70,8 @@ def test_generic_mount_options_are_ignored() -> None:
     (["-o", "keep_cache=yes"], "option keep_cache takes no value"),
     (["-o", "cache_size=8Q"], "bad --cache-size '8Q'"),
     (["--cache-size=-1G"], "bad --cache-size"),
+    (["--cache-size", "1K"], "bad --cache-size 1K: at least 1M, the size of one read (or 0"),
+    (["-o", "cache_size=1023K"], "bad --cache-size 1023K: at least 1M"),
     (["-o", "staging_size=0"], "bad --staging-size 0: must be more than 0"),
     (["--prefetch-depth", "65"], "bad --prefetch-depth 65: 0 to 64"),
     (["--prefetch-depth", "two"], "bad --prefetch-depth 'two'"),
@@ -88,7 +90,7 @@ def test_bad_options_are_one_line_errors(argv: list[str], says: str) -> None:
 
 
 def test_sloppy_skips_unknown_options() -> None:
-    assert options_of("--sloppy", "-o", "bogus=1,cache_size=1K") == {"cache_size": 1024}
+    assert options_of("--sloppy", "-o", "bogus=1,cache_size=1M") == {"cache_size": 1 << 20}
 
 
 def test_defaults_and_the_config(tmp_path: Path) -> None:
@@ -103,6 +105,47 @@ def test_defaults_and_the_config(tmp_path: Path) -> None:
             assert getattr(config, option.field or option.name) == option.default, option.name
     detached = resolve(options_of("--log", "x.log"), str(tmp_path), str(tmp_path))
     assert detached.log_file == str(Path.cwd() / "x.log")
+
+
+def test_no_cache_and_a_file_limit_above_the_cache_are_warned_about(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """0 turns the cache off (what the aligned-group tests mount with), said on stderr; a
+    --max-file-size above the cache is lowered to it, with a warning that names both."""
+    def config(*argv: str) -> tuple[MountConfig, str]:
+        settled = resolve(options_of("-f", "--cache-dir", str(tmp_path / "cache"), *argv),
+                          str(tmp_path), str(tmp_path))
+        return settled, capsys.readouterr().err
+    off, said = config("--cache-size", "0", "--max-file-size", "1G")
+    assert (off.cache_size, off.max_file_size) == (0, 0)
+    assert said == "coordlfs: warning: --cache-size 0: no cache, every read goes to the source\n"
+    lowered, said = config("--cache-size", "8M", "--max-file-size", "1G")
+    assert lowered.max_file_size == 8 << 20
+    assert said == ("coordlfs: warning: --max-file-size 1.0 GiB is more than the cache (8.0 MiB):"
+                    " files above the cache size can never be cached; using 8.0 MiB\n")
+    assert config("--cache-size", "8M", "--max-file-size", "8M")[0].max_file_size == 8 << 20
+    assert config("--cache-size", "1M")[1] == ""  # the smallest cache
+
+
+def test_a_cache_directory_without_room_for_the_smallest_cache_is_refused(
+        tmp_path: Path) -> None:
+    """/proc has no free space at all: the cache would be shrunk to 0 B (it was, silently)."""
+    with pytest.raises(UserError) as error:
+        resolve(options_of("-f", "--cache-dir", "/proc/coordlfs-none/cache"), str(tmp_path),
+                str(tmp_path))
+    assert str(error.value) == ("only 0 B free for /proc/coordlfs-none/cache (less a margin), "
+                                "less than the smallest cache (1M); give --cache-dir on a "
+                                "filesystem with room")
+
+
+def test_the_default_log_file_needs_a_home(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative state directory (no HOME to expand) would put the log wherever the command
+    ran: one line instead."""
+    monkeypatch.setenv("XDG_STATE_HOME", "state")
+    with pytest.raises(UserError, match=re.escape("no directory for the default log file "
+                                                  "(state); give --log FILE")):
+        resolve(options_of("--cache-size", "1M", "--cache-dir", str(tmp_path / "cache")),
+                str(tmp_path), str(tmp_path))
 
 
 def test_the_cache_gets_a_tmpfs_of_its_own_as_root_in_its_default_directory(
