@@ -67,10 +67,23 @@ class DroppedReplies(logging.Filter):
         return True
 
 
+class _LogFile(logging.FileHandler):
+    """The log, never opened through a link: a name in a directory others can write must not
+    make the daemon (root) append to a file of their choosing."""
+
+    def _open(self) -> Any:
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o666)
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
+
+
 def setup_logging(log_file: str | None, debug: bool) -> None:
     if log_file:
-        os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
-        handler: logging.Handler = logging.FileHandler(log_file)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+            handler: logging.Handler = _LogFile(log_file)
+        except OSError as e:
+            raise UserError(f"cannot open log file {log_file}: {e.strerror}") from None
     else:
         handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

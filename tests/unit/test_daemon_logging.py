@@ -7,7 +7,10 @@ import logging
 import os
 from pathlib import Path
 
+import pytest
+
 from coordlfs.daemon import setup_logging
+from coordlfs.errors import UserError
 
 
 def test_a_reply_the_kernel_no_longer_waits_for_is_no_error(tmp_path: Path) -> None:
@@ -32,3 +35,14 @@ def test_a_reply_the_kernel_no_longer_waits_for_is_no_error(tmp_path: Path) -> N
     lines = log_file.read_text().splitlines()
     assert any(" INFO pyfuse3: fuse_release(): " in line for line in lines), lines
     assert any(" ERROR pyfuse3: fuse_read(): " in line for line in lines), lines
+
+
+def test_a_log_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    """A predictable log name in a directory others can write: a link there must not make the
+    daemon (root) append to a file of the other user's choosing."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep\n")
+    (tmp_path / "daemon.log").symlink_to(victim)
+    with pytest.raises(UserError, match=r"cannot open log file .*daemon.log: Too many levels"):
+        setup_logging(str(tmp_path / "daemon.log"), debug=False)
+    assert victim.read_bytes() == b"keep\n"
