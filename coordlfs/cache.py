@@ -5,7 +5,7 @@ reached and then never replaces anything. With random-order epochs every later e
 gets exactly ``capacity`` bytes of hits, where an LRU cache thrashes.
 
 Cached files are packed end to end into one sparse file, the arena, in a tmpfs directory
-(``/dev/shm/coordlfs/...`` by default), so the bytes live outside the daemon's heap and a
+(``/dev/shm/coordlfs-<uid>/...`` by default), so the bytes live outside the daemon's heap and a
 restarted daemon finds them warm. One arena instead of a tmpfs file per cached file saves
 what per-file storage costs in a memory budget: page rounding (2 KiB per file on average,
 2% of a cache of 110 KB images) and a tmpfs inode and dentry per file. Because
