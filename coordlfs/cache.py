@@ -5,7 +5,7 @@ reached and then never replaces anything. With random-order epochs every later e
 gets exactly ``capacity`` bytes of hits, where an LRU cache thrashes.
 
 Cached files are packed end to end into one sparse file, the arena, in a tmpfs directory
-(``/dev/shm/coordlfs/...`` by default), so the bytes live outside the daemon's heap and a
+(``/dev/shm/coordlfs-<uid>/...`` by default), so the bytes live outside the daemon's heap and a
 restarted daemon finds them warm. One arena instead of a tmpfs file per cached file saves
 what per-file storage costs in a memory budget: page rounding (2 KiB per file on average,
 2% of a cache of 110 KB images) and a tmpfs inode and dentry per file. Because
@@ -42,6 +42,7 @@ import logging
 import mmap
 import os
 import shutil
+import stat
 import time
 from array import array
 from typing import NamedTuple
@@ -54,6 +55,7 @@ from coordlfs.entries import SHARED, UNCHECKED, Entry, EntryTable
 from coordlfs.errors import UserError
 from coordlfs.freshness import PublishedWatch
 from coordlfs.journal import JOURNAL
+from coordlfs.private_dir import open_private
 from coordlfs.published import BEAT_EVERY_S, INDEX, IndexWriter, Published, retire
 from coordlfs.source import Source, SourceReader
 from coordlfs.stats import ReadCounters
@@ -66,6 +68,8 @@ log = logging.getLogger(__name__)
 #: O_DIRECT buffers and to let a reader of a big file start early.
 FILL_CHUNK = 1 << 20
 ARENA = "arena"
+#: what a user can do about a cache directory that is not theirs alone
+_REMEDY = "remove it or give --cache-dir"
 #: Adopted entries one worker thread compares with the source per hand-off, and the worker
 #: threads that do (a cold source waits on its disk for each lstat; a warm one on the GIL).
 #: What the event loop does per batch (about 5 ms) holds up the mount's requests that long,
@@ -106,6 +110,24 @@ def _punch(fd: int, start: int, end: int) -> None:
         raise OSError(err, f"cannot punch a hole in the arena: {os.strerror(err)}")
 
 
+def _open_arena(dir_fd: int, directory: str) -> int:
+    """The arena, made 0600 where absent; never through a link, and never a file that is not
+    ours (it would be truncated and hold cached bytes)."""
+    try:
+        fd = os.open(ARENA, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{directory}/{ARENA} is a symbolic link: {_REMEDY}") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise UserError(f"{directory}/{ARENA} is not a file of uid {os.geteuid()}'s: "
+                        f"{_REMEDY}")
+    return fd
+
+
 def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     """pwrite all of ``data``. A short write is continued, so a filesystem that runs out of
     room raises ENOSPC rather than leaving a hole that reads back as zeros."""
@@ -123,7 +145,6 @@ class WholeFileCache:
 
     def __init__(self, directory: str, capacity: int, max_file_size: int,
                  counters: ReadCounters, own_tmpfs: bool = False) -> None:
-        self.directory = directory
         self.capacity = capacity
         self.max_file_size = max_file_size
         self.counters = counters
@@ -134,10 +155,12 @@ class WholeFileCache:
         self.arena_size = max(mmap.PAGESIZE, -(-capacity * ARENA_SPAN // mmap.PAGESIZE)
                               * mmap.PAGESIZE)
         try:
-            if own_tmpfs:
-                cache_tmpfs.mount_own(directory, capacity)
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-            self.dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            # made 0700 or checked to be ours alone (``private_dir``); its path has no links
+            directory, self.dir_fd = open_private(directory, _REMEDY)
+            self.directory = directory
+            if own_tmpfs and cache_tmpfs.mount_own(self.dir_fd, directory, capacity):
+                os.close(self.dir_fd)  # the directory beneath the new tmpfs
+                self.dir_fd = open_private(directory, _REMEDY).fd
         except OSError as e:
             raise UserError(f"cannot use cache directory {directory}: {e.strerror}") from None
         #: the directory is a tmpfs of the cache's own (``cache_tmpfs``): unmounted, not
@@ -151,19 +174,20 @@ class WholeFileCache:
                             "(give this mount its own --cache-dir)") from None
         retire(self.dir_fd)  # a killed daemon's clients: before the arena may shrink
         try:
-            self.arena_fd = os.open(ARENA, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600,
-                                    dir_fd=self.dir_fd)
+            self.arena_fd = _open_arena(self.dir_fd, directory)
             former = os.fstat(self.arena_fd).st_size
             if former > self.arena_size:  # a larger former capacity
                 _punch(self.arena_fd, self.arena_size, former)
             os.ftruncate(self.arena_fd, self.arena_size)
             self._arena = mmap.mmap(self.arena_fd, self.arena_size, flags=mmap.MAP_SHARED,
                                     prot=mmap.PROT_READ)
-        except OSError as e:
+        except (OSError, UserError) as e:
             os.close(self.dir_fd)
             if self.own_tmpfs:
                 cache_tmpfs.unmount_own(directory)
-            raise UserError(f"cannot use cache directory {directory}: {e.strerror}") from None
+            if isinstance(e, OSError):
+                raise UserError(f"cannot use cache directory {directory}: {e.strerror}") from None
+            raise
         #: hits are slices of this: no syscall and no copy in the daemon
         self._view = memoryview(self._arena)
         self._span_logged = False

@@ -32,22 +32,24 @@ _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 
-def mount_own(directory: str, capacity: int) -> None:
-    """Mount a tmpfs in huge pages on ``directory`` (created 0700), sized for ``capacity``;
-    ``is_own`` tells afterwards whether it is one, whoever mounted it. A directory that is
-    already a mount point (this cache's tmpfs, kept by ``--keep-cache``) is used as it is, and
-    so is one that holds files (a cache kept on the tmpfs below: hiding it would leak its
-    memory)."""
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    if mount_at(directory) is not None or os.listdir(directory):
-        return
+def mount_own(dir_fd: int, directory: str, capacity: int) -> bool:
+    """Mount a tmpfs in huge pages on the directory ``dir_fd`` (at ``directory``), sized for
+    ``capacity``; True if it did (the caller opens the new tmpfs). ``is_own`` tells afterwards
+    whether it is one, whoever mounted it. A directory that is already a mount point (this
+    cache's tmpfs, kept by ``--keep-cache``) is used as it is, and so is one that holds files
+    (a cache kept on the tmpfs below: hiding it would leak its memory)."""
+    if mount_at(directory) is not None or os.listdir(dir_fd):
+        return False
     size = capacity + max(MARGIN, capacity // 50)
     options = f"size={size},mode=0700,huge=within_size".encode()
-    if _libc.mount(SOURCE.encode(), os.fsencode(directory), b"tmpfs",
+    # on the directory the descriptor holds, the one that was checked, not on a path
+    if _libc.mount(SOURCE.encode(), f"/proc/self/fd/{dir_fd}".encode(), b"tmpfs",
                    _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, options) != 0:
         err = ctypes.get_errno()
         log.info("cache stays on %s's filesystem (a tmpfs of its own in huge pages: %s)",
                  directory, os.strerror(err))
+        return False
+    return True
 
 
 def unmount_own(directory: str) -> None:

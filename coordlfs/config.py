@@ -11,8 +11,9 @@ import xxhash
 from coordlfs.errors import UserError
 from coordlfs.sizes import physical_memory
 
-#: Where cached bytes live by default: shared memory, like CoorDL's /dev/shm cache.
-SHM_ROOT = "/dev/shm/coordlfs"
+#: Where cached bytes live by default: shared memory, like CoorDL's /dev/shm cache, in a
+#: directory per user (``coordlfs.private_dir`` makes it or refuses one that is not theirs).
+SHM_ROOT = "/dev/shm/coordlfs-{uid}"
 DEFAULT_CACHE_SHARE = 0.5
 #: A single file may take at most this share of the cache unless --max-file-size says else,
 #: so one huge shard cannot starve the many files of a training set.
@@ -81,10 +82,12 @@ class MountConfig:
 
 
 def default_cache_dir(source: str) -> str:
-    """One directory per source, so a restarted daemon over the same source finds it warm."""
+    """One directory per source and user, so a restarted daemon over the same source finds it
+    warm."""
     real = os.path.realpath(source)
     name = os.path.basename(real.rstrip("/")) or "root"
-    return os.path.join(SHM_ROOT, f"{name}-{xxhash.xxh64_hexdigest(os.fsencode(real))}")
+    return os.path.join(SHM_ROOT.format(uid=os.geteuid()),
+                        f"{name}-{xxhash.xxh64_hexdigest(os.fsencode(real))}")
 
 
 def default_cache_size() -> int:

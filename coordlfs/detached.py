@@ -28,8 +28,8 @@ def main(ready_fd: int) -> int:
         ready.write(line + "\n")
         ready.close()
 
-    setup_logging(config.log_file, config.debug)
     try:
+        setup_logging(config.log_file, config.debug)
         Daemon(config).run(lambda note: report(f"ok {note}"))
     except UserError as e:
         if ready.closed:  # failed after the mount went live: the log says why

@@ -140,6 +140,10 @@ def read(dir_fd: int) -> tuple[Columns | None, Iterator[bytes]]:
         journal = open(JOURNAL, "rb", opener=_opener(dir_fd, os.O_RDONLY))  # noqa: SIM115
     except FileNotFoundError:
         return None, iter(())
+    except OSError as e:  # such as a link in its place (ELOOP): replaced by the next checkpoint
+        log.warning("cannot read the cache's journal %s (%s): starting cold", JOURNAL,
+                    e.strerror)
+        return None, iter(())
     first = journal.readline()
     try:
         header = json.loads(first)
@@ -185,7 +189,8 @@ def _columns(journal: BinaryIO, header: dict) -> Columns:
 
 
 def _opener(dir_fd: int, flags: int) -> Callable[[str, int], int]:
-    return lambda name, _flags: os.open(name, flags | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    return lambda name, _flags: os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                        dir_fd=dir_fd)
 
 
 class Journal:
@@ -206,8 +211,8 @@ class Journal:
         line = (json.dumps(record) + "\n").encode()
         try:
             if self._fd < 0:
-                self._fd = os.open(JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                                   0o600, dir_fd=self.dir_fd)
+                self._fd = os.open(JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                                   | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.dir_fd)
             if os.write(self._fd, line) != len(line):
                 raise OSError(errno.ENOSPC, "short write")
         except OSError as e:
@@ -223,8 +228,10 @@ class Journal:
                   "path_bytes": len(columns.paths), "byteorder": sys.byteorder,
                   "crc32": zlib.crc32(columns.paths, crc)}
         try:
+            with contextlib.suppress(FileNotFoundError):  # a torn one: made anew, never reused
+                os.unlink(_PART, dir_fd=self.dir_fd)
             with open(_PART, "wb", opener=_opener(self.dir_fd, os.O_WRONLY | os.O_CREAT
-                                                  | os.O_TRUNC)) as out:
+                                                  | os.O_EXCL)) as out:
                 out.write((json.dumps(header) + "\n").encode())
                 for name, _code in _CODES:
                     getattr(columns, name).tofile(out)

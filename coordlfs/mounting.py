@@ -8,6 +8,7 @@ import os
 import re
 import select
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -140,13 +141,25 @@ def open_log(path: str) -> TextIO:
     """The log file, to append to, its directory made. One this user cannot write (the
     default is under HOME, which may be missing or not this user's) is a one-line error:
     falling back to a shared directory such as /tmp would let another user plant the file,
-    and to no log would hide why a detached daemon failed."""
+    and to no log would hide why a detached daemon failed. Since the daemon (root, often)
+    appends to it, it is never opened through a link, and a file that is not this user's
+    alone (another user's, or a second name of some other file) is refused: a name in a
+    directory others can write must not make the daemon write where they choose."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        return open(path, "a")
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
     except OSError as e:
         raise UserError(f"cannot write the log file {path}: {e.strerror}; give --log FILE "
                         "(or --foreground, which logs to stderr)") from None
+    st = os.fstat(fd)
+    why = ("is not a regular file" if not stat.S_ISREG(st.st_mode)
+           else f"is owned by uid {st.st_uid}, not {os.geteuid()}" if st.st_uid != os.geteuid()
+           else f"has {st.st_nlink} names" if st.st_nlink != 1 else None)
+    if why is not None:
+        os.close(fd)
+        raise UserError(f"cannot use the log file {path}: it {why}; give --log FILE")
+    return open(fd, "a")
 
 
 def free_space(directory: str) -> int:

@@ -238,7 +238,7 @@ OPTIONS: tuple[Option, ...] = (
            default_text="a quarter of the cache", settle=_within_cache),
     Option("cache_dir", "where cached bytes live, on tmpfs", _path, "DIR",
            default=lambda values: default_cache_dir(values["source"]),
-           default_text="/dev/shm/coordlfs/<source>-<hash>"),
+           default_text="/dev/shm/coordlfs-<uid>/<source>-<hash>"),
     Option("cache_tmpfs", "mount a tmpfs of the cache's own on the cache directory, in huge "
            "pages (huge=within_size), so that processes of coordlfs.client map it with a "
            "page fault per 2 MiB; needs root", _yes_no_auto, "yes/no/auto", default="auto",

@@ -31,6 +31,7 @@ import os
 import random
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,14 +40,17 @@ from typing import Any
 from coordlfs import membership
 from coordlfs.control_server import Caller, ControlServer
 from coordlfs.control_spec import RequestError
+from coordlfs.errors import UserError
 from coordlfs.membership import Memberships, job_name
 from coordlfs.order import SEED_LIMIT, batch_count
+from coordlfs.private_dir import open_private
 from coordlfs.processes import process_alive
 
 log = logging.getLogger(__name__)
 
-#: Where staging directories live: tmpfs, so a staged batch is memory that consumers map.
-STAGING_ROOT = "/dev/shm/coordlfs-prep"
+#: Where staging directories live: tmpfs, so a staged batch is memory that consumers map; a
+#: directory per user, made or checked by ``coordlfs.private_dir`` (nobody else may write there).
+STAGING_ROOT = "/dev/shm/coordlfs-prep-{uid}"
 #: A member is expelled after this many times its measured seconds per batch without a request.
 HANG_FACTOR = 20.0
 #: Weight of the newest interval in a member's running mean seconds per batch.
@@ -129,12 +133,13 @@ class Prep(Memberships[PrepGroup, PrepMember]):
     group_noun = "prep group"
     member_noun = "prep member"
 
-    def __init__(self, capacity: int, root: str = STAGING_ROOT,
+    def __init__(self, capacity: int, root: str | None = None,
                  alive: Callable[[int], bool] = process_alive,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(alive)
         self.capacity = capacity
-        self.directory = os.path.join(root, str(os.getpid()))
+        self.directory = _own_directory(STAGING_ROOT.format(uid=os.geteuid())
+                                        if root is None else root)
         self.used = 0
         self.peak = 0
         self.counters = {"published": 0, "released": 0, "taken_over": 0, "expelled": 0,
@@ -144,7 +149,6 @@ class Prep(Memberships[PrepGroup, PrepMember]):
         #: called after each tick: time passed and members may have gone, so a waiting
         #: request may have its answer
         self.on_tick: list[Callable[[], None]] = []
-        _remove_stale(root)
 
     # -- membership ------------------------------------------------------------------
 
@@ -158,6 +162,7 @@ class Prep(Memberships[PrepGroup, PrepMember]):
             group = PrepGroup(name, uid, self._next_group, samples, batch_size, drop_last,
                               min_members, hang_floor_s, secrets.randbelow(SEED_LIMIT))
             self._next_group += 1
+            os.mkdir(self._group_directory(group), 0o700)  # numbers are not reused: a new one
         elif (group.samples, group.batch_size, group.drop_last) != (samples, batch_size,
                                                                      drop_last):
             raise RequestError(
@@ -269,7 +274,7 @@ class Prep(Memberships[PrepGroup, PrepMember]):
             return
         number = group.last_epoch + 1
         directory = os.path.join(self._group_directory(group), str(number))
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        os.mkdir(directory, 0o700)  # epochs are not reused: a new one
         group.epoch = Epoch(number, directory, {m.id for m in asked},
                             list(range(group.batches)))
         for member in asked:
@@ -341,9 +346,12 @@ class Prep(Memberships[PrepGroup, PrepMember]):
             raise RequestError(f"batch {batch} has no room reserved (prep.reserve first)")
         path = self._batch_path(epoch, batch, member.id)
         try:
-            size = os.stat(path).st_size
+            st = os.lstat(path)
         except OSError as e:
             raise RequestError(f"batch {batch}: cannot stat {path}: {e.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise RequestError(f"batch {batch}: {path} is not a regular file")
+        size = st.st_size
         reserved = epoch.reserved.pop(batch)
         self.used -= reserved
         self._account(size)
@@ -490,15 +498,29 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
-def _remove_stale(root: str) -> None:
-    """Staging directories of daemons that are gone (killed before they could clean up)."""
+def _own_directory(root: str) -> str:
+    """This daemon's staging directory, made afresh in ``root`` (which must be the user's
+    alone: a mount is refused over a staging area someone else could write to)."""
     try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return
-    for name in names:
-        if name.isdigit() and not process_alive(int(name)):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        staging = open_private(root, "remove it")
+    except OSError as e:
+        raise UserError(f"cannot use the staging area {root}: {e.strerror}") from None
+    try:
+        _remove_stale(staging.fd)
+        os.mkdir(str(os.getpid()), 0o700, dir_fd=staging.fd)
+    except OSError as e:
+        raise UserError(f"cannot use the staging area {staging.path}: {e.strerror}") from None
+    finally:
+        os.close(staging.fd)
+    return os.path.join(staging.path, str(os.getpid()))
+
+
+def _remove_stale(root_fd: int) -> None:
+    """Staging directories of daemons that are gone (killed before they could clean up): one
+    named after this process is a former one's whose pid it got."""
+    for name in os.listdir(root_fd):
+        if name.isdigit() and (int(name) == os.getpid() or not process_alive(int(name))):
+            shutil.rmtree(name, ignore_errors=True, dir_fd=root_fd)
 
 
 def register_commands(server: ControlServer, prep: Prep) -> None:

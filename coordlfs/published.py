@@ -153,8 +153,10 @@ class IndexWriter:
     def _create(self, slots: int) -> mmap.mmap:
         """A new, empty table, not yet where clients look (``_install``)."""
         self.generation += 1
-        fd = os.open(_PART, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600,
-                     dir_fd=self.dir_fd)
+        with contextlib.suppress(FileNotFoundError):  # a torn one: made anew, never reused
+            os.unlink(_PART, dir_fd=self.dir_fd)
+        fd = os.open(_PART, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=self.dir_fd)
         try:
             # Every page allocated now: a store into a page tmpfs has no room for would
             # kill the daemon with SIGBUS; this raises ENOSPC instead.
@@ -257,7 +259,7 @@ class IndexWriter:
 def retire(dir_fd: int) -> None:
     """Mark the index in a cache directory retired, if there is one."""
     with contextlib.suppress(OSError, ValueError):
-        fd = os.open(INDEX, os.O_RDWR | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(INDEX, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
             if os.fstat(fd).st_size < HEADER_SIZE:
                 return  # no index of ours
@@ -277,7 +279,7 @@ class IndexReader:
 
     def __init__(self, index: str, arena: str) -> None:
         self.index_path = index
-        fd = os.open(arena, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(arena, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             self._arena = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
@@ -293,7 +295,7 @@ class IndexReader:
             raise OSError(f"{index} was written with a clock other than this process's")
 
     def _open(self) -> tuple[mmap.mmap, int, bool]:
-        fd = os.open(self.index_path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(self.index_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             table = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:

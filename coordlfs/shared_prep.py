@@ -346,7 +346,10 @@ class SharedPrepLoader:
             number = reply["batch"]
             batch = producer.own.pop(number, None)
             if batch is None:
-                batch = batch_file.read(reply["path"])
+                try:
+                    batch = batch_file.read(reply["path"])
+                except (OSError, batch_file.BadBatchFile) as e:
+                    raise ControlError(f"cannot use batch {number}: {e}") from None
             used.add(number)
             yield batch
             done = [number]
@@ -426,7 +429,10 @@ class _Producer:
                     return
 
     def _stage(self, number: int, batch: Any) -> None:
-        staged = batch_file.BatchFile(batch)
+        try:
+            staged = batch_file.BatchFile(batch)
+        except batch_file.Unstageable as e:  # waiting would not help: as if it refused
+            raise StagingRefused(f"cannot stage batch {number}: {e}") from None
         while (room := self._reserve(number, staged.size))["full"]:
             if self._stopping.is_set():
                 return

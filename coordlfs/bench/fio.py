@@ -358,7 +358,7 @@ def _paths(settings: Settings, base: Path) -> list[str]:
 
 def measure(settings: Settings) -> dict[str, Any]:
     """Lay out, mount, warm, then run every job against both targets; returns the report."""
-    settings.directory.mkdir(parents=True, exist_ok=True)
+    harness.work_dir(str(settings.directory))  # made, or checked to be ours alone
     with harness.claimed(settings.directory, "bench-fio"), \
             tempfile.TemporaryDirectory(prefix="coordlfs-fio-") as scratch_dir:
         scratch = Path(scratch_dir)

@@ -20,6 +20,7 @@ from typing import Any
 
 from coordlfs.bench.locking import exclusive
 from coordlfs.errors import UserError
+from coordlfs.private_dir import open_private
 from coordlfs.sizes import format_size, parse_size
 from coordlfs.testbed.cgroup import remove_stale
 from coordlfs.testbed.dataset import Dataset, DatasetSpec, ensure_dataset
@@ -63,10 +64,13 @@ def require_fuse() -> None:
 
 
 def work_dir(path: str, cgroups: str | None = None) -> Path:
-    """The work directory, made if missing; a killed run's cgroups named ``cgroups-<pid>``
-    removed first, since only a later run can."""
-    work = Path(path).resolve()
-    work.mkdir(parents=True, exist_ok=True)
+    """The work directory, made (0700) if missing, else ours alone (``private_dir``: the
+    defaults are predictable names in /var/tmp, where another user could have made it and
+    planted links where the run writes its dataset); a killed run's cgroups named
+    ``cgroups-<pid>`` removed first, since only a later run can."""
+    found = open_private(path, "remove it or give another work directory")
+    os.close(found.fd)
+    work = Path(found.path)
     if cgroups is not None:
         remove_stale(cgroups)
     return work

@@ -52,6 +52,7 @@ from coordlfs.client import Dataset as ClientDataset
 from coordlfs.daemon import READ_AHEAD_KB
 from coordlfs.errors import UserError
 from coordlfs.mounting import set_read_ahead
+from coordlfs.private_dir import open_private
 from coordlfs.sizes import format_size, parse_size, physical_memory
 from coordlfs.testbed.dataset import Dataset, DatasetSpec, ensure_dataset
 from coordlfs.testbed.logs import log_size, warn_of_logged_errors
@@ -213,10 +214,10 @@ def prepare_dataset(directory: str, files: int, size: int, big_size: int) -> Dat
 
     The whole directory is mounted, so it may hold nothing but what this benchmark wrote.
     """
-    try:
-        others = set(os.listdir(directory)) - {"small", os.path.dirname(BIG)}
-    except FileNotFoundError:
-        others = set()
+    # ours alone: the default is a predictable name in /tmp, where another user could have
+    # made it and planted links where the dataset is written
+    os.close(open_private(directory, "remove it or give another --dir").fd)
+    others = set(os.listdir(directory)) - {"small", os.path.dirname(BIG)}
     if others:
         raise UserError(f"--dir {directory} holds other things than this benchmark's dataset "
                         f"({', '.join(sorted(others))}); give a new or empty directory")

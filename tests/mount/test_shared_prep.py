@@ -247,6 +247,20 @@ def test_a_refused_join_loads_alone_with_a_warning(mounted) -> None:
             assert sorted(int(i) for batch in loader for i in batch) == list(range(10))
 
 
+def test_a_batch_no_batch_file_can_carry_is_prepared_alone_with_a_warning(mounted) -> None:
+    """A sparse batch has no plain bytes to stage (and is never pickled): the job leaves the
+    group and prepares the epoch itself, every item once."""
+    m, _sizes = mounted()
+    loader = SharedPrepLoader(Numbers(), batch_size=4, group="odd", path=m.mountpoint,
+                              collate_fn=lambda items: torch.tensor(items).to_sparse())
+    assert loader.shared
+    with pytest.warns(UserWarning, match=r"cannot stage batch \d+: it holds a "
+                      r"torch.sparse_coo tensor; this job prepares the rest"):
+        items = sorted(int(i) for batch in loader for i in batch.to_dense())
+    assert items == list(range(10)) and loader.prepared_alone == 3
+    assert_clean(m)
+
+
 def test_malformed_prep_commands_leave_the_mount_up(mounted) -> None:
     m, _sizes = mounted()
     ctl = Control(m.mountpoint)

@@ -7,7 +7,10 @@ import logging
 import os
 from pathlib import Path
 
+import pytest
+
 from coordlfs.daemon import setup_logging
+from coordlfs.errors import UserError
 
 
 def test_a_reply_the_kernel_no_longer_waits_for_is_no_error(tmp_path: Path) -> None:
@@ -32,3 +35,34 @@ def test_a_reply_the_kernel_no_longer_waits_for_is_no_error(tmp_path: Path) -> N
     lines = log_file.read_text().splitlines()
     assert any(" INFO pyfuse3: fuse_release(): " in line for line in lines), lines
     assert any(" ERROR pyfuse3: fuse_read(): " in line for line in lines), lines
+
+
+def test_a_log_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    """A predictable log name in a directory others can write: a link there must not make the
+    daemon (root) append to a file of the other user's choosing."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep\n")
+    (tmp_path / "daemon.log").symlink_to(victim)
+    with pytest.raises(UserError, match=r"cannot write the log file .*daemon.log: Too many levels"):
+        setup_logging(str(tmp_path / "daemon.log"), debug=False)
+    assert victim.read_bytes() == b"keep\n"
+
+
+@pytest.mark.parametrize("planted", ["other user's", "second name"])
+def test_a_log_file_not_ours_alone_is_refused_and_untouched(tmp_path: Path,
+                                                            planted: str) -> None:
+    """The same place, without a link: a file another user made there would get root's log
+    (theirs to read), and a second name of a root file (a hard link) would get it appended."""
+    log_file = tmp_path / "daemon.log"
+    if planted == "other user's":
+        log_file.write_bytes(b"keep\n")
+        os.chown(log_file, 65534, 65534)
+        victim = log_file
+    else:
+        victim = tmp_path / "victim"
+        victim.write_bytes(b"keep\n")
+        os.link(victim, log_file)
+    with pytest.raises(UserError, match=r"cannot use the log file .*daemon.log: it (is owned "
+                                        r"by uid 65534|has 2 names)"):
+        setup_logging(str(log_file), debug=False)
+    assert victim.read_bytes() == b"keep\n"
