@@ -120,7 +120,7 @@ def site() -> Iterator[Site]:
         settings = {
             "SOURCE": str(source),
             "MOUNTPOINT": f"{directory}/mnt/%n/%j",  # two nodes share this machine: %n too
-            "CACHE_DIR": f"/dev/shm/coordlfs/test-slurm-{os.getpid()}-%j-%n",
+            "CACHE_DIR": f"/dev/shm/coordlfs-0/test-slurm-{os.getpid()}-%j-%n",
             "LISTEN": "%n",  # each node's daemon on its own loopback address
             "PORT_BASE": str(free_ports(NODES, PORTS)),
             "PORT_COUNT": str(PORTS),
