@@ -74,7 +74,7 @@ def mount_holding(path: str) -> MountEntry | None:
     real = os.path.realpath(path)
     found = None
     for entry in mounts():
-        if real == entry.mountpoint or real.startswith(entry.mountpoint.rstrip("/") + "/"):
+        if within(real, entry.mountpoint):
             found = entry
     return found
 
@@ -123,6 +123,22 @@ def check_mountpoint_free(mountpoint: str) -> None:
                 raise _dead_mount("mountpoint", mountpoint) from None
         raise UserError(f"mountpoint {mountpoint} is in use: {entry.fstype} from {entry.source} "
                         "is mounted there")
+
+
+def within(path: str, directory: str) -> bool:
+    """Whether ``path`` is ``directory`` or beneath it (both absolute, normalised)."""
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def check_mountpoint_outside(mountpoint: str, source: str) -> None:
+    """A mountpoint inside the source (real paths both) puts the mount beneath itself: a walk
+    of its daemon's into that directory would wait on the daemon, and a reader would find the
+    mount in itself. Over the source itself is fine: the daemon reaches the source through a
+    descriptor opened before the mount hides it."""
+    if mountpoint != source and within(mountpoint, source):
+        raise UserError(f"mountpoint {mountpoint} is inside the source {source}: the mount "
+                        "would hold itself; mount it outside the source, or over the source "
+                        "itself")
 
 
 def warn_if_not_empty(mountpoint: str, source: str) -> None:
