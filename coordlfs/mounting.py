@@ -67,6 +67,20 @@ def mount_at(path: str) -> MountEntry | None:
     return found
 
 
+def device_mounted_at(mountpoint: str) -> int | None:
+    """The device of the topmost coordlfs mount at ``mountpoint`` (a real path), from the mount
+    table alone: a stat would ask that mount's daemon, which may be the caller, not serving
+    yet."""
+    found = None
+    for entry in mounts():
+        if entry.mountpoint == mountpoint and entry.fstype == "fuse.coordlfs":
+            found = entry
+    if found is None:
+        return None
+    major, _, minor = found.device.partition(":")
+    return os.makedev(int(major), int(minor))
+
+
 def mount_holding(path: str) -> MountEntry | None:
     """The mount ``path`` is on, from the mount table alone, without a walk up that stats
     each directory (which a directory this user may not enter would cut short). Of the
