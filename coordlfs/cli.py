@@ -16,6 +16,7 @@ from coordlfs.errors import Parser, UserError, exit_status
 from coordlfs.mounting import (
     check_directory,
     check_mountpoint_free,
+    check_mountpoint_outside,
     mount_at,
     spawn_daemon,
     unmount,
@@ -118,6 +119,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     source = check_directory(args.source, "source")
     mountpoint = check_directory(args.mountpoint, "mountpoint")
     check_mountpoint_free(mountpoint)
+    check_mountpoint_outside(mountpoint, source)
     warn_if_not_empty(mountpoint, source)
     config = options.resolve(values, source, mountpoint)
     default = options.BY_NAME["cache_size"].default_text

@@ -27,7 +27,7 @@ from coordlfs.fs import Operations
 from coordlfs.groups import Groups
 from coordlfs.groups import register_commands as register_group_commands
 from coordlfs.metrics import MetricsServer
-from coordlfs.mounting import open_log, set_read_ahead
+from coordlfs.mounting import device_mounted_at, open_log, set_read_ahead
 from coordlfs.peer_hold import PeerHold
 from coordlfs.peer_server import PeerServer, connection_cap, listen_socket
 from coordlfs.peer_server import register_commands as register_peer_commands
@@ -214,6 +214,11 @@ class Daemon:
             except RuntimeError as e:
                 raise UserError(f"cannot mount on {self.config.mountpoint}: {e}") from None
             log.info("mounted on %s", self.config.mountpoint)
+            # no walk of the source enters the mount just made (coordlfs.walk)
+            self.source.own_device = device_mounted_at(self.config.mountpoint)
+            if self.source.own_device is None:
+                log.warning("%s is not in the mount table: a loop through the mount beneath "
+                            "its source would not be told", self.config.mountpoint)
             try:
                 trio.run(self._serve, ready)
             finally:

@@ -29,7 +29,8 @@ import pyfuse3
 import trio
 
 from coordlfs.inodes import ROOT_INODE, InodeTable
-from coordlfs.source import Source, proc_path
+from coordlfs.source import Source, fd_path
+from coordlfs.walk import DIRECTORY
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,11 @@ WATCHED_TIMEOUT = 3600.0
 _IN_MODIFY, _IN_ATTRIB, _IN_CLOSE_WRITE = 0x2, 0x4, 0x8
 _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x40, 0x80, 0x100, 0x200
 _IN_Q_OVERFLOW, _IN_IGNORED = 0x4000, 0x8000
-_IN_ONLYDIR, _IN_DONT_FOLLOW, _IN_EXCL_UNLINK = 0x01000000, 0x02000000, 0x04000000
+_IN_ONLYDIR, _IN_EXCL_UNLINK = 0x01000000, 0x04000000
 _EVENTS = (_IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO
            | _IN_CREATE | _IN_DELETE)
-_WATCH_MASK = _EVENTS | _IN_ONLYDIR | _IN_DONT_FOLLOW | _IN_EXCL_UNLINK
+#: (the directory is opened first, with O_NOFOLLOW, and watched by its /proc path, followed)
+_WATCH_MASK = _EVENTS | _IN_ONLYDIR | _IN_EXCL_UNLINK
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of NUL-padded name
 _READ_SIZE = 1 << 16
 #: After a batch of events, wait this long for more before invalidating: a writer makes
@@ -120,12 +122,17 @@ class _Watcher(Generic[_K]):
     def _add_watch(self, path: bytes) -> int | None:
         """The watch descriptor of a source directory; None if it is gone (the caller's next
         look at the source says so). Failing otherwise gives up watching (``_give_up``)."""
-        wd = self.source.at(path, lambda dir_fd, name: _libc.inotify_add_watch(
-            self.fd, proc_path(dir_fd, name), _WATCH_MASK))
-        if wd >= 0:
-            return wd
-        err = ctypes.get_errno()
-        if err not in (errno.ENOENT, errno.ENOTDIR):
+        try:
+            fd = self.source.open(path, DIRECTORY)
+        except OSError as e:
+            err = e.errno
+        else:
+            wd = _libc.inotify_add_watch(self.fd, fd_path(fd), _WATCH_MASK)
+            err = ctypes.get_errno()
+            os.close(fd)
+            if wd >= 0:
+                return wd
+        if err not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
             self._give_up(f"cannot watch {os.fsdecode(path) or '.'}: {os.strerror(err)}"
                           + (" (raise fs.inotify.max_user_watches)" if err == errno.ENOSPC
                              else ""))

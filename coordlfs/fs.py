@@ -236,7 +236,8 @@ class Operations(pyfuse3.Operations):
     async def opendir(self, inode: int, ctx: Any) -> int:
         path = self._node_path(inode)
         self.freshness.watch(inode, path)
-        listing = await in_thread(lambda: Listing(self.source.open_dir(path)))
+        listing = await in_thread(lambda: Listing(self.source.open_dir(path),
+                                                       self.source.own_device))
         return self._new_handle(DirHandle(path, listing))
 
     @guarded

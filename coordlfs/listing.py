@@ -82,8 +82,13 @@ class Listing:
     """One open directory of the source. Its ``fill`` blocks: run it in a worker thread.
     Hold ``lock`` from ``continues_at`` to ``reply``: a handle has one buffer."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, own_device: int | None = None) -> None:
         self.fd = fd
+        #: the mount's own device: an entry on it is the mount itself, mounted beneath its
+        #: source (``coordlfs.walk``), listed by name only, so that the kernel's LOOKUP of it
+        #: meets the ELOOP every walk into it meets (its stat here went into the mount from
+        #: a worker thread, which the event loop answered: no loop yet)
+        self.own_device = own_device
         self.lock = trio.Lock()
         #: the buffered entries; ``entries[index]`` is the next one to reply with
         self.entries: list[Entry] = []
@@ -118,6 +123,7 @@ class Listing:
         data = _getdents(self.fd)
         attributed = not NAMES_ONLY.works or self._read < ATTRIBUTED
         got, pos, record, near_last = len(data), 0, _RECORD.unpack_from, _LAST - _SHIFT
+        own = self.own_device
         cookie, after = at, max(offset, len(DOTS))  # where it stands if no record follows
         while pos < got:
             ino, cookie, length, kind = record(data, pos)
@@ -132,6 +138,10 @@ class Listing:
                     st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # removed since getdents read it: as if removed before
+                if st.st_dev == own:
+                    if not NAMES_ONLY.works:
+                        continue
+                    st = None
             entries.append((name, ino, kind << 12, after, st))
         self._at, self.end = cookie, after
         self._read += len(entries)

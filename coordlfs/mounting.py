@@ -68,6 +68,20 @@ def mount_at(path: str) -> MountEntry | None:
     return found
 
 
+def device_mounted_at(mountpoint: str) -> int | None:
+    """The device of the topmost coordlfs mount at ``mountpoint`` (a real path), from the mount
+    table alone: a stat would ask that mount's daemon, which may be the caller, not serving
+    yet."""
+    found = None
+    for entry in mounts():
+        if entry.mountpoint == mountpoint and entry.fstype == "fuse.coordlfs":
+            found = entry
+    if found is None:
+        return None
+    major, _, minor = found.device.partition(":")
+    return os.makedev(int(major), int(minor))
+
+
 def mount_holding(path: str) -> MountEntry | None:
     """The mount ``path`` is on, from the mount table alone, without a walk up that stats
     each directory (which a directory this user may not enter would cut short). Of the
@@ -75,7 +89,7 @@ def mount_holding(path: str) -> MountEntry | None:
     real = os.path.realpath(path)
     found = None
     for entry in mounts():
-        if real == entry.mountpoint or real.startswith(entry.mountpoint.rstrip("/") + "/"):
+        if within(real, entry.mountpoint):
             found = entry
     return found
 
@@ -124,6 +138,22 @@ def check_mountpoint_free(mountpoint: str) -> None:
                 raise _dead_mount("mountpoint", mountpoint) from None
         raise UserError(f"mountpoint {mountpoint} is in use: {entry.fstype} from {entry.source} "
                         "is mounted there")
+
+
+def within(path: str, directory: str) -> bool:
+    """Whether ``path`` is ``directory`` or beneath it (both absolute, normalised)."""
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def check_mountpoint_outside(mountpoint: str, source: str) -> None:
+    """A mountpoint inside the source (real paths both) puts the mount beneath itself: a walk
+    of its daemon's into that directory would wait on the daemon, and a reader would find the
+    mount in itself. Over the source itself is fine: the daemon reaches the source through a
+    descriptor opened before the mount hides it."""
+    if mountpoint != source and within(mountpoint, source):
+        raise UserError(f"mountpoint {mountpoint} is inside the source {source}: the mount "
+                        "would hold itself; mount it outside the source, or over the source "
+                        "itself")
 
 
 def warn_if_not_empty(mountpoint: str, source: str) -> None:

@@ -31,7 +31,7 @@ from coordlfs.config import (
     default_log_file,
 )
 from coordlfs.errors import UserError
-from coordlfs.mounting import free_space, usable_room
+from coordlfs.mounting import free_space, usable_room, within
 from coordlfs.placement import find_self, is_loopback, parse_address, parse_peers, read_secret
 from coordlfs.sizes import format_size, parse_size
 
@@ -382,6 +382,7 @@ def resolve(values: Values, source: str, mountpoint: str) -> MountConfig:
     checked. ``source`` and ``mountpoint`` are checked directories."""
     resolved = _Resolution(values, {"source": source, "mountpoint": mountpoint})
     _check_cluster(resolved)
+    _check_outside_mount(resolved)
     names = {option.field or option.name: option.name for option in OPTIONS
              if option.in_mount_options}
     return MountConfig(**{field.name: resolved[names.get(field.name, field.name)]
@@ -417,3 +418,21 @@ def _check_cluster(values: Values) -> None:
     else:
         read_secret(secret_file)
     find_self(addresses[0], tuple(addresses[1:]))  # a node named twice is refused now
+
+
+#: Options naming what the daemon opens by path while the mount is up: clients map the
+#: cache's files by their path, the log is read while the daemon runs, the peers file is
+#: re-read when it changes.
+_USED_WHILE_MOUNTED = ("cache_dir", "log", "peers_file")
+
+
+def _check_outside_mount(values: Values) -> None:
+    """Beneath the mountpoint, such a path shows the source's file of that name (or none)
+    while the mount is up, not the one the daemon made or was given."""
+    mountpoint = values["mountpoint"]
+    for name in _USED_WHILE_MOUNTED:
+        path = values[name]
+        if path and within(os.path.realpath(path), mountpoint):
+            raise UserError(f"{BY_NAME[name].flag} {path} is inside the mountpoint "
+                            f"{mountpoint}, which the mount hides while it is up; give a "
+                            "path outside it")

@@ -3,7 +3,8 @@
 The root is opened with O_PATH before the mount exists, so mounting over the source itself
 (``coordlfs mount /data /data``) still reaches the real files underneath. Paths handed to
 this module are relative byte strings (``b""`` is the root) and are never followed through
-symlinks: the FUSE layer shows links as links.
+symlinks: the FUSE layer shows links as links. No walk enters the mount itself, should it
+come to lie beneath the source (``coordlfs.walk``).
 
 Data reads avoid double caching: the cache already holds what we keep, so reading the source
 must not also fill the source's page cache. We use O_DIRECT where the filesystem allows it
@@ -12,29 +13,31 @@ and otherwise drop the pages we read with posix_fadvise(DONTNEED).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
 import stat
 import threading
-from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from coordlfs.errors import UserError
+from coordlfs.walk import DIRECTORY, open_outside
 
 #: O_DIRECT needs offsets, lengths and buffers aligned to the logical block size; 4 KiB
 #: covers every block device we meet.
 DIRECT_ALIGN = 4096
 
 
-#: Paths at least this long are walked a piece at a time (``Source.at``): a path
+#: Paths at least this long are walked a piece at a time (``Source.open``): a path
 #: handed to one system call must be shorter than PATH_MAX (4096), but a dataset may nest
 #: deeper, and through the mount the kernel never sends whole paths.
 _WALK_AT = 3840
-_WALK_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: what ``lstat``, ``readlink`` and the xattr calls open: the file itself, a link as a link
+_ITSELF = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 
 _local = threading.local()
-T = TypeVar("T")
 
 
 class Version(NamedTuple):
@@ -67,10 +70,10 @@ def _aligned_buffer(size: int) -> mmap.mmap:
     return buf
 
 
-def proc_path(dir_fd: int, name: bytes) -> bytes:
-    """A path for the calls that take no dir_fd (xattrs, inotify): ``name`` in ``dir_fd``
-    through /proc; like ``name`` relative to ``dir_fd``, it must not be followed at its end."""
-    return b"/proc/self/fd/%d/%s" % (dir_fd, name)
+def fd_path(fd: int) -> bytes:
+    """A path for the calls that take no descriptor (xattrs, inotify): what ``fd`` refers
+    to, through /proc, followed there (to a link itself when ``fd`` is of a link)."""
+    return b"/proc/self/fd/%d" % fd
 
 
 class Source:
@@ -78,6 +81,8 @@ class Source:
 
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)
+        #: the device of the mount serving this source, once mounted: no walk enters it
+        self.own_device: int | None = None
         try:
             self.root_fd = os.open(self.path, os.O_PATH | os.O_DIRECTORY)
         except FileNotFoundError:
@@ -90,16 +95,17 @@ class Source:
     def close(self) -> None:
         os.close(self.root_fd)
 
-    def at(self, path: bytes, call: Callable[[int, bytes], T]) -> T:
-        """``call(dir_fd, name)`` with a directory descriptor and a name in it that reach
-        ``path``, never through a symlink at the end of ``name``.
+    def open(self, path: bytes, flags: int) -> int:
+        """A descriptor of ``path`` opened with ``flags``, never through a symlink and never
+        into the mount itself (``coordlfs.walk``: ELOOP there).
 
-        Short paths (nearly all, and the hot ones: lookup, getattr, open) go straight to the
-        root descriptor. A longer one is walked a piece of at most ``_WALK_AT`` bytes at a
-        time with ``openat``, so a tree nested past PATH_MAX reads as it does in the source.
+        Short paths (nearly all, and the hot ones: lookup, getattr, open) go straight from
+        the root descriptor. A longer one is walked a piece of at most ``_WALK_AT`` bytes at
+        a time, so a tree nested past PATH_MAX reads as it does in the source.
         """
+        own = self.own_device
         if len(path) < _WALK_AT:
-            return call(self.root_fd, path or b".")
+            return open_outside(self.root_fd, path or b".", flags, own)
         opened: list[int] = []
         try:
             fd, rest = self.root_fd, path
@@ -107,44 +113,56 @@ class Source:
                 cut = rest.rfind(b"/", 0, _WALK_AT)
                 if cut <= 0:
                     raise OSError(errno.ENAMETOOLONG, "file name too long")
-                fd = os.open(rest[:cut], _WALK_FLAGS, dir_fd=fd)
+                fd = open_outside(fd, rest[:cut], DIRECTORY, own)
                 opened.append(fd)
                 rest = rest[cut + 1 :]
-            return call(fd, rest)
+            return open_outside(fd, rest, flags, own)
         finally:
             for fd in opened:
                 os.close(fd)
 
+    @contextlib.contextmanager
+    def itself(self, path: bytes) -> Iterator[int]:
+        """An O_PATH descriptor of ``path`` (a link as the link), closed after."""
+        fd = self.open(path, _ITSELF)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
     def lstat(self, path: bytes) -> os.stat_result:
-        if len(path) < _WALK_AT:  # ``at``'s short path, inline: every lookup and open asks
-            return os.stat(path or b".", dir_fd=self.root_fd, follow_symlinks=False)
-        return self.at(path, lambda dir_fd, name: os.stat(name, dir_fd=dir_fd,
-                                                          follow_symlinks=False))
+        fd = self.open(path, _ITSELF)  # inline, not ``itself``: every lookup and open asks
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
 
     def open_dir(self, path: bytes) -> int:
         """A descriptor of a directory, for ``coordlfs.listing`` to read a buffer at a time."""
-        return self.at(path, lambda dir_fd, name: os.open(
-            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd))
+        return self.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
     def readlink(self, path: bytes) -> bytes:
-        return self.at(path, lambda dir_fd, name: os.readlink(name, dir_fd=dir_fd))
+        with self.itself(path) as fd:
+            try:
+                return os.readlink(b"", dir_fd=fd)
+            except FileNotFoundError:  # what readlinkat(fd, "") says of a file not a link
+                raise OSError(errno.EINVAL, "not a symbolic link") from None
 
     def getxattr(self, path: bytes, name: bytes) -> bytes:
-        return self.at(path, lambda dir_fd, at: os.getxattr(proc_path(dir_fd, at), name,
-                                                            follow_symlinks=False))
+        with self.itself(path) as fd:
+            return os.getxattr(fd_path(fd), name)
 
     def listxattr(self, path: bytes) -> list[bytes]:
-        names = self.at(path, lambda dir_fd, at: os.listxattr(proc_path(dir_fd, at),
-                                                              follow_symlinks=False))
-        return [os.fsencode(n) for n in names]
+        with self.itself(path) as fd:
+            return [os.fsencode(n) for n in os.listxattr(fd_path(fd))]
 
     def statvfs(self) -> os.statvfs_result:
         return os.fstatvfs(self.root_fd)
 
     def open_reader(self, path: bytes) -> SourceReader:
         """Open a regular file for reading; blocking, so call it from a worker thread."""
-        reader = self.at(path, lambda dir_fd, name: SourceReader.opening(
-            lambda flags: os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)))
+        reader = SourceReader.opening(
+            lambda flags: self.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC))
         if not stat.S_ISREG(reader.fstat().st_mode):
             reader.close()
             raise IsADirectoryError(21, "not a regular file")

@@ -113,7 +113,7 @@ def test_no_cache_and_a_file_limit_above_the_cache_are_warned_about(
     --max-file-size above the cache is lowered to it, with a warning that names both."""
     def config(*argv: str) -> tuple[MountConfig, str]:
         settled = resolve(options_of("-f", "--cache-dir", str(tmp_path / "cache"), *argv),
-                          str(tmp_path), str(tmp_path))
+                          str(tmp_path), str(tmp_path / "mnt"))
         return settled, capsys.readouterr().err
     off, said = config("--cache-size", "0", "--max-file-size", "1G")
     assert (off.cache_size, off.max_file_size) == (0, 0)
@@ -145,7 +145,7 @@ def test_the_default_log_file_needs_a_home(tmp_path: Path,
     with pytest.raises(UserError, match=re.escape("no directory for the default log file "
                                                   "(state); give --log FILE")):
         resolve(options_of("--cache-size", "1M", "--cache-dir", str(tmp_path / "cache")),
-                str(tmp_path), str(tmp_path))
+                str(tmp_path), str(tmp_path / "mnt"))
 
 
 def test_the_cache_gets_a_tmpfs_of_its_own_as_root_in_its_default_directory(
@@ -153,7 +153,7 @@ def test_the_cache_gets_a_tmpfs_of_its_own_as_root_in_its_default_directory(
     def tmpfs(*argv: str, root: bool = True) -> bool:
         monkeypatch.setattr(os, "geteuid", lambda: 0 if root else 1000)
         return resolve(options_of("-o", "cache_size=8M", *argv), str(tmp_path),
-                       str(tmp_path)).cache_tmpfs
+                       str(tmp_path / "mnt")).cache_tmpfs
     assert tmpfs() and not tmpfs(root=False)
     assert not tmpfs("--cache-dir", str(tmp_path / "mine"))  # a directory named is used as is
     assert tmpfs("--cache-dir", str(tmp_path / "mine"), "--cache-tmpfs", "yes")
