@@ -11,6 +11,7 @@ that a new option is one entry here.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -103,18 +104,20 @@ def _short_size(n: int) -> str:
     return str(n)
 
 
-#: The smallest cache (0 aside: off). The cache fills files in 1 MiB chunks and the kernel
-#: reads the mount in 1 MiB requests (``cache.FILL_CHUNK``, ``daemon.READ_AHEAD_KB``): a
-#: smaller cache holds less than one read brings in, so nearly every read is a miss, and
-#: a size that small is a slip (1K for 1G) more often than a wish.
-MIN_CACHE_SIZE = 1 << 20
+#: The smallest cache (0 aside: off): one page, the unit its memory comes in; a smaller one
+#: could hold no page of any file, and such a size is a slip (1K for 1G) more than a wish.
+MIN_CACHE_SIZE = mmap.PAGESIZE
+#: Below this a cache holds less than one read brings in (the cache fills files in 1 MiB
+#: chunks and the kernel reads the mount in 1 MiB requests: ``cache.FILL_CHUNK``,
+#: ``daemon.READ_AHEAD_KB``): it works, for small files, but is warned about.
+SMALL_CACHE_SIZE = 1 << 20
 
 
 def _cache_size(text: str, flag: str) -> int:
     size = parse_size(text, flag)
     if 0 < size < MIN_CACHE_SIZE:
-        raise UserError(f"bad {flag} {text}: at least {_short_size(MIN_CACHE_SIZE)}, the "
-                        "size of one read (or 0: no cache, every read from the source)")
+        raise UserError(f"bad {flag} {text}: at least {_short_size(MIN_CACHE_SIZE)}, one page "
+                        "(or 0: no cache, every read from the source)")
     return size
 
 
@@ -177,6 +180,10 @@ def _fit_free_space(cache_size: int, values: Values) -> int:
         print("coordlfs: warning: --cache-size 0: no cache, every read goes to the source",
               file=sys.stderr)
         return 0
+    if cache_size < SMALL_CACHE_SIZE:
+        print(f"coordlfs: warning: --cache-size {format_size(cache_size)} holds less than one "
+              f"read ({_short_size(SMALL_CACHE_SIZE)}): only smaller files are cached",
+              file=sys.stderr)
     cache_dir = values["cache_dir"]
     room = usable_room(free_space(cache_dir))
     if cache_size > room and not os.path.isdir(cache_dir):
@@ -229,7 +236,7 @@ RUN = "the mount"
 #: Every option of ``coordlfs mount``, in the order of ``--help`` and the README's table.
 OPTIONS: tuple[Option, ...] = (
     Option("cache_size", "cache capacity: bytes with a K/M/G/T suffix (powers of 1024) or N% "
-           "of RAM; never more than the cache directory's free space; at least 1M (0: no "
+           "of RAM; never more than the cache directory's free space; at least 4K (0: no "
            "cache)", _cache_size, "SIZE", default=lambda values: default_cache_size(),
            default_text="50% of RAM", settle=_fit_free_space),
     Option("max_file_size", "larger files are streamed from the source, never cached; at "

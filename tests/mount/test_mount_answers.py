@@ -130,8 +130,8 @@ def test_settings_that_cannot_work_are_refused_in_one_line(dataset, tmp_path: Pa
     mountpoint.mkdir()
     (tmp_path / "file").write_bytes(b"x")
     cases = [
-        (["--cache-size", "1K"], "bad --cache-size 1K: at least 1M"),
-        (["-o", "cache_size=1023K"], "bad --cache-size 1023K: at least 1M"),
+        (["--cache-size", "1K"], "bad --cache-size 1K: at least 4K, one page"),
+        (["-o", "cache_size=4095"], "bad --cache-size 4095: at least 4K"),
         # /proc has no room at all: the cache was shrunk to 0 B, with a warning
         (["--cache-dir", "/proc/coordlfs-none/cache"], "only 0 B free for /proc/coordlfs-none"),
         (["--log", str(tmp_path / "file" / "x.log")], f"cannot write the log file {tmp_path}"),

@@ -70,8 +70,8 @@ def test_generic_mount_options_are_ignored() -> None:
     (["-o", "keep_cache=yes"], "option keep_cache takes no value"),
     (["-o", "cache_size=8Q"], "bad --cache-size '8Q'"),
     (["--cache-size=-1G"], "bad --cache-size"),
-    (["--cache-size", "1K"], "bad --cache-size 1K: at least 1M, the size of one read (or 0"),
-    (["-o", "cache_size=1023K"], "bad --cache-size 1023K: at least 1M"),
+    (["--cache-size", "1K"], "bad --cache-size 1K: at least 4K, one page (or 0"),
+    (["-o", "cache_size=4095"], "bad --cache-size 4095: at least 4K"),
     (["-o", "staging_size=0"], "bad --staging-size 0: must be more than 0"),
     (["--prefetch-depth", "65"], "bad --prefetch-depth 65: 0 to 64"),
     (["--prefetch-depth", "two"], "bad --prefetch-depth 'two'"),
@@ -123,7 +123,11 @@ def test_no_cache_and_a_file_limit_above_the_cache_are_warned_about(
     assert said == ("coordlfs: warning: --max-file-size 1.0 GiB is more than the cache (8.0 MiB):"
                     " files above the cache size can never be cached; using 8.0 MiB\n")
     assert config("--cache-size", "8M", "--max-file-size", "8M")[0].max_file_size == 8 << 20
-    assert config("--cache-size", "1M")[1] == ""  # the smallest cache
+    assert config("--cache-size", "1M")[1] == ""  # one read
+    small, said = config("--cache-size", "1023K")
+    assert small.cache_size == 1023 << 10
+    assert said == ("coordlfs: warning: --cache-size 1023.0 KiB holds less than one read (1M): "
+                    "only smaller files are cached\n")
 
 
 def test_a_cache_directory_without_room_for_the_smallest_cache_is_refused(
@@ -133,7 +137,7 @@ def test_a_cache_directory_without_room_for_the_smallest_cache_is_refused(
         resolve(options_of("-f", "--cache-dir", "/proc/coordlfs-none/cache"), str(tmp_path),
                 str(tmp_path))
     assert str(error.value) == ("only 0 B free for /proc/coordlfs-none/cache (less a margin), "
-                                "less than the smallest cache (1M); give --cache-dir on a "
+                                "less than the smallest cache (4K); give --cache-dir on a "
                                 "filesystem with room")
 
 
