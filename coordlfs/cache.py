@@ -53,13 +53,13 @@ from coordlfs import cache_tmpfs, journal
 from coordlfs.compact import Key
 from coordlfs.entries import SHARED, UNCHECKED, Entry, EntryTable
 from coordlfs.errors import UserError
-from coordlfs.freshness import PublishedWatch
 from coordlfs.journal import JOURNAL
 from coordlfs.private_dir import open_private
 from coordlfs.published import BEAT_EVERY_S, INDEX, IndexWriter, Published, retire
 from coordlfs.source import Source, SourceReader
 from coordlfs.stats import ReadCounters
 from coordlfs.threads import in_thread
+from coordlfs.watch import PublishedWatch
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import ctypes
 import logging
 import os
 
-from coordlfs.mounting import mount_at
+from coordlfs.mounts import mount_at
 
 log = logging.getLogger(__name__)
 

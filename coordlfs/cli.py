@@ -17,11 +17,11 @@ from coordlfs.mounting import (
     check_directory,
     check_mountpoint_free,
     check_mountpoint_outside,
-    mount_at,
     spawn_daemon,
     unmount,
     warn_if_not_empty,
 )
+from coordlfs.mounts import mount_at
 from coordlfs.sizes import format_size
 from coordlfs.stagger import (
     JobProfile,

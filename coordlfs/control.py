@@ -22,7 +22,7 @@ from typing import Any
 from coordlfs import CONTROL_NAME, control_spec
 from coordlfs.control_spec import Command
 from coordlfs.errors import UserError
-from coordlfs.mounting import mount_at, mount_holding
+from coordlfs.mounts import mount_at, mount_holding
 
 #: Paths per ``group.files`` request, well under the 1 MiB request limit for long paths.
 FILES_PER_REQUEST = 2000

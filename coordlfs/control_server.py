@@ -47,7 +47,15 @@ from typing import Any
 
 import trio
 
-from coordlfs.control_spec import COMMANDS, Access, Command, Refused, RequestError
+from coordlfs.control_spec import (
+    COMMANDS,
+    Access,
+    Caller,
+    Command,
+    Handler,
+    Refused,
+    RequestError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,58 +78,6 @@ MAX_DEPTH = 32
 #: need. Past either bound a request is answered at once, final or not.
 MAX_WAITING = 32
 MAX_WAITING_PER_USER = 16
-
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """Who sent a request: the process that opened the control descriptor.
-
-    FUSE tells the daemon the uid and pid of the process behind each open; a descriptor
-    handed to another process keeps its opener's rights, as any open file does.
-    """
-
-    uid: int
-    pid: int
-    #: root or the mount's owner (the daemon's uid): may run mount-wide commands and act on
-    #: any membership
-    privileged: bool
-
-    def act_for(self, pid: int) -> None:
-        """Refuse ``pid`` unless it runs as the caller's uid (root may name any process). A
-        process that is gone passes: the command says "no process" itself."""
-        if self.uid == 0:
-            return
-        uids = process_uids(pid)
-        if uids is not None and self.uid not in uids:
-            raise Refused(f"process {pid} belongs to another user: a request may name only "
-                          "the caller's own processes")
-
-    def use(self, owner: int, what: str) -> None:
-        """Refuse acting on ``what``, created by uid ``owner``, unless the caller created it
-        (root and the mount's owner may act on any)."""
-        if owner != self.uid and not self.privileged:
-            raise Refused(f"{what} belongs to another user")
-
-
-def process_uids(pid: int) -> tuple[int, int] | None:
-    """The real and effective uid of a process, or None if it is gone.
-
-    From ``/proc/PID/status``, not the owner of ``/proc/PID``: a process that changed its
-    uid without exec is not dumpable, and its ``/proc`` entries then belong to root.
-    """
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Uid:"):
-                    real, effective = line.split()[1:3]
-                    return int(real), int(effective)
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-#: A command's handler: the request's checked arguments (``Command.validate``) and its caller.
-Handler = Callable[[dict[str, Any], Caller], dict[str, Any]]
 
 
 def _encode(obj: dict[str, Any]) -> bytes:

@@ -15,13 +15,11 @@ import errno
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from coordlfs import CONTROL_NAME
 from coordlfs.order import SEED_LIMIT
-
-if TYPE_CHECKING:
-    from coordlfs.control_server import Caller
+from coordlfs.processes import process_uids
 
 #: Longest group or job name, characters.
 MAX_NAME = 128
@@ -57,6 +55,51 @@ class Access(enum.Enum):
     MOUNT = "root or the mount's owner"
     #: anyone, for files they may read through the mount (the handler checks each file)
     FILES = "anyone, for files they may read through the mount"
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request: the process that opened the control descriptor.
+
+    FUSE tells the daemon the uid and pid of the process behind each open; a descriptor
+    handed to another process keeps its opener's rights, as any open file does.
+    """
+
+    uid: int
+    pid: int
+    #: root or the mount's owner (the daemon's uid): may run mount-wide commands and act on
+    #: any membership
+    privileged: bool
+
+    def act_for(self, pid: int) -> None:
+        """Refuse ``pid`` unless it runs as the caller's uid (root may name any process). A
+        process that is gone passes: the command says "no process" itself."""
+        if self.uid == 0:
+            return
+        uids = process_uids(pid)
+        if uids is not None and self.uid not in uids:
+            raise Refused(f"process {pid} belongs to another user: a request may name only "
+                          "the caller's own processes")
+
+    def use(self, owner: int, what: str) -> None:
+        """Refuse acting on ``what``, created by uid ``owner``, unless the caller created it
+        (root and the mount's owner may act on any)."""
+        if owner != self.uid and not self.privileged:
+            raise Refused(f"{what} belongs to another user")
+
+
+#: A command's handler: the request's checked arguments (``Command.validate``) and its caller.
+Handler = Callable[[dict[str, Any], Caller], dict[str, Any]]
+
+
+class Served(Protocol):
+    """Where a domain attaches its commands' handlers (``register_commands``): the control
+    file's server, which sits above every domain (``coordlfs.control_server``), seen from
+    below, so that a domain imports only these declarations."""
+
+    def serve(self, name: str, handler: Handler) -> None: ...
+
+    def notify(self) -> None: ...
 
 
 # -- argument kinds: each turns a request's JSON value into the handler's, or says what is wrong

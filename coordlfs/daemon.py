@@ -27,7 +27,8 @@ from coordlfs.fs import Operations
 from coordlfs.groups import Groups
 from coordlfs.groups import register_commands as register_group_commands
 from coordlfs.metrics import MetricsServer
-from coordlfs.mounting import device_mounted_at, open_log, set_read_ahead
+from coordlfs.mounting import open_log, set_read_ahead
+from coordlfs.mounts import device_mounted_at
 from coordlfs.peer_hold import PeerHold
 from coordlfs.peer_server import PeerServer, connection_cap, listen_socket
 from coordlfs.peer_server import register_commands as register_peer_commands

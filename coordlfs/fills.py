@@ -42,8 +42,7 @@ import trio
 
 from coordlfs.beneath import mode_grants, open_beneath
 from coordlfs.cache import FILL_CHUNK, Entry, WholeFileCache, write_all
-from coordlfs.control_server import Caller, ControlServer
-from coordlfs.control_spec import Refused
+from coordlfs.control_spec import Caller, Refused, Served
 from coordlfs.source import Source, SourceReader
 
 log = logging.getLogger(__name__)
@@ -366,7 +365,7 @@ class FillQueue:
                 "failed": dict(self.failures)}
 
 
-def register_commands(server: ControlServer, fills: FillQueue, source: Source,
+def register_commands(server: Served, fills: FillQueue, source: Source,
                       from_peers: Callable[[list[bytes]], object] = lambda _paths: None
                       ) -> None:
     """``prefetch``: anyone, for the files they may read through the mount; the files peers

@@ -24,8 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from coordlfs import membership
-from coordlfs.control_server import Caller, ControlServer
-from coordlfs.control_spec import RequestError
+from coordlfs.control_spec import Caller, RequestError, Served
 from coordlfs.membership import Memberships, job_name
 from coordlfs.order import SEED_LIMIT, epoch_order
 from coordlfs.processes import parent_pid, process_alive
@@ -239,7 +238,7 @@ class Groups(Memberships[Group, Member]):
         }
 
 
-def register_commands(server: ControlServer, groups: Groups) -> None:
+def register_commands(server: Served, groups: Groups) -> None:
     """``group.*`` and ``profile`` on the control file. A job joins for one of its user's own
     processes; only the user who created a membership (or root, or the mount's owner) may send
     its files, epochs or leave."""

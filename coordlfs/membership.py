@@ -13,8 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from coordlfs.control_server import Caller
-from coordlfs.control_spec import Refused, RequestError
+from coordlfs.control_spec import Caller, Refused, RequestError
 from coordlfs.processes import process_alive
 
 

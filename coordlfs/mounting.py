@@ -5,93 +5,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import select
 import shutil
 import stat
 import subprocess
 import sys
-from dataclasses import dataclass
 from typing import TextIO
 
 from coordlfs.config import MountConfig
 from coordlfs.errors import UserError
+from coordlfs.mounts import mount_at, within
 from coordlfs.processes import wait_exit
 
 #: Seconds ``umount`` waits for the daemon to exit after the kernel let go of the mount.
 EXIT_WAIT = 30.0
-
-
-@dataclass(slots=True)
-class MountEntry:
-    mountpoint: str
-    fstype: str
-    source: str
-    #: "major:minor" of the mounted filesystem; for FUSE also the name of its bdi in /sys
-    device: str = ""
-    #: the filesystem's own options (FUSE: ``user_id=``, ``allow_other``)
-    options: tuple[str, ...] = ()
-
-    @property
-    def owner(self) -> int | None:
-        """The uid that mounted a FUSE filesystem: it (or root) alone may unmount it, and
-        without ``allow_other`` the kernel lets no one else in."""
-        for option in self.options:
-            if option.startswith("user_id="):
-                return int(option[8:])
-        return None
-
-
-def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as octal (\040 ...).
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def mounts() -> list[MountEntry]:
-    entries = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields, rest = left.split(), right.split()
-            entries.append(MountEntry(_unescape(fields[4]), rest[0], _unescape(rest[1]),
-                                      fields[2], tuple(rest[2].split(","))))
-    return entries
-
-
-def mount_at(path: str) -> MountEntry | None:
-    """The topmost mount whose mountpoint is exactly ``path``."""
-    real = os.path.realpath(path)
-    found = None
-    for entry in mounts():
-        if entry.mountpoint == real:
-            found = entry
-    return found
-
-
-def device_mounted_at(mountpoint: str) -> int | None:
-    """The device of the topmost coordlfs mount at ``mountpoint`` (a real path), from the mount
-    table alone: a stat would ask that mount's daemon, which may be the caller, not serving
-    yet."""
-    found = None
-    for entry in mounts():
-        if entry.mountpoint == mountpoint and entry.fstype == "fuse.coordlfs":
-            found = entry
-    if found is None:
-        return None
-    major, _, minor = found.device.partition(":")
-    return os.makedev(int(major), int(minor))
-
-
-def mount_holding(path: str) -> MountEntry | None:
-    """The mount ``path`` is on, from the mount table alone, without a walk up that stats
-    each directory (which a directory this user may not enter would cut short). Of the
-    mounts on the way the last listed is on top: it was mounted over, or inside, the rest."""
-    real = os.path.realpath(path)
-    found = None
-    for entry in mounts():
-        if within(real, entry.mountpoint):
-            found = entry
-    return found
 
 
 def set_read_ahead(mountpoint: str, kb: int) -> None:
@@ -138,11 +65,6 @@ def check_mountpoint_free(mountpoint: str) -> None:
                 raise _dead_mount("mountpoint", mountpoint) from None
         raise UserError(f"mountpoint {mountpoint} is in use: {entry.fstype} from {entry.source} "
                         "is mounted there")
-
-
-def within(path: str, directory: str) -> bool:
-    """Whether ``path`` is ``directory`` or beneath it (both absolute, normalised)."""
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def check_mountpoint_outside(mountpoint: str, source: str) -> None:

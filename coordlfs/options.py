@@ -32,7 +32,8 @@ from coordlfs.config import (
     default_log_file,
 )
 from coordlfs.errors import UserError
-from coordlfs.mounting import free_space, usable_room, within
+from coordlfs.mounting import free_space, usable_room
+from coordlfs.mounts import within
 from coordlfs.placement import find_self, is_loopback, parse_address, parse_peers, read_secret
 from coordlfs.sizes import format_size, parse_size
 

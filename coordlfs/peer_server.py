@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import trio
 
 from coordlfs.cache import Entry, WholeFileCache
-from coordlfs.control_server import Caller, ControlServer
+from coordlfs.control_spec import Caller, Served
 from coordlfs.errors import UserError
 from coordlfs.peer_wire import (
     Buffer,
@@ -401,7 +401,7 @@ def _name(stream: trio.SocketStream) -> str:
     return str(Address(str(mapped) if mapped else host, port))
 
 
-def register_commands(control: ControlServer, peers: Peers, server: PeerServer | None) -> None:
+def register_commands(control: Served, peers: Peers, server: PeerServer | None) -> None:
     """``peer.list`` (the cluster as this mount sees it) and ``peer.owner`` (who caches a
     path), so a job or tool can see where its files come from. Both only report: anyone may
     run them."""

@@ -32,7 +32,7 @@ import shutil
 import socket
 import subprocess
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -41,7 +41,6 @@ from coordlfs.peer_server import RateLimitedLog, connection_cap
 from coordlfs.placement import MAX_PEERS, Address, is_loopback, parse_address
 
 if TYPE_CHECKING:
-    from coordlfs.config import MountConfig
     from coordlfs.peer_server import PeerServer
     from coordlfs.peers import Peers
 
@@ -336,7 +335,24 @@ class FileSource(PeerSource):
         return self._checked(parse_peers_file(text, self.path))
 
 
-def peer_source(config: MountConfig, listen: Address) -> PeerSource:
+class PeerSettings(Protocol):
+    """What of a mount's configuration (``MountConfig``, which the daemon above reads from the
+    command line) says where the nodes come from."""
+
+    @property
+    def peers(self) -> tuple[str, ...]: ...
+
+    @property
+    def peers_from(self) -> str | None: ...
+
+    @property
+    def peers_file(self) -> str | None: ...
+
+    @property
+    def insecure(self) -> bool: ...
+
+
+def peer_source(config: PeerSettings, listen: Address) -> PeerSource:
     """Where ``config`` says the nodes come from."""
     if config.peers_file:
         return FileSource(config.peers_file, config.insecure)

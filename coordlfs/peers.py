@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import trio
 
@@ -50,10 +50,23 @@ from coordlfs.peer_wire import (
 from coordlfs.placement import Address, find_self, owner, ranking, resolve
 from coordlfs.stats import ReadCounters
 
-if TYPE_CHECKING:
-    from coordlfs.peer_hold import PeerHold
-
 log = logging.getLogger(__name__)
+
+
+class Hold(Protocol):
+    """The holding area the links fill ahead of reads (``coordlfs.peer_hold.PeerHold``), as
+    the links see it: it is built on them, so they know it only by what they call."""
+
+    def prefetch(self, paths: Iterable[bytes]) -> int: ...
+
+    async def take(self, path: bytes, st: os.stat_result
+                   ) -> tuple[PeerLink, bytes | memoryview] | None: ...
+
+    def forget_link(self, link: PeerLink) -> None: ...
+
+    async def run(self) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
 
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
@@ -317,7 +330,7 @@ class Peers:
         self.changes = 0
         self.links = {node: PeerLink(node, secret, timeout) for node in nodes if node != me}
         #: files of a known order fetched ahead of the readers; set by the daemon
-        self.hold: PeerHold | None = None
+        self.hold: Hold | None = None
         self._nursery: trio.Nursery | None = None
 
     async def replace(self, nodes: tuple[Address, ...]) -> None:

@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordlfs import membership
-from coordlfs.control_server import Caller, ControlServer
-from coordlfs.control_spec import RequestError
+from coordlfs.control_spec import Caller, RequestError, Served
 from coordlfs.errors import UserError
 from coordlfs.membership import Memberships, job_name
 from coordlfs.order import SEED_LIMIT, batch_count
@@ -523,7 +522,7 @@ def _remove_stale(root_fd: int) -> None:
             shutil.rmtree(name, ignore_errors=True, dir_fd=root_fd)
 
 
-def register_commands(server: ControlServer, prep: Prep) -> None:
+def register_commands(server: Served, prep: Prep) -> None:
     """The ``prep.*`` commands on the control file. A job joins for one of its user's own
     processes; only the user who created a membership (or root, or the mount's owner) may act
     on it."""

@@ -38,3 +38,20 @@ def parent_pid(pid: int) -> int | None:
         return int(_stat(pid)[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def process_uids(pid: int) -> tuple[int, int] | None:
+    """The real and effective uid of a process, or None if it is gone.
+
+    From ``/proc/PID/status``, not the owner of ``/proc/PID``: a process that changed its
+    uid without exec is not dumpable, and its ``/proc`` entries then belong to root.
+    """
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    real, effective = line.split()[1:3]
+                    return int(real), int(effective)
+    except (OSError, ValueError):
+        return None
+    return None

@@ -5,8 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, fields
 
-from coordlfs.control_server import Caller, ControlServer
-from coordlfs.control_spec import RequestError
+from coordlfs.control_spec import Caller, RequestError, Served
 
 
 @dataclass(slots=True)
@@ -82,7 +81,7 @@ class Stats:
         }
 
 
-def register_commands(server: ControlServer, stats: Stats) -> None:
+def register_commands(server: Served, stats: Stats) -> None:
     """``stats`` (optionally between marks), ``mark``, ``marks`` and ``client.report`` on
     the control file. Anyone may read the counters and report a client's reads; a mark is
     mount-wide (root or the mount's owner)."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import trio
 
-from coordlfs.inodes import Key
+from coordlfs.compact import Key
 from coordlfs.source import Version  # a held item of another version is never served
 
 #: Items remembered as read by members while not held (see ``closed``).

@@ -27,7 +27,8 @@ from typing import Any
 from coordlfs import cache_tmpfs
 from coordlfs.control import Control, ControlError
 from coordlfs.errors import UserError
-from coordlfs.mounting import mount_at, unmount
+from coordlfs.mounting import unmount
+from coordlfs.mounts import mount_at
 from coordlfs.processes import process_alive, wait_exit
 from coordlfs.testbed.logs import log_size, warn_of_logged_errors
 

@@ -37,7 +37,7 @@ from coordlfs.bench.jpegs import (
     to_tensor,
 )
 from coordlfs.errors import UserError
-from coordlfs.mounting import mount_at
+from coordlfs.mounts import mount_at
 from coordlfs.testbed.cgroup import cgroup_of
 
 BENCH = [sys.executable, "-m", "coordlfs", "bench", "hpsearch"]

@@ -31,7 +31,7 @@ from test_peers import (
     source_digests,
 )
 
-from coordlfs.mounting import mount_at
+from coordlfs.mounts import mount_at
 from coordlfs.placement import Address, owner
 from coordlfs.processes import process_alive
 from coordlfs.testbed.netns import Node, check_can_run, cluster_network

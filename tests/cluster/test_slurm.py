@@ -30,7 +30,7 @@ import pytest
 from conftest import OTHER_UID, digests, force_unmount, make_dataset
 
 from coordlfs.control import Control
-from coordlfs.mounting import mount_at, mounts
+from coordlfs.mounts import mount_at, mounts
 from coordlfs.processes import process_alive, wait_exit
 from coordlfs.testbed.slurm import SlurmCluster, missing_programs, slurm_cluster
 

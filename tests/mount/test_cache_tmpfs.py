@@ -8,7 +8,7 @@ from conftest import digests, drop_caches, run_cli
 
 from coordlfs.cache_tmpfs import SOURCE
 from coordlfs.client import Dataset
-from coordlfs.mounting import mount_at
+from coordlfs.mounts import mount_at
 
 
 def _mount_options(directory: Path) -> list[str]:

@@ -27,7 +27,7 @@ from coordlfs import cli
 from coordlfs import whatif as _loaded  # noqa: F401 (cmd_whatif imports it: before the fork)
 from coordlfs.client import Dataset
 from coordlfs.control import Control, ControlError
-from coordlfs.mounting import mount_at
+from coordlfs.mounts import mount_at
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
 
