@@ -9,11 +9,11 @@ import sys
 import time
 from typing import Any
 
-from coordlfs import __version__, options
-from coordlfs.config import MountConfig
+from coordlfs import __version__
 from coordlfs.control import Control, ControlError
-from coordlfs.errors import Parser, UserError, exit_status
-from coordlfs.mounting import (
+from coordlfs.daemon import options
+from coordlfs.daemon.config import MountConfig
+from coordlfs.daemon.mounting import (
     check_directory,
     check_mountpoint_free,
     check_mountpoint_outside,
@@ -21,9 +21,8 @@ from coordlfs.mounting import (
     unmount,
     warn_if_not_empty,
 )
-from coordlfs.mounts import mount_at
-from coordlfs.sizes import format_size
-from coordlfs.stagger import (
+from coordlfs.errors import Parser, UserError, exit_status
+from coordlfs.jobs.stagger import (
     JobProfile,
     catalog_job,
     default_catalog_path,
@@ -34,6 +33,8 @@ from coordlfs.stagger import (
     report,
     save_profile,
 )
+from coordlfs.sizes import format_size
+from coordlfs.system.mounts import mount_at
 
 
 class _InOrder(argparse.Action):
@@ -134,7 +135,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _run_foreground(config: MountConfig, summary: str) -> int:
-    from coordlfs.daemon import Daemon, setup_logging
+    from coordlfs.daemon.daemon import Daemon, setup_logging
 
     setup_logging(config.log_file, config.debug)
     Daemon(config).run(lambda note: print(f"coordlfs: mounted {summary}; {note}", flush=True))
@@ -307,7 +308,7 @@ def cmd_stagger(args: argparse.Namespace) -> int:
 
 
 def cmd_whatif(args: argparse.Namespace) -> int:
-    from coordlfs import whatif
+    from coordlfs.jobs import whatif
 
     control = _control(args.mountpoint)
     data = whatif.analyse(control.status(), control.marks(), control.stats(since=args.since),

@@ -1,11 +1,11 @@
-"""Python client for a mount's control file (protocol in ``coordlfs.control_server``).
+"""Python client for a mount's control file (protocol in ``coordlfs.fs.control_server``).
 
     from coordlfs.control import Control
     ctl = Control("/mnt/data")
     ctl.mark("epoch-1")
     print(ctl.stats(since="epoch-1")["reads"]["bytes_from_source"])
 
-Commands are sent by their declaration in ``coordlfs.control_spec`` (``call``), so a misspelt
+Commands are sent by their declaration in ``coordlfs.protocol.spec`` (``call``), so a misspelt
 command or argument fails here; ``request`` sends any command by name, for a mount newer than
 this client.
 """
@@ -19,10 +19,11 @@ import time
 import warnings
 from typing import Any
 
-from coordlfs import CONTROL_NAME, control_spec
-from coordlfs.control_spec import Command
+from coordlfs import CONTROL_NAME
 from coordlfs.errors import UserError
-from coordlfs.mounts import mount_at, mount_holding
+from coordlfs.protocol import spec as control_spec
+from coordlfs.protocol.spec import Command
+from coordlfs.system.mounts import mount_at, mount_holding
 
 #: Paths per ``group.files`` request, well under the 1 MiB request limit for long paths.
 FILES_PER_REQUEST = 2000

@@ -24,7 +24,7 @@ from typing import IO, Any, NoReturn
 
 from fsspec import AbstractFileSystem
 
-from coordlfs.adapters import open_binary, read_bytes
+from coordlfs.client.adapters import open_binary, read_bytes
 
 
 def _kind(mode: int) -> str:

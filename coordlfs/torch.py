@@ -34,11 +34,11 @@ from typing import Any, TypeVar
 
 from torch.utils.data import Sampler
 
-from coordlfs.adapters import MountFiles, mount_files, open_binary, prefetching, read_bytes
+from coordlfs.client.adapters import MountFiles, mount_files, open_binary, prefetching, read_bytes
+from coordlfs.client.shared_prep import SharedPrepLoader, local_order
 from coordlfs.control import Control, control_for, dataset_root
 from coordlfs.errors import UserError
-from coordlfs.order import SEED_LIMIT, epoch_order, shard
-from coordlfs.shared_prep import SharedPrepLoader, local_order
+from coordlfs.protocol.order import SEED_LIMIT, epoch_order, shard
 
 T = TypeVar("T")
 
@@ -65,8 +65,8 @@ class AlignedSampler(Sampler[int]):
     of ``DistributedSampler``) whose order every job of ``group`` shares.
 
     The seed comes from the mount's group (the first job to join picks it, or gives
-    ``seed``), and each epoch's order is ``coordlfs.order.epoch_order(seed, epoch, n)``, so the
-    mount's read window can hold an item one job fetched until the others read it. Without a
+    ``seed``), and each epoch's order is ``coordlfs.protocol.order.epoch_order(seed, epoch, n)``,
+    so the mount's read window can hold an item one job fetched until the others read it. Without a
     mount or a group the sampler shuffles as ``RandomSampler`` does (seeded by ``seed`` if
     given), with a warning, never an error. Without ``set_epoch`` each pass over the sampler is
     the next epoch, as each pass of ``RandomSampler`` is a new shuffle.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import errno
 from typing import IO, Any
 
-from coordlfs.adapters import open_binary
+from coordlfs.client.adapters import open_binary
 
 SCHEME = "coordlfs"
 

@@ -5,7 +5,7 @@ epochs, batches and ``--compute-ms`` per batch. Four systems run the same jobs u
 storage throttle and one memory budget: the page cache with independent seeds, coordlfs with
 independent seeds, coordlfs with the jobs in one aligned group (shared order, read window,
 read-ahead: the jobs register the file list and their epochs, as ``AlignedSampler`` does),
-started together, and the aligned group staggered by the advisor (``coordlfs.stagger``): one
+started together, and the aligned group staggered by the advisor (``coordlfs.jobs.stagger``): one
 job alone on a fresh mount gives ``I``, ``W`` and ``W|cached``, the group started together
 gives ``W|conc``, and job k starts k times the advised delay late.
 Storage bytes come from the kernel's per-process counters of every reader (page cache) or
@@ -34,9 +34,9 @@ from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.control import Control
 from coordlfs.errors import UserError
-from coordlfs.order import epoch_order
+from coordlfs.jobs.stagger import JobProfile, optimal_delay, standalone_runtime
+from coordlfs.protocol.order import epoch_order
 from coordlfs.sizes import format_size
-from coordlfs.stagger import JobProfile, optimal_delay, standalone_runtime
 from coordlfs.testbed.cgroup import memory_cgroup
 from coordlfs.testbed.dataset import Dataset, epoch_orders
 from coordlfs.testbed.mounts import mounted

@@ -6,8 +6,9 @@ coordlfs's cache hits are judged against it. ``passthrough`` keeps nothing and p
 source on every read, inline like a naive filesystem would: what coordlfs saves.
 
 Both mount with the same options and timeouts as coordlfs on a watched source (``keep_cache``
-left at pyfuse3's default, entry and attribute timeouts of ``coordlfs.freshness.WATCHED_TIMEOUT``),
-so the only difference measured is where the bytes come from.
+left at pyfuse3's default, entry and attribute timeouts of
+``coordlfs.fs.freshness.WATCHED_TIMEOUT``), so the only difference measured is where the bytes
+come from.
 
     python -m coordlfs.bench.baselines {memfs|passthrough} SOURCE MOUNTPOINT
 
@@ -28,7 +29,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from coordlfs.freshness import WATCHED_TIMEOUT
+from coordlfs.fs.freshness import WATCHED_TIMEOUT
 
 _STAT_FIELDS = ("st_mode", "st_nlink", "st_uid", "st_gid", "st_rdev", "st_size", "st_blksize",
                 "st_blocks", "st_atime_ns", "st_mtime_ns", "st_ctime_ns")

@@ -19,9 +19,9 @@ from multiprocessing.pool import Pool
 from typing import Any, Protocol, TypeVar
 
 from coordlfs.bench.reading import copy_files, read_files
-from coordlfs.client import Dataset as ClientDataset
+from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.errors import UserError
-from coordlfs.order import batches_of
+from coordlfs.protocol.order import batches_of
 
 #: Seconds a process group gets to go after SIGTERM before SIGKILL.
 STOP_WAIT_S = 10

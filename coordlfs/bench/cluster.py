@@ -33,22 +33,22 @@ from typing import Any
 
 import trio
 
-from coordlfs import peer_hold
 from coordlfs.bench import harness
 from coordlfs.bench.aligned import Plan as JobPlan
 from coordlfs.bench.aligned import budget_for
 from coordlfs.bench.children import Readers, batch_paths, running
 from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.ratios import median, ratio
-from coordlfs.client import Dataset as ClientDataset
-from coordlfs.config import DEFAULT_FILL_DEPTH
+from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.control import Control
-from coordlfs.control_spec import MAX_PREFETCH_PATHS, PREFETCH
+from coordlfs.daemon.config import DEFAULT_FILL_DEPTH
 from coordlfs.errors import UserError
-from coordlfs.order import epoch_order
-from coordlfs.peer_wire import MAX_CHUNK, Get, Kind
-from coordlfs.peers import PeerLink
-from coordlfs.placement import Address, owner
+from coordlfs.peers import hold as peer_hold
+from coordlfs.peers.links import PeerLink
+from coordlfs.peers.placement import Address, owner
+from coordlfs.peers.wire import MAX_CHUNK, Get, Kind
+from coordlfs.protocol.order import epoch_order
+from coordlfs.protocol.spec import MAX_PREFETCH_PATHS, PREFETCH
 from coordlfs.sizes import format_size
 from coordlfs.testbed.cgroup import memory_cgroup
 from coordlfs.testbed.dataset import Dataset

@@ -45,10 +45,10 @@ from typing import Any
 from coordlfs.bench import harness
 from coordlfs.bench.counters import measure_reads, process_bytes_read
 from coordlfs.bench.reading import copy_files, read_files
-from coordlfs.client import Dataset as ClientDataset
+from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.control import Control
+from coordlfs.daemon.mounting import free_space
 from coordlfs.errors import UserError, exit_status
-from coordlfs.mounting import free_space
 from coordlfs.sizes import format_size, parse_size
 from coordlfs.testbed.cgroup import memory_cgroup
 from coordlfs.testbed.dataset import Dataset, DatasetSpec, ensure_dataset, epoch_orders

@@ -37,7 +37,7 @@ from coordlfs.bench import harness
 from coordlfs.bench.children import Readers, batch_paths, running
 from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.ratios import median, ratio
-from coordlfs.client import Dataset as ClientDataset
+from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.errors import UserError
 from coordlfs.sizes import format_size, parse_size
 from coordlfs.testbed.cgroup import Cgroup, memory_cgroup

@@ -20,8 +20,8 @@ from typing import Any
 
 from coordlfs.bench.locking import exclusive
 from coordlfs.errors import UserError
-from coordlfs.private_dir import open_private
 from coordlfs.sizes import format_size, parse_size
+from coordlfs.system.private_dir import open_private
 from coordlfs.testbed.cgroup import remove_stale
 from coordlfs.testbed.dataset import Dataset, DatasetSpec, ensure_dataset
 from coordlfs.testbed.mounts import unmount_if_mounted

@@ -48,12 +48,12 @@ from typing import Any
 from coordlfs.bench import harness
 from coordlfs.bench.ratios import ratio
 from coordlfs.bench.reading import copy_files, read_files
-from coordlfs.client import Dataset as ClientDataset
-from coordlfs.daemon import READ_AHEAD_KB
+from coordlfs.client.dataset import Dataset as ClientDataset
+from coordlfs.daemon.daemon import READ_AHEAD_KB
+from coordlfs.daemon.mounting import set_read_ahead
 from coordlfs.errors import UserError
-from coordlfs.mounting import set_read_ahead
-from coordlfs.private_dir import open_private
 from coordlfs.sizes import format_size, parse_size, physical_memory
+from coordlfs.system.private_dir import open_private
 from coordlfs.testbed.dataset import Dataset, DatasetSpec, ensure_dataset
 from coordlfs.testbed.logs import log_size, warn_of_logged_errors
 from coordlfs.testbed.mounts import mounted, stop_daemon, uninterrupted

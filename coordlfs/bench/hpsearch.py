@@ -59,7 +59,7 @@ from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.bench.reading import read_files
 from coordlfs.errors import UserError
-from coordlfs.order import batch_count
+from coordlfs.protocol.order import batch_count
 from coordlfs.sizes import format_size
 from coordlfs.testbed.cgroup import controller_root, memory_cgroup
 from coordlfs.testbed.dataset import Dataset
@@ -480,9 +480,10 @@ def check_can_run(settings: Settings) -> None:
     if "storage" in settings.regimes and settings.throttle:
         controller_root("memory")
         controller_root("blkio")
-    if "shared" in settings.modes and importlib.util.find_spec("coordlfs.shared_prep") is None:
+    shared_prep = importlib.util.find_spec("coordlfs.client.shared_prep")
+    if "shared" in settings.modes and shared_prep is None:
         raise UserError("the shared mode needs coordlfs.torch.SharedPrepLoader "
-                        "(coordlfs/shared_prep.py), not in this installation; run with "
+                        "(coordlfs/client/shared_prep.py), not in this installation; run with "
                         "--modes independent")
 
 

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from coordlfs.bench.jpegs import JpegFolder
 from coordlfs.errors import UserError, exit_status
-from coordlfs.order import batch_count
+from coordlfs.protocol.order import batch_count
 from coordlfs.torch import SharedPrepLoader
 
 MODES = ("independent", "shared")

@@ -25,7 +25,7 @@ import torch
 from PIL import Image, ImageFilter
 from torch.utils.data import Dataset as TorchDataset
 
-from coordlfs.adapters import open_binary
+from coordlfs.client.adapters import open_binary
 from coordlfs.errors import UserError
 from coordlfs.testbed.dataset import Dataset, intact, read_manifest, rewrite, write_manifest
 

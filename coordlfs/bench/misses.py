@@ -37,7 +37,7 @@ from coordlfs.bench.hits import (
     settings_from,
     small_files,
 )
-from coordlfs.mounting import set_read_ahead
+from coordlfs.daemon.mounting import set_read_ahead
 from coordlfs.testbed.mounts import mounted
 
 __all__ = ["add_arguments", "run"]

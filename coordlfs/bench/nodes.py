@@ -34,7 +34,7 @@ from coordlfs.bench.children import worker_pool
 from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.placement import parse_counts
 from coordlfs.errors import UserError
-from coordlfs.order import epoch_order
+from coordlfs.protocol.order import epoch_order
 from coordlfs.sizes import format_size
 from coordlfs.testbed.dataset import Dataset
 from coordlfs.testbed.mounts import Mount, mounted, unmount_if_mounted

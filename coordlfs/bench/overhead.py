@@ -21,12 +21,12 @@ import time
 from pathlib import Path
 
 from coordlfs.bench import harness
-from coordlfs.cache import ARENA, WholeFileCache
-from coordlfs.entries import Entry
+from coordlfs.cache.cache import ARENA, WholeFileCache
+from coordlfs.cache.entries import Entry
+from coordlfs.cache.stats import ReadCounters
 from coordlfs.errors import UserError
-from coordlfs.inodes import InodeTable
-from coordlfs.source import Version
-from coordlfs.stats import ReadCounters
+from coordlfs.fs.inodes import InodeTable
+from coordlfs.source.source import Version
 from coordlfs.testbed.mounts import mounted
 
 #: the kernel's slab caches that grow per file the kernel holds through the mount

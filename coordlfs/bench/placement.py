@@ -1,6 +1,6 @@
 """Placement at scale: byte shares per node, files moved by a join or a leave, ranking cost.
 
-No mount and no root: the product's own placement (``coordlfs.placement``) over ``--paths``
+No mount and no root: the product's own placement (``coordlfs.peers.placement``) over ``--paths``
 paths laid out as ImageNet-21k's (``train/n01440764/n01440764_17.JPEG``, 21,841 class
 folders) with log-normal sizes of mean 110 KB (sigma 0.6, as ``coordlfs.testbed.dataset``).
 Exact, not sampled: every path is weighed against every node with the weights ``owner``
@@ -31,7 +31,7 @@ from coordlfs.bench import harness
 from coordlfs.bench.children import worker_pool
 from coordlfs.bench.ratios import ratio
 from coordlfs.errors import UserError
-from coordlfs.placement import MAX_PEERS, Address, layout, owner, ranking
+from coordlfs.peers.placement import MAX_PEERS, Address, layout, owner, ranking
 
 #: ImageNet-21k's class folders, and file sizes as ``coordlfs.testbed.dataset`` makes them.
 CLASSES = 21_841

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from coordlfs.client import Dataset
+from coordlfs.client.dataset import Dataset
 
 
 def read_files(paths: Iterable[str | bytes], buf: bytearray) -> int:

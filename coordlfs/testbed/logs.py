@@ -13,7 +13,8 @@ import re
 import sys
 
 #: The start of a record the daemon logged at ERROR or worse, in the format of
-#: ``coordlfs.daemon.setup_logging``: "2024-11-23 04:40:00,123 ERROR coordlfs.fs: ...".
+#: ``coordlfs.daemon.daemon.setup_logging``:
+#: "2024-11-23 04:40:00,123 ERROR coordlfs.fs.operations: ...".
 ERROR_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?:ERROR|CRITICAL) ",
                           re.MULTILINE)
 #: The start of any record, which ends the lines (a traceback) that continue the one before.

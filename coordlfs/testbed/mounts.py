@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordlfs import cache_tmpfs
+from coordlfs.cache import cache_tmpfs
 from coordlfs.control import Control, ControlError
+from coordlfs.daemon.mounting import unmount
 from coordlfs.errors import UserError
-from coordlfs.mounting import unmount
-from coordlfs.mounts import mount_at
-from coordlfs.processes import process_alive, wait_exit
+from coordlfs.system.mounts import mount_at
+from coordlfs.system.processes import process_alive, wait_exit
 from coordlfs.testbed.logs import log_size, warn_of_logged_errors
 
 #: The cache directory of a mount given none, named after the process that mounted it.

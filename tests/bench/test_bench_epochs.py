@@ -23,7 +23,7 @@ from coordlfs.bench.harness import (
     parse_make,
 )
 from coordlfs.errors import UserError
-from coordlfs.mounts import mount_at
+from coordlfs.system.mounts import mount_at
 from coordlfs.testbed.dataset import Dataset, DatasetSpec
 
 

@@ -16,7 +16,7 @@ from conftest import force_unmount, reachable_by_anyone, run_as_other_user
 
 from coordlfs.bench import fio
 from coordlfs.errors import UserError
-from coordlfs.mounts import mount_at
+from coordlfs.system.mounts import mount_at
 
 
 def _settings(**overrides: object) -> fio.Settings:

@@ -37,7 +37,7 @@ from coordlfs.bench.jpegs import (
     to_tensor,
 )
 from coordlfs.errors import UserError
-from coordlfs.mounts import mount_at
+from coordlfs.system.mounts import mount_at
 from coordlfs.testbed.cgroup import cgroup_of
 
 BENCH = [sys.executable, "-m", "coordlfs", "bench", "hpsearch"]
@@ -182,7 +182,7 @@ def test_missing_packages_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = settings_from(build_parser().parse_args(["hpsearch"]))
     real = importlib.util.find_spec
     for missing, named in (("PIL", "Pillow"), ("torch", "torch"),
-                           ("coordlfs.shared_prep", "SharedPrepLoader")):
+                           ("coordlfs.client.shared_prep", "SharedPrepLoader")):
         monkeypatch.setattr(importlib.util, "find_spec",
                             lambda name, *a, m=missing: None if name == m else real(name, *a))
         with pytest.raises(UserError, match=named):

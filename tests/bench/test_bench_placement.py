@@ -11,7 +11,7 @@ from pathlib import Path
 from benchtools import BENCH
 
 from coordlfs.bench.placement import path_of, place, reference_ranking
-from coordlfs.placement import Address, owner, ranking
+from coordlfs.peers.placement import Address, owner, ranking
 
 
 def test_ranking_and_owner_equal_the_function_they_replaced() -> None:

@@ -15,7 +15,7 @@ from conftest import force_unmount
 from coordlfs.bench import demo
 from coordlfs.bench.counters import measure_reads, process_bytes_read
 from coordlfs.errors import UserError
-from coordlfs.mounts import mount_at
+from coordlfs.system.mounts import mount_at
 from coordlfs.testbed import cgroup as cgroup_mod
 from coordlfs.testbed import storage
 from coordlfs.testbed.cgroup import cgroup_of, memory_cgroup, remove_stale

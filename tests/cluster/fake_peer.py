@@ -17,7 +17,7 @@ import sys
 import trio
 import xxhash
 
-from coordlfs.peer_wire import (
+from coordlfs.peers.wire import (
     HEADER,
     MAGIC,
     VERSION,

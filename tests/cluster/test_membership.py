@@ -31,9 +31,9 @@ from test_peers import (
     source_digests,
 )
 
-from coordlfs.mounts import mount_at
-from coordlfs.placement import Address, owner
-from coordlfs.processes import process_alive
+from coordlfs.peers.placement import Address, owner
+from coordlfs.system.mounts import mount_at
+from coordlfs.system.processes import process_alive
 from coordlfs.testbed.netns import Node, check_can_run, cluster_network
 
 #: Seconds a change of membership may take to reach a mount: a few polls of the file (one a

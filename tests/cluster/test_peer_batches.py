@@ -24,11 +24,12 @@ from test_peers import (
     source_digests,
 )
 
-from coordlfs import control_spec, peer_hold
 from coordlfs.control import Control
-from coordlfs.peer_hold import PeerHold
-from coordlfs.peer_wire import MAX_CHUNK
-from coordlfs.placement import owner
+from coordlfs.peers import hold as peer_hold
+from coordlfs.peers.hold import PeerHold
+from coordlfs.peers.placement import owner
+from coordlfs.peers.wire import MAX_CHUNK
+from coordlfs.protocol import spec as control_spec
 
 
 def hand_over(m: Mount, names: list[str]) -> dict:

@@ -12,15 +12,7 @@ import trio
 import trio.testing
 import xxhash
 
-from coordlfs.peer_wire import (
-    HEADER,
-    MAGIC,
-    MAX_CHUNK,
-    VERSION,
-    FrameStream,
-    Kind,
-    ProtocolError,
-)
+from coordlfs.peers.wire import HEADER, MAGIC, MAX_CHUNK, VERSION, FrameStream, Kind, ProtocolError
 
 
 async def _pair() -> tuple[trio.SocketStream, FrameStream]:

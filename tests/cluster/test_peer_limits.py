@@ -22,8 +22,8 @@ import xxhash
 from conftest import drop_caches
 from test_peers import cluster, copies, free_port, read_files, reads, source_digests
 
-from coordlfs.peer_server import LOG_INTERVAL_S
-from coordlfs.peer_wire import (
+from coordlfs.peers.server import LOG_INTERVAL_S
+from coordlfs.peers.wire import (
     HEADER,
     MAGIC,
     MAX_CHUNK,
@@ -72,7 +72,7 @@ def many_descriptors() -> None:
 def log_lines(path: Path, words: str) -> list[str]:
     """The log's lines from the peer server that hold ``words``."""
     return [line for line in path.read_text().splitlines()
-            if "coordlfs.peer_server:" in line and words in line]
+            if "coordlfs.peers.server:" in line and words in line]
 
 
 async def join(port: int, authenticate: bool) -> FrameStream | None:

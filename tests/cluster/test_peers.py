@@ -26,18 +26,26 @@ import trio
 import xxhash
 from conftest import Mount, digests, drop_caches, force_unmount, make_dataset, run_cli
 
-from coordlfs.config import default_cache_dir
 from coordlfs.control import Control
+from coordlfs.daemon.config import default_cache_dir
 from coordlfs.errors import UserError
-from coordlfs.order import epoch_order
-from coordlfs.peer_server import (
+from coordlfs.peers.placement import (
+    Address,
+    find_self,
+    is_loopback,
+    owner,
+    parse_address,
+    parse_peers,
+    read_secret,
+)
+from coordlfs.peers.server import (
     LOG_INTERVAL_S,
     PeerServer,
     RateLimitedLog,
     connection_cap,
     listen_socket,
 )
-from coordlfs.peer_wire import (
+from coordlfs.peers.wire import (
     GET_HEADER,
     HEADER,
     MAGIC,
@@ -49,16 +57,8 @@ from coordlfs.peer_wire import (
     client_handshake,
     decode_fail,
 )
-from coordlfs.placement import (
-    Address,
-    find_self,
-    is_loopback,
-    owner,
-    parse_address,
-    parse_peers,
-    read_secret,
-)
-from coordlfs.processes import process_alive
+from coordlfs.protocol.order import epoch_order
+from coordlfs.system.processes import process_alive
 from coordlfs.testbed.netns import cluster_network
 
 HERE = Path(__file__).parent

@@ -30,8 +30,8 @@ import pytest
 from conftest import OTHER_UID, digests, force_unmount, make_dataset
 
 from coordlfs.control import Control
-from coordlfs.mounts import mount_at, mounts
-from coordlfs.processes import process_alive, wait_exit
+from coordlfs.system.mounts import mount_at, mounts
+from coordlfs.system.processes import process_alive, wait_exit
 from coordlfs.testbed.slurm import SlurmCluster, missing_programs, slurm_cluster
 
 HERE = Path(__file__).parent
@@ -84,7 +84,8 @@ class Site:
                 argv = os.fsdecode(cmdline.read_bytes()).split("\0")
             except OSError:
                 continue
-            if "coordlfs.detached" in argv and argv[-2].startswith(ours):  # [..., mountpoint, ""]
+            # argv: [..., "coordlfs.daemon.detached", ..., mountpoint, ""]
+            if "coordlfs.daemon.detached" in argv and argv[-2].startswith(ours):
                 found[argv[-2]] = int(cmdline.parent.name)
         return found
 

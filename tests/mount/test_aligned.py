@@ -185,7 +185,7 @@ def test_malformed_group_command_on_the_control_file(mount, tmp_path: Path) -> N
 ORDERED_JOB = r"""
 import json, os, sys, time, xxhash
 from coordlfs.control import Control
-from coordlfs.order import epoch_order
+from coordlfs.protocol.order import epoch_order
 mount, group, files = sys.argv[1], sys.argv[2], sys.argv[3:]
 control = Control(mount)
 reply = control.join_group(group)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from conftest import digests, drop_caches, run_cli
 
-from coordlfs.cache_tmpfs import SOURCE
-from coordlfs.client import Dataset
-from coordlfs.mounts import mount_at
+from coordlfs.cache.cache_tmpfs import SOURCE
+from coordlfs.client.dataset import Dataset
+from coordlfs.system.mounts import mount_at
 
 
 def _mount_options(directory: Path) -> list[str]:

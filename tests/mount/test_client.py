@@ -17,7 +17,7 @@ from conftest import OTHER_UID, digests, force_unmount, run_cli
 from test_control_security import as_user
 from test_freshness import eventually
 
-from coordlfs.client import Dataset
+from coordlfs.client.dataset import Dataset
 
 
 def client_digests(ds: Dataset, names: list[str]) -> dict[str, str]:

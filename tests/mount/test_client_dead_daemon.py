@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from test_freshness import eventually
 
-from coordlfs.client import Dataset
-from coordlfs.processes import wait_exit
-from coordlfs.published import STALE_AFTER_S
+from coordlfs.cache.published import STALE_AFTER_S
+from coordlfs.client.dataset import Dataset
+from coordlfs.system.processes import wait_exit
 
 #: A file of it fits a cache of ``SMALL_CACHE`` once, and is larger than what is left after.
 SIZE = 700_000

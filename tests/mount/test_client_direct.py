@@ -17,7 +17,7 @@ from conftest import OTHER_UID, force_unmount, run_cli
 from test_client import client_digests, every_file
 from test_control_security import as_user
 
-from coordlfs.client import Dataset
+from coordlfs.client.dataset import Dataset
 from coordlfs.control import Control, ControlError
 
 #: A cache of a few dataset files (~110 KB each): nearly every miss has no room.

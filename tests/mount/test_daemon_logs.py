@@ -13,11 +13,11 @@ from coordlfs.testbed.logs import log_size, logged_errors, warn_of_logged_errors
 
 LOG = """\
 2024-11-23 04:40:00,100 INFO coordlfs: mounted /src on /mnt
-2024-11-23 04:40:01,200 ERROR coordlfs.fs: read of a failed
+2024-11-23 04:40:01,200 ERROR coordlfs.fs.operations: read of a failed
 Traceback (most recent call last):
   File "fs.py", line 1, in read
 OSError: [Errno 5] Input/output error
-2024-11-23 04:40:02,300 WARNING coordlfs.peers: peer 10.0.0.2 refused; an ERROR in a message
+2024-11-23 04:40:02,300 WARNING coordlfs.peers.links: peer 10.0.0.2 refused; an ERROR in a message
 2024-11-23 04:40:03,400 CRITICAL coordlfs: giving up
 2024-11-23 04:40:04,500 INFO coordlfs: unmounted
 """
@@ -28,7 +28,7 @@ def test_error_records_come_with_their_traceback(tmp_path: Path) -> None:
     log.write_text(LOG)
     errors = logged_errors(log)
     assert [e.splitlines()[0][24:] for e in errors] == [
-        "ERROR coordlfs.fs: read of a failed", "CRITICAL coordlfs: giving up"]
+        "ERROR coordlfs.fs.operations: read of a failed", "CRITICAL coordlfs: giving up"]
     assert errors[0].endswith("OSError: [Errno 5] Input/output error")
     assert logged_errors(tmp_path / "none.log") == []
 
@@ -40,9 +40,9 @@ def test_only_the_records_after_an_offset_count(tmp_path: Path) -> None:
     offset = log_size(log)
     assert logged_errors(log, offset) == []
     with open(log, "a") as f:
-        f.write("2024-11-23 05:00:00,000 ERROR coordlfs.cache: fill of b failed\n")
+        f.write("2024-11-23 05:00:00,000 ERROR coordlfs.cache.cache: fill of b failed\n")
     assert [e[24:] for e in logged_errors(log, offset)] == \
-        ["ERROR coordlfs.cache: fill of b failed"]
+        ["ERROR coordlfs.cache.cache: fill of b failed"]
 
 
 def test_a_bench_warns_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -59,7 +59,7 @@ def test_a_bench_warns_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture
 TEST_FILE = '''
 import pytest
 
-RECORD = "2024-11-23 04:40:01,200 ERROR coordlfs.fs: read of a failed\\n"
+RECORD = "2024-11-23 04:40:01,200 ERROR coordlfs.fs.operations: read of a failed\\n"
 
 
 def _log(tmp_path, daemon_logs):
@@ -115,4 +115,4 @@ def test_the_suite_fails_a_test_whose_daemon_logged_an_unexpected_error(tmp_path
     # counted in the reports only: the short summary repeats them in full under CI=true
     reports = out.split("short test summary info")[0]
     assert reports.count("a daemon logged 1 unexpected ERROR record(s)") == 3, out
-    assert "ERROR coordlfs.fs: read of a failed" in out
+    assert "ERROR coordlfs.fs.operations: read of a failed" in out

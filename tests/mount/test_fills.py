@@ -20,7 +20,7 @@ from conftest import Mount, digests, force_unmount, random_source
 from test_control_security import as_user, ask
 
 from coordlfs.control import ControlError
-from coordlfs.control_spec import MAX_PREFETCH_PATHS
+from coordlfs.protocol.spec import MAX_PREFETCH_PATHS
 
 #: Seconds the queue may take to drain in these small tests.
 DRAIN_S = 60.0

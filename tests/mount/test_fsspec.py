@@ -13,7 +13,7 @@ import pytest
 import xxhash
 from conftest import digests
 
-from coordlfs.adapters import close_clients, locate
+from coordlfs.client.adapters import close_clients, locate
 from coordlfs.fsspec_fs import CoordlfsFileSystem
 
 

@@ -8,7 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from coordlfs import listing
+from coordlfs.fs import listing
 
 ENTRIES = 20_000
 

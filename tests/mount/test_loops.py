@@ -22,7 +22,7 @@ import pytest
 import xxhash
 from conftest import OTHER_UID, Mount, run_cli
 
-from coordlfs.mounts import mount_at
+from coordlfs.system.mounts import mount_at
 from coordlfs.testbed.mounts import unmount_if_mounted
 from coordlfs.testbed.slurm import free_port
 

@@ -17,10 +17,10 @@ import pytest
 from conftest import drop_caches, force_unmount, run_cli
 
 from coordlfs import __version__
-from coordlfs import control_spec as spec
-from coordlfs.client import Dataset
+from coordlfs.client.dataset import Dataset
 from coordlfs.control import Control
-from coordlfs.processes import process_alive, wait_exit
+from coordlfs.protocol import spec
+from coordlfs.system.processes import process_alive, wait_exit
 from coordlfs.testbed.scrape import scrape, scrape_text, series_names, value
 
 DASHBOARD = Path(__file__).parents[2] / "mount" / "grafana" / "coordlfs.json"

@@ -23,8 +23,8 @@ from pathlib import Path
 from conftest import OTHER_UID
 from test_metrics import free_port
 
-from coordlfs.metrics import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS, MAX_REQUEST_BYTES
-from coordlfs.peer_server import LOG_INTERVAL_S
+from coordlfs.daemon.metrics import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS, MAX_REQUEST_BYTES
+from coordlfs.peers.server import LOG_INTERVAL_S
 from coordlfs.testbed.scrape import Samples, scrape, value
 
 #: The daemon's descriptors, soft and hard (it raises the soft limit to the hard one).
@@ -48,7 +48,7 @@ SLACK_S = 3.0
 
 def metrics_lines(log: Path, words: str) -> list[str]:
     return [line for line in log.read_text().splitlines()
-            if "coordlfs.metrics:" in line and words in line]
+            if "coordlfs.daemon.metrics:" in line and words in line]
 
 
 def scrape_when_free(port: int) -> Samples:

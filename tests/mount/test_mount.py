@@ -17,7 +17,7 @@ import xxhash
 from conftest import digests, drop_caches, force_unmount, random_source, run_cli
 
 from coordlfs.control import Control, ControlError
-from coordlfs.processes import wait_exit
+from coordlfs.system.processes import wait_exit
 
 
 def read_file(path: Path) -> bytes:

@@ -24,10 +24,10 @@ from conftest import OTHER_UID, force_unmount, run_cli
 from test_control_security import as_user
 
 from coordlfs import cli
-from coordlfs import whatif as _loaded  # noqa: F401 (cmd_whatif imports it: before the fork)
-from coordlfs.client import Dataset
+from coordlfs.client.dataset import Dataset
 from coordlfs.control import Control, ControlError
-from coordlfs.mounts import mount_at
+from coordlfs.jobs import whatif as _loaded  # noqa: F401 (cmd_whatif imports it: before the fork)
+from coordlfs.system.mounts import mount_at
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
 

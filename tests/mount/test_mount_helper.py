@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import digests, force_unmount, make_dataset
 
-from coordlfs.processes import wait_exit
+from coordlfs.system.processes import wait_exit
 
 MOUNT_DIR = Path(__file__).resolve().parents[2] / "mount"
 HELPER = MOUNT_DIR / "mount.fuse.coordlfs"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from conftest import digests, drop_caches, run_cli
 
-from coordlfs.processes import wait_exit
+from coordlfs.system.processes import wait_exit
 
 
 def _change_three(source: Path, names: list[str]) -> int:

@@ -21,11 +21,11 @@ import pytest
 import xxhash
 from conftest import make_dataset, run_as_other_user, run_cli
 
-from coordlfs import batch_file
-from coordlfs import control_spec as spec
-from coordlfs.client import Dataset
-from coordlfs.config import default_cache_dir
+from coordlfs.client import batch_file
+from coordlfs.client.dataset import Dataset
 from coordlfs.control import Control
+from coordlfs.daemon.config import default_cache_dir
+from coordlfs.protocol import spec
 from coordlfs.testbed.mounts import unmount_if_mounted
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="plays another user: needs root")

@@ -19,9 +19,9 @@ import pytest
 import torch
 from conftest import make_dataset, run_cli
 
-from coordlfs import control_spec as spec
+from coordlfs.client.shared_prep import _Channel
 from coordlfs.control import Control, ControlError
-from coordlfs.shared_prep import _Channel
+from coordlfs.protocol import spec
 from coordlfs.torch import SharedPrepLoader
 
 JOB = str(Path(__file__).with_name("prep_job.py"))
@@ -325,7 +325,7 @@ def test_a_channel_keeps_its_descriptor_across_requests_and_refusals(mounted) ->
         with pytest.raises(ControlError, match="no prep member 12345"):
             channel.call(spec.PREP_LEAVE, member=12345)
         assert channel.call(spec.PREP_LIST)["ok"] and channel._fd == fd
-        with mock.patch("coordlfs.shared_prep.os.read", side_effect=KeyboardInterrupt), \
+        with mock.patch("coordlfs.client.shared_prep.os.read", side_effect=KeyboardInterrupt), \
                 pytest.raises(KeyboardInterrupt):
             channel.call(spec.PREP_LIST)
         assert channel._fd is None

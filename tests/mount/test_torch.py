@@ -19,9 +19,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import coordlfs.torch
-from coordlfs.adapters import close_clients, locate
+from coordlfs.client.adapters import close_clients, locate
 from coordlfs.control import Control
-from coordlfs.order import epoch_order, shard
+from coordlfs.protocol.order import epoch_order, shard
 from coordlfs.torch import AlignedSampler, SharedPrepLoader, profiled, raw_loader
 
 

@@ -17,7 +17,7 @@ import webdataset as wds
 from webdataset.gopen import gopen
 
 import coordlfs.webdataset
-from coordlfs.adapters import close_clients, locate
+from coordlfs.client.adapters import close_clients, locate
 
 SHARDS = 3
 SAMPLES_PER_SHARD = 20

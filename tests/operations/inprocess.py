@@ -24,17 +24,17 @@ import pyfuse3
 import pytest
 import trio
 
-from coordlfs.cache import WholeFileCache
-from coordlfs.control_server import ControlServer
-from coordlfs.fs import FileHandle, Operations
-from coordlfs.groups import Groups
-from coordlfs.inodes import ROOT_INODE
-from coordlfs.peers import Peers
-from coordlfs.prefetch import Prefetcher
-from coordlfs.readers import AlignedReads, Reader
-from coordlfs.source import Source
-from coordlfs.stats import ReadCounters
-from coordlfs.window import ReadWindow
+from coordlfs.cache.cache import WholeFileCache
+from coordlfs.cache.stats import ReadCounters
+from coordlfs.fs.control_server import ControlServer
+from coordlfs.fs.inodes import ROOT_INODE
+from coordlfs.fs.operations import FileHandle, Operations
+from coordlfs.fs.readers import AlignedReads, Reader
+from coordlfs.jobs.groups import Groups
+from coordlfs.jobs.prefetch import Prefetcher
+from coordlfs.jobs.window import ReadWindow
+from coordlfs.peers.links import Peers
+from coordlfs.source.source import Source
 
 #: Reads as the kernel sends them for a file read sequentially (read_ahead_kb 1024).
 CHUNK = 128 << 10

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 from inprocess import CHUNK, Mount, ctx, mounted
 
-from coordlfs.inodes import ROOT_INODE
+from coordlfs.fs.inodes import ROOT_INODE
 from coordlfs.sizes import parse_size
 
 Timings = dict[str, list[float]]

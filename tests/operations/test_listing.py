@@ -1,4 +1,4 @@
-"""Directory listings streamed a buffer at a time (``coordlfs.listing``), in-process.
+"""Directory listings streamed a buffer at a time (``coordlfs.fs.listing``), in-process.
 
 The buffer and the attributed head are made small here, so that a few thousand entries take
 many fills and most of them go as names only, as a million would with the real sizes.
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from inprocess import Mount, ctx, mounted
 
-from coordlfs import listing
-from coordlfs.fs import DirHandle
-from coordlfs.inodes import ROOT_INODE
+from coordlfs.fs import listing
+from coordlfs.fs.inodes import ROOT_INODE
+from coordlfs.fs.operations import DirHandle
 
 ENTRIES = 3000
 #: a record of ``linux_dirent64`` is at least this long: what bounds a buffer's entries

@@ -11,7 +11,7 @@ import pytest
 from inprocess import ctx, is_dir, mounted, write_files
 
 from coordlfs import CONTROL_NAME
-from coordlfs.inodes import CONTROL_INODE, ROOT_INODE
+from coordlfs.fs.inodes import CONTROL_INODE, ROOT_INODE
 
 
 @pytest.fixture

@@ -13,12 +13,9 @@ import pytest
 import xxhash
 from inprocess import CHUNK, Mount, ctx, mounted, write_files
 
-from coordlfs import cache as cache_module
-from coordlfs.groups import Member
-from coordlfs.peer_wire import Get, Kind
-from coordlfs.peers import PeerDown, PeerLink, Peers
-from coordlfs.placement import parse_address
-from coordlfs.readers import (
+from coordlfs.cache import cache as cache_module
+from coordlfs.cache.stats import ReadCounters
+from coordlfs.fs.readers import (
     STREAM_WHOLE,
     CacheReader,
     FirstMiss,
@@ -26,7 +23,10 @@ from coordlfs.readers import (
     StreamReader,
     WindowReader,
 )
-from coordlfs.stats import ReadCounters
+from coordlfs.jobs.groups import Member
+from coordlfs.peers.links import PeerDown, PeerLink, Peers
+from coordlfs.peers.placement import parse_address
+from coordlfs.peers.wire import Get, Kind
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""coordlfs.adapters without a mount: the window an order is handed over in, a mount that
+"""coordlfs.client.adapters without a mount: the window an order is handed over in, a mount that
 refuses prefetch, and which datasets name their files."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from coordlfs import adapters
-from coordlfs.adapters import MountFiles, dataset_files, mount_files, prefetching
+from coordlfs.client import adapters
+from coordlfs.client.adapters import MountFiles, dataset_files, mount_files, prefetching
 from coordlfs.control import ControlError
 
 

@@ -1,4 +1,4 @@
-"""coordlfs.batch_file: staged batches round-trip, are mapped without a copy; what a batch
+"""coordlfs.client.batch_file: staged batches round-trip, are mapped without a copy; what a batch
 file cannot carry is refused when it is written, and a file planted where batches are read is
 refused without running anything."""
 
@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from coordlfs import batch_file  # noqa: E402
+from coordlfs.client import batch_file  # noqa: E402
 
 Pair = collections.namedtuple("Pair", "items label")
 

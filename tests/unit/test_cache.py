@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from coordlfs.cache import WholeFileCache
+from coordlfs.cache.cache import WholeFileCache
+from coordlfs.cache.published import INDEX, IndexReader
+from coordlfs.cache.stats import ReadCounters
 from coordlfs.errors import UserError
-from coordlfs.published import INDEX, IndexReader
-from coordlfs.source import Source
-from coordlfs.stats import ReadCounters
+from coordlfs.source.source import Source
 
 
 @pytest.fixture

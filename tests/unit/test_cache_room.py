@@ -10,10 +10,10 @@ from pathlib import Path
 
 import trio
 
-from coordlfs.cache import WholeFileCache
-from coordlfs.published import INDEX, IndexReader
-from coordlfs.source import Source
-from coordlfs.stats import ReadCounters
+from coordlfs.cache.cache import WholeFileCache
+from coordlfs.cache.published import INDEX, IndexReader
+from coordlfs.cache.stats import ReadCounters
+from coordlfs.source.source import Source
 
 CAPACITY = 20_000
 

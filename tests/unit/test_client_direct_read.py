@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from coordlfs import client
-from coordlfs.client import _DirectReader, _no_peers
+from coordlfs.client import dataset as client
+from coordlfs.client.dataset import _DirectReader, _no_peers
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The compact per-file tables (``coordlfs.compact``, ``inodes``, ``entries``) against plain
+"""The compact per-file tables (``coordlfs.cache.compact``, ``inodes``, ``entries``) against plain
 dicts and the behaviour of the object-per-file tables they replaced."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from coordlfs import compact
-from coordlfs.compact import Rows
-from coordlfs.entries import Entry, EntryTable
-from coordlfs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable
-from coordlfs.source import Version
+from coordlfs.cache import compact
+from coordlfs.cache.compact import Rows
+from coordlfs.cache.entries import Entry, EntryTable
+from coordlfs.fs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable
+from coordlfs.source.source import Version
 
 
 def test_rows_follow_a_dict_through_adds_removes_and_path_changes(monkeypatch) -> None:

@@ -1,4 +1,4 @@
-"""The control commands' one declaration (coordlfs.control_spec) drives the daemon's handlers,
+"""The control commands' one declaration (coordlfs.protocol.spec) drives the daemon's handlers,
 `help`, the client and the docs."""
 
 from __future__ import annotations
@@ -8,20 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from coordlfs import control_spec
+from coordlfs.cache.fills import FillQueue
+from coordlfs.cache.fills import register_commands as register_fill_commands
+from coordlfs.cache.stats import Stats
+from coordlfs.cache.stats import register_commands as register_stats_commands
 from coordlfs.control import Control
-from coordlfs.control_server import ControlServer
-from coordlfs.control_spec import COMMANDS, doc_table
-from coordlfs.fills import FillQueue
-from coordlfs.fills import register_commands as register_fill_commands
-from coordlfs.groups import Groups
-from coordlfs.groups import register_commands as register_group_commands
-from coordlfs.peer_server import register_commands as register_peer_commands
-from coordlfs.prep import Prep
-from coordlfs.prep import register_commands as register_prep_commands
-from coordlfs.source import Source
-from coordlfs.stats import Stats
-from coordlfs.stats import register_commands as register_stats_commands
+from coordlfs.fs.control_server import ControlServer
+from coordlfs.jobs.groups import Groups
+from coordlfs.jobs.groups import register_commands as register_group_commands
+from coordlfs.jobs.prep import Prep
+from coordlfs.jobs.prep import register_commands as register_prep_commands
+from coordlfs.peers.server import register_commands as register_peer_commands
+from coordlfs.protocol import spec as control_spec
+from coordlfs.protocol.spec import COMMANDS, doc_table
+from coordlfs.source.source import Source
 
 ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coordlfs.daemon import setup_logging
+from coordlfs.daemon.daemon import setup_logging
 from coordlfs.errors import UserError
 
 

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import trio
 
-from coordlfs import fills
-from coordlfs.cache import FILL_CHUNK, WholeFileCache
-from coordlfs.control_spec import Refused
-from coordlfs.fills import BATCH, Credentials, FillQueue, open_beneath, readable
-from coordlfs.source import Source
-from coordlfs.stats import ReadCounters
+from coordlfs.cache import fills
+from coordlfs.cache.cache import FILL_CHUNK, WholeFileCache
+from coordlfs.cache.fills import BATCH, Credentials, FillQueue, open_beneath, readable
+from coordlfs.cache.stats import ReadCounters
+from coordlfs.protocol.spec import Refused
+from coordlfs.source.source import Source
 
 NOBODY = 65534
 

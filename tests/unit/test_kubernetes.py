@@ -20,9 +20,9 @@ import pytest
 import yaml
 
 from coordlfs.cli import build_parser
+from coordlfs.daemon.options import given, parse
 from coordlfs.errors import UserError
-from coordlfs.options import given, parse
-from coordlfs.placement import read_secret
+from coordlfs.peers.placement import read_secret
 
 KUBE = Path(__file__).resolve().parents[2] / "mount" / "kubernetes"
 #: the oldest and the newest release of those kubernetes-validate ships that are maintained

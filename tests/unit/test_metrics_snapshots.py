@@ -8,7 +8,7 @@ from typing import Any
 
 import trio
 
-from coordlfs.metrics import NoSnapshot, Snapshots
+from coordlfs.daemon.metrics import NoSnapshot, Snapshots
 
 
 def _outcome(snapshots: Snapshots) -> Any:

@@ -1,4 +1,4 @@
-"""The option table (coordlfs.options): flags and -o mean the same, errors are one line, the
+"""The option table (coordlfs.daemon.options): flags and -o mean the same, errors are one line, the
 config reaches the daemon whole, and the README lists exactly the table's options."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from coordlfs import placement
 from coordlfs.cli import build_parser
-from coordlfs.config import DEFAULT_MAX_FILE_SHARE, MountConfig
+from coordlfs.daemon.config import DEFAULT_MAX_FILE_SHARE, MountConfig
+from coordlfs.daemon.options import OPTIONS, given, parse, parse_mount_options, resolve
 from coordlfs.errors import UserError
-from coordlfs.options import OPTIONS, given, parse, parse_mount_options, resolve
+from coordlfs.peers import placement
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Where the nodes come from (``coordlfs.peer_sources``): Slurm node lists, files of nodes,
+"""Where the nodes come from (``coordlfs.peers.sources``): Slurm node lists, files of nodes,
 names, their errors, and ``Peers.replace`` changing the nodes of a running mount."""
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ import pytest
 import trio
 import trio.testing
 
+from coordlfs.cache.stats import ReadCounters
 from coordlfs.errors import UserError
-from coordlfs.peer_hold import PeerHold
-from coordlfs.peer_sources import (
+from coordlfs.peers.hold import PeerHold
+from coordlfs.peers.links import LEFT, PeerDown, Peers
+from coordlfs.peers.placement import MAX_PEERS, Address, ranking
+from coordlfs.peers.sources import (
     DnsSource,
     FileSource,
     canonical,
@@ -27,9 +30,6 @@ from coordlfs.peer_sources import (
     slurm_nodelist,
     slurm_nodes,
 )
-from coordlfs.peers import LEFT, PeerDown, Peers
-from coordlfs.placement import MAX_PEERS, Address, ranking
-from coordlfs.stats import ReadCounters
 
 LISTS = {
     "n[01-04,07],gpu3": ["n01", "n02", "n03", "n04", "n07", "gpu3"],
@@ -82,7 +82,7 @@ def test_without_a_usable_scontrol_the_parser_expands(monkeypatch: pytest.Monkey
     expanded here. (A missing slurm.conf makes scontrol retry for 60 s; it gets 10.)"""
     (tmp_path / "empty.conf").touch()
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "empty.conf"))
-    with caplog.at_level(logging.INFO, logger="coordlfs.peer_sources"):
+    with caplog.at_level(logging.INFO, logger="coordlfs.peers.sources"):
         assert slurm_hostnames("n[01-02]") == ["n01", "n02"]
     if shutil.which("scontrol"):
         assert "scontrol show hostnames failed" in caplog.text
@@ -142,7 +142,7 @@ def test_a_file_is_taken_once_it_stays_the_same_and_a_bad_one_keeps_the_last(
     assert source.poll() is None  # changed since the last look: perhaps half-written
     assert source.poll() == (Address("127.0.0.1", 7001), Address("127.0.0.2", 7001))
     assert source.poll() is None
-    with caplog.at_level(logging.WARNING, logger="coordlfs.peer_sources"):
+    with caplog.at_level(logging.WARNING, logger="coordlfs.peers.sources"):
         for bad, message in [("127.0.0.1:0\n", "port 1-65535"), ("", "names no node"),
                              ("10.255.255.254:7001\n", "loopback addresses only")]:
             caplog.clear()
@@ -176,7 +176,7 @@ def test_names_resolve_to_every_address(caplog) -> None:
     with pytest.raises(UserError, match="not a host name"):
         resolve_all("a" * 64 + ".test", 7001)
     source = DnsSource("coordlfs-test.invalid", 7001, insecure=False)
-    with caplog.at_level(logging.WARNING, logger="coordlfs.peer_sources"):
+    with caplog.at_level(logging.WARNING, logger="coordlfs.peers.sources"):
         assert source.first() == ()  # a Service with no pod ready yet: alone until it has
         assert "caches alone until it resolves" in caplog.text
         caplog.clear()

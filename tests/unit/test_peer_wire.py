@@ -10,7 +10,7 @@ import trio
 import trio.testing
 import xxhash
 
-from coordlfs.peer_wire import (
+from coordlfs.peers.wire import (
     FILES_ENTRY,
     GET_HEADER,
     HEADER,

@@ -1,4 +1,4 @@
-"""The daemon's books for prep-sharing (coordlfs.prep), called directly: epochs, claims, the
+"""The daemon's books for prep-sharing (coordlfs.jobs.prep), called directly: epochs, claims, the
 staging bound, release of used batches, members that die or hang, and malformed requests."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from coordlfs.control_server import ControlServer
-from coordlfs.control_spec import RequestError
-from coordlfs.prep import HANG_FACTOR, Prep, register_commands
+from coordlfs.fs.control_server import ControlServer
+from coordlfs.jobs.prep import HANG_FACTOR, Prep, register_commands
+from coordlfs.protocol.spec import RequestError
 
 
 class Clock:

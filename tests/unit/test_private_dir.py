@@ -1,4 +1,4 @@
-"""coordlfs.private_dir: a directory of ours is made 0700, or used only when nobody else can
+"""coordlfs.system.private_dir: a directory of ours is made 0700, or used only when nobody else can
 change it or what leads to it; a refusal is one line naming the directory at fault."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from coordlfs.errors import UserError
-from coordlfs.private_dir import open_private
+from coordlfs.system.private_dir import open_private
 
 REMEDY = "remove it"
 OTHER_UID = 65534

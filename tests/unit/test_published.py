@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from coordlfs.published import INDEX, MIN_SLOTS, STALE_AFTER_S, IndexReader, IndexWriter, Published
+from coordlfs.cache.published import (
+    INDEX,
+    MIN_SLOTS,
+    STALE_AFTER_S,
+    IndexReader,
+    IndexWriter,
+    Published,
+)
 
 
 @pytest.fixture

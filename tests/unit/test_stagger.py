@@ -15,7 +15,7 @@ import pytest
 from conftest import run_cli
 
 from coordlfs.errors import UserError
-from coordlfs.stagger import (
+from coordlfs.jobs.stagger import (
     TIE,
     JobProfile,
     Phase,

@@ -7,7 +7,7 @@ import threading
 import pytest
 import trio
 
-from coordlfs.threads import in_thread
+from coordlfs.source.threads import in_thread
 
 
 def test_the_call_runs_in_another_thread_and_its_result_comes_back() -> None:

@@ -14,8 +14,9 @@ import pyfuse3
 import pytest
 import trio
 
-from coordlfs import control_spec
-from coordlfs.control_server import (
+from coordlfs.cache.stats import Stats, register_commands
+from coordlfs.errors import UserError
+from coordlfs.fs.control_server import (
     MAX_DEPTH,
     MAX_HELD,
     MAX_HELD_UNPRIVILEGED,
@@ -26,14 +27,13 @@ from coordlfs.control_server import (
     ControlHandle,
     ControlServer,
 )
-from coordlfs.control_spec import Access, Command
-from coordlfs.errors import UserError
-from coordlfs.fs import guarded
-from coordlfs.inodes import ROOT_INODE, InodeTable
-from coordlfs.prep import Prep
-from coordlfs.prep import register_commands as register_prep_commands
+from coordlfs.fs.inodes import ROOT_INODE, InodeTable
+from coordlfs.fs.operations import guarded
+from coordlfs.jobs.prep import Prep
+from coordlfs.jobs.prep import register_commands as register_prep_commands
+from coordlfs.protocol import spec as control_spec
+from coordlfs.protocol.spec import Access, Command
 from coordlfs.sizes import parse_size, physical_memory
-from coordlfs.stats import Stats, register_commands
 
 
 @pytest.mark.parametrize(("text", "value"), [
@@ -320,7 +320,7 @@ def test_guard_turns_exceptions_into_errnos() -> None:
 def test_the_product_loads_no_benchmark(command: str) -> None:
     """Only `coordlfs bench` imports coordlfs.bench, and only benchmarks and tests import
     coordlfs.testbed: the daemon and the everyday commands carry none of either."""
-    probe = ("import sys\nimport coordlfs.daemon\nfrom coordlfs.cli import main\n"
+    probe = ("import sys\nimport coordlfs.daemon.daemon\nfrom coordlfs.cli import main\n"
              f"try:\n    main([{command!r}, '--help'])\nexcept SystemExit:\n    pass\n"
              "print(sorted(m for m in sys.modules\n"
              "             if m.startswith(('coordlfs.bench', 'coordlfs.testbed'))))")

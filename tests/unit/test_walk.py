@@ -1,4 +1,4 @@
-"""Walks that cross mounts (``coordlfs.walk``): through a dataset's nested mounts, never into
+"""Walks that cross mounts (``coordlfs.source.walk``): through a dataset's nested mounts, never into
 the mount's own device, with no link followed. Nested tmpfs mounts stand in for both: the
 "own" device is a tmpfs's, so no FUSE mount is needed to see where a walk stops."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from coordlfs.source import Source
-from coordlfs.walk import open_outside
+from coordlfs.source.source import Source
+from coordlfs.source.walk import open_outside
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from coordlfs.cache import WholeFileCache
-from coordlfs.journal import JOURNAL
-from coordlfs.published import INDEX, IndexReader
-from coordlfs.source import Source
-from coordlfs.stats import ReadCounters
+from coordlfs.cache.cache import WholeFileCache
+from coordlfs.cache.journal import JOURNAL
+from coordlfs.cache.published import INDEX, IndexReader
+from coordlfs.cache.stats import ReadCounters
+from coordlfs.source.source import Source
 
 NAMES = [f"d{i % 3}/f{i}" for i in range(12)]
 
@@ -182,8 +182,8 @@ def test_adopting_many_entries_is_quick(tmp_path: Path) -> None:
     target is a mount serving within 10 s over a million)."""
     from array import array
 
-    from coordlfs.entries import Columns
-    from coordlfs.journal import Journal
+    from coordlfs.cache.entries import Columns
+    from coordlfs.cache.journal import Journal
 
     n = 100_000
     (tmp_path / "cache").mkdir()

@@ -1,4 +1,5 @@
-"""The what-if model (coordlfs.whatif): rates fitted from marked epochs, predictions, advice."""
+"""The what-if model (coordlfs.jobs.whatif): rates fitted from marked epochs, predictions,
+advice."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from coordlfs import whatif
 from coordlfs.errors import UserError
+from coordlfs.jobs import whatif
 
 GB = 1_000_000_000
 S, C, P = 50e6, 800e6, 400e6

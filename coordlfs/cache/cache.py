@@ -1,0 +1,773 @@
+"""The MinIO cache: whole files, kept in shared memory, never evicted.
+
+MinIO (CoorDL paper, section 4.1) caches items as they are first read until the capacity is
+reached and then never replaces anything. With random-order epochs every later epoch then
+gets exactly ``capacity`` bytes of hits, where an LRU cache thrashes.
+
+Cached files are packed end to end into one sparse file, the arena, in a tmpfs directory
+(``/dev/shm/coordlfs-<uid>/...`` by default), so the bytes live outside the daemon's heap and a
+restarted daemon finds them warm. One arena instead of a tmpfs file per cached file saves
+what per-file storage costs in a memory budget: page rounding (2 KiB per file on average,
+2% of a cache of 110 KB images) and a tmpfs inode and dentry per file. Because
+MinIO never evicts, space is handed out by a bump pointer and never fragments. An entry that
+is dropped (its source file changed) has its pages punched out of the arena, so its memory
+returns at once; its offsets are not reused, so a stale slice can never show another file.
+A journal (``coordlfs.cache.journal``: a binary checkpoint, then a line per change) records which
+source path, version and offset each entry holds. A restart adopts the entries unchecked
+and serves at once: an open compares the file's version with the entry's anyway (the
+inode is the key; size, mtime and ctime must match), so a changed file is never served, and
+a sweep in worker threads (``check``) compares every adopted entry with the source in the
+background, drops those of changed or removed files and publishes the rest for clients.
+Whatever no adopted entry covers is punched out at once.
+
+Entries are rows of an ``entries.EntryTable`` (about 70 bytes and the path each), not objects.
+
+A file is filled by a background task in chunks; readers wait only until the bytes they asked
+for have arrived, so a large file streams while it is being cached.
+
+Complete entries are also published (``share``) in an index in shared memory
+(``coordlfs.cache.published``), where ``coordlfs.client`` finds them and reads the arena itself.
+A published entry is withdrawn the moment its source file may have changed, and the pages
+of a published entry that is dropped are punched only ``PUNCH_GRACE_S`` later, so that a
+client that found it just before copies its bytes, not zeros.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import shutil
+import stat
+import time
+from array import array
+from typing import NamedTuple
+
+import trio
+
+from coordlfs.cache import cache_tmpfs, journal
+from coordlfs.cache.compact import Key
+from coordlfs.cache.entries import SHARED, UNCHECKED, Entry, EntryTable
+from coordlfs.cache.journal import JOURNAL
+from coordlfs.cache.published import BEAT_EVERY_S, INDEX, IndexWriter, Published, retire
+from coordlfs.cache.stats import ReadCounters
+from coordlfs.errors import UserError
+from coordlfs.source.source import Source, SourceReader
+from coordlfs.source.threads import in_thread
+from coordlfs.source.watch import PublishedWatch
+from coordlfs.system.private_dir import open_private
+
+log = logging.getLogger(__name__)
+
+#: Bytes read from the source per worker-thread call while filling an entry: large enough
+#: that thread hand-offs cost nothing next to the copy, small enough to bound the per-thread
+#: O_DIRECT buffers and to let a reader of a big file start early.
+FILL_CHUNK = 1 << 20
+ARENA = "arena"
+#: what a user can do about a cache directory that is not theirs alone
+_REMEDY = "remove it or give --cache-dir"
+#: Adopted entries one worker thread compares with the source per hand-off, and the worker
+#: threads that do (a cold source waits on its disk for each lstat; a warm one on the GIL).
+#: What the event loop does per batch (about 5 ms) holds up the mount's requests that long,
+#: and all batches together take at most ``_CHECK_SHARE`` of its time.
+CHECK_BATCH = 512
+CHECK_WORKERS = 2
+_CHECK_SLICE = 32
+_CHECK_SHARE = 0.25
+_CHECK_PAUSE_S = 0.0005
+#: Offsets the arena hands out, as a multiple of the capacity. Offsets of dropped entries are
+#: not reused, so a mount can drop (capacity x (ARENA_SPAN - 1)) bytes of changed files
+#: before it stops caching new ones; a remount compacts. The span costs no memory: the arena
+#: is sparse and the mapping is read-only.
+ARENA_SPAN = 2
+#: errnos that mean the cache's filesystem has no room (a full tmpfs, a quota)
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+#: Free room on a full cache filesystem that counts as room again: enough that fills do not
+#: fail again at once. Each new file asks (one statfs, next to a miss's storage read).
+ROOM_BACK = 8 << 20
+#: Seconds between dropping a published entry and punching its pages: a client that found
+#: it just before has that long to copy its bytes (a view kept longer may read zeros).
+PUNCH_GRACE_S = 5.0
+_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def _no_room(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in _NO_ROOM
+
+
+def _punch(fd: int, start: int, end: int) -> None:
+    """Return the memory of the whole pages within [start, end) to tmpfs."""
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page
+    if last > first and _libc.fallocate(fd, _PUNCH_HOLE, first, last - first) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot punch a hole in the arena: {os.strerror(err)}")
+
+
+def _open_arena(dir_fd: int, directory: str) -> int:
+    """The arena, made 0600 where absent; never through a link, and never a file that is not
+    ours (it would be truncated and hold cached bytes)."""
+    try:
+        fd = os.open(ARENA, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{directory}/{ARENA} is a symbolic link: {_REMEDY}") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise UserError(f"{directory}/{ARENA} is not a file of uid {os.geteuid()}'s: "
+                        f"{_REMEDY}")
+    return fd
+
+
+def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """pwrite all of ``data``. A short write is continued, so a filesystem that runs out of
+    room raises ENOSPC rather than leaving a hole that reads back as zeros."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "the cache's filesystem took no bytes")
+        view, offset = view[written:], offset + written
+
+
+class WholeFileCache:
+    """MinIO's policy (the CoorDL paper): whole files, kept until unmount, never evicted, so
+    that no epoch's random order can thrash what the cache holds."""
+
+    def __init__(self, directory: str, capacity: int, max_file_size: int,
+                 counters: ReadCounters, own_tmpfs: bool = False) -> None:
+        self.capacity = capacity
+        self.max_file_size = max_file_size
+        self.counters = counters
+        self.entries = EntryTable()
+        self.used = 0
+        #: the arena's bump pointer: offsets below it have been handed out
+        self.end = 0
+        self.arena_size = max(mmap.PAGESIZE, -(-capacity * ARENA_SPAN // mmap.PAGESIZE)
+                              * mmap.PAGESIZE)
+        try:
+            # made 0700 or checked to be ours alone (``private_dir``); its path has no links
+            directory, self.dir_fd = open_private(directory, _REMEDY)
+            self.directory = directory
+            if own_tmpfs and cache_tmpfs.mount_own(self.dir_fd, directory, capacity):
+                os.close(self.dir_fd)  # the directory beneath the new tmpfs
+                self.dir_fd = open_private(directory, _REMEDY).fd
+        except OSError as e:
+            raise UserError(f"cannot use cache directory {directory}: {e.strerror}") from None
+        #: the directory is a tmpfs of the cache's own (``cache_tmpfs``): unmounted, not
+        #: emptied, when the cached bytes go
+        self.own_tmpfs = own_tmpfs and cache_tmpfs.is_own(directory)
+        try:
+            fcntl.flock(self.dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.dir_fd)
+            raise UserError(f"cache directory {directory} is in use by another coordlfs mount "
+                            "(give this mount its own --cache-dir)") from None
+        retire(self.dir_fd)  # a killed daemon's clients: before the arena may shrink
+        try:
+            self.arena_fd = _open_arena(self.dir_fd, directory)
+            former = os.fstat(self.arena_fd).st_size
+            if former > self.arena_size:  # a larger former capacity
+                _punch(self.arena_fd, self.arena_size, former)
+            os.ftruncate(self.arena_fd, self.arena_size)
+            self._arena = mmap.mmap(self.arena_fd, self.arena_size, flags=mmap.MAP_SHARED,
+                                    prot=mmap.PROT_READ)
+        except (OSError, UserError) as e:
+            os.close(self.dir_fd)
+            if self.own_tmpfs:
+                cache_tmpfs.unmount_own(directory)
+            if isinstance(e, OSError):
+                raise UserError(f"cannot use cache directory {directory}: {e.strerror}") from None
+            raise
+        #: hits are slices of this: no syscall and no copy in the daemon
+        self._view = memoryview(self._arena)
+        self._span_logged = False
+        #: the cache's filesystem ran out of room: no new entries until it has room again
+        self.full = False
+        #: bytes of files handed over for filling and not reserved yet (``promise``)
+        self.promised = 0
+        self._no_room_warned = False
+        self.journal = journal.Journal(self.dir_fd, directory)
+        #: changes the watch reported: a check that saw one meanwhile re-checks to publish
+        self._changes = 0
+        #: the index for clients and the watch that withdraws from it (``share``)
+        self.index: IndexWriter | None = None
+        self.watch: PublishedWatch | None = None
+        self._source: Source | None = None
+        self._index_full_logged = False
+        #: (when, start, end): pages of dropped published entries, punched after the grace
+        self._late_punches: list[tuple[float, int, int]] = []
+
+    # -- start and stop ---------------------------------------------------------------
+
+    @property
+    def filling(self) -> int:
+        """Entries being filled (the rest of ``entries`` are complete)."""
+        return self.entries.filling
+
+    def load(self, source: Source) -> int:
+        """A checked start: adopt what a previous daemon left and check all of it against
+        the source before returning (the daemon adopts, then ``check``s while serving).
+        Returns the entries kept."""
+        self.adopt()
+        unchecked = self._unchecked()
+        for first in range(0, len(unchecked), CHECK_BATCH):
+            checking = self._checking(unchecked[first : first + CHECK_BATCH])
+            self._checked(checking, _lstat_all(source, checking), self._changes)
+        return len(self.entries)
+
+    def adopt(self) -> int:
+        """Adopt the entries a previous daemon left, unchecked against the source (an open
+        compares each with the source anyway; ``check`` compares the rest); returns count.
+
+        Only what the journal proves is kept: entries within the arena and the capacity,
+        overlapping none before them. Every other byte of the arena is punched out.
+        """
+        columns, lines = journal.read(self.dir_fd)
+        if columns is not None:
+            self.entries.load(columns)
+        replay = journal.Replay()
+        for line in lines:
+            replay.line(line)
+        clean = columns is not None and not replay.lines
+        self._replayed(replay)
+        for name in os.listdir(self.dir_fd):  # a torn journal rewrite, or an older layout
+            if name not in (ARENA, JOURNAL, INDEX):
+                os.unlink(name, dir_fd=self.dir_fd)
+        offsets, sizes = self.entries.offset, self.entries.size
+        end = 0
+        for row in sorted(self.entries.rows(), key=offsets.__getitem__):
+            offset, size = offsets[row], sizes[row]
+            if (offset < end or offset + size > self.arena_size
+                    or self.used + size > self.capacity):
+                self.entries.remove_row(row)
+                clean = False
+                continue
+            if offset > end:
+                _punch(self.arena_fd, end, offset)
+            self.used += size
+            end = offset + size
+        _punch(self.arena_fd, end, self.arena_size)
+        self.end = end
+        self._room_changed()
+        if not clean:
+            self.journal.checkpoint(self.entries.columns())
+        if self.index is not None:
+            self.index.reserve(len(self.entries))
+        return len(self.entries)
+
+    def _replayed(self, replay: journal.Replay) -> None:
+        """Apply the change lines after the checkpoint: entries replaced or dropped leave,
+        the entries the lines end with come in (unchecked, as the checkpoint's)."""
+        entries = self.entries
+        for key in replay.replaced():
+            row = entries.keys.find(key)
+            if row >= 0:
+                entries.remove_row(row)
+        for key, offset in replay.drops.items():
+            row = entries.keys.find(key)
+            if row >= 0 and entries.offset[row] == offset:
+                entries.remove_row(row)
+        entries.load(replay.columns())
+
+    # -- checks of adopted entries -----------------------------------------------------
+
+    def _unchecked(self) -> array:
+        flags = self.entries.flags
+        return array("i", (row for row in self.entries.rows() if flags[row] & UNCHECKED))
+
+    async def check(self, source: Source, workers: int = CHECK_WORKERS) -> None:
+        """Compare every adopted entry with the source, in worker threads, while the mount
+        serves: drop those whose file changed or went (their room returns to the cache),
+        publish the rest for clients."""
+        unchecked = self._unchecked()
+        if not unchecked:
+            return
+        started, dropped = time.monotonic(), 0
+        batches = iter(range(0, len(unchecked), CHECK_BATCH))
+
+        async def worker() -> None:
+            nonlocal dropped
+            try:
+                for first in batches:
+                    began = time.monotonic()
+                    checking = self._checking(unchecked[first : first + CHECK_BATCH])
+                    changes = self._changes
+                    spent = time.monotonic() - began
+                    stats = await in_thread(_lstat_all, source, checking)
+                    began = time.monotonic()
+                    dropped += self._checked(checking, stats, changes)
+                    spent += time.monotonic() - began
+                    # the mount's requests first: the check takes a share of the loop's time
+                    await trio.sleep(spent * (workers / _CHECK_SHARE - 1))
+            except Exception:  # the mount stays up: an open still checks each entry it serves
+                log.warning("checking adopted cache entries failed; the rest are checked as "
+                            "they are opened", exc_info=True)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(workers):
+                nursery.start_soon(worker)
+        log.info("checked %d adopted cache entries against the source in %.1f s: %d dropped",
+                 len(unchecked), time.monotonic() - started, dropped)
+
+    def _checking(self, rows: array) -> list[Checking]:
+        """The rows still unchecked, their directories watched first: a change between the
+        watch and the check cannot go unseen."""
+        entries, checking = self.entries, []
+        for row in rows:
+            if entries.live(row) and entries.flags[row] & UNCHECKED:
+                path = entries.paths.get(row)
+                checking.append(Checking(row, entries.keys.key(row), path, entries.offset[row],
+                                         self._cover(path)))
+        return checking
+
+    def _checked(self, checking: list[Checking],
+                 stats: list[os.stat_result | None], changes: int) -> int:
+        """Settle the rows ``_lstat_all`` compared: drop a changed file's entry, publish the
+        rest; returns how many were dropped. If the watch reported a change meanwhile, the
+        stat may predate it: those are published only after a check of their own
+        (``_publish``)."""
+        entries, dropped = self.entries, 0
+        for (row, key, path, offset, publishable), st in zip(checking, stats, strict=True):
+            if entries.keys.find(key) != row or entries.offset[row] != offset:
+                continue  # dropped meanwhile (an open saw it change)
+            entries.flags[row] &= ~UNCHECKED
+            if st is None or (st.st_dev, st.st_ino) != key or not entries.matches(row, st):
+                log.info("source file %s changed; dropping its cache entry", os.fsdecode(path))
+                self._release(key, entries.entry(row))
+                dropped += 1
+            elif not publishable:
+                continue
+            elif changes != self._changes:
+                self._publish(key, entries.entry(row))
+            else:
+                self._index(key, path, entries.published(row, st.st_ino))
+        return dropped
+
+    def close(self, keep: bool) -> None:
+        """Remove the cached bytes unless ``keep``; then release the directory lock."""
+        if self.index is not None:
+            self.index.close()
+        if self.watch is not None:
+            self.watch.close()
+        self._view.release()
+        with contextlib.suppress(BufferError):  # a slice still referenced: unmapped when freed
+            self._arena.close()
+        os.close(self.arena_fd)
+        if keep:  # the next start reads it at once, with no lines to replay
+            self.journal.checkpoint(self.entries.columns())
+        self.journal.close()
+        if not keep and not self.own_tmpfs:  # emptied while still locked
+            shutil.rmtree(self.directory, ignore_errors=True)
+        os.close(self.dir_fd)
+        if not keep and self.own_tmpfs:
+            cache_tmpfs.unmount_own(self.directory)
+
+    # -- lookups and fills ------------------------------------------------------------
+
+    def lookup(self, key: Key, st: os.stat_result) -> Entry | None:
+        """The entry holding this version of the file (complete or being filled), if any."""
+        row = self.entries.keys.find(key)
+        if row < 0:
+            return None
+        entry = self.entries.entry(row)
+        if entry.matches(st):
+            # Published and nothing ever withdrawn: no need to look in the index (a hash)
+            if (entry.complete and self.index is not None
+                    and (self.index.withdrawn or not self.entries.flags[row] & SHARED)
+                    and entry.path not in self.index):
+                self._publish(key, entry)  # withdrawn for a change that changed nothing
+            return entry
+        if entry.complete:
+            log.info("source file %s changed; dropping its cache entry", os.fsdecode(entry.path))
+            self._release(key, entry)
+        return None
+
+    def reserve(self, key: Key, path: bytes, st: os.stat_result) -> Entry | None:
+        """Claim room for a new entry, or None when MinIO's capacity (or the file limit) says no."""
+        if key in self.entries or st.st_size > self.max_file_size:
+            return None
+        if self.used + st.st_size > self.capacity or (self.full and not self._room_is_back()):
+            return None
+        if self.end + st.st_size > self.arena_size:
+            if not self._span_logged:
+                log.warning("the arena's offsets are used up by dropped entries: new files are "
+                            "streamed until the next mount")
+                self._span_logged = True
+            return None
+        entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, self.end,
+                      progress=trio.Event())
+        self.entries.add(key, entry)
+        self.used += entry.size
+        self.end += entry.size
+        self._room_changed()
+        return entry
+
+    def start_fill(self, key: Key, path: bytes, st: os.stat_result, source: Source,
+                   nursery: trio.Nursery) -> Entry | None:
+        """The entry for this version of the file, reserving it and starting its fill in
+        ``nursery`` if MinIO has room; None when it has none."""
+        entry, new = self._claim(key, path, st)
+        if new:
+            nursery.start_soon(self.fill, key, entry, source)
+        return entry
+
+    async def fill_for_reader(self, key: Key, path: bytes, st: os.stat_result, source: Source,
+                              nursery: trio.Nursery) -> Entry | None:
+        """``start_fill`` for a reader's miss: a file of one fill step (nearly every miss) is
+        filled in the reader's own task before this returns. Its step is one hand-off to a
+        thread either way; a task of its own and the wake of the reader waiting for it cost
+        the miss another ~15 µs of CPU. Other readers of the file wait on the entry as ever."""
+        if st.st_size > FILL_CHUNK:
+            return self.start_fill(key, path, st, source, nursery)
+        entry, new = self._claim(key, path, st)
+        if new:
+            await self.fill(key, entry, source)
+        return entry
+
+    def _claim(self, key: Key, path: bytes, st: os.stat_result) -> tuple[Entry | None, bool]:
+        """The entry for this version of the file, and whether it was reserved just now
+        (its fill is then the caller's to start)."""
+        entry = self.lookup(key, st)
+        if entry is not None:
+            return entry, False
+        entry = self.reserve(key, path, st)
+        if entry is None:
+            return None, False
+        self.counters.files_from_source += 1
+        return entry, True
+
+    async def fill(self, key: Key, entry: Entry, source: Source) -> None:
+        """Copy the source file into the entry; on any failure the entry is given up."""
+        copier = _Copier(source, entry, self.arena_fd)
+        try:
+            try:
+                while entry.filled < entry.size:
+                    got = await in_thread(copier.step, entry.filled)
+                    if got == 0:
+                        raise OSError(5, "source file shrank while being cached")
+                    self.arrived(entry, got)
+            finally:
+                copier.close()
+        except Exception as e:  # a failed fill must never fail the mount: readers stream
+            error = self.end_fill(key, entry, None, e)
+        except BaseException as e:  # cancelled at unmount
+            self.end_fill(key, entry, None, e)
+            raise
+        else:
+            error = self.end_fill(key, entry, copier.final)
+        if error is not None and not _no_room(error):
+            log.warning("caching %s failed: %s", os.fsdecode(entry.path), error,
+                        exc_info=not isinstance(error, OSError))
+
+    def arrived(self, entry: Entry, got: int) -> None:
+        """``got`` more bytes of a filling entry are in the arena: its readers may go on."""
+        entry.filled += got
+        self.counters.bytes_from_source += got
+        self._wake(entry)
+
+    def end_fill(self, key: Key, entry: Entry, final: os.stat_result | None,
+                 error: BaseException | None = None) -> BaseException | None:
+        """End the fill of a reserved entry, by ``fill`` or by any other filler.
+
+        ``final`` is the source's fstat once every byte is in the arena (None with the
+        ``error`` that stopped the fill): the entry is complete if it still shows the version
+        reserved, else it is given up (punched, its readers sent to the source). Returns why
+        it was given up, or None; a full cache directory is noted here, the rest is for the
+        caller to report.
+        """
+        try:
+            if error is None and (final is None or (final.st_dev, final.st_ino) != key
+                                  or not entry.matches(final)):
+                error = OSError(errno.EIO, "source file changed while being cached")
+            if error is None:
+                self.journal.append(journal.added(key, entry))
+                entry.complete = True
+                self.entries.completed(key, entry)
+                self._publish(key, entry)
+            else:
+                if _no_room(error):
+                    self._note_full(error)  # said once, not for every file that fails meanwhile
+                self._release(key, entry)
+            return error
+        finally:
+            self._wake(entry)
+
+    async def wait_for(self, entry: Entry, end: int) -> bool:
+        """Wait until bytes up to ``end`` are in the entry; False if the fill failed."""
+        while not entry.failed and not entry.complete and entry.filled < end:
+            assert entry.progress is not None  # still filling
+            await entry.progress.wait()
+        return not entry.failed
+
+    def data(self, entry: Entry, offset: int, size: int) -> memoryview:
+        """Bytes of an entry, which must have arrived (see ``wait_for``), as a slice of the arena.
+
+        pyfuse3 hands the slice to the kernel, which copies it once into the reply, as from
+        any buffer. Callers slice and reply without yielding to trio, so an entry dropped by
+        another task cannot have its pages punched under a reply.
+        """
+        start = entry.offset + offset
+        return self._view[start : start + min(size, entry.size - offset)]
+
+    # -- published to clients ----------------------------------------------------------
+
+    def share(self, source: Source) -> None:
+        """Publish complete entries for ``coordlfs.client`` from now on, and watch ``source``
+        to withdraw them when their files change (``run_shared`` reads the watch)."""
+        watch = PublishedWatch(source, self._changed)
+        try:
+            self.index = IndexWriter(self.dir_fd, revalidate=not watch.watching)
+        except OSError as e:
+            watch.close()
+            log.warning("cannot publish cached files for coordlfs.client in %s (%s): clients "
+                        "read through the mount", self.directory, e.strerror or e)
+            return
+        self._source, self.watch = source, watch
+        self._room_changed()
+
+    def _publish(self, key: Key, entry: Entry) -> None:
+        """Publish a complete entry if its source file still is the version it holds.
+
+        The watch comes first and the version check after it, so that a change between the
+        two cannot go unseen. The fill's own fstat does not do for the check: it came before
+        the watch (an event meanwhile withdrew nothing yet published), and it saw the open
+        file, not what the path names now. Where the source cannot be watched, clients
+        compare each hit with the source themselves (the index's ``revalidate``).
+        """
+        if not self._cover(entry.path):
+            return
+        assert self._source is not None
+        try:
+            st = self._source.lstat(entry.path)
+        except (OSError, ValueError):
+            return
+        if (st.st_dev, st.st_ino) == key and entry.matches(st):
+            self._index(key, entry.path, Published(entry.offset, entry.size, st.st_ino,
+                                                   entry.mtime_ns, entry.ctime_ns))
+
+    def _cover(self, path: bytes) -> bool:
+        """Watch the directories leading to ``path``, before its version is checked; whether
+        a check from now on may publish it."""
+        if self.index is None or self.watch is None or self._source is None:
+            return False
+        covered = self.watch.cover(path)
+        if not self.watch.watching:
+            if not self.index.revalidate:
+                self.index.set_revalidate()
+            return True
+        return covered
+
+    def _index(self, key: Key, path: bytes, found: Published) -> None:
+        """Publish an entry whose version was just seen in the source, after its
+        directories were watched."""
+        assert self.index is not None
+        try:
+            self.index.publish(path, found)
+        except OSError as e:  # no room to grow the index: clients read this one through us
+            if not self._index_full_logged:
+                log.warning("the index for coordlfs.client cannot grow (%s): files cached "
+                            "from now on are read by clients through the mount",
+                            e.strerror or e)
+                self._index_full_logged = True
+            return
+        self.entries.set_flag(key, SHARED)
+
+    def _withdraw(self, path: bytes) -> None:
+        if self.index is not None:
+            self.index.withdraw(path)
+
+    def _changed(self, path: bytes, directory: bool) -> None:
+        """The watch saw a change to ``path`` (a file, or a directory and all beneath it)."""
+        self._changes += 1
+        self._withdraw(path)
+        if directory:
+            inside = path + b"/" if path else b""
+            for published in [p for p in self.entries.shared_paths() if p.startswith(inside)]:
+                self._withdraw(published)
+
+    def punch_late(self, now: float) -> None:
+        """Punch the pages of dropped published entries whose grace has passed."""
+        while self._late_punches and self._late_punches[0][0] <= now:
+            _when, start, end = self._late_punches.pop(0)
+            try:
+                _punch(self.arena_fd, start, end)
+            except OSError as e:
+                log.warning("%s", e)
+
+    async def run_shared(self) -> None:
+        """Withdraw published entries whose source changes, punch dropped ones late, and
+        beat, so that clients stop trusting the index soon after this loop stops."""
+        if self.watch is None:
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.watch.run)
+            nursery.start_soon(self._beat)
+            while True:
+                await trio.sleep(1.0)
+                self.punch_late(time.monotonic())
+                if self.full:  # clients send no misses to notice it: they read the source
+                    self._room_is_back()
+
+    async def _beat(self) -> None:
+        """In the loop that withdraws changed files: a loop that stops beats no more."""
+        assert self.index is not None
+        while True:
+            self.index.beat()
+            await trio.sleep(BEAT_EVERY_S)
+
+    def shared_status(self) -> dict | None:
+        """Where clients find the index and the arena, and what the index holds."""
+        if self.index is None or self.watch is None:
+            return None
+        return {
+            "index": os.path.join(self.directory, INDEX),
+            "arena": os.path.join(self.directory, ARENA),
+            "mode": "revalidate" if self.index.revalidate else "watch",
+            "published": len(self.index),
+            "withdrawn": self.index.withdrawn,
+            "watched_directories": self.watch.directories,
+            "punches_waiting": len(self._late_punches),
+        }
+
+    # -- a full filesystem -------------------------------------------------------------
+
+    def _note_full(self, error: OSError) -> None:
+        if self.full:
+            return
+        self.full = True
+        self._room_changed()
+        message = ("cache directory %s is full (%s): new files are read from the source "
+                   "until it has room again")
+        if self._no_room_warned:
+            log.info(message, self.directory, error.strerror)
+        else:
+            log.warning(message, self.directory, error.strerror)
+            self._no_room_warned = True
+
+    def _room_is_back(self) -> bool:
+        st = os.fstatvfs(self.dir_fd)
+        if st.f_bavail * st.f_frsize < ROOM_BACK:
+            return False
+        log.info("cache directory %s has room again: caching new files", self.directory)
+        self.full = False
+        self._room_changed()
+        return True
+
+    # -- internals -----------------------------------------------------------------
+
+    def promise(self, size: int) -> None:
+        """Count ``size`` more (or, negative, fewer) bytes as promised to files a job handed
+        over (``fills.FillQueue.add``) and not reserved yet."""
+        self.promised = max(0, self.promised + size)
+        self._room_changed()
+
+    def _room_changed(self) -> None:
+        """Publish how large a new file MinIO would still take: clients read a larger file
+        from the source themselves (through the mount it would only be streamed). Room
+        promised to files handed over for filling is not theirs (the mount's own readers
+        still take what comes first, as MinIO does)."""
+        if self.index is not None:
+            self.index.set_room(0 if self.full else max(0, min(
+                self.capacity - self.used - self.promised, self.arena_size - self.end)))
+
+    @staticmethod
+    def _wake(entry: Entry) -> None:
+        done = entry.progress
+        entry.progress = None if entry.complete or entry.failed else trio.Event()
+        if done is not None:
+            done.set()
+
+    def _release(self, key: Key, entry: Entry) -> None:
+        # Open handles still holding the entry must not read its punched pages: a failed
+        # entry sends them to the source.
+        was_complete = entry.complete
+        entry.complete, entry.failed = False, True
+        removed, flags = self.entries.remove(key, entry)
+        if removed:
+            self.used -= entry.size
+            self._room_changed()
+        if was_complete:  # journaled: a restart must not adopt it
+            self.journal.append(journal.dropped(key, entry))
+        if flags & SHARED:  # a client may be copying from it: withdrawn now, punched later
+            self._withdraw(entry.path)
+            self._late_punches.append((time.monotonic() + PUNCH_GRACE_S, entry.offset,
+                                       entry.offset + entry.size))
+            return
+        # Pages shared with a neighbour stay; the neighbour's bytes are in them. The offsets
+        # are never handed out again, so pages a failed punch leaves are only memory.
+        try:
+            _punch(self.arena_fd, entry.offset, entry.offset + entry.size)
+        except OSError as e:
+            log.warning("%s", e)
+
+
+class Checking(NamedTuple):
+    """An adopted entry being checked against the source."""
+
+    row: int
+    key: Key
+    path: bytes
+    offset: int
+    #: its directories are watched: the check may publish it
+    publishable: bool
+
+
+def _lstat_all(source: Source, checking: list[Checking]) -> list[os.stat_result | None]:
+    """The source's lstat of each path (None where it has gone): a worker thread's part of
+    ``WholeFileCache.check``.
+
+    A thread that runs Python keeps the GIL from the event loop's thread for up to the switch
+    interval (5 ms) each time that thread wakes for a request: four requests a file made the
+    mount's reads twenty times slower during a check. So a pause, long enough for a waiting
+    thread to take the GIL, every ``_CHECK_SLICE`` paths."""
+    stats: list[os.stat_result | None] = []
+    for done, (_row, _key, path, _offset, _publishable) in enumerate(checking):
+        if done % _CHECK_SLICE == _CHECK_SLICE - 1:
+            time.sleep(_CHECK_PAUSE_S)
+        try:
+            stats.append(source.lstat(path))
+        except (OSError, ValueError):
+            stats.append(None)
+    return stats
+
+
+class _Copier:
+    """Copies a source file into a filling entry, one chunk per call from a worker thread.
+
+    Opening the source, the last chunk, the final fstat and the close share a thread call, so
+    a small file (the common case) costs one thread hand-off rather than three, and the event
+    loop's thread makes no system call for it (each would wait for the GIL behind the fill
+    threads').
+    """
+
+    def __init__(self, source: Source, entry: Entry, arena_fd: int) -> None:
+        self.source = source
+        self.entry = entry
+        self.arena_fd = arena_fd
+        self.reader: SourceReader | None = None
+        self.final: os.stat_result | None = None
+
+    def step(self, offset: int) -> int:
+        if self.reader is None:
+            self.reader = self.source.open_reader(self.entry.path)
+        data = self.reader.read_view(offset, min(FILL_CHUNK, self.entry.size - offset))
+        write_all(self.arena_fd, data, self.entry.offset + offset)
+        if offset + len(data) >= self.entry.size:
+            self.final = self.reader.fstat()
+            self.close()
+        return len(data)
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None

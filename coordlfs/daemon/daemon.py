@@ -1,0 +1,281 @@
+"""The mount's process: assemble source, cache and control, mount, serve until unmounted."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import resource
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pyfuse3
+import trio
+
+from coordlfs import PROTOCOL_VERSION, __version__
+from coordlfs.cache.cache import WholeFileCache
+from coordlfs.cache.fills import FillQueue
+from coordlfs.cache.fills import register_commands as register_fill_commands
+from coordlfs.cache.stats import Stats, register_commands
+from coordlfs.daemon.config import MountConfig
+from coordlfs.daemon.metrics import MetricsServer
+from coordlfs.daemon.mounting import open_log, set_read_ahead
+from coordlfs.errors import UserError
+from coordlfs.fs.control_server import ControlServer
+from coordlfs.fs.operations import Operations
+from coordlfs.fs.readers import AlignedReads
+from coordlfs.jobs.groups import Groups
+from coordlfs.jobs.groups import register_commands as register_group_commands
+from coordlfs.jobs.prefetch import Prefetcher
+from coordlfs.jobs.prep import Prep
+from coordlfs.jobs.prep import register_commands as register_prep_commands
+from coordlfs.jobs.window import ReadWindow
+from coordlfs.peers.hold import PeerHold
+from coordlfs.peers.links import Peers
+from coordlfs.peers.placement import find_self, parse_address, read_secret
+from coordlfs.peers.server import PeerServer, connection_cap, listen_socket
+from coordlfs.peers.server import register_commands as register_peer_commands
+from coordlfs.peers.sources import Membership, peer_source
+from coordlfs.source.source import Source
+from coordlfs.system.mounts import device_mounted_at
+
+log = logging.getLogger("coordlfs")
+
+#: Kernel read-ahead of the mount, KiB: at 1024 sequential reads arrive as 1 MiB requests
+#: (the most FUSE asks for here) instead of 128 KiB ones, and a GiB read costs the daemon
+#: about half the CPU (docs/benchmarks.md). Small files are read whole either way.
+READ_AHEAD_KB = 1024
+#: Seconds between checks that group members are still alive.
+REAP_INTERVAL_S = 1.0
+
+
+class DroppedReplies(logging.Filter):
+    """pyfuse3 logs an ERROR when the kernel refuses a reply with ENOENT, but that only means
+    the kernel no longer waits for it: the request was interrupted (a reader killed mid-read)
+    or the mount is going away (a release the kernel sent in the background, answered after a
+    lazy unmount). Such a record is kept, as INFO."""
+
+    _ENOENT = os.strerror(errno.ENOENT)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (record.levelno == logging.ERROR and record.msg.endswith("fuse_reply_* failed with %s")
+                and record.args and record.args[-1] == self._ENOENT):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def setup_logging(log_file: str | None, debug: bool) -> None:
+    handler = logging.StreamHandler(open_log(os.path.abspath(log_file)) if log_file
+                                    else sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+    pyfuse3_log = logging.getLogger("pyfuse3")
+    if not any(isinstance(f, DroppedReplies) for f in pyfuse3_log.filters):
+        pyfuse3_log.addFilter(DroppedReplies())
+
+
+def _tune_read_ahead(mountpoint: str) -> None:
+    try:
+        set_read_ahead(mountpoint, READ_AHEAD_KB)
+    except (OSError, UserError) as e:  # not root: the kernel default stays, reads still work
+        log.info("read-ahead of %s stays at the kernel default: %s", mountpoint, e)
+
+
+def raise_descriptor_limit() -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard limit: every file a local reader has open
+    and every peer connection holds a descriptor here, and the soft default (often 1024)
+    would make readers meet EMFILE long before the machine runs short. Peer connections are
+    capped at a share of it (``peer_server.connection_cap``), so the rest stays theirs."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError) as e:  # a hard limit the kernel will not grant
+            log.warning("descriptor limit stays at %d (hard %d): %s", soft, hard, e)
+            return
+    log.info("descriptor limit %d", hard)
+
+
+class Daemon:
+    def __init__(self, config: MountConfig) -> None:
+        raise_descriptor_limit()
+        self.config = config
+        self.stats = Stats()
+        self.metrics: MetricsServer | None = None
+        self.source = Source(config.source)
+        self.cache = WholeFileCache(config.cache_dir, config.cache_size, config.max_file_size,
+                                    self.stats.reads, own_tmpfs=config.cache_tmpfs)
+        try:
+            self.cache.share(self.source)
+            self._assemble(config)
+        except BaseException:  # e.g. the peer port is taken: no cache directory left behind
+            self._close()
+            raise
+
+    def _assemble(self, config: MountConfig) -> None:
+        self.control = ControlServer(self.status)
+        if config.metrics:  # bound now: a port in use is an error before the mount exists
+            self.metrics = MetricsServer.bind(parse_address(config.metrics, "--metrics"),
+                                              self.control.snapshot)
+        register_commands(self.control, self.stats)
+        self.groups = Groups()
+        self.window = ReadWindow(config.window_size)
+        self.groups.on_leave.append(lambda member: self.window.forget_member(member.id))
+        register_group_commands(self.control, self.groups)
+        self.prep = Prep(config.staging_size)
+        register_prep_commands(self.control, self.prep)
+        self.peers, self.server = self._cluster(config)
+        if self.server is not None:  # peers may come later (coordlfs.peers.sources)
+            self.peers.hold = PeerHold(self.peers, self.cache, self.source)
+        register_peer_commands(self.control, self.peers, self.server)
+        self.prefetcher = Prefetcher(self.groups, self.window, self.cache, self.source,
+                                     self.stats.reads, config.prefetch_depth,
+                                     self.peers.caches_here)
+        self.fills = FillQueue(self.cache, self.source, config.fill_depth,
+                               self.peers.caches_here)
+        register_fill_commands(self.control, self.fills, self.source, self.peers.prefetch)
+        self.ops = Operations(self.source, self.cache, self.stats.reads, self.control,
+                              AlignedReads(self.groups, self.window, self.prefetcher),
+                              self.peers, config.revalidate_s)
+
+    def _cluster(self, config: MountConfig) -> tuple[Peers, PeerServer | None]:
+        """The peers and the server for them; with no --listen, a cluster of one."""
+        secret = read_secret(config.secret_file) if config.secret_file else b""
+        if config.listen is None:
+            return Peers((), None, secret, config.peer_timeout, self.stats.reads), None
+        listen = parse_address(config.listen, "--listen")
+        source = peer_source(config, listen)
+        nodes = source.first()
+        me = find_self(listen, nodes)
+        log.info("%d nodes from %s; this node is %s", len(nodes), source.name,
+                 me or "not among them")
+        if nodes and me is None:
+            log.warning("%s is not among the nodes from %s: this node caches nothing for the "
+                        "others", listen, source.name)
+        server = PeerServer(listen_socket(listen), secret, config.peer_timeout, self.source,
+                            self.cache, connection_cap(len(nodes)))
+        peers = Peers(nodes, me, secret, config.peer_timeout, self.stats.reads, listen,
+                      source.name)
+        self.membership = Membership(source, peers, server)
+        return peers, server
+
+    def status(self) -> dict[str, Any]:
+        cache = self.cache
+        return {
+            "version": __version__,
+            "protocol": PROTOCOL_VERSION,
+            "source": self.source.path,
+            "mountpoint": self.config.mountpoint,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.stats.started, 3),
+            "cache": {
+                "capacity_bytes": cache.capacity,
+                "used_bytes": cache.used,
+                "files": len(cache.entries) - cache.filling,
+                "filling": cache.filling,
+                "max_file_bytes": cache.max_file_size,
+                "directory": cache.directory,
+                "full": cache.full,
+                "table_bytes": cache.entries.nbytes(),
+            },
+            "reads": self.stats.reads.snapshot(),
+            "shared": cache.shared_status(),
+            "peers": self.peers.status(),
+            "served": self.server.status() if self.server else None,
+            "read_window": self.window.status(),
+            "prefetch": self.prefetcher.status(),
+            "fills": self.fills.status(),
+            "prep": self.prep.status(),
+            "inodes": len(self.ops.inodes),
+            "inode_table_bytes": self.ops.inodes.nbytes(),
+            "freshness": self.ops.freshness.status(),
+            "marks": [m.name for m in self.stats.marks],
+            **self.groups.status(),
+        }
+
+    def run(self, ready: Callable[[str], None]) -> None:
+        """Mount and serve until unmounted; ``ready`` is told, once the mount is live, how
+        changes of the source reach it."""
+        try:
+            warm = self.cache.adopt()  # checked against the source while serving
+            log.info("source %s, cache %s: %d bytes of %d in %d warm entries",
+                     self.source.path, self.cache.directory, self.cache.used,
+                     self.cache.capacity, warm)
+            options = {"fsname=" + self.source.path, "subtype=coordlfs", "default_permissions"}
+            if self.config.allow_other:
+                options.add("allow_other")
+            try:
+                pyfuse3.init(self.ops, self.config.mountpoint, options)
+            except RuntimeError as e:
+                raise UserError(f"cannot mount on {self.config.mountpoint}: {e}") from None
+            log.info("mounted on %s", self.config.mountpoint)
+            # no walk of the source enters the mount just made (coordlfs.source.walk)
+            self.source.own_device = device_mounted_at(self.config.mountpoint)
+            if self.source.own_device is None:
+                log.warning("%s is not in the mount table: a loop through the mount beneath "
+                            "its source would not be told", self.config.mountpoint)
+            try:
+                trio.run(self._serve, ready)
+            finally:
+                pyfuse3.close(unmount=True)
+                log.info("unmounted %s", self.config.mountpoint)
+        finally:
+            self.ops.freshness.close()
+            self._close()
+            self.prep.close()
+
+    def _close(self) -> None:
+        """Release what ``__init__`` took first: the cache (and its directory, unless
+        ``--keep-cache``) and the source; the metrics server first, which reads them."""
+        if self.metrics is not None:
+            self.metrics.close()
+        self.cache.close(keep=self.config.keep_cache)
+        self.source.close()
+
+    async def _serve(self, ready: Callable[[str], None]) -> None:
+        async with trio.open_nursery() as nursery:
+            self.ops.readers.nursery = nursery
+            nursery.start_soon(self._terminate_on_signal)
+            nursery.start_soon(self._reap_members)
+            nursery.start_soon(self.prefetcher.run)
+            nursery.start_soon(self.fills.run)
+            nursery.start_soon(self.peers.run)
+            nursery.start_soon(self.ops.freshness.run)
+            nursery.start_soon(self.cache.run_shared)
+            nursery.start_soon(self.cache.check, self.source)
+            if self.server is not None:
+                nursery.start_soon(self.server.run)
+                nursery.start_soon(self.membership.run)
+            nursery.start_soon(functools.partial(
+                trio.to_thread.run_sync, _tune_read_ahead, self.config.mountpoint,
+                abandon_on_cancel=True))
+            if self.metrics is not None:
+                self.metrics.start(trio.lowlevel.current_trio_token())
+            ready(self.ops.freshness.summary())
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+
+    async def _reap_members(self) -> None:
+        while True:
+            await trio.sleep(REAP_INTERVAL_S)
+            try:
+                for member in self.groups.reap():
+                    log.info("member %d (%s, pid %d) of group %s is gone", member.id,
+                             member.job, member.pid, member.group)
+                self.prep.tick()
+            except Exception:  # an uncaught error here would take the mount down
+                log.exception("reaping group members failed")
+
+    async def _terminate_on_signal(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                log.info("%s: unmounting", signal.Signals(signum).name)
+                self.control.close()  # requests waiting for their answer get it now
+                pyfuse3.terminate()
+                return

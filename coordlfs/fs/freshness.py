@@ -1,0 +1,111 @@
+"""Keeping the kernel's view of the source fresh while the source changes under the mount.
+
+A dataset is read-mostly, so the kernel may keep names and attributes for an hour, which saves
+a FUSE request per path component and per stat. To show a user who adds, replaces, renames or
+deletes files the change within a second anyway, the mount watches the source with inotify:
+every directory the kernel caches names under (the root, and any directory a lookup or a
+listing went into) has a watch, and any event on a name in it invalidates that name's kernel
+entry, positive or negative. The next path walk then asks the daemon again and gets the
+source's new answer; an open checks the file's version (``source.Version``) and drops stale
+pages and cache entries. A descriptor opened before the change keeps the view it opened.
+
+Where watching cannot see every change (network and FUSE filesystems, where other hosts
+write; no inotify; the watch limit reached), the kernel instead keeps names and attributes
+for at most ``--revalidate`` seconds: changes are then visible after that long.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pyfuse3
+
+from coordlfs.fs.inodes import ROOT_INODE, InodeTable
+from coordlfs.source.source import Source
+from coordlfs.source.watch import BATCH_S, IN_IGNORED, IN_Q_OVERFLOW, Watcher
+
+log = logging.getLogger(__name__)
+
+#: Seconds the kernel may keep entries and attributes (positive and negative) of a watched
+#: source: changes reach it through invalidations, not expiry.
+WATCHED_TIMEOUT = 3600.0
+
+class Freshness(Watcher[int]):
+    batch_s = BATCH_S
+
+    def __init__(self, source: Source, inodes: InodeTable, revalidate_s: float) -> None:
+        self.inodes = inodes
+        self.revalidate_s = revalidate_s
+        self.invalidated = 0
+        super().__init__(source)
+        self.watch(ROOT_INODE, b"")
+
+    @property
+    def timeout(self) -> float:
+        """Seconds the kernel may keep an entry or attributes we reply with."""
+        return WATCHED_TIMEOUT if self.watching else self.revalidate_s
+
+    def _give_up(self, reason: str) -> None:
+        log.info("not watching the source (%s): names and attributes are revalidated every "
+                 "%g s", reason, self.revalidate_s)
+        super()._give_up(reason)
+
+    def watch(self, inode: int, path: bytes) -> None:
+        """Watch a directory the kernel is about to cache names under (idempotent).
+
+        Called before the source is asked about a name in it, so no change can fall between
+        the answer and the watch. Failing to watch one directory switches the whole mount to
+        revalidation: replies from now on carry the short timeout.
+        """
+        if self.fd < 0 or inode in self._wd_of:
+            return
+        wd = self._add_watch(path)
+        if wd is not None:
+            self._remember(inode, wd)
+
+    def unwatch(self, inode: int) -> None:
+        """The kernel forgot the directory: nothing it caches depends on it any more."""
+        self._unwatch(inode)
+
+    def _handle(self, data: bytes) -> None:
+        names: set[tuple[int, bytes]] = set()
+        overflow = False
+        for wd, mask, name in self._events(data):
+            if mask & IN_Q_OVERFLOW:
+                overflow = True
+            elif mask & IN_IGNORED:
+                self._ignored(wd)
+            elif name and wd in self._key_of:
+                names.add((self._key_of[wd], name))
+        if overflow:
+            log.warning("the source changed faster than inotify could report; invalidating "
+                        "every name the kernel holds")
+            names |= self._every_known_name()
+        for parent, name in names:
+            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+        self.invalidated += len(names)
+
+    def _every_known_name(self) -> set[tuple[int, bytes]]:
+        """(parent inode, name) of every node the kernel holds whose parent it holds too:
+        invalidating a directory's entry also drops all names cached beneath it."""
+        by_path = {node.path: inode for inode, node in self.inodes.items()}
+        names = set()
+        for _inode, node in self.inodes.items():
+            parent, _slash, name = node.path.rpartition(b"/")
+            if name and parent in by_path:
+                names.add((by_path[parent], name))
+        return names
+
+    def summary(self) -> str:
+        if self.watching:
+            return "the source is watched: its changes show at once"
+        return (f"the source is not watched ({self.reason}): its changes show within "
+                f"{self.revalidate_s:g} s")
+
+    def status(self) -> dict[str, Any]:
+        if not self.watching:
+            return {"mode": "revalidate", "interval_s": self.revalidate_s,
+                    "reason": self.reason}
+        return {"mode": "watch", "watched_directories": len(self._wd_of), "events": self.events,
+                "invalidated": self.invalidated}

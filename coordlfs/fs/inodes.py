@@ -1,0 +1,184 @@
+"""Inode numbers for source files, keyed by the source's (st_dev, st_ino).
+
+Keying by (dev, ino) makes hard links one inode, as in libfuse's passthrough_hp. We hand out
+our own numbers rather than the source's st_ino, because a source spanning several devices
+could repeat st_ino values. A node lives while the kernel holds lookups on it (FUSE lookup
+counts); ``forget`` drops it.
+
+The kernel may hold millions of inodes, so a node is a row of a ``compact.Rows`` table
+(about 75 bytes and its path), not an object: the inode number is the row number, with
+the row's generation in the high 32 bits, so a row reused after a forget gets a number never
+shown before and no map from numbers to rows is needed. ``table[inode]`` is a ``Node``, a
+view of the row for the moment it is used.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Iterator
+
+from coordlfs.cache.compact import Key, Rows
+from coordlfs.source.source import Version
+
+ROOT_INODE = 1
+CONTROL_INODE = 2
+_FIRST_FREE = 3
+_ROW = (1 << 32) - 1
+#: no version shown to the kernel yet (``Node.version`` None)
+_UNSEEN = -1
+
+__all__ = ["CONTROL_INODE", "ROOT_INODE", "InodeTable", "Key", "Node"]
+
+
+class Node:
+    """One node of an ``InodeTable``: valid until the table changes it."""
+
+    __slots__ = ("_row", "_table")
+
+    def __init__(self, table: InodeTable, row: int) -> None:
+        self._table, self._row = table, row
+
+    @property
+    def key(self) -> Key:
+        return self._table.keys.key(self._row)
+
+    @property
+    def path(self) -> bytes:
+        """A path that reached this inode (the latest; with hard links any of them will do)."""
+        return self._table.paths.get(self._row)
+
+    @property
+    def lookups(self) -> int:
+        return self._table.lookups[self._row]
+
+    @property
+    def version(self) -> Version | None:
+        """The version last shown to the kernel, to notice a source file that changed."""
+        return self._table.version(self._row)
+
+    @version.setter
+    def version(self, version: Version) -> None:
+        self._table.set_version(self._row, version)
+
+
+class InodeTable(Rows):
+    def __init__(self, root_key: Key) -> None:
+        self.lookups = array("q")
+        self._generation = array("I")
+        #: the version last shown (its inode is the key's): size -1 for none yet
+        self._size, self._mtime, self._ctime = array("q"), array("q"), array("q")
+        super().__init__(self.lookups, self._generation, self._size, self._mtime, self._ctime,
+                         reserved=_FIRST_FREE)
+        self.claim(ROOT_INODE, root_key, b"")
+        self._size[ROOT_INODE] = _UNSEEN
+        self.lookups[ROOT_INODE] = 1
+
+    def _row(self, inode: int) -> int:
+        """The row of a live inode number; KeyError for any other."""
+        row = inode & _ROW
+        try:
+            if self.paths.loc[row] >= 0 and self._generation[row] == inode >> 32:
+                return row  # (the control inode's row is never live)
+        except IndexError:
+            pass
+        raise KeyError(inode)
+
+    def _inode(self, row: int) -> int:
+        return self._generation[row] << 32 | row
+
+    def __getitem__(self, inode: int) -> Node:
+        return Node(self, self._row(inode))
+
+    def items(self) -> Iterator[tuple[int, Node]]:
+        return ((self._inode(row), Node(self, row)) for row in self.rows())
+
+    def path(self, inode: int) -> bytes:
+        """``self[inode].path``, without the view."""
+        return self.paths.get(self._row(inode))
+
+    def find(self, key: Key) -> int | None:
+        row = self.keys.find(key)
+        return None if row < 0 else self._inode(row)
+
+    def inode_for(self, key: Key, path: bytes, is_dir: bool = False) -> int:
+        """The inode of ``key``, creating it with no lookups yet; remembers ``path``.
+
+        A directory met under a new path was renamed in the source: the kernel may still hold
+        nodes beneath it, which must be found under the new path too.
+        """
+        row = self.keys.find(key)
+        if row < 0:
+            row = self.new_row(key, path)
+            self.lookups[row] = 0
+            self._size[row] = _UNSEEN
+            return self._inode(row)
+        if not self.paths.equals(row, path):
+            if is_dir and row != ROOT_INODE:
+                self._moved(self.paths.get(row), path)
+            self.paths.put(row, path)
+        return self._generation[row] << 32 | row
+
+    def _moved(self, old: bytes, new: bytes) -> None:
+        """Rewrite the paths below directory ``old``: rare, so a scan of the table."""
+        prefix = old + b"/"
+        for row in list(self.rows()):
+            path = self.paths.get(row)
+            if path.startswith(prefix):
+                self.paths.put(row, new + path[len(old) :])
+
+    def version(self, row: int) -> Version | None:
+        size = self._size[row]
+        if size == _UNSEEN:
+            return None
+        return Version(self.keys.ino[row], size, self._mtime[row], self._ctime[row])
+
+    def set_version(self, row: int, version: Version) -> None:
+        """Note the version the kernel is shown; its inode is the row's key's."""
+        self._size[row], self._mtime[row], self._ctime[row] = (
+            version.size, version.mtime_ns, version.ctime_ns)
+
+    def seen(self, inode: int, st: os.stat_result) -> None:
+        """``self[inode].version = Version.of(st)``, without the view or the version."""
+        row = self._row(inode)
+        self._size[row], self._mtime[row], self._ctime[row] = (
+            st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def shown(self, inode: int, st: os.stat_result) -> bool:
+        """Whether ``st`` is the version last shown to the kernel (``self[inode].version ==
+        Version.of(st)``, without the view or the version)."""
+        row = self._row(inode)
+        return (self._size[row] == st.st_size and self._mtime[row] == st.st_mtime_ns
+                and self._ctime[row] == st.st_ctime_ns and self.keys.ino[row] == st.st_ino)
+
+    def ref(self, inode: int) -> None:
+        self.lookups[self._row(inode)] += 1
+
+    def forget(self, inode: int, count: int) -> bool:
+        """Whether the node is gone now."""
+        try:
+            row = self._row(inode)
+        except KeyError:
+            return False
+        if row == ROOT_INODE:
+            return False
+        self.lookups[row] -= count
+        if self.lookups[row] <= 0:
+            self._drop(row)
+            return True
+        return False
+
+    def drop_if_unreferenced(self, inode: int) -> None:
+        row = self._row(inode)
+        if row != ROOT_INODE and self.lookups[row] == 0:
+            self._drop(row)
+
+    def drop(self, inode: int) -> None:
+        self._drop(self._row(inode))
+
+    def _drop(self, row: int) -> None:
+        self.free_row(row)
+        if self._generation[row] < _ROW:
+            self._generation[row] += 1  # the next node in this row gets a new number
+        else:  # four billion nodes in one row: retire it rather than repeat a number
+            self._free.pop()

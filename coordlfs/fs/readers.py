@@ -1,0 +1,339 @@
+"""Where an open file's bytes come from: one reader per handle, one class per source of bytes.
+
+A handle's reader is chosen once, at open when the answer is already known (a MinIO entry,
+complete or filling; the group window holding the file for this member) and otherwise at the
+first read the kernel sends (``FirstMiss``): a peer ranked before this node, else MinIO here if
+it has room, else a peer ranked after this node, else local storage (``coordlfs.peers.placement``).
+A reader that cannot go on (a fill that failed, a peer that went down mid-file) hands the rest
+of the file to local storage itself, so ``Operations.read`` only ever asks its handle's reader.
+A new source of bytes is a new class here, never another field on the handle.
+
+The cache hit stays inline in ``Operations.read`` (``Reader.entry``): it runs at the bare
+pyfuse3 ceiling, where another coroutine per request would show. ``AlignedReads`` is what a
+member of an aligned group adds to opening, streaming and closing a file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import trio
+
+from coordlfs.cache.cache import Entry, WholeFileCache
+from coordlfs.cache.stats import ReadCounters
+from coordlfs.fs.inodes import Key
+from coordlfs.jobs.groups import Groups, Member
+from coordlfs.jobs.prefetch import Prefetcher
+from coordlfs.jobs.window import ReadWindow
+from coordlfs.peers.links import PeerLink, Peers
+from coordlfs.source.source import Source, SourceReader, Version
+from coordlfs.source.threads import in_thread
+
+#: Files up to this size that MinIO does not cache are read from the source whole, on their
+#: first request, and kept by the handle until it is closed: a reader reading in small pieces
+#: costs one storage read, and a request the kernel repeats (its page was reclaimed before
+#: the reader copied it, common when memory is tight) costs none. Larger files stream by
+#: the kernel's own readahead; the handle keeps only the last range.
+STREAM_WHOLE = 1 << 20
+
+
+class Handle(Protocol):
+    """What a reader knows of the open file it serves (``fs.FileHandle``)."""
+
+    path: bytes
+    st: os.stat_result
+    #: the aligned-group member that opened it, if any
+    member: Member | None
+    reader: Reader
+
+
+def key_of(st: os.stat_result) -> Key:
+    return st.st_dev, st.st_ino
+
+
+class Reader:
+    """The source of one handle's bytes, for the reads that are not cache hits."""
+
+    #: a MinIO entry: once it is complete ``Operations.read`` serves it inline, as a hit
+    entry: Entry | None = None
+
+    @property
+    def holds_bytes(self) -> bool:
+        """Whether the daemon handed this handle the file's bytes itself (streamed, from a
+        peer, from the group window): an aligned member that closes a file it had none of read
+        it from the kernel's pages (``AlignedReads.closed``)."""
+        return False
+
+    async def read(self, off: int, size: int) -> bytes | memoryview:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """The handle is released."""
+
+
+class FirstMiss(Reader):
+    """Nothing chosen yet: the first read chooses the handle's reader and keeps it."""
+
+    def __init__(self, readers: Readers, handle: Handle) -> None:
+        self.readers = readers
+        self.handle = handle
+
+    async def read(self, off: int, size: int) -> bytes | memoryview:
+        reader = self.handle.reader = await self.readers.choose(self.handle, off, size)
+        return await reader.read(off, size)
+
+
+class CacheReader(Reader):
+    """A MinIO entry, complete or filling: a read waits for its bytes to arrive. If the fill
+    fails (or the entry is dropped, the source changed) the rest streams from the source."""
+
+    def __init__(self, cache: WholeFileCache, entry: Entry,
+                 stream: Callable[[], Reader]) -> None:
+        self.cache = cache
+        self.entry = entry
+        self._stream = stream
+        self._instead: Reader | None = None
+
+    @property
+    def holds_bytes(self) -> bool:
+        return self._instead is not None and self._instead.holds_bytes
+
+    async def read(self, off: int, size: int) -> bytes | memoryview:
+        if self._instead is None:
+            if await self.cache.wait_for(self.entry, off + size):
+                return self.cache.data(self.entry, off, size)
+            self._instead = self._stream()
+        return await self._instead.read(off, size)
+
+    def close(self) -> None:
+        if self._instead is not None:
+            self._instead.close()
+
+
+class Held(Reader):
+    """Bytes of the file held by the handle, starting at ``offset`` in it."""
+
+    def __init__(self, data: bytes | memoryview = b"", offset: int = 0) -> None:
+        self.data = data
+        self.offset = offset
+
+    @property
+    def holds_bytes(self) -> bool:
+        return bool(self.data)
+
+    def held(self, off: int, size: int) -> memoryview | None:
+        """The range if the held bytes cover it."""
+        start = off - self.offset
+        if start < 0 or off + size > self.offset + len(self.data):
+            return None
+        return memoryview(self.data)[start : start + size]
+
+    def hold(self, data: bytes, offset: int, off: int, size: int) -> memoryview:
+        """Keep ``data`` (from ``offset`` in the file) and serve the range from it; a source
+        that returned fewer bytes (the file shrank) gives a short read."""
+        self.data, self.offset = data, offset
+        start = off - offset
+        return memoryview(data)[start : start + size]
+
+
+class StreamReader(Held):
+    """Local storage, nothing cached: a small file is read whole on its first request (once
+    for an aligned group, ``AlignedReads.whole``), a larger one by ranges, keeping the last."""
+
+    def __init__(self, readers: Readers, handle: Handle, data: bytes = b"") -> None:
+        super().__init__(data)
+        self.readers = readers
+        self.handle = handle
+        self._file: SourceReader | None = None
+
+    async def read(self, off: int, size: int) -> bytes | memoryview:
+        held = self.held(off, size)
+        if held is not None:
+            return held
+        st = self.handle.st
+        if st.st_size <= STREAM_WHOLE:
+            return self.hold(await self._whole(), 0, off, size)
+        return self.hold(await self.pread(off, size), off, off, size)
+
+    async def _whole(self) -> bytes:
+        def fetch() -> Awaitable[bytes]:
+            return self.pread(0, st.st_size)
+
+        st, member = self.handle.st, self.handle.member
+        if member is None:
+            return await fetch()
+        return await self.readers.aligned.whole(member, key_of(st), Version.of(st), fetch)
+
+    async def pread(self, off: int, size: int) -> bytes:
+        """``size`` bytes at ``off`` from local storage; the first call opens the file, in
+        the same hand-off to a thread as its read (a small file costs one)."""
+        counters = self.readers.counters
+        opening = self._file is None
+        try:
+            data = await in_thread(self._pread, off, size)
+        finally:
+            if opening and self._file is not None:
+                counters.files_from_source += 1
+        counters.bytes_from_source += len(data)
+        return data
+
+    def _pread(self, off: int, size: int) -> bytes:
+        if self._file is None:
+            self._file = self.readers.source.open_reader(self.handle.path)
+        return self._file.pread(off, size)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+class WindowReader(StreamReader):
+    """The whole file, which the group's read window held for this member at open (only a
+    file that shrank since would leave a range to stream)."""
+
+
+class PeerReader(Held):
+    """A peer's memory, starting from the reply that chose it (a small file whole); once the
+    peer fails (down, or it no longer holds this version) the rest streams from local
+    storage."""
+
+    def __init__(self, readers: Readers, handle: Handle, link: PeerLink,
+                 data: bytes | memoryview, offset: int) -> None:
+        super().__init__(data, offset)
+        self.readers = readers
+        self.handle = handle
+        self.link = link
+        self._local: StreamReader | None = None
+
+    async def read(self, off: int, size: int) -> bytes | memoryview:
+        if self._local is None:
+            held = self.held(off, size)
+            if held is not None:
+                return held
+            data = await self.readers.peers.read(self.link, self.handle.path, self.handle.st,
+                                                 off, size)
+            if data is not None:
+                return self.hold(data, off, off, size)
+            self._local = StreamReader(self.readers, self.handle)
+        return await self._local.read(off, size)
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
+
+
+class Readers:
+    """Chooses each handle's reader and holds what the readers share."""
+
+    def __init__(self, source: Source, cache: WholeFileCache, counters: ReadCounters,
+                 peers: Peers, aligned: AlignedReads) -> None:
+        self.source = source
+        self.cache = cache
+        self.counters = counters
+        self.peers = peers
+        self.aligned = aligned
+        #: Fills outlive the read that started them; set by the daemon before serving.
+        self.nursery: trio.Nursery | None = None
+
+    def opened(self, handle: Handle, pid: int) -> Reader:
+        """The reader for a handle just opened by ``pid``; sets the handle's member."""
+        st = handle.st
+        key = key_of(st)
+        entry = self.cache.lookup(key, st)
+        handle.member, held = self.aligned.opened(pid, handle.path, key, Version.of(st),
+                                                  cached=entry is not None)
+        if entry is not None:
+            if entry.complete:
+                self.counters.files_from_cache += 1
+            return self._cached(entry, handle)
+        if held is not None:
+            return WindowReader(self, handle, held)
+        return FirstMiss(self, handle)
+
+    def _cached(self, entry: Entry, handle: Handle) -> CacheReader:
+        return CacheReader(self.cache, entry, lambda: StreamReader(self, handle))
+
+    async def choose(self, handle: Handle, off: int, size: int) -> Reader:
+        """The bytes a peer sent ahead (``coordlfs.peers.hold``), else a peer ranked before
+        this node for the file, else MinIO here if it has room, else a peer ranked after this
+        node, else local storage."""
+        path, st = handle.path, handle.st
+        held = await self.peers.held(path, st)  # fetched ahead: the order was handed over
+        if held is not None:
+            self.peers.counted_file(held[0])
+            return PeerReader(self, handle, held[0], held[1], 0)
+        before, after = (self.peers.candidates(path) if st.st_size <= self.cache.max_file_size
+                         else ([], []))
+        peer = await self._from_peers(handle, before, off, size)
+        if peer is not None:
+            return peer
+        assert self.nursery is not None
+        entry = await self.cache.fill_for_reader(key_of(st), path, st, self.source,
+                                                 self.nursery)
+        if entry is not None:
+            return self._cached(entry, handle)
+        peer = await self._from_peers(handle, after, off, size)
+        return peer if peer is not None else StreamReader(self, handle)
+
+    async def _from_peers(self, handle: Handle, links: list[PeerLink], off: int,
+                          size: int) -> PeerReader | None:
+        """A reader on the first of ``links`` that serves the range (a small file whole)."""
+        if handle.st.st_size <= STREAM_WHOLE:
+            off, size = 0, handle.st.st_size
+        for link in links:
+            data = await self.peers.read(link, handle.path, handle.st, off, size)
+            if data is not None:
+                self.peers.counted_file(link)
+                return PeerReader(self, handle, link, data, off)
+        return None
+
+
+class AlignedReads:
+    """What a read by a member of an aligned group does beyond a plain read: ``opened``
+    attributes the opening process to a member, moves the group's lead (waking the
+    read-ahead) and takes the file from the read window if a member fetched it; ``whole``
+    fetches a small file once for the group; ``closed`` counts a member that read the file
+    from the kernel's pages. See ``coordlfs.jobs.groups`` and ``coordlfs.jobs.window`` for why."""
+
+    def __init__(self, groups: Groups, window: ReadWindow, prefetcher: Prefetcher) -> None:
+        self.groups = groups
+        self.window = window
+        self.prefetcher = prefetcher
+
+    def opened(self, pid: int, path: bytes, key: Key, version: Version,
+               cached: bool) -> tuple[Member | None, bytes | None]:
+        """The member behind a reader (if the file is not in MinIO) and the bytes the group's
+        window holds for it, if any."""
+        member = self.groups.member_for_reader(pid) if self.groups.members else None
+        if member is None:
+            return None, None
+        if self.groups.note_read(member, path):
+            self.prefetcher.poke()
+        if cached or not self.window.capacity:
+            return None, None
+        return member, self.window.take(key, version, member.id)
+
+    async def whole(self, member: Member, key: Key, version: Version,
+                    fetch: Callable[[], Awaitable[bytes]]) -> bytes:
+        """A small file's bytes for ``member``: the first member (or the read-ahead) fetches,
+        the others wait for that fetch and take its bytes."""
+        await self.window.wait_for_fetch(key)
+        held = self.window.take(key, version, member.id)
+        if held is not None:
+            return held
+        others = self.groups.others(member)
+        if not others:
+            return await fetch()
+        self.window.claim(key)
+        data = None
+        try:
+            data = await fetch()
+        finally:
+            self.window.publish(key, version, data, member.id, others)
+        return data
+
+    def closed(self, member: Member, key: Key) -> None:
+        """``member`` closed a file whose bytes the kernel served: it has read it all the same."""
+        self.window.closed(key, member.id)

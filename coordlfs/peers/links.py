@@ -1,0 +1,481 @@
+"""Fetching a local miss from the peer mount that caches the file.
+
+Each remote peer is a ``PeerLink``: one kept-alive, authenticated connection (``peer_wire``)
+with many requests in flight, opened on first use. Any fault (refused connection, failed
+handshake, a reply later than ``timeout``, a bad checksum, a wrong length, garbage, a closed
+connection) marks the peer down: every request in flight on it gets ``None`` and the reader
+reads local storage instead, so a fault costs a reader at most the timeout. A down peer is
+retried after a backoff that doubles from 1 s to 30 s. A link with nothing in flight for half
+the server's idle timeout (``peer_wire.idle_timeout``) closes its connection itself, before
+the server would, and reconnects at the next request; a server that closes a connection
+with nothing in flight is not a fault either. ``Peers`` ranks the nodes for a file
+(``placement``) and keeps the counters the status shows. Files of an order handed over go many
+per request (``read_many``: GETMANY to a peer that lists it) into the holding area
+(``coordlfs.peers.hold``), where readers' first misses find them.
+
+The nodes may change while the mount runs (``Peers.replace``, fed by
+``coordlfs.peers.sources``): a node that joins gets a link that connects at its first
+request; a node that leaves has its link retired, and whatever was in flight on it is
+answered ``None``, as for a peer that went down, so its readers read local storage. Ranking
+by rendezvous hashing moves only the files of the nodes that came or went.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any, NoReturn, Protocol
+
+import trio
+
+from coordlfs.cache.stats import ReadCounters
+from coordlfs.peers.placement import Address, find_self, owner, ranking, resolve
+from coordlfs.peers.wire import (
+    MAX_CHUNK,
+    Fail,
+    Frame,
+    FrameStream,
+    Get,
+    GetMany,
+    IdleTimeout,
+    Kind,
+    ProtocolError,
+    Wanted,
+    client_handshake,
+    decode_fail,
+    decode_features,
+    idle_timeout,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Hold(Protocol):
+    """The holding area the links fill ahead of reads (``coordlfs.peers.hold.PeerHold``), as
+    the links see it: it is built on them, so they know it only by what they call."""
+
+    def prefetch(self, paths: Iterable[bytes]) -> int: ...
+
+    async def take(self, path: bytes, st: os.stat_result
+                   ) -> tuple[PeerLink, bytes | memoryview] | None: ...
+
+    def forget_link(self, link: PeerLink) -> None: ...
+
+    async def run(self) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+#: Default seconds a peer may take to connect, authenticate or answer one request.
+DEFAULT_TIMEOUT_S = 2.0
+#: Why a request to a node that left the cluster fails.
+LEFT = "no longer in the cluster"
+
+
+class PeerDown(Exception):
+    """The peer cannot serve now; the caller reads local storage."""
+
+
+@dataclass(slots=True)
+class PeerStats:
+    requests: int = 0
+    bytes: int = 0
+    files: int = 0
+    #: replies that the peer does not hold the file (MISS) or holds another version (STALE)
+    misses: int = 0
+    stale: int = 0
+    failures: int = 0
+    last_error: str = ""
+
+
+@dataclass(slots=True)
+class _Pending:
+    done: trio.Event
+    kind: Kind | None = None
+    payload: bytes | bytearray = b""
+    error: str = ""
+
+
+class PeerLink:
+    def __init__(self, address: Address, secret: bytes, timeout: float) -> None:
+        self.address = address
+        self.secret = secret
+        self.timeout = timeout
+        self.stats = PeerStats()
+        self.nursery: trio.Nursery | None = None
+        self._stream: FrameStream | None = None
+        self._connecting = trio.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._next_id = 1
+        self._backoff = 0.0
+        self._down_until = 0.0
+        #: what the connected peer serves beyond GET; None until its first frame came
+        self._features: frozenset[bytes] | None = None
+        #: the node left the cluster: no request goes to it any more
+        self.retired = False
+
+    @property
+    def state(self) -> str:
+        if self._stream is not None:
+            return "up"
+        return "down" if self._down_until > time.monotonic() else "idle"
+
+    @property
+    def knows_features(self) -> bool:
+        """Whether the connection's first frame has come: then ``serves_many`` is known."""
+        return self._stream is not None and self._features is not None
+
+    @property
+    def serves_many(self) -> bool:
+        """Whether the peer takes GETMANY: known from the first frame of the connection
+        (``peer_wire``'s features), so False until one has come."""
+        return bool(self._features and b"getmany" in self._features)
+
+    async def get(self, request: Get) -> tuple[Kind, bytes | bytearray]:
+        """Send one request and wait for its reply: (DATA, bytes) or (FAIL, payload)."""
+        stream, kind, payload = await self._exchange(Kind.GET, request.encode())
+        if kind == Kind.DATA and len(payload) != request.length:
+            await self._lied(stream, f"sent {len(payload)} bytes for a request of "
+                                     f"{request.length}")
+        if kind not in (Kind.DATA, Kind.FAIL):
+            await self._lied(stream, f"answered a GET with {kind.name}")
+        return kind, payload
+
+    async def get_many(self, request: GetMany) -> list[memoryview | tuple[Fail, str]]:
+        """Several whole files in one round trip: per file its bytes or why not. A refusal
+        of the whole request fails every file; a reply that lies about any file (another
+        count, another length) marks the peer down."""
+        stream, kind, payload = await self._exchange(Kind.GETMANY, request.encode())
+        if kind == Kind.FAIL:
+            return [decode_fail(payload)] * len(request.files)
+        if kind != Kind.FILES:
+            await self._lied(stream, f"answered a GETMANY with {kind.name}")
+        try:
+            return request.decode_reply(payload)
+        except ProtocolError as e:
+            await self._lied(stream, str(e))
+
+    async def _exchange(self, kind: Kind, payload: bytes
+                        ) -> tuple[FrameStream, Kind, bytes | bytearray]:
+        """Send one request and wait for its reply, on the stream it went out on."""
+        stream = await self._connected()
+        request_id = self._next_id
+        self._next_id = self._next_id % 0xFFFFFFFF + 1
+        pending = self._pending[request_id] = _Pending(trio.Event())
+        self.stats.requests += 1
+        try:
+            with trio.move_on_after(self.timeout):
+                await stream.send(kind, request_id, payload)
+                await pending.done.wait()
+        except Exception as e:  # the connection broke under the send
+            await self._fail(stream, f"sending failed: {_describe(e)}")
+        finally:
+            self._pending.pop(request_id, None)
+        if not pending.done.is_set():
+            await self._fail(stream, f"no reply within {self.timeout:g} s")
+        if pending.error or pending.kind is None:
+            raise PeerDown(pending.error or self.stats.last_error)
+        self._backoff = 0.0
+        return stream, pending.kind, pending.payload
+
+    async def _lied(self, stream: FrameStream, reason: str) -> NoReturn:
+        """The reply breaks the protocol: the peer goes down, its bytes are not used."""
+        await self._fail(stream, reason)
+        raise PeerDown(self.stats.last_error)
+
+    async def _connected(self) -> FrameStream:
+        async with self._connecting:
+            if self._stream is not None:
+                return self._stream
+            if self.retired:
+                raise PeerDown(LEFT)
+            if self._down_until > time.monotonic():
+                raise PeerDown(self.stats.last_error)
+            try:
+                with trio.fail_after(self.timeout):
+                    where = await trio.to_thread.run_sync(resolve, self.address,
+                                                          abandon_on_cancel=True)
+                    stream = FrameStream(await trio.open_tcp_stream(where.host,
+                                                                    self.address.port),
+                                         frame_timeout=self.timeout)
+                    try:
+                        await client_handshake(stream, self.secret)
+                    except BaseException:
+                        await trio.aclose_forcefully(stream.stream)
+                        raise
+            except Exception as e:  # whatever went wrong, the reader reads local storage
+                self._mark_down(f"cannot connect: {_describe(e)}")
+                raise PeerDown(self.stats.last_error) from None
+            if self.retired:  # it left while this connected
+                await trio.aclose_forcefully(stream.stream)
+                raise PeerDown(LEFT)
+            assert self.nursery is not None
+            self._stream = stream
+            self._features = None
+            self.nursery.start_soon(self._receive, stream)
+            log.info("peer %s: connected", self.address)
+            return stream
+
+    async def _receive(self, stream: FrameStream) -> None:
+        """Hand each reply to the request that waits for it, until the connection fails or
+        stays idle (then it is closed without marking the peer down)."""
+        try:
+            while (frame := await self._next_frame(stream)) is not None:
+                if frame.kind not in (Kind.DATA, Kind.FAIL, Kind.FILES):
+                    raise ProtocolError(f"unexpected {frame.kind.name} frame")
+                if self._features is None:  # the first frame: the features, if any
+                    self._features = (decode_features(frame.payload) if frame.request_id == 0
+                                      and frame.kind == Kind.DATA else frozenset())
+                pending = self._pending.get(frame.request_id)
+                if pending is None:
+                    continue  # its reader gave up (timeout); the link is being closed anyway
+                pending.kind, pending.payload = frame.kind, frame.payload
+                pending.done.set()
+            if not self._pending:
+                await self._close_idle(stream, "closed by the peer while idle")
+                return
+            reason = "connection closed by the peer"
+        except IdleTimeout:
+            await self._close_idle(stream, "idle")
+            return
+        except Exception as e:  # whatever broke, the link goes down, never the mount
+            reason = _describe(e)
+        await self._fail(stream, reason)
+
+    async def _next_frame(self, stream: FrameStream) -> Frame | None:
+        """The next frame; IdleTimeout once nothing has been in flight for half the
+        server's idle timeout."""
+        while True:
+            try:
+                return await stream.receive(idle_timeout(self.timeout) / 2)
+            except IdleTimeout:
+                if not self._pending:
+                    raise
+
+    async def _close_idle(self, stream: FrameStream, why: str) -> None:
+        """Close an idle connection: not a fault, the next request reconnects."""
+        if self._stream is stream:
+            self._stream = None
+            log.debug("peer %s: connection %s, closed", self.address, why)
+        with trio.CancelScope(shield=True):
+            await trio.aclose_forcefully(stream.stream)
+
+    async def _fail(self, stream: FrameStream, reason: str) -> None:
+        """Close ``stream`` (if it is still the current one) and fail its requests."""
+        if self._stream is not stream:
+            return
+        self._stream = None
+        self._mark_down(reason)
+        for pending in self._pending.values():
+            pending.error = reason
+            pending.done.set()
+        with trio.CancelScope(shield=True):
+            await trio.aclose_forcefully(stream.stream)
+
+    def _mark_down(self, reason: str) -> None:
+        self._backoff = min(MAX_BACKOFF_S, self._backoff * 2 or FIRST_BACKOFF_S)
+        self._down_until = time.monotonic() + self._backoff
+        self.stats.failures += 1
+        self.stats.last_error = reason
+        log.warning("peer %s is down for %.0f s: %s", self.address, self._backoff, reason)
+
+    def retire(self) -> None:
+        """The node left the cluster: requests in flight get None at once (their readers
+        read local storage) and the connection is closed; not a fault of the peer."""
+        self.retired = True
+        stream, self._stream = self._stream, None
+        for pending in self._pending.values():
+            pending.error = LEFT
+            pending.done.set()
+        if stream is not None and self.nursery is not None:
+            self.nursery.start_soon(trio.aclose_forcefully, stream.stream)
+
+    def status(self) -> dict[str, Any]:
+        return {"state": self.state, "in_flight": len(self._pending),
+                "retry_in_s": round(max(0.0, self._down_until - time.monotonic()), 3),
+                **asdict(self.stats)}
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, trio.TooSlowError):
+        return "timed out"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    causes = getattr(e.__cause__, "exceptions", ())  # trio's "all attempts ... failed"
+    if causes and isinstance(causes[0], OSError) and causes[0].strerror:
+        return causes[0].strerror
+    return str(e) or e.__class__.__name__
+
+
+class Peers:
+    """The cluster as one mount sees it. With no peers every file is cached here."""
+
+    def __init__(self, nodes: tuple[Address, ...], me: Address | None, secret: bytes,
+                 timeout: float, counters: ReadCounters, listen: Address | None = None,
+                 source: str = "--peers") -> None:
+        self.nodes = nodes
+        self.me = me
+        self.counters = counters
+        self.secret = secret
+        self.timeout = timeout
+        #: where this node listens, to find itself in a new list of nodes
+        self.listen = listen
+        #: where the nodes come from (``coordlfs.peers.sources``), and when they last changed
+        self.source = source
+        self.changed_at = time.time()
+        self.changes = 0
+        self.links = {node: PeerLink(node, secret, timeout) for node in nodes if node != me}
+        #: files of a known order fetched ahead of the readers; set by the daemon
+        self.hold: Hold | None = None
+        self._nursery: trio.Nursery | None = None
+
+    async def replace(self, nodes: tuple[Address, ...]) -> None:
+        """Take ``nodes`` as the cluster from now on (the same canonical order on every
+        node): this node is found in them again (names resolved in a worker thread), links
+        to nodes that joined connect at their first request, those to nodes that left are
+        retired. Their counters go with them; the mount's ``reads`` keep the totals.
+        UserError (this node named twice): nothing changes."""
+        me = None if self.listen is None else await trio.to_thread.run_sync(
+            find_self, self.listen, nodes, abandon_on_cancel=True)
+        wanted = {node for node in nodes if node != me}
+        gone = [link for address, link in self.links.items() if address not in wanted]
+        joined = [node for node in nodes if node in wanted and node not in self.links]
+        for link in gone:
+            del self.links[link.address]
+            link.retire()
+            if self.hold is not None:
+                self.hold.forget_link(link)
+        for node in joined:
+            link = self.links[node] = PeerLink(node, self.secret, self.timeout)
+            link.nursery = self._nursery
+        self.nodes, self.me = nodes, me
+        self.changed_at = time.time()
+        self.changes += 1
+        log.info("%d nodes from %s: %s joined, %s left; this node is %s", len(nodes),
+                 self.source, ", ".join(map(str, joined)) or "none",
+                 ", ".join(str(link.address) for link in gone) or "none",
+                 me or "not among them (it caches nothing for the others)")
+
+    def owner_of(self, path: bytes) -> PeerLink | None:
+        """The link to the node that caches ``path`` while it has room; None for this node."""
+        if not self.links:
+            return None
+        node = owner(path, self.nodes)
+        return None if node == self.me else self.links[node]
+
+    def caches_here(self, path: bytes) -> bool:
+        return self.owner_of(path) is None
+
+    def candidates(self, path: bytes) -> tuple[list[PeerLink], list[PeerLink]]:
+        """The peers ranked before this node for ``path`` (asked before caching it here) and
+        those ranked after it (asked when this node's cache is full)."""
+        if not self.links:
+            return [], []
+        order = ranking(path, self.nodes)
+        mine = order.index(self.me) if self.me in order else len(order)
+        return ([self.links[n] for n in order[:mine]],
+                [self.links[n] for n in order[mine + 1:]])
+
+    async def read(self, link: PeerLink, path: bytes, st: os.stat_result, offset: int,
+                   size: int) -> bytes | None:
+        """``size`` bytes at ``offset`` from ``link``'s cache; None: it cannot serve them."""
+        chunks = []
+        for start in range(offset, offset + size, MAX_CHUNK):
+            request = Get(path, st.st_size, st.st_mtime_ns, start,
+                          min(MAX_CHUNK, offset + size - start))
+            try:
+                kind, payload = await link.get(request)
+            except PeerDown:
+                return None
+            if kind == Kind.FAIL:
+                self._not_served(link, path, *decode_fail(payload))
+                return None
+            chunks.append(payload)
+        data = b"".join(chunks)
+        self._served(link, len(data))
+        return data
+
+    async def read_many(self, link: PeerLink,
+                        files: list[tuple[bytes, os.stat_result]]
+                        ) -> list[bytes | memoryview | None]:
+        """Whole files (at most ``GetMany.fits`` of them) from ``link``'s cache, in one round
+        trip if the peer takes GETMANY (each file a view of the one reply: the reply's memory
+        goes when all its files have), else one GET each, all at once; per file its bytes or
+        None (the reader asks again, or reads local storage). On a new connection the first
+        file goes alone, as a GET: the connection's first frame says whether the peer takes
+        GETMANY."""
+        results: list[bytes | memoryview | None] = [None] * len(files)
+
+        async def one(i: int, path: bytes, st: os.stat_result) -> None:
+            results[i] = await self.read(link, path, st, 0, st.st_size)
+
+        first = 0
+        if not link.knows_features:  # a new connection: its first reply tells
+            await one(0, *files[0])
+            first = 1
+        if not link.serves_many or first == len(files):  # an older peer (or down): GETs
+            async with trio.open_nursery() as nursery:
+                for i in range(first, len(files)):
+                    nursery.start_soon(one, i, *files[i])
+            return results
+        files = files[first:]
+        request = GetMany(tuple(Wanted(path, st.st_size, st.st_mtime_ns) for path, st in files))
+        try:
+            answers = await link.get_many(request)
+        except PeerDown:
+            return results
+        for i, ((path, _st), answer) in enumerate(zip(files, answers, strict=True), first):
+            if isinstance(answer, memoryview):
+                self._served(link, len(answer))
+                results[i] = answer
+            else:
+                self._not_served(link, path, *answer)
+        return results
+
+    def _served(self, link: PeerLink, size: int) -> None:
+        link.stats.bytes += size
+        self.counters.bytes_from_peers += size
+
+    def _not_served(self, link: PeerLink, path: bytes, code: Fail, message: str) -> None:
+        if code == Fail.STALE:
+            link.stats.stale += 1
+        else:
+            link.stats.misses += 1
+        log.debug("peer %s: %s %s: %s", link.address, code.name, os.fsdecode(path), message)
+
+    def counted_file(self, link: PeerLink) -> None:
+        """A reader's first bytes of a file came from ``link``."""
+        link.stats.files += 1
+        self.counters.files_from_peers += 1
+
+    def prefetch(self, paths: Iterable[bytes]) -> int:
+        """The order of coming reads: the files peers cache are fetched ahead into the
+        holding area (``coordlfs.peers.hold``); returns how many."""
+        return self.hold.prefetch(paths) if self.hold is not None else 0
+
+    async def held(self, path: bytes, st: os.stat_result
+                   ) -> tuple[PeerLink, bytes | memoryview] | None:
+        """The file from the holding area, if it is there (or on its way) at this version."""
+        return await self.hold.take(path, st) if self.hold is not None else None
+
+    async def run(self) -> None:
+        """Hold the nursery the links' receive loops run in, until the mount ends."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for link in self.links.values():
+                link.nursery = nursery
+            if self.hold is not None:
+                nursery.start_soon(self.hold.run)
+            await trio.sleep_forever()
+
+    def status(self) -> dict[str, Any]:
+        return {"self": str(self.me) if self.me else None,
+                "nodes": [str(n) for n in self.nodes],
+                "source": self.source, "changes": self.changes,
+                "changed_at": round(self.changed_at, 3),
+                "links": {str(a): link.status() for a, link in self.links.items()},
+                "held": self.hold.status() if self.hold is not None else None}

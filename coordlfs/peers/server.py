@@ -1,0 +1,416 @@
+"""Serving other mounts' misses from this mount's cache.
+
+A peer asks for a range of a file this node owns (``coordlfs.peers.placement``). The file is served
+from MinIO; a file not yet cached is read from local storage into MinIO first, so across the
+cluster each file is read from storage once, by its owner, while the owners' caches have room.
+When MinIO has no room, or the peer's copy of the file differs in size or mtime, the answer is
+FAIL and the peer reads its own storage.
+
+Everything a peer sends is hostile until proven otherwise: the connection must pass the
+handshake within the timeout, frames are bounded and checksummed (``peer_wire``), and a path
+must name a regular file inside the dataset through no symlink. A bad request is refused
+alone; a broken frame or an unexpected kind closes the connection. Nothing a peer sends can
+stop the mount, or take the descriptors its local readers need: connections are capped
+(``connection_cap``; one more is told BUSY and closed), a frame that trickles in or out
+slower than the timeout closes its connection, and so does one idle for
+``peer_wire.idle_timeout``. Refusals are logged at most once per ``LOG_INTERVAL_S``, with the
+number of those not logged, so a stranger cannot grow the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import logging
+import os
+import resource
+import socket
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
+
+import trio
+
+from coordlfs.cache.cache import Entry, WholeFileCache
+from coordlfs.errors import UserError
+from coordlfs.peers.links import Peers
+from coordlfs.peers.placement import Address, resolve
+from coordlfs.peers.wire import (
+    Buffer,
+    Fail,
+    FrameStream,
+    FrameTimeout,
+    Get,
+    GetMany,
+    IdleTimeout,
+    Kind,
+    ProtocolError,
+    encode_fail,
+    encode_files,
+    idle_timeout,
+    send_features,
+    server_handshake,
+)
+from coordlfs.protocol.spec import Caller, Served
+from coordlfs.source.source import Source
+
+log = logging.getLogger(__name__)
+
+
+class _Waiting(NamedTuple):
+    """A range served from a MinIO entry, complete or still being filled."""
+
+    entry: Entry
+    request: Get
+
+
+#: A reply: its kind and payload (a FILES payload in parts, ``encode_files``)
+Answer = tuple[Kind, Buffer | list[Buffer]]
+
+
+@dataclass(slots=True)
+class _Later:
+    """A request's parts, each refused or served from an entry: answered at once when every
+    entry is complete, else by a task once they are. ``many``: a GETMANY, whose answers go
+    out packed in one FILES frame."""
+
+    parts: list[Answer | _Waiting]
+    many: bool
+
+#: Requests one connection may have in progress; more wait for one to finish (the peer's
+#: reads of a whole epoch must not become thousands of tasks here).
+MAX_IN_PROGRESS = 32
+#: Peer connections served at once, at least: a cluster needs one per other node (two for
+#: a moment while one reconnects), so the cap is ``max(MIN_CONNECTIONS, 2 * nodes)``...
+MIN_CONNECTIONS = 64
+#: ... but never more than this share of the descriptor limit: the rest is kept for what the
+#: mount's local readers open (source files, the cache), which must never meet EMFILE.
+DESCRIPTOR_SHARE = 4
+#: Seconds between two log lines about refused connections or requests.
+LOG_INTERVAL_S = 10.0
+#: Seconds to wait before accepting again when the process is out of descriptors or memory.
+ACCEPT_RETRY_S = 0.1
+#: What ``accept`` fails with when the process is out of descriptors or memory.
+ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+def connection_cap(nodes: int) -> int:
+    """Peer connections to serve at once, for a cluster of ``nodes`` under this process's
+    soft RLIMIT_NOFILE (which the daemon raised to the hard limit when it started)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    share = (1 << 20 if soft == resource.RLIM_INFINITY else soft) // DESCRIPTOR_SHARE
+    return max(1, min(max(MIN_CONNECTIONS, 2 * nodes), share))
+
+
+class RateLimitedLog:
+    """Log at most one line per ``interval`` seconds; the next line logged says how many
+    were left out, so a flood is visible in the log without filling it."""
+
+    def __init__(self, logger: logging.Logger, level: int, interval: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger, self.level, self.interval, self.clock = logger, level, interval, clock
+        self.suppressed = 0
+        self._next = -float("inf")
+
+    def __call__(self, message: str, *args: object) -> None:
+        now = self.clock()
+        if now < self._next:
+            self.suppressed += 1
+            return
+        if self.suppressed:
+            message += f" ({self.suppressed} more not logged in the last {self.interval:g} s)"
+            self.suppressed = 0
+        self._next = now + self.interval
+        self.logger.log(self.level, message, *args)
+
+
+@dataclass(slots=True)
+class ServedStats:
+    #: connections admitted (handshake attempted)
+    connections: int = 0
+    #: files asked for, alone (GET) or in batches (GETMANY)
+    requests: int = 0
+    batches: int = 0
+    bytes: int = 0
+    misses: int = 0
+    stale: int = 0
+    #: connections that failed the handshake, broke the protocol or a frame timeout, and
+    #: refused requests
+    refused: int = 0
+    #: connections told BUSY and closed because ``max_connections`` were open
+    turned_away: int = 0
+    #: authenticated connections closed after the idle timeout
+    idle_closed: int = 0
+    open_connections: int = 0
+    max_connections: int = 0
+
+
+def listen_socket(address: Address) -> socket.socket:
+    """Bind now, before the mount exists, so a port in use is a one-line error at mount time.
+    An IPv6 socket takes IPv4 connections too (``[::]:PORT`` listens on every address)."""
+    where = resolve(address)
+    sock = socket.socket(where.family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        if where.family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(where.sockaddr)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {address}: {e.strerror or e}") from None
+    return sock
+
+
+class PeerServer:
+    """Serves peers on ``sock``: ``timeout`` bounds the handshake and every frame,
+    ``idle_timeout(timeout)`` an authenticated connection with no frame, and at most
+    ``max_connections`` are open at once."""
+
+    def __init__(self, sock: socket.socket, secret: bytes, timeout: float, source: Source,
+                 cache: WholeFileCache, max_connections: int = MIN_CONNECTIONS) -> None:
+        self.sock = sock
+        self.secret = secret
+        self.timeout = timeout
+        self.source = source
+        self.cache = cache
+        self.stats = ServedStats(max_connections=max_connections)
+        self.nursery: trio.Nursery | None = None
+        self._refused = RateLimitedLog(log, logging.WARNING, LOG_INTERVAL_S)
+
+    async def run(self) -> None:
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self.sock))
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery  # fills started for peers outlive their request
+            async with trio.open_nursery() as connections:
+                while True:
+                    if (stream := await self._accept(listener)) is not None:
+                        connections.start_soon(self._connection, stream)
+
+    async def _accept(self, listener: trio.SocketListener) -> trio.SocketStream | None:
+        """The next connection; None after a pause when the process is out of descriptors
+        or memory (local readers hold them: the connection waits in the backlog), logged
+        rate-limited where ``trio.serve_listeners`` logs an ERROR ten times a second."""
+        try:
+            return await listener.accept()
+        except OSError as e:
+            if e.errno not in ACCEPT_RESOURCE_ERRNOS:
+                raise
+            self._refused("cannot accept peer connections now: %s", e.strerror or e)
+            await trio.sleep(ACCEPT_RETRY_S)
+            return None
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        peer = _name(stream)
+        if self.stats.open_connections >= self.stats.max_connections:
+            await self._turn_away(stream, peer)
+            return
+        self.stats.open_connections += 1
+        self.stats.connections += 1
+        frames = FrameStream(stream, frame_timeout=self.timeout)
+        try:
+            if await self._admit(frames, peer):
+                await send_features(frames)
+                async with trio.open_nursery() as requests:
+                    await self._serve_frames(frames, requests, peer)
+        except Exception:  # a bug here must cost one connection, never the mount
+            log.exception("peer connection from %s failed", peer)
+        finally:
+            self.stats.open_connections -= 1
+            await trio.aclose_forcefully(stream)
+
+    async def _turn_away(self, stream: trio.SocketStream, peer: str) -> None:
+        """Tell a connection past the cap that this node is busy (the peer reads its own
+        storage and retries after its backoff) and close it at once."""
+        self.stats.turned_away += 1
+        self._refused("peer connection from %s turned away: %d connections open, the most "
+                      "served at once", peer, self.stats.open_connections)
+        with trio.move_on_after(self.timeout), contextlib.suppress(
+                trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            await FrameStream(stream).send(Kind.FAIL, 0, encode_fail(
+                Fail.BUSY, f"{self.stats.open_connections} peer connections open, the most "
+                           "served at once"))
+        await trio.aclose_forcefully(stream)
+
+    async def _admit(self, frames: FrameStream, peer: str) -> bool:
+        """The handshake, within the timeout; any failure (not only a wrong proof: also
+        silence, garbage or a reset) is a refusal, logged rate-limited since a stranger
+        can cause any number of them."""
+        try:
+            with trio.fail_after(self.timeout):
+                await server_handshake(frames, self.secret)
+            return True
+        except trio.TooSlowError:
+            reason = f"no handshake within {self.timeout:g} s"
+        except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError,
+                OSError) as e:
+            reason = str(e) or e.__class__.__name__
+        self.stats.refused += 1
+        self._refused("peer connection from %s refused: %s", peer, reason)
+        return False
+
+    async def _serve_frames(self, frames: FrameStream, requests: trio.Nursery,
+                            peer: str) -> None:
+        """Read requests until the peer hangs up or stays idle; a broken or too slow frame
+        ends the connection (caught here, inside the nursery, so that its requests' tasks
+        stop with it)."""
+        limit = trio.CapacityLimiter(MAX_IN_PROGRESS)
+        idle = idle_timeout(self.timeout)
+        try:
+            while (frame := await frames.receive(idle)) is not None:
+                if frame.kind in (Kind.GET, Kind.GETMANY):
+                    answer = self._answer_now(frame.kind, frame.payload)
+                    if isinstance(answer, _Later):  # a fill in progress: answer in a task
+                        token = object()
+                        await limit.acquire_on_behalf_of(token)
+                        requests.start_soon(self._request, frames, frame.request_id, answer,
+                                            limit, token, peer)
+                    else:
+                        await frames.send(answer[0], frame.request_id, answer[1])
+                else:
+                    raise ProtocolError(f"unexpected {frame.kind.name} frame")
+        except IdleTimeout as e:
+            self.stats.idle_closed += 1
+            log.debug("peer connection from %s closed: %s", peer, e)
+        except ProtocolError as e:
+            self._broken(peer, e)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+            log.info("peer connection from %s lost: %s", peer, e)
+        requests.cancel_scope.cancel()
+
+    def _broken(self, peer: str, e: ProtocolError) -> None:
+        self.stats.refused += 1
+        self._refused("peer connection from %s closed: %s", peer, e)
+
+    async def _request(self, frames: FrameStream, request_id: int, later: _Later,
+                       limit: trio.CapacityLimiter, token: object, peer: str) -> None:
+        try:
+            try:
+                for part in later.parts:  # every fill it waits for has come (or failed);
+                    if isinstance(part, _Waiting):  # an entry dropped meanwhile has failed
+                        await self.cache.wait_for(part.entry,
+                                                  part.request.offset + part.request.length)
+                kind, payload = self._reply(later)
+            except Exception as e:  # a bug answering one request fails that request only
+                log.exception("answering a peer request failed")
+                kind, payload = Kind.FAIL, encode_fail(Fail.ERROR, str(e))
+            # a peer that is gone is noticed by its connection handler
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError,
+                                     OSError):
+                await frames.send(kind, request_id, payload)
+        except FrameTimeout as e:  # it does not read: closing ends its connection handler
+            self._broken(peer, e)
+            await trio.aclose_forcefully(frames.stream)
+        finally:
+            limit.release_on_behalf_of(token)
+
+    def _answer_now(self, kind: Kind, payload: bytes | bytearray) -> Answer | _Later:
+        """Everything about a request that needs no waiting, on the event loop: the answer,
+        or the answers some of which wait for entries being filled. A malformed request is
+        refused whole; each file of a GETMANY is answered as a GET of it would be."""
+        try:
+            if kind == Kind.GET:
+                self.stats.requests += 1
+                later = _Later([self._answer_get(Get.decode(payload))], many=False)
+            else:
+                files = GetMany.decode(payload).files
+                self.stats.batches += 1
+                self.stats.requests += len(files)
+                later = _Later([self._answer_get(wanted.get()) for wanted in files], many=True)
+        except ProtocolError as e:
+            return self._refuse(e)
+        if any(isinstance(p, _Waiting) and not p.entry.complete for p in later.parts):
+            return later
+        return self._reply(later)
+
+    def _reply(self, later: _Later) -> Answer:
+        """The reply once every range it serves has arrived (or its fill failed): views of
+        the cache, taken with no await until the frame's checksum is (``_data``)."""
+        answers = [self._filled(p) if isinstance(p, _Waiting) else p for p in later.parts]
+        return (Kind.FILES, encode_files(answers)) if later.many else answers[0]
+
+    def _refuse(self, e: ProtocolError) -> Answer:
+        self.stats.refused += 1
+        self._refused("refused a peer request: %s", e)
+        return Kind.FAIL, encode_fail(Fail.REFUSED, str(e))
+
+    def _answer_get(self, request: Get) -> Answer | _Waiting:
+        """Why one range is not served, or the entry (complete or filling) it is served
+        from. Metadata is looked up inline, as FUSE lookups are: the source's dentries are
+        normally cached."""
+        try:
+            st = self._regular_file(request.path)
+        except ProtocolError as e:
+            return self._refuse(e)
+        except OSError as e:
+            self.stats.misses += 1
+            return Kind.FAIL, encode_fail(Fail.MISS, e.strerror or str(e))
+        if (st.st_size, st.st_mtime_ns) != (request.size, request.mtime_ns):
+            self.stats.stale += 1
+            return Kind.FAIL, encode_fail(Fail.STALE, f"here {st.st_size} bytes, mtime "
+                                                      f"{st.st_mtime_ns}")
+        assert self.nursery is not None
+        entry = self.cache.start_fill((st.st_dev, st.st_ino), request.path, st, self.source,
+                                      self.nursery)
+        if entry is None:
+            self.stats.misses += 1
+            return Kind.FAIL, encode_fail(Fail.MISS, "not cached here")
+        return _Waiting(entry, request)
+
+    def _filled(self, waiting: _Waiting) -> Answer:
+        """The answer once the range has been filled, or its fill failed."""
+        entry, request = waiting
+        if entry.failed:
+            self.stats.misses += 1
+            return Kind.FAIL, encode_fail(Fail.MISS, "caching failed here")
+        return self._data(entry, request)
+
+    def _data(self, entry: Entry, request: Get) -> Answer:
+        """A view of the cached range, not a copy: the frame's checksum is taken from it at
+        once, so if the entry were dropped (its file changed) before the bytes leave, the
+        receiver would see a checksum mismatch, never wrong bytes."""
+        self.stats.bytes += request.length
+        return Kind.DATA, self.cache.data(entry, request.offset, request.length)
+
+    def _regular_file(self, path: bytes) -> os.stat_result:
+        """The file's status, if every component is inside the dataset and no symlink."""
+        parts = path.split(b"/")
+        for depth in range(1, len(parts) + 1):
+            st = self.source.lstat(b"/".join(parts[:depth]))
+            if stat.S_ISLNK(st.st_mode):
+                raise ProtocolError(f"{os.fsdecode(path)!r} goes through a symlink")
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EISDIR, "not a regular file")
+        return st
+
+    def status(self) -> dict[str, Any]:
+        return asdict(self.stats)
+
+
+def _name(stream: trio.SocketStream) -> str:
+    """The peer's address for the log; an IPv4 peer of a dual-stack (``[::]``) socket as
+    IPv4, not ``[::ffff:a.b.c.d]``."""
+    try:
+        host, port = stream.socket.getpeername()[:2]
+    except OSError:
+        return "?"
+    mapped = getattr(ipaddress.ip_address(host), "ipv4_mapped", None)
+    return str(Address(str(mapped) if mapped else host, port))
+
+
+def register_commands(control: Served, peers: Peers, server: PeerServer | None) -> None:
+    """``peer.list`` (the cluster as this mount sees it) and ``peer.owner`` (who caches a
+    path), so a job or tool can see where its files come from. Both only report: anyone may
+    run them."""
+
+    def owner(args: dict, _caller: Caller) -> dict:
+        link = peers.owner_of(os.fsencode(args["path"]))
+        return {"owner": str(link.address) if link else (str(peers.me) if peers.me else None),
+                "here": link is None}
+
+    control.serve("peer.list", lambda _a, _c: {"peers": peers.status(),
+                                               "served": server.status() if server else None})
+    control.serve("peer.owner", owner)

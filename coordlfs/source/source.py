@@ -1,0 +1,212 @@
+"""Read-only access to the dataset directory, always relative to a root descriptor.
+
+The root is opened with O_PATH before the mount exists, so mounting over the source itself
+(``coordlfs mount /data /data``) still reaches the real files underneath. Paths handed to
+this module are relative byte strings (``b""`` is the root) and are never followed through
+symlinks: the FUSE layer shows links as links. No walk enters the mount itself, should it
+come to lie beneath the source (``coordlfs.source.walk``).
+
+Data reads avoid double caching: the cache already holds what we keep, so reading the source
+must not also fill the source's page cache. We use O_DIRECT where the filesystem allows it
+and otherwise drop the pages we read with posix_fadvise(DONTNEED).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+from coordlfs.errors import UserError
+from coordlfs.source.walk import DIRECTORY, open_outside
+
+#: O_DIRECT needs offsets, lengths and buffers aligned to the logical block size; 4 KiB
+#: covers every block device we meet.
+DIRECT_ALIGN = 4096
+
+
+#: Paths at least this long are walked a piece at a time (``Source.open``): a path
+#: handed to one system call must be shorter than PATH_MAX (4096), but a dataset may nest
+#: deeper, and through the mount the kernel never sends whole paths.
+_WALK_AT = 3840
+#: what ``lstat``, ``readlink`` and the xattr calls open: the file itself, a link as a link
+_ITSELF = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+
+_local = threading.local()
+
+
+class Version(NamedTuple):
+    """What identifies one version of a source file. A rewrite in place changes the ctime
+    even when the writer puts size and mtime back, and a replacement by rename changes the
+    inode, so no change can pass as none (size and mtime alone miss both)."""
+
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> Version:
+        return cls(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _aligned_buffer(size: int) -> mmap.mmap:
+    """This thread's page-aligned buffer for O_DIRECT, grown on demand.
+
+    Mapping and unmapping a buffer per read costs more CPU than the read itself in a
+    multi-threaded daemon (page faults, TLB shootdowns), so each worker thread keeps one;
+    reads are at most a fill chunk, which bounds the buffer.
+    """
+    buf = getattr(_local, "buffer", None)
+    if buf is None or len(buf) < size:
+        if buf is not None:
+            buf.close()
+        buf = _local.buffer = mmap.mmap(-1, max(size, 256 << 10))
+    return buf
+
+
+def fd_path(fd: int) -> bytes:
+    """A path for the calls that take no descriptor (xattrs, inotify): what ``fd`` refers
+    to, through /proc, followed there (to a link itself when ``fd`` is of a link)."""
+    return b"/proc/self/fd/%d" % fd
+
+
+class Source:
+    """The dataset directory, opened once."""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        #: the device of the mount serving this source, once mounted: no walk enters it
+        self.own_device: int | None = None
+        try:
+            self.root_fd = os.open(self.path, os.O_PATH | os.O_DIRECTORY)
+        except FileNotFoundError:
+            raise UserError(f"source {path} does not exist") from None
+        except NotADirectoryError:
+            raise UserError(f"source {path} is not a directory") from None
+        except OSError as e:
+            raise UserError(f"cannot open source {path}: {e.strerror}") from None
+
+    def close(self) -> None:
+        os.close(self.root_fd)
+
+    def open(self, path: bytes, flags: int) -> int:
+        """A descriptor of ``path`` opened with ``flags``, never through a symlink and never
+        into the mount itself (``coordlfs.source.walk``: ELOOP there).
+
+        Short paths (nearly all, and the hot ones: lookup, getattr, open) go straight from
+        the root descriptor. A longer one is walked a piece of at most ``_WALK_AT`` bytes at
+        a time, so a tree nested past PATH_MAX reads as it does in the source.
+        """
+        own = self.own_device
+        if len(path) < _WALK_AT:
+            return open_outside(self.root_fd, path or b".", flags, own)
+        opened: list[int] = []
+        try:
+            fd, rest = self.root_fd, path
+            while len(rest) >= _WALK_AT:
+                cut = rest.rfind(b"/", 0, _WALK_AT)
+                if cut <= 0:
+                    raise OSError(errno.ENAMETOOLONG, "file name too long")
+                fd = open_outside(fd, rest[:cut], DIRECTORY, own)
+                opened.append(fd)
+                rest = rest[cut + 1 :]
+            return open_outside(fd, rest, flags, own)
+        finally:
+            for fd in opened:
+                os.close(fd)
+
+    @contextlib.contextmanager
+    def itself(self, path: bytes) -> Iterator[int]:
+        """An O_PATH descriptor of ``path`` (a link as the link), closed after."""
+        fd = self.open(path, _ITSELF)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def lstat(self, path: bytes) -> os.stat_result:
+        fd = self.open(path, _ITSELF)  # inline, not ``itself``: every lookup and open asks
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
+
+    def open_dir(self, path: bytes) -> int:
+        """A descriptor of a directory, for ``coordlfs.fs.listing`` to read a buffer at a time."""
+        return self.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+    def readlink(self, path: bytes) -> bytes:
+        with self.itself(path) as fd:
+            try:
+                return os.readlink(b"", dir_fd=fd)
+            except FileNotFoundError:  # what readlinkat(fd, "") says of a file not a link
+                raise OSError(errno.EINVAL, "not a symbolic link") from None
+
+    def getxattr(self, path: bytes, name: bytes) -> bytes:
+        with self.itself(path) as fd:
+            return os.getxattr(fd_path(fd), name)
+
+    def listxattr(self, path: bytes) -> list[bytes]:
+        with self.itself(path) as fd:
+            return [os.fsencode(n) for n in os.listxattr(fd_path(fd))]
+
+    def statvfs(self) -> os.statvfs_result:
+        return os.fstatvfs(self.root_fd)
+
+    def open_reader(self, path: bytes) -> SourceReader:
+        """Open a regular file for reading; blocking, so call it from a worker thread."""
+        reader = SourceReader.opening(
+            lambda flags: self.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC))
+        if not stat.S_ISREG(reader.fstat().st_mode):
+            reader.close()
+            raise IsADirectoryError(21, "not a regular file")
+        return reader
+
+
+class SourceReader:
+    """One open source file. Its methods block: run them in worker threads."""
+
+    def __init__(self, fd: int, direct: bool) -> None:
+        self.fd = fd
+        self.direct = direct
+
+    @classmethod
+    def opening(cls, open_fd: Callable[[int], int]) -> SourceReader:
+        """A reader of the descriptor ``open_fd(flags)`` returns, opened with O_DIRECT where
+        the filesystem allows it (else ``read_view`` drops the pages it read)."""
+        try:
+            return cls(open_fd(os.O_RDONLY | os.O_DIRECT), True)
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # this filesystem has no O_DIRECT
+                raise
+        return cls(open_fd(os.O_RDONLY), False)
+
+    def fstat(self) -> os.stat_result:
+        return os.fstat(self.fd)
+
+    def pread(self, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes at ``offset``, without leaving them in the page cache."""
+        return bytes(self.read_view(offset, size))
+
+    def read_view(self, offset: int, size: int) -> memoryview | bytes:
+        """Like ``pread``, but may return a view of this thread's buffer, valid until the
+        thread's next read: saves a copy when the bytes go straight on (into the cache)."""
+        if not self.direct:
+            data = os.pread(self.fd, size, offset)
+            os.posix_fadvise(self.fd, offset, len(data), os.POSIX_FADV_DONTNEED)
+            return data
+        start = offset - offset % DIRECT_ALIGN
+        end = -(-(offset + size) // DIRECT_ALIGN) * DIRECT_ALIGN
+        buf = _aligned_buffer(end - start)
+        got = os.preadv(self.fd, [memoryview(buf)[: end - start]], start)
+        skip = offset - start
+        return memoryview(buf)[skip : max(skip, min(got, skip + size))]
+
+    def close(self) -> None:
+        os.close(self.fd)
