@@ -103,7 +103,8 @@ def fake_peer(port: int, mode: str) -> Iterator[None]:
     """A misbehaving peer (``fake_peer.py`` in ``mode``) on ``port`` while the block runs."""
     fake = subprocess.Popen([sys.executable, str(HERE / "fake_peer.py"), str(port), mode],
                             stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))})
     try:
         assert fake.stdout is not None and fake.stdout.readline().strip() == "ready"
         yield
