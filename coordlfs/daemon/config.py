@@ -26,7 +26,8 @@ DEFAULT_STAGING_SIZE = 2 << 30
 #: Storage requests the read-ahead of an aligned group keeps in flight.
 DEFAULT_PREFETCH_DEPTH = 4
 #: Files the batched fill queue (``prefetch``) reads at once, each whole in one worker thread:
-#: deep enough to keep an SSD's queue busy with small files (measured in docs/benchmarks.md).
+#: deep enough to keep an SSD's queue busy with small files (measured in
+#: docs/benchmarks/batched-fills.md).
 DEFAULT_FILL_DEPTH = 16
 #: Seconds a peer may take to connect or answer before the reader reads local storage.
 DEFAULT_PEER_TIMEOUT = 2.0

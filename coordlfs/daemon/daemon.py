@@ -47,7 +47,7 @@ log = logging.getLogger("coordlfs")
 
 #: Kernel read-ahead of the mount, KiB: at 1024 sequential reads arrive as 1 MiB requests
 #: (the most FUSE asks for here) instead of 128 KiB ones, and a GiB read costs the daemon
-#: about half the CPU (docs/benchmarks.md). Small files are read whole either way.
+#: about half the CPU (docs/benchmarks/hits.md). Small files are read whole either way.
 READ_AHEAD_KB = 1024
 #: Seconds between checks that group members are still alive.
 REAP_INTERVAL_S = 1.0

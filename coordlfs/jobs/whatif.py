@@ -34,7 +34,7 @@ from coordlfs.sizes import format_size
 
 #: Assumed cache speed, bytes/s, where the run cannot tell it (no hits, or every epoch at
 #: one hit share): a pyfuse3 mount serves 112 KB cached files at about 7,500 files/s to 4
-#: readers on this machine kind (docs/benchmarks.md), about 800 MB/s.
+#: readers on this machine kind (docs/benchmarks/hits.md), about 800 MB/s.
 DEFAULT_CACHE_BPS = 800e6
 #: The fastest a cache or a peer is taken to be (memory bandwidth, as DS-Analyzer
 #: approximates C): a fit that finds hits cost no time would otherwise predict free epochs.

@@ -7,7 +7,7 @@ first (its owner): a node that misses asks the nodes ranked before itself, then 
 file itself if it has room, then asks the nodes ranked after it; a node asked for a file it
 does not hold reads its own storage once and keeps it. So each file is read from storage
 once in the whole cluster while the caches together have room, even when the hash gives one
-node a little more than its share (``docs/architecture.md`` has the numbers that chose this
+node a little more than its share (``docs/design/peers.md`` has the numbers that chose this
 over announcing what each node cached). No metadata server and no messages are needed to
 find a file, and when the list changes only the files of the nodes that came or went move:
 1/N of them for one node added to N.

@@ -3,9 +3,9 @@
 The daemon validates a request's arguments from its command's declaration before the handler
 sees them and answers ``help`` from it; the client (``coordlfs.control``) sends commands by
 their declaration, so a misspelt command or argument fails in the caller, not at the mount;
-the table in docs/architecture.md is ``doc_table()`` (a test compares them). Handlers live
-with what they act on (``coordlfs.cache.stats``, ``groups``, ``prep``, ``peer_server``) and are
-attached by name (``ControlServer.serve``).
+the table in docs/design/control-protocol.md is ``doc_table()`` (a test compares them).
+Handlers live with what they act on (``coordlfs.cache.stats``, ``groups``, ``prep``,
+``peer_server``) and are attached by name (``ControlServer.serve``).
 """
 
 from __future__ import annotations
@@ -410,7 +410,7 @@ _ACCESS_WORDS = {Access.READ: "anyone", Access.OWN: "own", Access.MOUNT: "owner"
 
 
 def doc_table() -> str:
-    """The command table of docs/architecture.md."""
+    """The command table of docs/design/control-protocol.md."""
     rows = ["| Command | Arguments | Who | What it does; reply |", "|---|---|---|---|"]
     for command in COMMANDS.values():
         args = ", ".join(a.doc() for a in command.args) or "-"

@@ -23,7 +23,7 @@ from coordlfs.protocol import spec as control_spec
 from coordlfs.protocol.spec import COMMANDS, doc_table
 from coordlfs.source.source import Source
 
-ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+PROTOCOL_DOC = Path(__file__).resolve().parents[2] / "docs" / "design" / "control-protocol.md"
 
 
 def _daemon_server(tmp_path: Path) -> ControlServer:
@@ -60,6 +60,6 @@ def test_the_client_sends_only_declared_arguments() -> None:
 
 
 def test_the_docs_table_is_the_declaration() -> None:
-    """docs/architecture.md's command table is ``doc_table()``, verbatim: a command or
+    """docs/design/control-protocol.md's command table is ``doc_table()``, verbatim: a command or
     argument added, renamed or re-levelled shows there."""
-    assert doc_table() in ARCHITECTURE.read_text()
+    assert doc_table() in PROTOCOL_DOC.read_text()

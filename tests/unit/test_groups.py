@@ -23,7 +23,7 @@ def test_order_is_shared_per_epoch_and_new_each_epoch() -> None:
     assert sorted(epoch_order(7, 0, 1000)) == list(range(1000))
     assert epoch_order(7, 1, 1000) != epoch_order(7, 0, 1000)
     assert epoch_order(8, 0, 1000) != epoch_order(7, 0, 1000)
-    # Pinned: the order is a protocol other languages implement (docs/architecture.md).
+    # Pinned: the order is a protocol other languages implement (docs/design/aligned-groups.md).
     assert epoch_order(1, 0, 8) == [7, 1, 6, 4, 5, 2, 3, 0]
     assert epoch_order(2**64 - 1, 7, 5) == [2, 1, 0, 3, 4]
     assert epoch_order(3, 0, 0) == []
