@@ -42,7 +42,7 @@ import trio
 
 from coordlfs.cache.cache import FILL_CHUNK, Entry, WholeFileCache, write_all
 from coordlfs.protocol.spec import Caller, Refused, Served
-from coordlfs.source.beneath import mode_grants, open_beneath
+from coordlfs.source.beneath import mode_grants
 from coordlfs.source.source import Source, SourceReader
 
 log = logging.getLogger(__name__)
@@ -55,11 +55,6 @@ MAX_QUEUED = 1 << 19
 #: from the worker thread are shared by them, while a reader waiting for the last of them
 #: waits for at most this many reads in a row.
 BATCH = 8
-
-def open_source(root_fd: int, path: bytes) -> SourceReader:
-    """A reader of the file ``path`` beneath ``root_fd``: O_DIRECT where the filesystem
-    allows it."""
-    return SourceReader.opening(lambda flags: open_beneath(root_fd, path, flags))
 
 
 # -- who may prefetch ----------------------------------------------------------------------
@@ -144,7 +139,7 @@ class _Fill:
     def open(self, root_fd: int) -> None:
         """In the worker thread: open and fstat, keeping any error."""
         try:
-            self.reader = open_source(root_fd, self.path)
+            self.reader = SourceReader.beneath(root_fd, self.path)
             self.st = self.reader.fstat()
             if not stat.S_ISREG(self.st.st_mode):
                 self.skip = "not_regular"

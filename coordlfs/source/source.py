@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import stat
@@ -23,11 +24,14 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from coordlfs.errors import UserError
+from coordlfs.source.beneath import open_beneath
 from coordlfs.source.walk import DIRECTORY, open_outside
 
 #: O_DIRECT needs offsets, lengths and buffers aligned to the logical block size; 4 KiB
 #: covers every block device we meet.
 DIRECT_ALIGN = 4096
+#: The most one read of ``SourceReader.read_whole`` asks for (a thread's buffer grows to it).
+READ_CHUNK = 1 << 20
 
 
 #: Paths at least this long are walked a piece at a time (``Source.open``): a path
@@ -55,18 +59,17 @@ class Version(NamedTuple):
         return cls(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _aligned_buffer(size: int) -> mmap.mmap:
+def _aligned_buffer(size: int) -> memoryview:
     """This thread's page-aligned buffer for O_DIRECT, grown on demand.
 
     Mapping and unmapping a buffer per read costs more CPU than the read itself in a
-    multi-threaded daemon (page faults, TLB shootdowns), so each worker thread keeps one;
-    reads are at most a fill chunk, which bounds the buffer.
+    multi-threaded daemon (page faults, TLB shootdowns), so each thread keeps one; reads are
+    at most a fill chunk or ``READ_CHUNK``, which bounds it. A buffer outgrown is only let
+    go: a view of it handed out may still be held, and its mapping goes with the last view.
     """
     buf = getattr(_local, "buffer", None)
     if buf is None or len(buf) < size:
-        if buf is not None:
-            buf.close()
-        buf = _local.buffer = mmap.mmap(-1, max(size, 256 << 10))
+        buf = _local.buffer = memoryview(mmap.mmap(-1, max(size, 256 << 10)))
     return buf
 
 
@@ -170,7 +173,16 @@ class Source:
 
 
 class SourceReader:
-    """One open source file. Its methods block: run them in worker threads."""
+    """One open source file, read without filling the page cache: the one reader of the
+    source, for the daemon (its fills read ``read_view`` chunks into the cache, a reader of
+    the mount may wait on the first ones; its streamed reads ``pread``) and for
+    ``coordlfs.client`` (a miss the cache has no room for, read whole: ``read_whole``).
+
+    Opened with O_DIRECT where the filesystem allows it, read through this thread's aligned
+    buffer; where the filesystem refuses O_DIRECT, at the open or at a read (EINVAL: its
+    alignment is not ours), read buffered and the pages read dropped. Standard library only,
+    and its methods block: the daemon runs them in worker threads.
+    """
 
     def __init__(self, fd: int, direct: bool) -> None:
         self.fd = fd
@@ -178,14 +190,22 @@ class SourceReader:
 
     @classmethod
     def opening(cls, open_fd: Callable[[int], int]) -> SourceReader:
-        """A reader of the descriptor ``open_fd(flags)`` returns, opened with O_DIRECT where
-        the filesystem allows it (else ``read_view`` drops the pages it read)."""
+        """A reader of the descriptor ``open_fd(flags)`` returns. O_NONBLOCK so that a FIFO
+        in the source does not block the open (``fstat`` then says what it is, and nobody
+        reads it); for a regular file it changes nothing."""
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
         try:
-            return cls(open_fd(os.O_RDONLY | os.O_DIRECT), True)
+            return cls(open_fd(flags | os.O_DIRECT), True)
         except OSError as e:
             if e.errno != errno.EINVAL:  # this filesystem has no O_DIRECT
                 raise
-        return cls(open_fd(os.O_RDONLY), False)
+        return cls(open_fd(flags), False)
+
+    @classmethod
+    def beneath(cls, root_fd: int, path: bytes) -> SourceReader:
+        """A reader of ``path`` opened beneath ``root_fd`` as a reader through the mount would
+        reach it (``open_beneath``: no symlink, never out), with this process's credentials."""
+        return cls.opening(lambda flags: open_beneath(root_fd, path, flags))
 
     def fstat(self) -> os.stat_result:
         return os.fstat(self.fd)
@@ -197,16 +217,52 @@ class SourceReader:
     def read_view(self, offset: int, size: int) -> memoryview | bytes:
         """Like ``pread``, but may return a view of this thread's buffer, valid until the
         thread's next read: saves a copy when the bytes go straight on (into the cache)."""
+        data = self._read(offset, size)
         if not self.direct:
-            data = os.pread(self.fd, size, offset)
             os.posix_fadvise(self.fd, offset, len(data), os.POSIX_FADV_DONTNEED)
-            return data
-        start = offset - offset % DIRECT_ALIGN
-        end = -(-(offset + size) // DIRECT_ALIGN) * DIRECT_ALIGN
-        buf = _aligned_buffer(end - start)
-        got = os.preadv(self.fd, [memoryview(buf)[: end - start]], start)
-        skip = offset - start
-        return memoryview(buf)[skip : max(skip, min(got, skip + size))]
+        return data
+
+    def read_whole(self, st: os.stat_result) -> bytes | None:
+        """The whole file, ``st`` being its ``fstat`` before; None if it changed meanwhile
+        (another version after, or not ``st.st_size`` bytes), for the caller to retry or
+        send elsewhere. Pieces of up to ``READ_CHUNK``, each asking a page past the size
+        expected, so that EOF shows as a short read with no call more."""
+        size = st.st_size
+        pieces: list[bytes] = []
+        offset = 0
+        while True:
+            want = min(READ_CHUNK, size - offset + 1)
+            piece = self._read(offset, want)
+            pieces.append(bytes(piece))
+            offset += len(piece)
+            if len(piece) < want:
+                break
+        if not self.direct:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if offset != size or Version.of(self.fstat()) != Version.of(st):
+            return None
+        return b"".join(pieces)
+
+    def _read(self, offset: int, size: int) -> memoryview | bytes:
+        """Up to ``size`` bytes at ``offset``: O_DIRECT reads the aligned blocks around them
+        into this thread's buffer (a view of it is returned); a read O_DIRECT refuses
+        (EINVAL) turns the descriptor buffered for good and is read again."""
+        while self.direct:
+            start = offset - offset % DIRECT_ALIGN
+            end = -(-(offset + size) // DIRECT_ALIGN) * DIRECT_ALIGN
+            buf = _aligned_buffer(end - start)
+            try:
+                got = os.preadv(self.fd, [buf[: end - start]], start)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                fcntl.fcntl(self.fd, fcntl.F_SETFL,
+                            fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                self.direct = False
+                continue
+            skip = offset - start
+            return buf[skip : max(skip, min(got, skip + size))]
+        return os.pread(self.fd, size, offset)
 
     def close(self) -> None:
         os.close(self.fd)

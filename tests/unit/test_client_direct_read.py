@@ -10,23 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from coordlfs.client import dataset as client
-from coordlfs.client.dataset import _DirectReader, _no_peers
+from coordlfs.client.dataset import _DirectMisses, _no_peers
+from coordlfs.source.source import READ_CHUNK
 
 
 @pytest.fixture
 def source(tmp_path: Path) -> Path:
     src = tmp_path / "src"
     (src / "d").mkdir(parents=True)
-    (src / "d" / "big.bin").write_bytes(os.urandom(3 * client.DIRECT_CHUNK + 123))
+    (src / "d" / "big.bin").write_bytes(os.urandom(3 * READ_CHUNK + 123))
     (src / "small.bin").write_bytes(os.urandom(4096))
     (src / "link").symlink_to("d")
     os.mkfifo(src / "fifo")
     return src
 
 
-def _reader(src: Path, max_file_size: int | None = None) -> _DirectReader:
-    return _DirectReader(os.fsencode(src) + b"/", max_file_size)
+def _reader(src: Path, max_file_size: int | None = None) -> _DirectMisses:
+    return _DirectMisses(os.fsencode(src) + b"/", max_file_size)
 
 
 def test_what_the_cache_has_no_room_for_is_read_and_the_rest_left_to_the_mount(
