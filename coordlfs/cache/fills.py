@@ -42,7 +42,7 @@ import trio
 
 from coordlfs.cache.cache import FILL_CHUNK, Entry, WholeFileCache, write_all
 from coordlfs.protocol.spec import Caller, Refused, Served
-from coordlfs.source.beneath import mode_grants
+from coordlfs.source.beneath import mode_grants, open_beneath
 from coordlfs.source.source import Source, SourceReader
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class _Fill:
     def open(self, root_fd: int) -> None:
         """In the worker thread: open and fstat, keeping any error."""
         try:
-            self.reader = SourceReader.beneath(root_fd, self.path)
+            self.reader = SourceReader.opening(open_beneath, root_fd, self.path)
             self.st = self.reader.fstat()
             if not stat.S_ISREG(self.st.st_mode):
                 self.skip = "not_regular"

@@ -65,7 +65,7 @@ from typing import Any
 from coordlfs.cache.published import IndexReader, Published
 from coordlfs.control import Control, ControlError, find_mount
 from coordlfs.protocol import spec as control_spec
-from coordlfs.source.beneath import mode_grants
+from coordlfs.source.beneath import mode_grants, open_beneath
 from coordlfs.source.source import SourceReader
 
 #: Reads between two reports of a client's counts to the mount.
@@ -356,7 +356,7 @@ class _DirectMisses:
             return None
         for _attempt in range(2):  # changed during the read: once more, then the mount
             try:
-                reader = SourceReader.beneath(root, name)
+                reader = SourceReader.opening(open_beneath, root, name)
             except OSError:  # a symlink on the way, gone, not this user's: the mount says
                 return None
             try:

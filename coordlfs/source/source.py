@@ -8,7 +8,10 @@ come to lie beneath the source (``coordlfs.source.walk``).
 
 Data reads avoid double caching: the cache already holds what we keep, so reading the source
 must not also fill the source's page cache. We use O_DIRECT where the filesystem allows it
-and otherwise drop the pages we read with posix_fadvise(DONTNEED).
+and otherwise drop the pages we read with posix_fadvise(DONTNEED). ``SourceReader`` is the one
+reader of the source's bytes: the daemon's fills and streamed reads and ``coordlfs.client``'s
+direct reads (of misses the cache has no room for) all go through it, so this module and what
+it imports are standard library only.
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ import contextlib
 import errno
 import fcntl
 import mmap
+import operator
 import os
 import stat
 import threading
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from coordlfs.errors import UserError
-from coordlfs.source.beneath import open_beneath
 from coordlfs.source.walk import DIRECTORY, open_outside
 
 #: O_DIRECT needs offsets, lengths and buffers aligned to the logical block size; 4 KiB
@@ -40,6 +43,9 @@ READ_CHUNK = 1 << 20
 _WALK_AT = 3840
 #: what ``lstat``, ``readlink`` and the xattr calls open: the file itself, a link as a link
 _ITSELF = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+#: what ``SourceReader.opening`` opens a file with, O_DIRECT aside
+_READING = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READING_DIRECT = _READING | os.O_DIRECT
 
 _local = threading.local()
 
@@ -56,20 +62,27 @@ class Version(NamedTuple):
 
     @classmethod
     def of(cls, st: os.stat_result) -> Version:
-        return cls(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        # built in C (a version is taken per open and per fill): a third of the time of
+        # the generated ``__new__``
+        return tuple.__new__(cls, _version_of(st))
+
+
+#: a ``Version``'s fields of a stat result, as a plain tuple
+_version_of = operator.attrgetter("st_ino", "st_size", "st_mtime_ns", "st_ctime_ns")
 
 
 def _aligned_buffer(size: int) -> memoryview:
     """This thread's page-aligned buffer for O_DIRECT, grown on demand.
 
     Mapping and unmapping a buffer per read costs more CPU than the read itself in a
-    multi-threaded daemon (page faults, TLB shootdowns), so each thread keeps one; reads are
-    at most a fill chunk or ``READ_CHUNK``, which bounds it. A buffer outgrown is only let
-    go: a view of it handed out may still be held, and its mapping goes with the last view.
+    multi-threaded daemon (page faults, TLB shootdowns), so each thread keeps one, of
+    ``READ_CHUNK`` from the start (a page is touched only when a read fills it); reads are at
+    most a fill chunk or ``READ_CHUNK``, which bounds it. A buffer outgrown is only let go: a
+    view of it handed out may still be held, and its mapping goes with the last view.
     """
     buf = getattr(_local, "buffer", None)
     if buf is None or len(buf) < size:
-        buf = _local.buffer = memoryview(mmap.mmap(-1, max(size, 256 << 10)))
+        buf = _local.buffer = memoryview(mmap.mmap(-1, max(size, READ_CHUNK)))
     return buf
 
 
@@ -164,8 +177,7 @@ class Source:
 
     def open_reader(self, path: bytes) -> SourceReader:
         """Open a regular file for reading; blocking, so call it from a worker thread."""
-        reader = SourceReader.opening(
-            lambda flags: self.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC))
+        reader = SourceReader.opening(self.open, path)
         if not stat.S_ISREG(reader.fstat().st_mode):
             reader.close()
             raise IsADirectoryError(21, "not a regular file")
@@ -184,28 +196,24 @@ class SourceReader:
     and its methods block: the daemon runs them in worker threads.
     """
 
+    __slots__ = ("direct", "fd")
+
     def __init__(self, fd: int, direct: bool) -> None:
         self.fd = fd
         self.direct = direct
 
     @classmethod
-    def opening(cls, open_fd: Callable[[int], int]) -> SourceReader:
-        """A reader of the descriptor ``open_fd(flags)`` returns. O_NONBLOCK so that a FIFO
-        in the source does not block the open (``fstat`` then says what it is, and nobody
-        reads it); for a regular file it changes nothing."""
-        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
+    def opening(cls, open_fd: Callable[..., int], *args: Any) -> SourceReader:
+        """A reader of the descriptor ``open_fd(*args, flags)`` returns (``open_beneath``,
+        ``Source.open``). O_NONBLOCK so that a FIFO in the source does not block the open
+        (``fstat`` then says what it is, and nobody reads it); for a regular file it changes
+        nothing."""
         try:
-            return cls(open_fd(flags | os.O_DIRECT), True)
+            return cls(open_fd(*args, _READING_DIRECT), True)
         except OSError as e:
             if e.errno != errno.EINVAL:  # this filesystem has no O_DIRECT
                 raise
-        return cls(open_fd(flags), False)
-
-    @classmethod
-    def beneath(cls, root_fd: int, path: bytes) -> SourceReader:
-        """A reader of ``path`` opened beneath ``root_fd`` as a reader through the mount would
-        reach it (``open_beneath``: no symlink, never out), with this process's credentials."""
-        return cls.opening(lambda flags: open_beneath(root_fd, path, flags))
+        return cls(open_fd(*args, _READING), False)
 
     def fstat(self) -> os.stat_result:
         return os.fstat(self.fd)
@@ -239,7 +247,7 @@ class SourceReader:
                 break
         if not self.direct:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        if offset != size or Version.of(self.fstat()) != Version.of(st):
+        if offset != size or _version_of(os.fstat(self.fd)) != _version_of(st):
             return None
         return b"".join(pieces)
 
@@ -248,11 +256,11 @@ class SourceReader:
         into this thread's buffer (a view of it is returned); a read O_DIRECT refuses
         (EINVAL) turns the descriptor buffered for good and is read again."""
         while self.direct:
-            start = offset - offset % DIRECT_ALIGN
-            end = -(-(offset + size) // DIRECT_ALIGN) * DIRECT_ALIGN
-            buf = _aligned_buffer(end - start)
+            skip = offset % DIRECT_ALIGN
+            length = -(-(skip + size) // DIRECT_ALIGN) * DIRECT_ALIGN
+            buf = _aligned_buffer(length)
             try:
-                got = os.preadv(self.fd, [buf[: end - start]], start)
+                got = os.preadv(self.fd, [buf[:length]], offset - skip)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
@@ -260,8 +268,7 @@ class SourceReader:
                             fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
                 self.direct = False
                 continue
-            skip = offset - start
-            return buf[skip : max(skip, min(got, skip + size))]
+            return buf[skip : min(got, skip + size)] if got > skip else b""
         return os.pread(self.fd, size, offset)
 
     def close(self) -> None:

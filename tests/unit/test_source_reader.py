@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from coordlfs.source.beneath import open_beneath
 from coordlfs.source.source import READ_CHUNK, SourceReader
 
 
@@ -51,10 +52,10 @@ def _ranges(reader: SourceReader, data: bytes) -> None:
 
 def test_every_range_and_the_whole_file_read_direct(root) -> None:
     path, fd = root
-    reader = SourceReader.beneath(fd, b"big.bin")
+    reader = SourceReader.opening(open_beneath, fd, b"big.bin")
     assert reader.direct  # ext4 and tmpfs both take O_DIRECT
     _ranges(reader, (path / "big.bin").read_bytes())
-    empty = SourceReader.beneath(fd, b"empty")
+    empty = SourceReader.opening(open_beneath, fd, b"empty")
     assert empty.read_whole(empty.fstat()) == b""
     empty.close()
     reader.close()
@@ -64,7 +65,7 @@ def test_a_read_refusing_o_direct_goes_on_buffered_and_drops_its_pages(root,
                                                                        no_direct) -> None:
     path, fd = root
     data = (path / "big.bin").read_bytes()
-    reader = SourceReader.beneath(fd, b"big.bin")
+    reader = SourceReader.opening(open_beneath, fd, b"big.bin")
     assert bytes(reader.read_view(100, 5000)) == data[100:5100]
     assert not reader.direct and not fcntl.fcntl(reader.fd, fcntl.F_GETFL) & os.O_DIRECT
     assert no_direct == [os.POSIX_FADV_DONTNEED]
@@ -76,7 +77,7 @@ def test_a_read_refusing_o_direct_goes_on_buffered_and_drops_its_pages(root,
 
 def test_a_file_of_another_size_than_its_fstat_said_reads_as_changed(root) -> None:
     path, fd = root
-    reader = SourceReader.beneath(fd, b"big.bin")
+    reader = SourceReader.opening(open_beneath, fd, b"big.bin")
     st = reader.fstat()
     os.truncate(path / "big.bin", st.st_size - 1)
     assert reader.read_whole(st) is None
@@ -85,6 +86,7 @@ def test_a_file_of_another_size_than_its_fstat_said_reads_as_changed(root) -> No
 
 def test_a_fifo_opens_without_blocking_and_shows_what_it_is(root) -> None:
     _path, fd = root
-    reader = SourceReader.beneath(fd, b"fifo")  # with no writer: would block without O_NONBLOCK
+    # no writer: without O_NONBLOCK the open would wait for one for good
+    reader = SourceReader.opening(open_beneath, fd, b"fifo")
     assert stat.S_ISFIFO(reader.fstat().st_mode)
     reader.close()
