@@ -4,7 +4,6 @@ a read, the pages of a buffered read dropped, and a FIFO opened without blocking
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import stat
@@ -24,23 +23,6 @@ def root(tmp_path: Path):
     fd = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
     yield tmp_path, fd
     os.close(fd)
-
-
-@pytest.fixture
-def no_direct(monkeypatch) -> list[int]:
-    """A filesystem whose reads refuse O_DIRECT (EINVAL) though its open took it; the
-    ``posix_fadvise`` advice given, in order."""
-    preadv, advised = os.preadv, []
-
-    def refusing(fd: int, buffers: list, offset: int) -> int:
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", refusing)
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, start, size, advice:
-                        advised.append(advice))
-    return advised
 
 
 def _ranges(reader: SourceReader, data: bytes) -> None:
