@@ -62,8 +62,8 @@ class Version(NamedTuple):
 
     @classmethod
     def of(cls, st: os.stat_result) -> Version:
-        # built in C (a version is taken per open and per fill): a third of the time of
-        # the generated ``__new__``
+        # the fields taken in C, past the generated ``__new__`` (a version is taken per open
+        # and per fill): 0.27 us against 0.36
         return tuple.__new__(cls, _version_of(st))
 
 
