@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import itertools
 import os
 import re
@@ -169,3 +171,21 @@ def dataset(tmp_path: Path) -> tuple[Path, dict[str, int]]:
     root = tmp_path / "data"
     root.mkdir()
     return root, make_dataset(root, 200)
+
+
+@pytest.fixture
+def no_direct(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A filesystem whose reads refuse O_DIRECT (EINVAL) though its open took it, as some
+    network filesystems do for an alignment not theirs; the ``posix_fadvise`` advice given,
+    in order."""
+    preadv, advised = os.preadv, []
+
+    def refusing(fd: int, buffers: list, offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", refusing)
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, start, size, advice:
+                        advised.append(advice))
+    return advised

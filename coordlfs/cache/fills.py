@@ -56,11 +56,6 @@ MAX_QUEUED = 1 << 19
 #: waits for at most this many reads in a row.
 BATCH = 8
 
-def open_source(root_fd: int, path: bytes) -> SourceReader:
-    """A reader of the file ``path`` beneath ``root_fd``: O_DIRECT where the filesystem
-    allows it."""
-    return SourceReader.opening(lambda flags: open_beneath(root_fd, path, flags))
-
 
 # -- who may prefetch ----------------------------------------------------------------------
 
@@ -144,7 +139,7 @@ class _Fill:
     def open(self, root_fd: int) -> None:
         """In the worker thread: open and fstat, keeping any error."""
         try:
-            self.reader = open_source(root_fd, self.path)
+            self.reader = SourceReader.opening(open_beneath, root_fd, self.path)
             self.st = self.reader.fstat()
             if not stat.S_ISREG(self.st.st_mode):
                 self.skip = "not_regular"

@@ -20,8 +20,9 @@ links), and only if the mount would let it read the file too: the kernel checks 
 the mount against the modes the mount shows, the source's, without ACLs, so the client
 checks the same modes of each directory on the way and of the file (``access`` on the
 mount's path would say the same, but costs a FUSE lookup per file once the kernel has
-dropped its dentries, as much as the read it saves); it reads with O_DIRECT, so that the
-bytes do not stay in the page cache, and checks the file's version after. Anything else
+dropped its dentries, as much as the read it saves); it reads with the daemon's reader of the
+source (``SourceReader``: O_DIRECT, so that the bytes do not stay in the page cache), which
+checks the file's version after. Anything else
 (a file that fits, a peer's file: a mount with peers gets every miss, an error) goes through
 the mount, which gives the same bytes or the same error.
 
@@ -52,14 +53,10 @@ Only the standard library and the mount's control file are needed: no torch, no 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import io
-import mmap
 import os
 import posixpath
 import stat
-import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -69,11 +66,10 @@ from coordlfs.cache.published import IndexReader, Published
 from coordlfs.control import Control, ControlError, find_mount
 from coordlfs.protocol import spec as control_spec
 from coordlfs.source.beneath import mode_grants, open_beneath
+from coordlfs.source.source import SourceReader
 
 #: Reads between two reports of a client's counts to the mount.
 REPORT_EVERY = 10_000
-#: A direct read's aligned buffer (one per thread), and the most one read asks for.
-DIRECT_CHUNK = 1 << 20
 
 
 @dataclass(slots=True)
@@ -140,7 +136,7 @@ class Dataset:
         # not this user's to read (or no index): every read goes through the mount
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             self._index = IndexReader(shared["index"], shared["arena"])
-        self._direct = _DirectReader(self._source_dir, (status.get("cache") or {}).get(
+        self._direct = _DirectMisses(self._source_dir, (status.get("cache") or {}).get(
             "max_file_bytes")) if self._index is not None and _no_peers(status) else None
         self._reports = _Reports(self._control)
         self._until_report = REPORT_EVERY
@@ -218,7 +214,7 @@ class Dataset:
         """Hand the mount the order of reads to come: it fills the files not cached yet in
         bulk, in this order. Returns at once, with how many files the mount queued.
 
-        Where this process may read the source (``_DirectReader.split``), only the last files
+        Where this process may read the source (``_DirectMisses.split``), only the last files
         of the order that fit in the cache's room are handed over, with what they come to;
         the mount then leaves that room to them, so the reads of the files before them (in
         any process) find none and read the source directly."""
@@ -258,7 +254,7 @@ class Dataset:
         self.close()
 
 
-def _close(reports: _Reports, index: IndexReader | None, direct: _DirectReader | None) -> None:
+def _close(reports: _Reports, index: IndexReader | None, direct: _DirectMisses | None) -> None:
     reports.send()
     if index is not None:
         index.close()
@@ -272,9 +268,11 @@ def _no_peers(status: dict[str, Any]) -> bool:
     return not (status.get("peers") or {}).get("nodes")
 
 
-class _DirectReader:
-    """Reads misses the cache will not hold straight from the source (see the module's
-    docstring); ``read`` returns None for whatever the mount must answer."""
+class _DirectMisses:
+    """Which misses this process reads from the source itself, and as whom (see the module's
+    docstring): the bytes come from the daemon's own reader of the source
+    (``coordlfs.source.source.SourceReader``); ``read`` returns None for whatever the mount
+    must answer."""
 
     def __init__(self, source_dir: bytes, max_file_size: int | None) -> None:
         self.source_dir = source_dir
@@ -283,7 +281,6 @@ class _DirectReader:
         #: an O_PATH descriptor of the source's root opened as this process (None: not yet;
         #: -1: it cannot, as a user who may not reach the source: every miss goes to the mount)
         self._root: int | None = None
-        self._buffers = threading.local()
         #: this process's uid and groups, as the mount's kernel check sees them (``_root_fd``)
         self._uid = -1
         self._gids: frozenset[int] = frozenset()
@@ -359,71 +356,30 @@ class _DirectReader:
             return None
         for _attempt in range(2):  # changed during the read: once more, then the mount
             try:
-                fd = _open(root, name)
+                reader = SourceReader.opening(open_beneath, root, name)
             except OSError:  # a symlink on the way, gone, not this user's: the mount says
                 return None
             try:
-                st = os.fstat(fd)
+                st = reader.fstat()
                 if not stat.S_ISREG(st.st_mode) or (
                         st.st_size <= room and (self.max_file_size is None
                                                 or st.st_size <= self.max_file_size)):
                     return None  # the mount caches it (or shows what it is)
                 if not self._mount_allows(root, name, st):
                     return None  # the mount's modes refuse it: the mount gives the error
-                data = self._read_all(fd, st.st_size)
-                if _version(os.fstat(fd)) == _version(st) and len(data) == st.st_size:
+                data = reader.read_whole(st)
+                if data is not None:
                     return data
             except OSError:
                 return None
             finally:
-                os.close(fd)
+                reader.close()
         return None
-
-    def _read_all(self, fd: int, size: int) -> bytes:
-        """Read to EOF through this thread's aligned buffer; a file O_DIRECT cannot read
-        (EINVAL: alignment) is read buffered, its pages dropped after."""
-        buffer = getattr(self._buffers, "view", None)
-        if buffer is None:
-            buffer = self._buffers.view = memoryview(mmap.mmap(-1, DIRECT_CHUNK))
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        buffered = not flags & os.O_DIRECT
-        pieces: list[bytes] = []
-        offset = 0
-        while True:
-            # a page past the size expected: EOF shows as a short read, with no call more
-            want = min(DIRECT_CHUNK, -(-(size - offset + 1) // mmap.PAGESIZE) * mmap.PAGESIZE)
-            try:
-                got = os.preadv(fd, [buffer[:want]], offset)
-            except OSError as e:
-                if e.errno != errno.EINVAL or buffered:
-                    raise
-                fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
-                buffered = True
-                continue
-            pieces.append(bytes(buffer[:got]))
-            offset += got
-            if got < want:
-                break
-        if buffered:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return b"".join(pieces)
 
     def close(self) -> None:
         if self._root is not None and self._root >= 0:
             os.close(self._root)
         self._root = -1
-
-
-def _open(root: int, name: bytes) -> int:
-    """Open a source file for a direct read: O_DIRECT where its filesystem allows it;
-    O_NONBLOCK so that a FIFO in the source does not block the open (it is not read)."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
-    try:
-        return open_beneath(root, name, flags | os.O_DIRECT)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-    return open_beneath(root, name, flags)
 
 
 def _overrides_modes() -> bool:
@@ -437,10 +393,6 @@ def _overrides_modes() -> bool:
     except (OSError, ValueError, IndexError):
         pass
     return False
-
-
-def _version(st: os.stat_result) -> tuple[int, int, int, int]:
-    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 class ViewFile(io.BufferedIOBase):

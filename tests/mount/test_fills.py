@@ -5,6 +5,7 @@ paths, symlinks and files the caller may not read are refused, and the mount sta
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
@@ -108,6 +109,27 @@ def test_files_that_cannot_be_cached_are_skipped(mount, tmp_path: Path) -> None:
     # a symlink is never followed, at the end or on the way, as the mount shows links as links
     assert fills["failed"] == {"ELOOP": 2, "ENOENT": 1}
     assert (m.mountpoint / "small").read_bytes() == b"s" * 1000
+
+
+def test_a_fifo_in_the_source_is_skipped_without_blocking_a_worker(mount,
+                                                                   tmp_path: Path) -> None:
+    """The fill opens a FIFO without waiting for a writer (it waited for good, holding a fill
+    worker: the queue never drained), sees what it is and skips it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "small").write_bytes(b"s" * 1000)
+    os.mkfifo(src / "fifo")
+    m = mount(src, "--fill-depth", "1")
+    try:
+        assert m.control.request("prefetch", paths=["fifo", "small"])["queued"] == 2
+        fills = drained(m)["fills"]
+        assert fills["files"] == 1
+        assert fills["skipped"]["not_regular"] == 1
+        assert not fills["failed"]
+        assert (m.mountpoint / "small").read_bytes() == b"s" * 1000
+    finally:  # a fill blocked in the open is let go, so that the unmount does not hang
+        with contextlib.suppress(OSError):  # ENXIO: no reader has it open
+            os.close(os.open(src / "fifo", os.O_WRONLY | os.O_NONBLOCK))
 
 
 @pytest.mark.parametrize("paths", [

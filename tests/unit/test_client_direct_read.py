@@ -3,30 +3,28 @@ everything it leaves to the mount (None)."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 from pathlib import Path
 
 import pytest
 
-from coordlfs.client import dataset as client
-from coordlfs.client.dataset import _DirectReader, _no_peers
+from coordlfs.client.dataset import _DirectMisses, _no_peers
+from coordlfs.source.source import READ_CHUNK
 
 
 @pytest.fixture
 def source(tmp_path: Path) -> Path:
     src = tmp_path / "src"
     (src / "d").mkdir(parents=True)
-    (src / "d" / "big.bin").write_bytes(os.urandom(3 * client.DIRECT_CHUNK + 123))
+    (src / "d" / "big.bin").write_bytes(os.urandom(3 * READ_CHUNK + 123))
     (src / "small.bin").write_bytes(os.urandom(4096))
     (src / "link").symlink_to("d")
     os.mkfifo(src / "fifo")
     return src
 
 
-def _reader(src: Path, max_file_size: int | None = None) -> _DirectReader:
-    return _DirectReader(os.fsencode(src) + b"/", max_file_size)
+def _reader(src: Path, max_file_size: int | None = None) -> _DirectMisses:
+    return _DirectMisses(os.fsencode(src) + b"/", max_file_size)
 
 
 def test_what_the_cache_has_no_room_for_is_read_and_the_rest_left_to_the_mount(
@@ -42,20 +40,11 @@ def test_what_the_cache_has_no_room_for_is_read_and_the_rest_left_to_the_mount(
     reader.close()
 
 
-def test_a_filesystem_without_o_direct_is_read_buffered(source: Path, monkeypatch) -> None:
-    preadv, advised = os.preadv, []
-
-    def no_direct(fd: int, buffers: list, offset: int) -> int:
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", no_direct)
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, start, size, advice:
-                        advised.append(advice))
+def test_a_filesystem_without_o_direct_is_read_buffered(source: Path,
+                                                        no_direct: list[int]) -> None:
     reader = _reader(source)
     assert reader.read(b"d/big.bin", room=0) == (source / "d" / "big.bin").read_bytes()
-    assert advised == [os.POSIX_FADV_DONTNEED]
+    assert no_direct == [os.POSIX_FADV_DONTNEED]
     reader.close()
 
 

@@ -13,9 +13,10 @@ import trio
 
 from coordlfs.cache import fills
 from coordlfs.cache.cache import FILL_CHUNK, WholeFileCache
-from coordlfs.cache.fills import BATCH, Credentials, FillQueue, open_beneath, readable
+from coordlfs.cache.fills import BATCH, Credentials, FillQueue, readable
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.protocol.spec import Refused
+from coordlfs.source.beneath import open_beneath
 from coordlfs.source.source import Source
 
 NOBODY = 65534

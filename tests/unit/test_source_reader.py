@@ -1,0 +1,74 @@
+"""The one reader of the source (``SourceReader``), as the daemon's fills and the client use
+it: every range and the whole file alike with O_DIRECT and on a filesystem that refuses it at
+a read, the pages of a buffered read dropped, and a FIFO opened without blocking."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from coordlfs.source.beneath import open_beneath
+from coordlfs.source.source import READ_CHUNK, SourceReader
+
+
+@pytest.fixture
+def root(tmp_path: Path):
+    (tmp_path / "big.bin").write_bytes(os.urandom(2 * READ_CHUNK + 5000))
+    (tmp_path / "empty").write_bytes(b"")
+    os.mkfifo(tmp_path / "fifo")
+    fd = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    yield tmp_path, fd
+    os.close(fd)
+
+
+def _ranges(reader: SourceReader, data: bytes) -> None:
+    for off, size in ((0, 10), (4095, 2), (READ_CHUNK - 7, 9000), (len(data) - 3, 100)):
+        assert bytes(reader.read_view(off, size)) == data[off:off + size]
+    assert reader.pread(len(data) + 10, 10) == b""  # past the end: a short read, empty
+    assert reader.read_whole(reader.fstat()) == data
+
+
+def test_every_range_and_the_whole_file_read_direct(root) -> None:
+    path, fd = root
+    reader = SourceReader.opening(open_beneath, fd, b"big.bin")
+    assert reader.direct  # ext4 and tmpfs both take O_DIRECT
+    _ranges(reader, (path / "big.bin").read_bytes())
+    empty = SourceReader.opening(open_beneath, fd, b"empty")
+    assert empty.read_whole(empty.fstat()) == b""
+    empty.close()
+    reader.close()
+
+
+def test_a_read_refusing_o_direct_goes_on_buffered_and_drops_its_pages(root,
+                                                                       no_direct) -> None:
+    path, fd = root
+    data = (path / "big.bin").read_bytes()
+    reader = SourceReader.opening(open_beneath, fd, b"big.bin")
+    assert bytes(reader.read_view(100, 5000)) == data[100:5100]
+    assert not reader.direct and not fcntl.fcntl(reader.fd, fcntl.F_GETFL) & os.O_DIRECT
+    assert no_direct == [os.POSIX_FADV_DONTNEED]
+    no_direct.clear()
+    assert reader.read_whole(reader.fstat()) == data
+    assert no_direct == [os.POSIX_FADV_DONTNEED]  # once for the whole file
+    reader.close()
+
+
+def test_a_file_of_another_size_than_its_fstat_said_reads_as_changed(root) -> None:
+    path, fd = root
+    reader = SourceReader.opening(open_beneath, fd, b"big.bin")
+    st = reader.fstat()
+    os.truncate(path / "big.bin", st.st_size - 1)
+    assert reader.read_whole(st) is None
+    reader.close()
+
+
+def test_a_fifo_opens_without_blocking_and_shows_what_it_is(root) -> None:
+    _path, fd = root
+    # no writer: without O_NONBLOCK the open would wait for one for good
+    reader = SourceReader.opening(open_beneath, fd, b"fifo")
+    assert stat.S_ISFIFO(reader.fstat().st_mode)
+    reader.close()
