@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 from pathlib import Path
 
 import pyfuse3
@@ -37,8 +38,10 @@ def _kernel_reason() -> str | None:
         return None if built else f"kernel {release} is built without {_CONFIG}"
     except OSError:
         pass
-    major, minor = (int(part) for part in release.split(".")[:2])
-    return None if (major, minor) >= (6, 9) else f"kernel {release} lacks it (needs 6.9)"
+    found = re.match(r"(\d+)\.(\d+)", release)  # "6.18.0-1-amd64", "6.10-rc1"
+    if found and (int(found[1]), int(found[2])) >= (6, 9):
+        return None
+    return f"kernel {release} lacks it (needs 6.9)"
 
 
 def _has_cap(bit: int) -> bool:
