@@ -12,7 +12,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,16 @@ def run_as_other_user(argv: Sequence[str | os.PathLike[str]],
     return subprocess.run(["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}",
                            "--clear-groups", *map(str, argv)], cwd="/", capture_output=True,
                           text=True, timeout=timeout)
+
+
+def wait_for(condition: Callable[[], bool], what: str, seconds: float = 30.0) -> None:
+    """Poll ``condition`` until it holds: for what the kernel or the daemon does in the
+    background (FORGETs after drop_caches, a drained window), with a deadline far above the
+    usual time, so a loaded machine is slow, not failing."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"still not {what} after {seconds} s"
+        time.sleep(0.05)
 
 
 def make_dataset(root: Path, files: int, seed: int = 0) -> dict[str, int]:

@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import drop_caches, make_dataset
+from conftest import drop_caches, make_dataset, wait_for
 
 from coordlfs.control import Control, ControlError
 
@@ -89,12 +88,6 @@ def _source(tmp_path: Path, n: int = 120) -> tuple[Path, list[str], int]:
     return root, sorted(sizes), sum(sizes.values())
 
 
-def _wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
 
 def test_aligned_jobs_read_each_item_from_storage_once(mount, jobs, tmp_path: Path) -> None:
     src, files, total = _source(tmp_path)
@@ -147,11 +140,11 @@ def test_dead_member_does_not_pin_the_window(mount, jobs, tmp_path: Path) -> Non
     assert m.status()["read_window"]["used_bytes"] == total
     os.kill(b.proc.pid, signal.SIGKILL)
     b.proc.wait()
-    _wait_for(lambda: m.status()["read_window"]["used_bytes"] == 0)
+    wait_for(lambda: m.status()["read_window"]["used_bytes"] == 0, "the read window empty")
     members = m.status()["groups"]["g"]["members"]
     assert [member["pid"] for member in members] == [a.proc.pid]
     a.stop()
-    _wait_for(lambda: m.status()["groups"] == {})
+    wait_for(lambda: m.status()["groups"] == {}, "every group gone")
 
 
 def test_unaligned_readers_are_unaffected(mount, tmp_path: Path) -> None:

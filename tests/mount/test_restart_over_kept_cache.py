@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-from conftest import digests, drop_caches, run_cli
+from conftest import digests, drop_caches, run_cli, wait_for
 
 from coordlfs.system.processes import wait_exit
 
@@ -24,12 +22,6 @@ def _change_three(source: Path, names: list[str]) -> int:
     return (source / names[0]).stat().st_size + (source / names[2]).stat().st_size
 
 
-def _wait_for(condition: Callable[[], bool], what: str, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"still not {what} after {seconds} s"
-        time.sleep(0.05)
-
 
 def test_changed_files_are_read_fresh_after_a_warm_restart(mount, dataset) -> None:
     source, sizes = dataset
@@ -40,7 +32,7 @@ def test_changed_files_are_read_fresh_after_a_warm_restart(mount, dataset) -> No
     assert run_cli("umount", str(m.mountpoint)).returncode == 0
     changed_bytes = _change_three(source, names)
     again = mount(source, mountpoint=m.mountpoint, cache_dir=m.cache_dir)
-    _wait_for(lambda: again.status()["cache"]["files"] == cached - 3,
+    wait_for(lambda: again.status()["cache"]["files"] == cached - 3,
               "checked (the three changed entries dropped)")
     drop_caches()
     assert digests(again.mountpoint) == digests(source)
