@@ -49,10 +49,15 @@ def mounts() -> list[MountEntry]:
 
 def mount_at(path: str) -> MountEntry | None:
     """The topmost mount whose mountpoint is exactly ``path``."""
-    real = os.path.realpath(path)
+    return _topmost(os.path.realpath(path))
+
+
+def _topmost(mountpoint: str) -> MountEntry | None:
+    """The last listed (the topmost) mount at ``mountpoint``, a real path, from the table
+    alone."""
     found = None
     for entry in mounts():
-        if entry.mountpoint == real:
+        if entry.mountpoint == mountpoint:
             found = entry
     return found
 
@@ -61,11 +66,8 @@ def device_mounted_at(mountpoint: str) -> int | None:
     """The device of the topmost coordlfs mount at ``mountpoint`` (a real path), from the mount
     table alone: a stat would ask that mount's daemon, which may be the caller, not serving
     yet."""
-    found = None
-    for entry in mounts():
-        if entry.mountpoint == mountpoint and entry.fstype == "fuse.coordlfs":
-            found = entry
-    if found is None:
+    found = _topmost(mountpoint)
+    if found is None or found.fstype != "fuse.coordlfs":
         return None
     major, _, minor = found.device.partition(":")
     return os.makedev(int(major), int(minor))
