@@ -4,21 +4,25 @@ MinIO (CoorDL paper, section 4.1) caches items as they are first read until the 
 reached and then never replaces anything. With random-order epochs every later epoch then
 gets exactly ``capacity`` bytes of hits, where an LRU cache thrashes.
 
-Cached files are packed end to end into one sparse file, the arena, in a tmpfs directory
-(``/dev/shm/coordlfs-<uid>/...`` by default), so the bytes live outside the daemon's heap and a
-restarted daemon finds them warm. One arena instead of a tmpfs file per cached file saves
-what per-file storage costs in a memory budget: page rounding (2 KiB per file on average,
-2% of a cache of 110 KB images) and a tmpfs inode and dentry per file. Because
-MinIO never evicts, space is handed out by a bump pointer and never fragments. An entry that
-is dropped (its source file changed) has its pages punched out of the arena, so its memory
-returns at once; its offsets are not reused, so a stale slice can never show another file.
-A journal (``coordlfs.cache.journal``: a binary checkpoint, then a line per change) records which
-source path, version and offset each entry holds. A restart adopts the entries unchecked
-and serves at once: an open compares the file's version with the entry's anyway (the
-inode is the key; size, mtime and ctime must match), so a changed file is never served, and
-a sweep in worker threads (``check``) compares every adopted entry with the source in the
-background, drops those of changed or removed files and publishes the rest for clients.
-Whatever no adopted entry covers is punched out at once.
+Each cached file is a file of its own in the ``files`` directory of a tmpfs directory
+(``/dev/shm/coordlfs-<uid>/...`` by default), named by the entry's number (``Entry.offset``,
+handed out by a counter and never reused, so a name never shows another file's bytes). The
+bytes live outside the daemon's heap, a restarted daemon finds them warm, and the kernel can
+serve a file by FUSE passthrough (``coordlfs.fs.backing``), which takes a whole file as its
+backing: no slice of a shared file would do. What a file of its own costs is counted: the
+capacity is charged each entry's bytes rounded up to pages (2 KiB per file on average, 2% of
+a cache of 110 KB images), and the kernel's inode and dentry per file (about 1 KB) are
+reported beside it (``file_overhead``). An entry that is dropped (its source file changed)
+has its file unlinked at once: readers that opened it (a passthrough open, a client's
+mapping) keep the old bytes until they close, and its memory returns then.
+
+A journal (``coordlfs.cache.journal``: a binary checkpoint, then a line per change) records
+which source path and version each entry holds. A restart adopts the entries whose files
+are there, unchecked, and serves at once: an open compares the file's version with the
+entry's anyway (the inode is the key; size, mtime and ctime must match), so a changed file is
+never served, and a sweep in worker threads (``check``) compares every adopted entry with
+the source in the background, drops those of changed or removed files and publishes the rest
+for clients. A file no adopted entry names is unlinked at once.
 
 Entries are rows of an ``entries.EntryTable`` (about 70 bytes and the path each), not objects.
 
@@ -26,25 +30,23 @@ A file is filled by a background task in chunks; readers wait only until the byt
 for have arrived, so a large file streams while it is being cached.
 
 Complete entries are also published (``share``) in an index in shared memory
-(``coordlfs.cache.published``), where ``coordlfs.client`` finds them and reads the arena itself.
-A published entry is withdrawn the moment its source file may have changed, and the pages
-of a published entry that is dropped are punched only ``PUNCH_GRACE_S`` later, so that a
-client that found it just before copies its bytes, not zeros.
+(``coordlfs.cache.published``), where ``coordlfs.client`` finds them and maps their files
+itself. A published entry is withdrawn the moment its source file may have changed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import logging
 import mmap
 import os
 import shutil
-import stat
 import time
 from array import array
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import NamedTuple
 
 import trio
@@ -67,7 +69,8 @@ log = logging.getLogger(__name__)
 #: that thread hand-offs cost nothing next to the copy, small enough to bound the per-thread
 #: O_DIRECT buffers and to let a reader of a big file start early.
 FILL_CHUNK = 1 << 20
-ARENA = "arena"
+#: the directory of the entries' files, in the cache directory
+FILES = "files"
 #: what a user can do about a cache directory that is not theirs alone
 _REMEDY = "remove it or give --cache-dir"
 #: Adopted entries one worker thread compares with the source per hand-off, and the worker
@@ -79,53 +82,74 @@ CHECK_WORKERS = 2
 _CHECK_SLICE = 32
 _CHECK_SHARE = 0.25
 _CHECK_PAUSE_S = 0.0005
-#: Offsets the arena hands out, as a multiple of the capacity. Offsets of dropped entries are
-#: not reused, so a mount can drop (capacity x (ARENA_SPAN - 1)) bytes of changed files
-#: before it stops caching new ones; a remount compacts. The span costs no memory: the arena
-#: is sparse and the mapping is read-only.
-ARENA_SPAN = 2
 #: errnos that mean the cache's filesystem has no room (a full tmpfs, a quota)
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 #: Free room on a full cache filesystem that counts as room again: enough that fills do not
 #: fail again at once. Each new file asks (one statfs, next to a miss's storage read).
 ROOM_BACK = 8 << 20
-#: Seconds between dropping a published entry and punching its pages: a client that found
-#: it just before has that long to copy its bytes (a view kept longer may read zeros).
-PUNCH_GRACE_S = 5.0
-_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+#: Entry files the daemon keeps open for its own reads (``data``): the files of the handles
+#: reading the classic way, without an open and a close per READ
+_OPEN_FILES = 256
+#: What the kernel keeps per file on tmpfs beside its pages, where /proc/slabinfo cannot be
+#: read: a shmem inode (752 B) and a dentry (192 B), measured on Linux 6.18
+_FILE_OVERHEAD = 752 + 192
 
 
 def _no_room(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in _NO_ROOM
 
 
-def _punch(fd: int, start: int, end: int) -> None:
-    """Return the memory of the whole pages within [start, end) to tmpfs."""
-    page = mmap.PAGESIZE
-    first, last = -(-start // page) * page, end // page * page
-    if last > first and _libc.fallocate(fd, _PUNCH_HOLE, first, last - first) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"cannot punch a hole in the arena: {os.strerror(err)}")
+def pages(size: int) -> int:
+    """What ``size`` bytes occupy on tmpfs: whole pages."""
+    return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-def _open_arena(dir_fd: int, directory: str) -> int:
-    """The arena, made 0600 where absent; never through a link, and never a file that is not
-    ours (it would be truncated and hold cached bytes)."""
+def file_name(number: int) -> str:
+    """The name of entry ``number``'s file in ``FILES``."""
+    return f"{number:x}"
+
+
+def file_overhead() -> int:
+    """Bytes the kernel keeps per tmpfs file besides its pages (inode and dentry)."""
+    sizes = {}
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/slabinfo") as slabinfo:
+        for line in slabinfo:
+            fields = line.split()
+            if fields[0] in ("shmem_inode_cache", "dentry"):
+                sizes[fields[0]] = int(fields[3])
+    return sum(sizes.values()) if len(sizes) == 2 else _FILE_OVERHEAD
+
+
+def _open_files(dir_fd: int, directory: str) -> int:
+    """The entries' directory, made 0700 where absent; never through a link, and never a
+    directory that is not ours (its files are served as cached bytes)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(FILES, 0o700, dir_fd=dir_fd)
     try:
-        fd = os.open(ARENA, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+        fd = os.open(FILES, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                      dir_fd=dir_fd)
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise UserError(f"{directory}/{ARENA} is a symbolic link: {_REMEDY}") from None
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UserError(f"{directory}/{FILES} is not a directory: {_REMEDY}") from None
         raise
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
         os.close(fd)
-        raise UserError(f"{directory}/{ARENA} is not a file of uid {os.geteuid()}'s: "
-                        f"{_REMEDY}")
+        raise UserError(f"{directory}/{FILES} is not a private directory of uid "
+                        f"{os.geteuid()}'s: {_REMEDY}")
     return fd
+
+
+def create_file(files_fd: int, number: int) -> int:
+    """A new entry's file, for writing: 0600, exclusive (a leftover of the name is removed
+    first), never through a link."""
+    name = file_name(number)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(name, flags, 0o600, dir_fd=files_fd)
+    except FileExistsError:
+        os.unlink(name, dir_fd=files_fd)
+        return os.open(name, flags, 0o600, dir_fd=files_fd)
 
 
 def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
@@ -149,11 +173,10 @@ class WholeFileCache:
         self.max_file_size = max_file_size
         self.counters = counters
         self.entries = EntryTable()
+        #: bytes the entries occupy: their sizes rounded up to pages
         self.used = 0
-        #: the arena's bump pointer: offsets below it have been handed out
-        self.end = 0
-        self.arena_size = max(mmap.PAGESIZE, -(-capacity * ARENA_SPAN // mmap.PAGESIZE)
-                              * mmap.PAGESIZE)
+        #: the next entry's number (its file's name); numbers below it have been handed out
+        self.next_number = 0
         try:
             # made 0700 or checked to be ours alone (``private_dir``); its path has no links
             directory, self.dir_fd = open_private(directory, _REMEDY)
@@ -172,15 +195,9 @@ class WholeFileCache:
             os.close(self.dir_fd)
             raise UserError(f"cache directory {directory} is in use by another coordlfs mount "
                             "(give this mount its own --cache-dir)") from None
-        retire(self.dir_fd)  # a killed daemon's clients: before the arena may shrink
+        retire(self.dir_fd)  # a killed daemon's clients: before its files may go
         try:
-            self.arena_fd = _open_arena(self.dir_fd, directory)
-            former = os.fstat(self.arena_fd).st_size
-            if former > self.arena_size:  # a larger former capacity
-                _punch(self.arena_fd, self.arena_size, former)
-            os.ftruncate(self.arena_fd, self.arena_size)
-            self._arena = mmap.mmap(self.arena_fd, self.arena_size, flags=mmap.MAP_SHARED,
-                                    prot=mmap.PROT_READ)
+            self.files_fd = _open_files(self.dir_fd, directory)
         except (OSError, UserError) as e:
             os.close(self.dir_fd)
             if self.own_tmpfs:
@@ -188,9 +205,12 @@ class WholeFileCache:
             if isinstance(e, OSError):
                 raise UserError(f"cannot use cache directory {directory}: {e.strerror}") from None
             raise
-        #: hits are slices of this: no syscall and no copy in the daemon
-        self._view = memoryview(self._arena)
-        self._span_logged = False
+        #: entry number -> a descriptor of its file, for ``data`` (least recently used first)
+        self._open: OrderedDict[int, int] = OrderedDict()
+        #: called with each entry dropped (``_release``), such as to drop its backing id
+        self.released: list[Callable[[Key, Entry], None]] = []
+        #: kernel bytes per entry file beside its pages (``file_overhead``)
+        self.file_overhead = file_overhead()
         #: the cache's filesystem ran out of room: no new entries until it has room again
         self.full = False
         #: bytes of files handed over for filling and not reserved yet (``promise``)
@@ -204,8 +224,6 @@ class WholeFileCache:
         self.watch: PublishedWatch | None = None
         self._source: Source | None = None
         self._index_full_logged = False
-        #: (when, start, end): pages of dropped published entries, punched after the grace
-        self._late_punches: list[tuple[float, int, int]] = []
 
     # -- start and stop ---------------------------------------------------------------
 
@@ -229,8 +247,8 @@ class WholeFileCache:
         """Adopt the entries a previous daemon left, unchecked against the source (an open
         compares each with the source anyway; ``check`` compares the rest); returns count.
 
-        Only what the journal proves is kept: entries within the arena and the capacity,
-        overlapping none before them. Every other byte of the arena is punched out.
+        Only what the journal proves is kept: entries whose files are there, within the
+        capacity. Every other file is unlinked.
         """
         columns, lines = journal.read(self.dir_fd)
         if columns is not None:
@@ -241,23 +259,21 @@ class WholeFileCache:
         clean = columns is not None and not replay.lines
         self._replayed(replay)
         for name in os.listdir(self.dir_fd):  # a torn journal rewrite, or an older layout
-            if name not in (ARENA, JOURNAL, INDEX):
+            if name not in (FILES, JOURNAL, INDEX):
                 os.unlink(name, dir_fd=self.dir_fd)
-        offsets, sizes = self.entries.offset, self.entries.size
-        end = 0
-        for row in sorted(self.entries.rows(), key=offsets.__getitem__):
-            offset, size = offsets[row], sizes[row]
-            if (offset < end or offset + size > self.arena_size
-                    or self.used + size > self.capacity):
+        files = set(os.listdir(self.files_fd))
+        numbers, sizes = self.entries.offset, self.entries.size
+        for row in sorted(self.entries.rows(), key=numbers.__getitem__):
+            name = file_name(numbers[row])
+            if name not in files or self.used + pages(sizes[row]) > self.capacity:
                 self.entries.remove_row(row)
                 clean = False
                 continue
-            if offset > end:
-                _punch(self.arena_fd, end, offset)
-            self.used += size
-            end = offset + size
-        _punch(self.arena_fd, end, self.arena_size)
-        self.end = end
+            files.remove(name)
+            self.used += pages(sizes[row])
+            self.next_number = numbers[row] + 1
+        for name in files:
+            os.unlink(name, dir_fd=self.files_fd)
         self._room_changed()
         if not clean:
             self.journal.checkpoint(self.entries.columns())
@@ -359,10 +375,10 @@ class WholeFileCache:
             self.index.close()
         if self.watch is not None:
             self.watch.close()
-        self._view.release()
-        with contextlib.suppress(BufferError):  # a slice still referenced: unmapped when freed
-            self._arena.close()
-        os.close(self.arena_fd)
+        for fd in self._open.values():
+            os.close(fd)
+        self._open.clear()
+        os.close(self.files_fd)
         if keep:  # the next start reads it at once, with no lines to replay
             self.journal.checkpoint(self.entries.columns())
         self.journal.close()
@@ -396,19 +412,14 @@ class WholeFileCache:
         """Claim room for a new entry, or None when MinIO's capacity (or the file limit) says no."""
         if key in self.entries or st.st_size > self.max_file_size:
             return None
-        if self.used + st.st_size > self.capacity or (self.full and not self._room_is_back()):
+        if (self.used + pages(st.st_size) > self.capacity
+                or (self.full and not self._room_is_back())):
             return None
-        if self.end + st.st_size > self.arena_size:
-            if not self._span_logged:
-                log.warning("the arena's offsets are used up by dropped entries: new files are "
-                            "streamed until the next mount")
-                self._span_logged = True
-            return None
-        entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, self.end,
+        entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, self.next_number,
                       progress=trio.Event())
         self.entries.add(key, entry)
-        self.used += entry.size
-        self.end += entry.size
+        self.used += pages(entry.size)
+        self.next_number += 1
         self._room_changed()
         return entry
 
@@ -448,7 +459,7 @@ class WholeFileCache:
 
     async def fill(self, key: Key, entry: Entry, source: Source) -> None:
         """Copy the source file into the entry; on any failure the entry is given up."""
-        copier = _Copier(source, entry, self.arena_fd)
+        copier = _Copier(source, entry, self.files_fd)
         try:
             try:
                 while entry.filled < entry.size:
@@ -470,7 +481,7 @@ class WholeFileCache:
                         exc_info=not isinstance(error, OSError))
 
     def arrived(self, entry: Entry, got: int) -> None:
-        """``got`` more bytes of a filling entry are in the arena: its readers may go on."""
+        """``got`` more bytes of a filling entry are in its file: its readers may go on."""
         entry.filled += got
         self.counters.bytes_from_source += got
         self._wake(entry)
@@ -479,7 +490,7 @@ class WholeFileCache:
                  error: BaseException | None = None) -> BaseException | None:
         """End the fill of a reserved entry, by ``fill`` or by any other filler.
 
-        ``final`` is the source's fstat once every byte is in the arena (None with the
+        ``final`` is the source's fstat once every byte is in the file (None with the
         ``error`` that stopped the fill): the entry is complete if it still shows the version
         reserved, else it is given up (punched, its readers sent to the source). Returns why
         it was given up, or None; a full cache directory is noted here, the rest is for the
@@ -509,15 +520,27 @@ class WholeFileCache:
             await entry.progress.wait()
         return not entry.failed
 
-    def data(self, entry: Entry, offset: int, size: int) -> memoryview:
-        """Bytes of an entry, which must have arrived (see ``wait_for``), as a slice of the arena.
+    def data(self, entry: Entry, offset: int, size: int) -> bytes:
+        """Bytes of an entry, which must have arrived (see ``wait_for``): one pread of its
+        file, kept open while it is read (at most ``_OPEN_FILES`` files)."""
+        fd = self._open.get(entry.offset)
+        if fd is None:
+            fd = self._open[entry.offset] = self.entry_fd(entry)
+            if len(self._open) > _OPEN_FILES:
+                os.close(self._open.popitem(last=False)[1])
+        else:
+            self._open.move_to_end(entry.offset)
+        size = min(size, entry.size - offset)
+        data = os.pread(fd, size, offset)
+        if len(data) != size:  # the file is ours alone: only a fault makes it short
+            raise OSError(errno.EIO, f"cache file of {os.fsdecode(entry.path)} is short")
+        return data
 
-        pyfuse3 hands the slice to the kernel, which copies it once into the reply, as from
-        any buffer. Callers slice and reply without yielding to trio, so an entry dropped by
-        another task cannot have its pages punched under a reply.
-        """
-        start = entry.offset + offset
-        return self._view[start : start + min(size, entry.size - offset)]
+    def entry_fd(self, entry: Entry) -> int:
+        """A new read-only descriptor of the entry's file (the caller closes it): for the
+        daemon's own reads, and a passthrough open's backing."""
+        return os.open(file_name(entry.offset), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       dir_fd=self.files_fd)
 
     # -- published to clients ----------------------------------------------------------
 
@@ -595,18 +618,9 @@ class WholeFileCache:
             for published in [p for p in self.entries.shared_paths() if p.startswith(inside)]:
                 self._withdraw(published)
 
-    def punch_late(self, now: float) -> None:
-        """Punch the pages of dropped published entries whose grace has passed."""
-        while self._late_punches and self._late_punches[0][0] <= now:
-            _when, start, end = self._late_punches.pop(0)
-            try:
-                _punch(self.arena_fd, start, end)
-            except OSError as e:
-                log.warning("%s", e)
-
     async def run_shared(self) -> None:
-        """Withdraw published entries whose source changes, punch dropped ones late, and
-        beat, so that clients stop trusting the index soon after this loop stops."""
+        """Withdraw published entries whose source changes, and beat, so that clients stop
+        trusting the index soon after this loop stops."""
         if self.watch is None:
             return
         async with trio.open_nursery() as nursery:
@@ -614,7 +628,6 @@ class WholeFileCache:
             nursery.start_soon(self._beat)
             while True:
                 await trio.sleep(1.0)
-                self.punch_late(time.monotonic())
                 if self.full:  # clients send no misses to notice it: they read the source
                     self._room_is_back()
 
@@ -626,17 +639,16 @@ class WholeFileCache:
             await trio.sleep(BEAT_EVERY_S)
 
     def shared_status(self) -> dict | None:
-        """Where clients find the index and the arena, and what the index holds."""
+        """Where clients find the index and the entries' files, and what the index holds."""
         if self.index is None or self.watch is None:
             return None
         return {
             "index": os.path.join(self.directory, INDEX),
-            "arena": os.path.join(self.directory, ARENA),
+            "files": os.path.join(self.directory, FILES),
             "mode": "revalidate" if self.index.revalidate else "watch",
             "published": len(self.index),
             "withdrawn": self.index.withdrawn,
             "watched_directories": self.watch.directories,
-            "punches_waiting": len(self._late_punches),
         }
 
     # -- a full filesystem -------------------------------------------------------------
@@ -677,8 +689,8 @@ class WholeFileCache:
         promised to files handed over for filling is not theirs (the mount's own readers
         still take what comes first, as MinIO does)."""
         if self.index is not None:
-            self.index.set_room(0 if self.full else max(0, min(
-                self.capacity - self.used - self.promised, self.arena_size - self.end)))
+            self.index.set_room(0 if self.full else max(
+                0, self.capacity - self.used - self.promised))
 
     @staticmethod
     def _wake(entry: Entry) -> None:
@@ -688,27 +700,29 @@ class WholeFileCache:
             done.set()
 
     def _release(self, key: Key, entry: Entry) -> None:
-        # Open handles still holding the entry must not read its punched pages: a failed
+        # Open handles still holding the entry must not read a file that goes: a failed
         # entry sends them to the source.
         was_complete = entry.complete
         entry.complete, entry.failed = False, True
         removed, flags = self.entries.remove(key, entry)
         if removed:
-            self.used -= entry.size
+            self.used -= pages(entry.size)
             self._room_changed()
         if was_complete:  # journaled: a restart must not adopt it
             self.journal.append(journal.dropped(key, entry))
-        if flags & SHARED:  # a client may be copying from it: withdrawn now, punched later
+        if flags & SHARED:  # clients find it no more; those that opened it keep its bytes
             self._withdraw(entry.path)
-            self._late_punches.append((time.monotonic() + PUNCH_GRACE_S, entry.offset,
-                                       entry.offset + entry.size))
-            return
-        # Pages shared with a neighbour stay; the neighbour's bytes are in them. The offsets
-        # are never handed out again, so pages a failed punch leaves are only memory.
+        fd = self._open.pop(entry.offset, None)
+        if fd is not None:
+            os.close(fd)
         try:
-            _punch(self.arena_fd, entry.offset, entry.offset + entry.size)
+            os.unlink(file_name(entry.offset), dir_fd=self.files_fd)
+        except FileNotFoundError:
+            pass  # a fill that failed before its first byte
         except OSError as e:
-            log.warning("%s", e)
+            log.warning("cannot remove the cache file of %s: %s", os.fsdecode(entry.path), e)
+        for tell in self.released:
+            tell(key, entry)
 
 
 class Checking(NamedTuple):
@@ -742,26 +756,29 @@ def _lstat_all(source: Source, checking: list[Checking]) -> list[os.stat_result 
 
 
 class _Copier:
-    """Copies a source file into a filling entry, one chunk per call from a worker thread.
+    """Copies a source file into a filling entry's file, one chunk per call from a worker
+    thread.
 
-    Opening the source, the last chunk, the final fstat and the close share a thread call, so
-    a small file (the common case) costs one thread hand-off rather than three, and the event
-    loop's thread makes no system call for it (each would wait for the GIL behind the fill
-    threads').
+    Opening the source and the entry's file, the last chunk, the final fstat and the closes
+    share a thread call, so a small file (the common case) costs one thread hand-off rather
+    than three, and the event loop's thread makes no system call for it (each would wait for
+    the GIL behind the fill threads').
     """
 
-    def __init__(self, source: Source, entry: Entry, arena_fd: int) -> None:
+    def __init__(self, source: Source, entry: Entry, files_fd: int) -> None:
         self.source = source
         self.entry = entry
-        self.arena_fd = arena_fd
+        self.files_fd = files_fd
         self.reader: SourceReader | None = None
+        self.fd = -1
         self.final: os.stat_result | None = None
 
     def step(self, offset: int) -> int:
         if self.reader is None:
             self.reader = self.source.open_reader(self.entry.path)
+            self.fd = create_file(self.files_fd, self.entry.offset)
         data = self.reader.read_view(offset, min(FILL_CHUNK, self.entry.size - offset))
-        write_all(self.arena_fd, data, self.entry.offset + offset)
+        write_all(self.fd, data, offset)
         if offset + len(data) >= self.entry.size:
             self.final = self.reader.fstat()
             self.close()
@@ -771,3 +788,6 @@ class _Copier:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)

@@ -1,7 +1,7 @@
 """The MinIO cache's entries: a row per cached file, an object only while one is in use.
 
 A complete entry is a row of an ``EntryTable`` (about 70 bytes and its path: key, path,
-version, arena offset, flags); an ``Entry`` object is made for it when a reader, a fill or
+version, number, flags); an ``Entry`` object is made for it when a reader, a fill or
 the peer server asks (``get``), and shared by all of them while any holds it (the table
 keeps a weak reference), so that dropping the entry fails it for every holder at once. An
 entry being filled is an object for as long as its fill runs: readers wait on its progress.
@@ -30,7 +30,7 @@ class Entry:
     size: int
     mtime_ns: int
     ctime_ns: int
-    #: where the entry's bytes start in the arena
+    #: the entry's number, never reused: its file's name (``cache.file_name``)
     offset: int
     filled: int = 0
     complete: bool = False
@@ -115,12 +115,12 @@ class EntryTable(Rows, Mapping[Key, Entry]):
             self._filling[row] = entry
 
     def _row_of(self, key: Key, entry: Entry) -> int:
-        """The row of ``key`` if it holds ``entry`` (arena offsets are never reused), or -1."""
+        """The row of ``key`` if it holds ``entry`` (numbers are never reused), or -1."""
         row = self.keys.find(key)
         return row if row >= 0 and self.offset[row] == entry.offset else -1
 
     def completed(self, key: Key, entry: Entry) -> None:
-        """The fill of ``entry`` ended with every byte in the arena."""
+        """The fill of ``entry`` ended with every byte in its file."""
         row = self._row_of(key, entry)
         if row >= 0:
             self.flags[row] &= ~FILLING

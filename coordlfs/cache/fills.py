@@ -11,8 +11,8 @@ comes after the rest of this one, which the job reads first.
 A worker fills a whole file in one worker-thread call (``_Fill.run``): open beneath the
 source's root (never through a symlink), fstat, reserve the entry on the event loop (one
 call back), read with O_DIRECT in pieces of up to ``cache.FILL_CHUNK`` into the thread's
-aligned buffer, pwrite into the arena, fstat again. A small file (the common case) thus costs
-one hand-off to a thread and one back, where a read through the mount costs several FUSE
+aligned buffer, pwrite into the entry's file, fstat again. A small file (the common case)
+thus costs one hand-off to a thread and one back, where a read through the mount costs several FUSE
 requests; memory for fills in flight is at most ``depth`` buffers of ``FILL_CHUNK``. The entry
 is reserved and ended through ``WholeFileCache`` like any fill, so a reader through the mount
 of a file being filled waits on the same entry, and an entry the mount is already filling (or
@@ -40,7 +40,7 @@ from typing import Any
 
 import trio
 
-from coordlfs.cache.cache import FILL_CHUNK, Entry, WholeFileCache, write_all
+from coordlfs.cache.cache import FILL_CHUNK, Entry, WholeFileCache, create_file, write_all
 from coordlfs.protocol.spec import Caller, Refused, Served
 from coordlfs.source.beneath import mode_grants, open_beneath
 from coordlfs.source.source import Source, SourceReader
@@ -151,16 +151,20 @@ class _Fill:
         large file lets the readers of its start go on, and stops at an unmount."""
         assert self.reader is not None
         done = 0
-        while done < entry.size:
-            if done:
-                trio.from_thread.run_sync(cache.arrived, entry, done - self.reported)
-                self.reported = done
-                trio.from_thread.check_cancelled()
-            data = self.reader.read_view(done, min(FILL_CHUNK, entry.size - done))
-            if not data:
-                raise OSError(errno.EIO, "source file shrank while being cached")
-            write_all(cache.arena_fd, data, entry.offset + done)
-            done += len(data)
+        fd = create_file(cache.files_fd, entry.offset)
+        try:
+            while done < entry.size:
+                if done:
+                    trio.from_thread.run_sync(cache.arrived, entry, done - self.reported)
+                    self.reported = done
+                    trio.from_thread.check_cancelled()
+                data = self.reader.read_view(done, min(FILL_CHUNK, entry.size - done))
+                if not data:
+                    raise OSError(errno.EIO, "source file shrank while being cached")
+                write_all(fd, data, done)
+                done += len(data)
+        finally:
+            os.close(fd)
         self.final = self.reader.fstat()
 
     def close(self) -> None:

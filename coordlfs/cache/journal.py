@@ -1,9 +1,9 @@
-"""The cache's journal (``index.jsonl``): which source file each arena range holds, so that a
+"""The cache's journal (``index.jsonl``): which source file each entry file holds, so that a
 restarted daemon finds the cache warm.
 
 The file is a checkpoint followed by JSON lines. The checkpoint is a JSON header line
 (``{"checkpoint": 1, "entries": N, ...}``) and then the entries' columns in binary (device,
-inode, size, mtime, ctime, arena offset, path length; then the paths end to end), checked by
+inode, size, mtime, ctime, entry number, path length; then the paths end to end), checked by
 a CRC-32 in the header: a restart reads the columns straight into arrays, with no parsing
 per entry (a million entries in well under a second, where a line each took 15 s with the
 checks). Each change since, an entry completed or dropped, is a JSON line appended as it

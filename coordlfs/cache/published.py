@@ -1,9 +1,9 @@
 """The index of cached files the daemon publishes in shared memory, for ``coordlfs.client``.
 
-A client that finds a file here slices its bytes out of the arena it maps read-only: no
-system call and no copy per hit. This module holds the layout for both sides: the daemon
-writes (``IndexWriter``), clients read (``IndexReader``); it needs the standard library only,
-as the client does.
+A client that finds a file here maps the entry's file read-only (``IndexReader.view``) and
+keeps the mapping: from its second read of a file, a hit costs no system call and no copy.
+This module holds the layout for both sides: the daemon writes (``IndexWriter``), clients
+read (``IndexReader``); it needs the standard library only, as the client does.
 
 The index is one file in the cache directory (``published``): a header, then an
 open-addressed hash table of fixed 64-byte slots, probed linearly. A slot is keyed by the
@@ -77,7 +77,7 @@ BEAT_EVERY_S = 0.5
 STALE_AFTER_S = 2.0
 _STALE_NS = int(STALE_AFTER_S * 1e9)
 HEADER_SIZE = 64
-#: word (sequence << 2 | state), hash (2 words), arena offset, size, inode, mtime, ctime
+#: word (sequence << 2 | state), hash (2 words), entry number, size, inode, mtime, ctime
 SLOT = struct.Struct("<QQQQQQqq")
 _WORD = struct.Struct("<Q")
 #: a slot's word and hash: what finding a path's slot reads
@@ -85,6 +85,9 @@ _PROBE = struct.Struct("<QQQ")
 SLOT_SIZE = SLOT.size
 EMPTY, LIVE, DEAD, BUSY = 0, 1, 2, 3
 _HASH = struct.Struct("<QQ")
+#: Files a client keeps mapped, at most: well below the kernel's 65,530 mappings a process
+#: (``vm.max_map_count``), with room for the libraries' own.
+MAPPED_FILES = 16384
 #: The smallest table, slots: 256 KiB of index, 2,048 files before it grows.
 MIN_SLOTS = 1 << 12
 
@@ -97,6 +100,7 @@ def path_hash(path: bytes) -> tuple[int, int]:
 class Published(NamedTuple):
     """What a slot says about a cached file: where its bytes are and which version they are."""
 
+    #: the entry's number: its file's name in the cache's ``files`` directory
     offset: int
     size: int
     ino: int
@@ -251,7 +255,7 @@ class IndexWriter:
         old.close()
 
     def close(self) -> None:
-        """Retire the index: clients stop trusting it (the arena may go with the mount)."""
+        """Retire the index: clients stop trusting it (the files may go with the mount)."""
         _WORD.pack_into(self._map, _FLAGS_AT, 1)
         self._map.close()
 
@@ -271,28 +275,58 @@ def retire(dir_fd: int) -> None:
 
 
 class IndexReader:
-    """A client's side: finds a published path's slot with no system call.
+    """A client's side: finds a published path's slot with no system call, and maps the
+    files it finds.
 
-    Raises OSError when the index or the arena cannot be opened (such as a user who may not
-    read the cache directory): the caller then reads through the mount.
+    Raises OSError when the index or the files' directory cannot be opened (such as a user
+    who may not read the cache directory): the caller then reads through the mount.
     """
 
-    def __init__(self, index: str, arena: str) -> None:
+    def __init__(self, index: str, files: str) -> None:
         self.index_path = index
-        fd = os.open(arena, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self._files = os.open(files, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        #: entry number -> its file mapped: kept, never evicted (``MAPPED_FILES`` at most)
+        self._mapped: dict[int, mmap.mmap] = {}
         try:
-            self._arena = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        #: the cached bytes; slices of it are what a hit returns
-        self.arena = memoryview(self._arena)
-        self._arena_size = len(self.arena)
-        self._map, self._mask, self.revalidate = self._open()
+            self._map, self._mask, self.revalidate = self._open()
+        except OSError:
+            os.close(self._files)
+            raise
         # Ahead of our clock (``| _BEAT_SET``: rounded as the beat is) only from a clock of
         # another time namespace, which would make a dead daemon's beat look fresh
         if _WORD.unpack_from(self._map, _BEAT_AT)[0] > monotonic_ns() | _BEAT_SET:
             self.close()
             raise OSError(f"{index} was written with a clock other than this process's")
+
+    def view(self, found: Published) -> memoryview | bytes | None:
+        """The bytes of a file ``find`` found: a view of its mapping, kept for the next read
+        (or, once ``MAPPED_FILES`` are mapped, bytes read from it); None if its entry went
+        meanwhile (the caller reads through the mount).
+
+        Mappings are kept as MinIO keeps files, never replaced: with random-order epochs an
+        evicting table would miss as often as it holds. A kept view of a file the daemon
+        then drops shows the old bytes, and holds their memory until the client closes."""
+        mapped = self._mapped.get(found.offset)
+        if mapped is not None and len(mapped) == found.size:
+            return memoryview(mapped)
+        try:
+            fd = os.open(f"{found.offset:x}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=self._files)
+        except OSError:
+            return None
+        try:
+            if found.size == 0 or os.fstat(fd).st_size != found.size:
+                return b"" if found.size == 0 else None
+            if len(self._mapped) >= MAPPED_FILES:
+                data = os.pread(fd, found.size, 0)
+                return data if len(data) == found.size else None
+            mapped = mmap.mmap(fd, found.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        self._mapped[found.offset] = mapped
+        return memoryview(mapped)
 
     def _open(self) -> tuple[mmap.mmap, int, bool]:
         fd = os.open(self.index_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -318,8 +352,6 @@ class IndexReader:
                 if beat and monotonic_ns() - beat >= _STALE_NS:
                     return None  # the daemon is dead or stopped: it withdraws nothing
                 self.revalidate = revalidate != 0
-                if found is not None and found.offset + found.size > self._arena_size:
-                    return None
                 return found
             try:
                 self._map, self._mask, self.revalidate = self._open()
@@ -353,7 +385,9 @@ class IndexReader:
             slot = (slot + 1) & mask
 
     def close(self) -> None:
-        self.arena.release()
-        with contextlib.suppress(BufferError):  # views a user still holds: freed with them
-            self._arena.close()
+        for mapped in self._mapped.values():
+            with contextlib.suppress(BufferError):  # views a user still holds: freed with them
+                mapped.close()
+        self._mapped.clear()
+        os.close(self._files)
         self._map.close()

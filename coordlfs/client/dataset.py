@@ -7,8 +7,10 @@
             buf = ds.read(path)             # bytes-like: bytes(buf) copies it out
 
 A hit costs no system call and no copy: the daemon publishes the files its cache holds in
-an index in shared memory (``coordlfs.cache.published``), and the client maps that index and the
-cache's arena read-only, so ``read`` returns a read-only view of the cached bytes. A miss
+an index in shared memory (``coordlfs.cache.published``), and the client maps that index and,
+at its first read of each, the cached file (each is a file of its own), and keeps the
+mapping, so ``read`` returns a read-only view of the cached bytes. Past
+``published.MAPPED_FILES`` mappings a hit is one open and read of the cached file. A miss
 goes through the mount, which fills the cache as it does for every reader (and waits for a
 prefetch of the file already under way), so the next read is a hit.
 
@@ -41,9 +43,9 @@ to go on) or, for a file the cache has no room for, to the source directly. Chec
 read of the clock, no system call. A reader whose clock is not the daemon's (another time
 namespace) does not use the index at all.
 
-A view ``read`` returns stays valid while the file is unchanged. Once the source changes,
-the cached bytes are dropped a few seconds later (``cache.PUNCH_GRACE_S``) and a view kept
-that long reads zeros: copy what you keep (``bytes(buf)``). Hits and misses are counted
+A view ``read`` returns keeps the bytes it showed: when the source changes, the daemon
+unlinks the cached file, and the view still shows the old version (its memory is held until
+the ``Dataset`` closes and no view is left). Hits and misses are counted
 (``stats``) and reported to the mount in batches and on ``close``, so that ``coordlfs
 stats`` shows them.
 
@@ -135,7 +137,7 @@ class Dataset:
         shared = status.get("shared") or {}
         # not this user's to read (or no index): every read goes through the mount
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            self._index = IndexReader(shared["index"], shared["arena"])
+            self._index = IndexReader(shared["index"], shared["files"])
         self._direct = _DirectMisses(self._source_dir, (status.get("cache") or {}).get(
             "max_file_bytes")) if self._index is not None and _no_peers(status) else None
         self._reports = _Reports(self._control)
@@ -170,11 +172,13 @@ class Dataset:
         if index is not None:
             found = index.find(name)
             if found is not None and (not index.revalidate or self._fresh(name, found)):
-                counts = self._reports.total
-                counts.hits += 1
-                counts.bytes_from_cache += found.size
-                self._count_read()
-                return index.arena[found.offset : found.offset + found.size]
+                data = index.view(found)
+                if data is not None:
+                    counts = self._reports.total
+                    counts.hits += 1
+                    counts.bytes_from_cache += found.size
+                    self._count_read()
+                    return data
             room = index.room
             if self._direct is not None and room is not None:
                 data = self._direct.read(name, room)

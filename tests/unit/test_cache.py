@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from coordlfs.cache.cache import WholeFileCache
+from coordlfs.cache.cache import FILES, WholeFileCache, file_name, pages
 from coordlfs.cache.published import INDEX, IndexReader
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.errors import UserError
@@ -56,9 +56,9 @@ def test_source_reader_reads_every_range(files: Path) -> None:
 
 def test_minio_fills_until_capacity_and_never_evicts(files: Path, tmp_path: Path) -> None:
     source = Source(str(files))
-    cache = _cache(tmp_path, capacity=9000)
+    cache = _cache(tmp_path, capacity=12288)  # 3 pages: 1000 bytes take 1, 5000 take 2
     assert _fill_all(cache, source, ["f0", "f1", "f2"]) == [True, True, False]
-    assert cache.used == 6000 and cache.counters.bytes_from_source == 6000
+    assert cache.used == 12288 and cache.counters.bytes_from_source == 6000
     for entry in cache.entries.values():
         assert entry.complete
         assert cache.data(entry, 0, entry.size) == (files / os.fsdecode(entry.path)).read_bytes()
@@ -84,12 +84,13 @@ def test_restart_finds_cache_warm_and_drops_changed(files: Path, tmp_path: Path)
     again = _cache(tmp_path, capacity=1 << 30)
     assert again.load(source) == 3
     assert {os.fsdecode(e.path) for e in again.entries.values()} == {"f0", "f2", "f3"}
-    assert again.used == 1000 + 7000 + 10_000_001
-    assert sorted(os.listdir(tmp_path / "cache")) == ["arena", "index.jsonl"]
+    assert again.used == pages(1000) + pages(7000) + pages(10_000_001)
+    assert sorted(os.listdir(tmp_path / "cache")) == ["files", "index.jsonl"]
     for entry in again.entries.values():
         assert again.data(entry, 0, entry.size) == (files / os.fsdecode(entry.path)).read_bytes()
-    # f1's bytes, unproven, were punched out: the arena holds only the three entries' pages
-    assert os.stat(tmp_path / "cache" / "arena").st_blocks * 512 < again.used + 4 * 4096
+    # f1's file, unproven, was removed: one file per entry is left
+    assert sorted(os.listdir(tmp_path / "cache" / "files")) == sorted(
+        file_name(e.offset) for e in again.entries.values())
     again.close(keep=False)
 
 
@@ -120,7 +121,7 @@ def test_missing_source_is_a_user_error(tmp_path: Path) -> None:
 
 
 def test_dropped_entry_is_never_adopted_again(files: Path, tmp_path: Path) -> None:
-    """A file changed and then restored (same size and mtime) must not map to punched pages."""
+    """A file changed and then restored (same size and mtime) must not map to a removed file."""
     source = Source(str(files))
     original, st0 = (files / "f0").read_bytes(), os.stat(files / "f0")
     cache = _cache(tmp_path, capacity=1 << 30)
@@ -153,29 +154,38 @@ def test_hostile_journal_lines_are_skipped(files: Path, tmp_path: Path) -> None:
     again.close(keep=False)
 
 
-def test_arena_offsets_bound_new_entries(files: Path, tmp_path: Path) -> None:
-    """Offsets of dropped entries are not reused: once they run out, files are streamed."""
+def test_a_changed_file_gets_a_new_entry_file_and_the_old_one_goes(files: Path,
+                                                                      tmp_path: Path) -> None:
+    """Numbers are never reused: a descriptor of the old file keeps the old bytes."""
     source = Source(str(files))
-    cache = _cache(tmp_path, capacity=8192)  # arena of 16 KiB
-    assert _fill_all(cache, source, ["f2"]) == [True]  # 7000 bytes
+    cache = _cache(tmp_path, capacity=8192)
+    assert _fill_all(cache, source, ["f2"]) == [True]  # 7000 bytes: 2 pages
+    old = next(iter(cache.entries.values()))
+    held = cache.entry_fd(old)
+    released = []
+    cache.released.append(lambda key, entry: released.append(entry.offset))
     (files / "f2").write_bytes(os.urandom(7001))
     st = source.lstat(b"f2")
     assert cache.lookup((st.st_dev, st.st_ino), st) is None and cache.used == 0
-    assert _fill_all(cache, source, ["f2"]) == [True]  # offsets 7000..14001
-    (files / "f2").write_bytes(os.urandom(3000))
-    st = source.lstat(b"f2")
-    assert cache.lookup((st.st_dev, st.st_ino), st) is None and cache.used == 0
-    assert _fill_all(cache, source, ["f2"]) == [False]  # room in capacity, not in the arena
-    assert cache.used == 0 and cache.end == 14001
+    assert released == [old.offset] and not os.listdir(tmp_path / "cache" / "files")
+    assert _fill_all(cache, source, ["f2"]) == [True]
+    new = next(iter(cache.entries.values()))
+    assert new.offset != old.offset and cache.used == 8192
+    assert cache.data(new, 0, new.size) == (files / "f2").read_bytes()
+    assert len(os.pread(held, 8000, 0)) == 7000  # the old version, still readable
+    os.close(held)
     cache.close(keep=False)
 
 
 def _published(tmp_path: Path, name: str) -> bytes | None:
     """The bytes a client finds published under ``name``, or None."""
-    reader = IndexReader(str(tmp_path / "cache" / INDEX), str(tmp_path / "cache" / "arena"))
+    reader = IndexReader(str(tmp_path / "cache" / INDEX), str(tmp_path / "cache" / FILES))
     try:
         found = reader.find(name.encode())
-        return None if found is None else bytes(reader.arena[found.offset:][:found.size])
+        if found is None:
+            return None
+        data = reader.view(found)
+        return None if data is None else bytes(data)
     finally:
         reader.close()
 
@@ -194,9 +204,6 @@ def test_complete_entries_are_published_and_withdrawn_when_dropped(files: Path,
     st = source.lstat(b"f1")
     assert cache.lookup((st.st_dev, st.st_ino), st) is None  # dropped: withdrawn at once,
     assert _published(tmp_path, "f1") is None
-    assert cache.shared_status()["punches_waiting"] == 1  # its pages punched later
-    cache.punch_late(float("inf"))
-    assert cache.shared_status()["punches_waiting"] == 0
     cache.close(keep=True)
     again = _cache(tmp_path, capacity=1 << 20)  # a restart publishes what it adopts
     again.share(source)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import trio
 
-from coordlfs.cache.cache import WholeFileCache
+from coordlfs.cache.cache import WholeFileCache, pages
 from coordlfs.cache.published import INDEX, IndexReader
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.source.source import Source
@@ -19,7 +19,7 @@ CAPACITY = 20_000
 
 
 def _room(tmp_path: Path) -> int | None:
-    reader = IndexReader(str(tmp_path / "cache" / INDEX), str(tmp_path / "cache" / "arena"))
+    reader = IndexReader(str(tmp_path / "cache" / INDEX), str(tmp_path / "cache" / "files"))
     try:
         return reader.room
     finally:
@@ -48,18 +48,18 @@ def test_the_room_follows_reservations_drops_and_a_full_filesystem(tmp_path: Pat
     assert _room(tmp_path) == CAPACITY
     _fill(cache, source, b"a")
     _fill(cache, source, b"b")
-    assert _room(tmp_path) == CAPACITY - 8000
+    assert _room(tmp_path) == CAPACITY - pages(3000) - pages(5000)
     (src / "a").write_bytes(b"changed")
     st = source.lstat(b"a")
     assert cache.lookup((st.st_dev, st.st_ino), st) is None  # dropped: its room is back
-    assert _room(tmp_path) == CAPACITY - 5000
+    assert _room(tmp_path) == CAPACITY - pages(5000)
     cache._note_full(OSError(errno.ENOSPC, "No space left on device"))
     assert _room(tmp_path) == 0
     assert cache._room_is_back()  # the cache's filesystem has room: noticed
-    assert _room(tmp_path) == CAPACITY - 5000
+    assert _room(tmp_path) == CAPACITY - pages(5000)
     cache.close(keep=True)
     again = WholeFileCache(str(tmp_path / "cache"), CAPACITY, 1 << 20, ReadCounters())
     again.share(source)
     again.adopt()
-    assert _room(tmp_path) == CAPACITY - 5000
+    assert _room(tmp_path) == CAPACITY - pages(5000)
     again.close(keep=False)

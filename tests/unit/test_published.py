@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from coordlfs.cache import published
 from coordlfs.cache.published import (
     INDEX,
     MIN_SLOTS,
@@ -21,7 +22,7 @@ from coordlfs.cache.published import (
 
 @pytest.fixture
 def directory(tmp_path: Path):
-    (tmp_path / "arena").write_bytes(b"x" * 65536)
+    (tmp_path / "files").mkdir()
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     yield tmp_path, fd
     os.close(fd)
@@ -36,7 +37,7 @@ def test_a_published_path_is_found_and_a_withdrawn_one_is_not(directory) -> None
     writer = IndexWriter(fd)
     writer.publish(b"train/a/x.jpg", _version(1))
     writer.publish(b"train/a/y.jpg", _version(2))
-    reader = IndexReader(str(root / INDEX), str(root / "arena"))
+    reader = IndexReader(str(root / INDEX), str(root / "files"))
     assert reader.find(b"train/a/x.jpg") == _version(1)
     assert reader.find(b"train/a/y.jpg") == _version(2)
     assert reader.find(b"train/a/z.jpg") is None
@@ -56,7 +57,7 @@ def test_a_published_path_is_found_and_a_withdrawn_one_is_not(directory) -> None
 def test_a_growing_index_is_found_by_a_reader_of_the_old_table(directory) -> None:
     root, fd = directory
     writer = IndexWriter(fd)
-    reader = IndexReader(str(root / INDEX), str(root / "arena"))
+    reader = IndexReader(str(root / INDEX), str(root / "files"))
     paths = [f"d{n % 7}/f{n}".encode() for n in range(MIN_SLOTS)]  # past half: it grows
     for n, path in enumerate(paths):
         writer.publish(path, _version(n % 100))
@@ -74,7 +75,7 @@ def test_a_retired_index_is_never_trusted(directory) -> None:
     root, fd = directory
     writer = IndexWriter(fd)
     writer.publish(b"a", _version(1))
-    reader = IndexReader(str(root / INDEX), str(root / "arena"))
+    reader = IndexReader(str(root / INDEX), str(root / "files"))
     writer.close()  # the mount went away
     assert reader.find(b"a") is None
     second = IndexWriter(fd)  # a new daemon's index, empty until it publishes
@@ -87,18 +88,33 @@ def test_a_retired_index_is_never_trusted(directory) -> None:
     second.close()
 
 
-def test_a_slot_past_the_arena_is_not_trusted(directory) -> None:
+def test_a_found_file_is_mapped_once_and_checked(directory, monkeypatch) -> None:
+    """A slot whose file is gone or of another size is no hit; a mapped file keeps the bytes
+    it showed after the daemon unlinks it; past MAPPED_FILES a hit is read, not mapped."""
     root, fd = directory
+    files = root / "files"
+    for n in (1, 2, 3):
+        (files / f"{n:x}").write_bytes(bytes([n]) * 8)
+    (files / "4").write_bytes(b"short")
     writer = IndexWriter(fd)
-    writer.publish(b"a", Published(offset=65536 - 4, size=8, ino=1, mtime_ns=0, ctime_ns=0))
-    reader = IndexReader(str(root / INDEX), str(root / "arena"))
-    assert reader.find(b"a") is None
+    for n in (1, 2, 3, 4, 5):
+        writer.publish(b"f%d" % n, Published(offset=n, size=8, ino=n, mtime_ns=0, ctime_ns=0))
+    reader = IndexReader(str(root / INDEX), str(files))
+    monkeypatch.setattr(published, "MAPPED_FILES", 2)
+    views = [reader.view(reader.find(b"f%d" % n)) for n in (1, 2, 3)]
+    assert [bytes(v) for v in views] == [b"\x01" * 8, b"\x02" * 8, b"\x03" * 8]
+    assert [type(v) for v in views] == [memoryview, memoryview, bytes]
+    assert reader.view(reader.find(b"f4")) is None  # another size: not this entry's file
+    assert reader.view(reader.find(b"f5")) is None  # gone
+    (files / "1").unlink()
+    assert bytes(reader.view(reader.find(b"f1"))) == b"\x01" * 8  # mapped: kept
     reader.close()
+    assert bytes(views[0]) == b"\x01" * 8  # a view the user holds outlives the reader
     writer.close()
 
 
 def test_no_index_is_an_oserror(tmp_path: Path) -> None:
-    (tmp_path / "arena").write_bytes(b"x" * 4096)
+    (tmp_path / "files").mkdir()
     with pytest.raises(OSError):
         IndexReader(str(tmp_path / INDEX), str(tmp_path / "arena"))
 
@@ -110,7 +126,7 @@ def test_no_index_is_an_oserror(tmp_path: Path) -> None:
 def test_the_room_is_read_live_and_survives_growth(directory) -> None:
     root, fd = directory
     writer = IndexWriter(fd)
-    reader = IndexReader(str(root / INDEX), str(root / "arena"))
+    reader = IndexReader(str(root / INDEX), str(root / "files"))
     assert reader.room == 0
     writer.set_room(5 << 20)
     assert reader.room == 5 << 20
@@ -130,7 +146,7 @@ def test_an_index_without_the_room_says_none(directory) -> None:
     writer.set_room(123)
     with open(root / INDEX, "r+b") as f, mmap.mmap(f.fileno(), 64) as header:
         header[40:48] = bytes(8)  # as an older daemon leaves it
-    reader = IndexReader(str(root / INDEX), str(root / "arena"))
+    reader = IndexReader(str(root / INDEX), str(root / "files"))
     assert reader.room is None
     writer.close()
     reader.close()
@@ -153,7 +169,7 @@ def test_an_index_whose_daemon_stopped_beating_is_not_trusted(directory) -> None
     root, fd = directory
     writer = IndexWriter(fd)
     writer.publish(b"a", _version(1))
-    reader = IndexReader(str(root / INDEX), str(root / "arena"))
+    reader = IndexReader(str(root / INDEX), str(root / "files"))
     assert reader.find(b"a") == _version(1)
     _set_beat(root, _beat_at(STALE_AFTER_S + 0.1))  # the daemon's last beat, too long ago
     assert reader.find(b"a") is None
@@ -169,7 +185,7 @@ def test_a_new_table_is_installed_with_a_beat(directory) -> None:
     root, fd = directory
     writer = IndexWriter(fd)
     writer.publish(b"a", _version(1))
-    reader = IndexReader(str(root / INDEX), str(root / "arena"))
+    reader = IndexReader(str(root / INDEX), str(root / "files"))
     _set_beat(root, _beat_at(STALE_AFTER_S + 0.1))
     assert reader.find(b"a") is None
     writer.reserve(MIN_SLOTS)  # grown with no publish (a restart adopting many files)
@@ -184,9 +200,9 @@ def test_a_reader_whose_clock_is_behind_the_daemons_does_not_use_the_index(direc
     writer = IndexWriter(fd)
     _set_beat(root, _beat_at(-60))  # a daemon in another time namespace: its beat looks fresh
     with pytest.raises(OSError):
-        IndexReader(str(root / INDEX), str(root / "arena"))
+        IndexReader(str(root / INDEX), str(root / "files"))
     writer.beat()
-    IndexReader(str(root / INDEX), str(root / "arena")).close()
+    IndexReader(str(root / INDEX), str(root / "files")).close()
     writer.close()
 
 
@@ -195,7 +211,7 @@ def test_an_index_without_the_beat_is_trusted_as_before(directory) -> None:
     writer = IndexWriter(fd)
     writer.publish(b"a", _version(1))
     _set_beat(root, 0)  # as an older daemon leaves it
-    reader = IndexReader(str(root / INDEX), str(root / "arena"))
+    reader = IndexReader(str(root / INDEX), str(root / "files"))
     assert reader.find(b"a") == _version(1)
     reader.close()
     writer.close()

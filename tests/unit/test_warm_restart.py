@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from coordlfs.cache.cache import WholeFileCache
+from coordlfs.cache.cache import FILES, WholeFileCache, file_name
 from coordlfs.cache.journal import JOURNAL
 from coordlfs.cache.published import INDEX, IndexReader
 from coordlfs.cache.stats import ReadCounters
@@ -99,10 +99,10 @@ def test_background_check_drops_changed_files_and_publishes_the_rest(tmp_path: P
     trio.run(cache.check, source)
     assert len(cache.entries) == len(NAMES) - 3
     assert cache.used < used
-    reader = IndexReader(str(tmp_path / "cache" / INDEX), str(tmp_path / "cache" / "arena"))
+    reader = IndexReader(str(tmp_path / "cache" / INDEX), str(tmp_path / "cache" / "files"))
     for name in NAMES[3:]:
         found = reader.find(name.encode())
-        assert found is not None and bytes(reader.arena[found.offset:][:found.size]) == now[name]
+        assert found is not None and bytes(reader.view(found) or b"") == now[name]
     for name in NAMES[:3]:
         assert reader.find(name.encode()) is None
     reader.close()
@@ -171,7 +171,7 @@ def test_a_damaged_checkpoint_starts_cold_with_a_warning(tmp_path: Path, source:
         assert cache.load(source) == 0
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "damaged" in caplog.records[0].getMessage()
-    assert os.stat(tmp_path / "cache" / "arena").st_blocks == 0  # all punched
+    assert not os.listdir(tmp_path / "cache" / "files")  # all removed
     for name in NAMES:
         assert _served(cache, source, name) is None
     cache.close(keep=False)
@@ -194,7 +194,10 @@ def test_adopting_many_entries_is_quick(tmp_path: Path) -> None:
         array("q", [5]) * n, array("q", [6]) * n, array("q", range(0, 100 * n, 100)),
         array("I", map(len, paths)), b"".join(paths)))
     os.close(fd)
-    cache = WholeFileCache(str(tmp_path / "cache"), 100 * n, 100, ReadCounters())
+    (tmp_path / "cache" / FILES).mkdir(mode=0o700)
+    for number in range(0, 100 * n, 100):
+        (tmp_path / "cache" / FILES / file_name(number)).touch()
+    cache = WholeFileCache(str(tmp_path / "cache"), 4096 * n, 100, ReadCounters())
     started = time.process_time()
     assert cache.adopt() == n
     assert time.process_time() - started < 5  # about 0.5 s here; generous for a busy machine
@@ -204,16 +207,22 @@ def test_adopting_many_entries_is_quick(tmp_path: Path) -> None:
 
 def test_change_lines_replace_drop_and_skip_what_does_not_fit(tmp_path: Path,
                                                               source: Source) -> None:
-    """Lines after the checkpoint: an entry added again at a new offset replaces the
-    checkpoint's, a drop of an offset no entry has changes nothing, numbers out of range are
+    """Lines after the checkpoint: an entry added again under a new number replaces the
+    checkpoint's, a drop of a number no entry has changes nothing, numbers out of range are
     skipped like any hostile line."""
     _kept(tmp_path, source)
     st = source.lstat(NAMES[5].encode())
     key = f"{st.st_dev:x}-{st.st_ino:x}"
+    kept = _cache(tmp_path)
+    kept.adopt()
+    files = tmp_path / "cache" / FILES
+    os.rename(files / file_name(kept.entries.get((st.st_dev, st.st_ino)).offset),
+              files / file_name(1 << 19))
+    kept.close(keep=True)
     lines = [
         {"key": key, "path": NAMES[5], "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-         "ctime_ns": st.st_ctime_ns, "offset": 1 << 19},  # refilled at another offset
-        {"key": key, "offset": 12345, "dropped": True},  # not its offset: nothing
+         "ctime_ns": st.st_ctime_ns, "offset": 1 << 19},  # refilled under another number
+        {"key": key, "offset": 12345, "dropped": True},  # not its number: nothing
         {"key": f"{1 << 70:x}-1", "path": "x", "size": 1, "mtime_ns": 1, "ctime_ns": 1,
          "offset": 0},  # a device no column holds
     ]
