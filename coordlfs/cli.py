@@ -171,7 +171,9 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
         f"used, {cache['files']} files ({cache['filling']} filling)",
         f"memory   {cache['table_bytes'] / max(1, cache['files'] + cache['filling']):.0f} B "
         f"per cached file, {status['inode_table_bytes'] / max(1, status['inodes']):.0f} B per "
-        "inode (the daemon's tables)",
+        "inode (the daemon's tables); the kernel's "
+        f"{cache['kernel_bytes_per_file']} B per cached file, pages "
+        f"{format_size(cache['used_bytes'] - cache['bytes'])} beyond the bytes",
         f"window   {format_size(held['used_bytes'])} of {format_size(held['capacity_bytes'])} "
         f"held for aligned groups, {held['items']} items, {held['hits']} taken",
     ]

@@ -175,6 +175,8 @@ class WholeFileCache:
         self.entries = EntryTable()
         #: bytes the entries occupy: their sizes rounded up to pages
         self.used = 0
+        #: the entries' own bytes (``used`` less the page rounding)
+        self.data_bytes = 0
         #: the next entry's number (its file's name); numbers below it have been handed out
         self.next_number = 0
         try:
@@ -271,6 +273,7 @@ class WholeFileCache:
                 continue
             files.remove(name)
             self.used += pages(sizes[row])
+            self.data_bytes += sizes[row]
             self.next_number = numbers[row] + 1
         for name in files:
             os.unlink(name, dir_fd=self.files_fd)
@@ -419,6 +422,7 @@ class WholeFileCache:
                       progress=trio.Event())
         self.entries.add(key, entry)
         self.used += pages(entry.size)
+        self.data_bytes += entry.size
         self.next_number += 1
         self._room_changed()
         return entry
@@ -707,6 +711,7 @@ class WholeFileCache:
         removed, flags = self.entries.remove(key, entry)
         if removed:
             self.used -= pages(entry.size)
+            self.data_bytes -= entry.size
             self._room_changed()
         if was_complete:  # journaled: a restart must not adopt it
             self.journal.append(journal.dropped(key, entry))

@@ -177,7 +177,9 @@ class Daemon:
             "cache": {
                 "capacity_bytes": cache.capacity,
                 "used_bytes": cache.used,
+                "bytes": cache.data_bytes,
                 "files": len(cache.entries) - cache.filling,
+                "kernel_bytes_per_file": cache.file_overhead,
                 "filling": cache.filling,
                 "max_file_bytes": cache.max_file_size,
                 "directory": cache.directory,

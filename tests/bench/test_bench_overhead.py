@@ -10,7 +10,7 @@ from benchtools import BENCH
 
 #: what the report said before the compact tables, and still says
 KEYS = {"files", "file_bytes", "inodes", "cached_files", "rss_start_bytes", "bytes_per_inode",
-        "bytes_per_cached_file", "arena_bytes_per_file_beyond_data"}
+        "bytes_per_cached_file", "tmpfs_bytes_per_file_beyond_data"}
 
 
 def _run(tmp_path: Path, *args: str) -> dict:

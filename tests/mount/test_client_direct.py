@@ -179,8 +179,8 @@ def test_another_user_gets_what_the_mount_gives(mount, reachable: Path) -> None:
         m = mount(src, "--allow-other", "--cache-size", SMALL_CACHE, mountpoint=mountpoint,
                   cache_dir=cache)
         cache.chmod(0o755)
-        for part in ("published", "arena"):
-            (cache / part).chmod(0o644)
+        (cache / "published").chmod(0o644)
+        (cache / "files").chmod(0o755)
         names = sorted(files)
         by_mount = as_user(OTHER_UID, lambda: [_mount_direct(str(mountpoint / n))
                                                for n in names])

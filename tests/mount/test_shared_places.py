@@ -101,14 +101,13 @@ def secret_source(tmp_path: Path) -> tuple[Path, bytes]:
 
 def test_a_squatted_default_cache_directory_gets_no_byte_and_serves_none(
         tmp_path: Path, daemon_logs: list[Path]) -> None:
-    """The other user makes the default cache directory (mode 777) with an arena of its own
+    """The other user makes the default cache directory (mode 777) with a files directory of its own
     before root's first mount: it must read no byte of a root-only file through it, and
     nothing it writes there may be served."""
     src, secret = secret_source(tmp_path)
     cache = Path(default_cache_dir(str(src)))  # where the code under test puts it
     with absent_as_after_boot(cache.parent):
-        as_attacker(f"mkdir -m 777 {cache.parent} {cache} && : > {cache}/arena && "
-                    f"chmod 666 {cache}/arena")
+        as_attacker(f"mkdir -m 777 {cache.parent} {cache} {cache}/files")
         mnt = tmp_path / "mnt"
         with mounting(src, mnt, tmp_path / "mount.log", daemon_logs,
                       "--cache-size", "8M") as result:
@@ -117,14 +116,14 @@ def test_a_squatted_default_cache_directory_gets_no_byte_and_serves_none(
             else:
                 assert (mnt / "secret").read_bytes() == secret
                 with Dataset(str(mnt)) as ds:
-                    bytes(ds.read("secret"))  # published by now: a client maps the arena
-                    as_attacker(f"find {cache.parent} -name arena -writable -exec dd "
+                    bytes(ds.read("secret"))  # published by now: a client maps its file
+                    as_attacker(f"find {cache.parent} -type f -writable -exec dd "
                                 "if=/dev/zero of={} bs=64K count=4 conv=notrunc status=none \\;")
                     assert bytes(ds.read("secret")) == secret, "served the other user's bytes"
             assert not leaks(secret, readable_by_attacker()), "the other user read root's bytes"
 
 
-def test_a_symlinked_arena_leaves_roots_file_untouched(tmp_path: Path,
+def test_a_symlinked_files_directory_leaves_roots_file_untouched(tmp_path: Path,
                                                        daemon_logs: list[Path]) -> None:
     src, _secret = secret_source(tmp_path)
     victim = tmp_path / "victim"
@@ -132,7 +131,7 @@ def test_a_symlinked_arena_leaves_roots_file_untouched(tmp_path: Path,
     before = xxhash.xxh64_hexdigest(victim.read_bytes())
     cache = Path(default_cache_dir(str(src)))
     with absent_as_after_boot(cache.parent):
-        as_attacker(f"mkdir -m 777 {cache.parent} {cache} && ln -s {victim} {cache}/arena")
+        as_attacker(f"mkdir -m 777 {cache.parent} {cache} && ln -s {victim} {cache}/files")
         with mounting(src, tmp_path / "mnt", tmp_path / "mount.log", daemon_logs,
                       "--cache-size", "8M") as result:
             if result.returncode != 0:
