@@ -237,7 +237,7 @@ def read_epochs(label: str, reader: Reader, dataset: Dataset, orders: list[list[
         epoch = Epoch(number, ours.bytes, disk.bytes, round(seconds, 3))
         if control is not None:
             epoch.source_bytes = control.stats(since=mark)["reads"]["bytes_from_source"]
-            epoch.cache_used_bytes = control.status()["cache"]["used_bytes"]
+            epoch.cache_used_bytes = control.status()["cache"]["bytes"]
         print(f"  {label} epoch {number}/{len(orders)}: {format_size(ours.bytes)} from "
               f"storage, {seconds:.1f} s", flush=True)
         results.append(epoch)

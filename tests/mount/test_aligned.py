@@ -218,7 +218,7 @@ def test_read_ahead_fills_minio_while_it_has_room(mount, tmp_path: Path) -> None
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["digest"] == _digest(src, json.loads(out.stdout)["order"])
     status = m.status()
-    assert status["cache"]["used_bytes"] == total
+    assert status["cache"]["bytes"] == total
     assert status["reads"]["bytes_from_source"] == total
     assert status["prefetch"]["files"] > 0 and status["read_window"]["used_bytes"] == 0
 

@@ -59,13 +59,13 @@ def test_three_shuffled_epochs_read_only_the_uncached_rest(mount, dataset) -> No
     names = sorted(sizes)
     for epoch in range(3):
         drop_caches()
-        used_before = m.status()["cache"]["used_bytes"]
+        used_before = m.status()["cache"]["bytes"]
         ctl.mark(f"start{epoch}")
         rng.shuffle(names)
         for name in names:
             assert len(read_file(m.mountpoint / name)) == sizes[name]
         window = ctl.stats(since=f"start{epoch}")["reads"]
-        used = m.status()["cache"]["used_bytes"]
+        used = m.status()["cache"]["bytes"]
         assert used <= capacity
         if epoch == 0:
             assert window["bytes_from_source"] == total
@@ -233,7 +233,7 @@ def test_changed_source_file_is_served_fresh(mount, tmp_path: Path) -> None:
         f.write(b"SHORT")
     os.utime(src / "f", ns=(2, 2))
     assert (m.mountpoint / "f").read_bytes() == b"SHORT"
-    assert m.status()["cache"]["used_bytes"] == 5
+    assert m.status()["cache"]["bytes"] == 5
 
 
 def test_concurrent_misses_fetch_once(mount, tmp_path: Path) -> None:
@@ -313,7 +313,7 @@ def test_restart_over_same_source_is_warm_and_unmount_removes_cache(mount, datas
     assert run_cli("umount", str(m.mountpoint)).returncode == 0
     assert (m.cache_dir / "index.jsonl").exists()
     again = mount(source, mountpoint=m.mountpoint, cache_dir=m.cache_dir)
-    assert again.status()["cache"]["used_bytes"] == total
+    assert again.status()["cache"]["bytes"] == total
     drop_caches()
     assert digests(again.mountpoint) == digests(source)
     assert again.status()["reads"]["bytes_from_source"] == 0
@@ -390,7 +390,7 @@ def test_stats_command(mount, dataset) -> None:
     table = run_cli("stats", str(m.mountpoint))
     assert table.returncode == 0 and "hit rate" in table.stdout
     data = json.loads(run_cli("stats", str(m.mountpoint), "--json").stdout)
-    assert data["cache"]["used_bytes"] == sum(sizes.values())
+    assert data["cache"]["bytes"] == sum(sizes.values())
     assert run_cli("mark", str(m.mountpoint), "e2").returncode == 0
     since = json.loads(run_cli("stats", str(m.mountpoint), "--json", "--since", "e2").stdout)
     assert since["window"]["reads"]["bytes_from_source"] == 0
