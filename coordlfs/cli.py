@@ -159,6 +159,16 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
+def _passthrough_line(state: dict[str, Any] | None, reads: dict[str, int]) -> str:
+    """On (opens the kernel serves, reads the daemon serves) or off and why."""
+    if state is None:  # a daemon older than passthrough
+        return "passthrough off: the daemon predates it"
+    if not state["on"]:
+        return f"passthrough off: {state['why_off']}"
+    return (f"passthrough on: {reads.get('passthrough_opens', 0)} opens read by the kernel, "
+            f"{reads['cache_hits'] + reads['misses']} reads served by the daemon")
+
+
 def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
     cache, reads = status["cache"], (interval or status)["reads"]
     served = reads["cache_hits"] + reads["misses"]
@@ -187,6 +197,7 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
         f"{format_size(reads['bytes_from_peers'])} from peers",
         f"files    {reads['files_from_cache']} from cache, {reads['files_from_source']} from "
         f"source, {reads['files_from_peers']} from peers",
+        _passthrough_line(status.get("passthrough"), reads),
     ]
     direct = reads.get("client_direct", 0)  # a daemon older than direct reads: none
     if reads["client_hits"] or reads["client_misses"] or direct:

@@ -18,6 +18,9 @@ class ReadCounters:
     bytes_from_source: int = 0
     #: files opened through the mount whose entry was complete in the cache (one per open)
     files_from_cache: int = 0
+    #: opens answered with a backing file (FUSE passthrough): their reads never reach the
+    #: daemon, so they count as no hits (``cache_hits`` + ``misses``: the daemon's reads)
+    passthrough_opens: int = 0
     #: files whose bytes were fetched from the source (one per fill, one per streaming open)
     files_from_source: int = 0
     #: bytes and files (per open) that a peer mount served from its cache

@@ -53,6 +53,8 @@ class MountConfig:
     keep_cache: bool
     #: the cache directory is a tmpfs of its own in huge pages (``coordlfs.cache.cache_tmpfs``)
     cache_tmpfs: bool
+    #: FUSE passthrough for complete entries: yes, no or auto (``coordlfs.fs.passthrough``)
+    passthrough: str
     allow_other: bool
     log_file: str | None
     debug: bool

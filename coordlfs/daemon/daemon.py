@@ -25,6 +25,7 @@ from coordlfs.daemon.config import MountConfig
 from coordlfs.daemon.metrics import MetricsServer
 from coordlfs.daemon.mounting import open_log, set_read_ahead
 from coordlfs.errors import UserError
+from coordlfs.fs import passthrough
 from coordlfs.fs.control_server import ControlServer
 from coordlfs.fs.operations import Operations
 from coordlfs.fs.readers import AlignedReads
@@ -187,6 +188,7 @@ class Daemon:
                 "table_bytes": cache.entries.nbytes(),
             },
             "reads": self.stats.reads.snapshot(),
+            "passthrough": self.ops.passthrough_status(),
             "shared": cache.shared_status(),
             "peers": self.peers.status(),
             "served": self.server.status() if self.server else None,
@@ -209,6 +211,11 @@ class Daemon:
             log.info("source %s, cache %s: %d bytes of %d in %d warm entries",
                      self.source.path, self.cache.directory, self.cache.used,
                      self.cache.capacity, warm)
+            why_not = passthrough.chosen(self.config.passthrough)
+            if why_not is not None:  # on or not is known at the kernel's INIT (ops.init)
+                log.log(logging.INFO if self.config.passthrough == "no" else logging.WARNING,
+                        "FUSE passthrough off: %s", why_not)
+            self.ops.serve_by_passthrough(why_not)
             options = {"fsname=" + self.source.path, "subtype=coordlfs", "default_permissions"}
             if self.config.allow_other:
                 options.add("allow_other")

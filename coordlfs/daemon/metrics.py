@@ -95,6 +95,13 @@ FLAT: tuple[tuple[str, str, str, str, str], ...] = (
     ("", "inodes", "inodes", GAUGE, "inodes the kernel knows"),
     ("", "inode_table_bytes", "inode_table_bytes", GAUGE, "memory of the inode table"),
     ("cache", "capacity_bytes", "cache_capacity_bytes", GAUGE, "bytes the cache may hold"),
+    ("passthrough", "on", "passthrough_on", GAUGE,
+     "1 while complete cache entries are served by FUSE passthrough (why not: the info's "
+     "passthrough_off)"),
+    ("passthrough", "backing_ids", "passthrough_backing_ids", GAUGE,
+     "backing files registered with the kernel"),
+    ("reads", "passthrough_opens", "passthrough_opens", COUNTER,
+     "opens answered with a backing file: their reads never reach the daemon"),
     ("cache", "used_bytes", "cache_used_bytes", GAUGE, "bytes cached or reserved for fills"),
     ("cache", "files", "cache_files", GAUGE, "complete files in the cache"),
     ("cache", "filling", "cache_filling_files", GAUGE, "files being filled"),
@@ -310,10 +317,12 @@ def families(status: dict[str, Any]) -> Iterator[Metric]:
     """The metric families of one status (``Daemon.status`` with the control file's part)."""
     peers = status["peers"]
     info = InfoMetricFamily(PREFIX.rstrip("_"), "the mount: version, source, mountpoint, "
-                            "this node's peer address, where the node list comes from")
+                            "this node's peer address, where the node list comes from, why "
+                            "FUSE passthrough is off")
     info.add_metric([], {"version": status["version"], "protocol": str(status["protocol"]),
                          "source": status["source"], "mountpoint": status["mountpoint"],
-                         "node": peers["self"] or "", "peers_from": peers["source"]})
+                         "node": peers["self"] or "", "peers_from": peers["source"],
+                         "passthrough_off": status["passthrough"]["why_off"] or ""})
     yield info
     yield from _reads(status["reads"])
     yield from _flat(status)

@@ -252,6 +252,11 @@ OPTIONS: tuple[Option, ...] = (
            "page fault per 2 MiB; needs root", _yes_no_auto, "yes/no/auto", default="auto",
            default_text="auto: yes as root with the default --cache-dir",
            settle=_settle_cache_tmpfs),
+    Option("passthrough", "serve cached files by FUSE passthrough: the kernel reads the "
+           "cache's file itself, no read reaches the daemon; needs Linux >= 6.9, CAP_SYS_ADMIN "
+           "and the pyfuse3 scripts/setup builds; yes fails the mount without them",
+           _yes_no_auto, "yes/no/auto", default="auto",
+           default_text="auto: on where it can be had"),
     Option("keep_cache", "keep the cached bytes after unmount: the next mount of the same "
            "source starts warm", default=False),
     Option("revalidate", "where the source cannot be watched for changes (network "

@@ -25,6 +25,8 @@ import pyfuse3
 from coordlfs import CONTROL_NAME
 from coordlfs.cache.cache import WholeFileCache
 from coordlfs.cache.stats import ReadCounters
+from coordlfs.fs import passthrough
+from coordlfs.fs.backing import Backings
 from coordlfs.fs.control_server import ControlHandle, ControlServer
 from coordlfs.fs.freshness import WATCHED_TIMEOUT, Freshness
 from coordlfs.fs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable, Key
@@ -70,6 +72,8 @@ class FileHandle:
     reader: Reader = field(init=False)
     #: the aligned-group member that opened it, if any
     member: Member | None = None
+    #: the backing id its open was answered with (``coordlfs.fs.backing``); 0: none
+    backing: int = 0
 
     @property
     def key(self) -> Key:
@@ -107,6 +111,31 @@ class Operations(pyfuse3.Operations):
         self.freshness = Freshness(source, self.inodes, revalidate_s)
         self._handles: dict[int, FileHandle | DirHandle | ControlHandle] = {}
         self._next_fh = 1
+        #: who answers opens with backing ids while passthrough is on (``serve_by``)
+        self.backings: Backings | None = None
+        #: why passthrough is off, None while it is on
+        self.passthrough_off: str | None = "not asked for"
+
+    def serve_by_passthrough(self, why_not: str | None) -> None:
+        """Before mounting: passthrough is asked for at init (None), or why not."""
+        self.passthrough_off = why_not
+        self.backings = Backings(self.cache) if why_not is None else None
+
+    def init(self) -> None:
+        """The kernel's INIT, answered: whether it granted the passthrough asked for."""
+        if self.backings is None:
+            return
+        self.passthrough_off = passthrough.granted()
+        if self.passthrough_off is None:
+            log.info("FUSE passthrough on: complete cache entries are read by the kernel")
+        else:
+            self.backings = None
+            log.warning("FUSE passthrough off: %s", self.passthrough_off)
+
+    def passthrough_status(self) -> dict[str, Any]:
+        backings = self.backings
+        return {"on": backings is not None, "why_off": self.passthrough_off,
+                **(backings.status() if backings is not None else {})}
 
     # -- attributes ---------------------------------------------------------------
 
@@ -303,7 +332,17 @@ class Operations(pyfuse3.Operations):
             pyfuse3.invalidate_inode(inode, attr_only=True)
         handle = FileHandle(inode, path, st)
         handle.reader = self.readers.opened(handle, ctx.pid)
-        return pyfuse3.FileInfo(fh=self._new_handle(handle), keep_cache=not changed)
+        if self.backings is None:
+            return pyfuse3.FileInfo(fh=self._new_handle(handle), keep_cache=not changed)
+        # An aligned member reads through the daemon (the window, the group's counts).
+        entry = handle.reader.entry if handle.member is None else None
+        handle.backing = self.backings.open(inode, entry)
+        if handle.backing:
+            self.counters.passthrough_opens += 1
+            return pyfuse3.FileInfo(fh=self._new_handle(handle), backing_id=handle.backing,
+                                    keep_cache=False, noflush=True)
+        # Page-cached and passthrough opens of one inode cannot coexist (EIO): none cached.
+        return pyfuse3.FileInfo(fh=self._new_handle(handle), direct_io=True, keep_cache=False)
 
     @guarded
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
@@ -341,6 +380,8 @@ class Operations(pyfuse3.Operations):
             if handle.member is not None and not handle.reader.holds_bytes:
                 self.readers.aligned.closed(handle.member, handle.key)
             handle.reader.close()
+            if self.backings is not None:
+                self.backings.close(handle.inode, handle.backing)
         elif isinstance(handle, ControlHandle):
             handle.close()  # gives back the bytes it held to the control file's bound
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pyfuse3
 
+from coordlfs.errors import UserError
+
 _CAP_SYS_ADMIN = 21
 _CONFIG = "CONFIG_FUSE_PASSTHROUGH"
 
@@ -21,6 +23,8 @@ def available() -> str | None:
     """None when passthrough can be used, else why not (one line for the log and stats)."""
     if not hasattr(pyfuse3, "backing_open"):
         return "pyfuse3 lacks backing_open (the stock build; scripts/setup builds the patched one)"
+    if not hasattr(pyfuse3, "passthrough_wanted"):
+        return "pyfuse3 is an older patched build (scripts/setup rebuilds it)"
     kernel = _kernel_reason()
     if kernel:
         return kernel
@@ -49,3 +53,23 @@ def _has_cap(bit: int) -> bool:
         if line.startswith("CapEff:"):
             return bool(int(line.split()[1], 16) >> bit & 1)
     return False
+
+
+def chosen(mode: str) -> str | None:
+    """Settle ``--passthrough`` (yes, no, auto) before mounting: None to ask the kernel for
+    it at init, else why not. Tells pyfuse3 whether to ask: a mount that asks bars stacking
+    on it (the kernel's stack depth), so ``no`` does not even ask. ``yes`` that cannot be
+    had is a one-line UserError."""
+    why = "off (--passthrough no)" if mode == "no" else available()
+    if why is not None and mode == "yes":
+        raise UserError(f"--passthrough yes: {why}")
+    if hasattr(pyfuse3, "passthrough_wanted"):
+        pyfuse3.passthrough_wanted = why is None
+    return why
+
+
+def granted() -> str | None:
+    """After the kernel's init: None if passthrough was asked for and granted, else why not."""
+    if getattr(pyfuse3, "passthrough_granted", False):
+        return None
+    return "the kernel did not offer it at init"

@@ -119,7 +119,8 @@ def mounted(source: Path, mountpoint: Path, log: Path, *options: str,
     with tempfile.TemporaryFile("w+") as err:
         client = subprocess.Popen(
             [*enter, sys.executable, "-m", "coordlfs", "mount", str(source), str(mountpoint),
-             "--cache-dir", str(cache), "--log", str(log), *options],
+             "--cache-dir", str(cache), "--log", str(log), *_default_passthrough(options),
+             *options],
             stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
         try:
             if _wait(client) != 0:
@@ -135,6 +136,19 @@ def mounted(source: Path, mountpoint: Path, log: Path, *options: str,
                     stop_daemon(mountpoint, pid)
                 remove_cache(cache)
                 warn_of_logged_errors(log, offset)
+
+
+def _default_passthrough(options: Sequence[str]) -> list[str]:
+    """``--passthrough $COORDLFS_TEST_PASSTHROUGH`` unless the options name it: a suite run
+    with it set to no and to auto checks every test both ways (the daemon's default is auto)."""
+    chosen = os.environ.get(PASSTHROUGH_ENV)
+    if not chosen or any(o.startswith("--passthrough") for o in options):
+        return []
+    return ["--passthrough", chosen]
+
+
+#: The environment variable that sets the mounts' ``--passthrough`` (``_default_passthrough``).
+PASSTHROUGH_ENV = "COORDLFS_TEST_PASSTHROUGH"
 
 
 def remove_cache(cache: Path) -> None:

@@ -46,7 +46,8 @@ def test_every_byte_matches_the_source(mount, dataset) -> None:
     assert digests(m.mountpoint) == digests(source)
     status = m.status()
     assert 0 < status["cache"]["used_bytes"] <= 10 << 20
-    assert status["reads"]["cache_hits"] > 0 and status["reads"]["misses"] > 0
+    reads = status["reads"]  # with passthrough the kernel reads cached files: opens, no hits
+    assert reads["cache_hits"] + reads["passthrough_opens"] > 0 and reads["misses"] > 0
 
 
 def test_three_shuffled_epochs_read_only_the_uncached_rest(mount, dataset) -> None:
@@ -71,7 +72,9 @@ def test_three_shuffled_epochs_read_only_the_uncached_rest(mount, dataset) -> No
             assert window["bytes_from_source"] == total
         else:
             assert window["bytes_from_source"] == total - used_before
-            assert window["bytes_from_cache"] == used_before
+            # with passthrough the kernel reads cached files: the daemon sees their opens only
+            assert window["bytes_from_cache"] == used_before or (
+                window["bytes_from_cache"] == 0 and window["passthrough_opens"] > 0)
     assert m.status()["cache"]["used_bytes"] > capacity * 0.9
 
 
@@ -136,6 +139,7 @@ def test_control_entry_is_hidden_but_reachable(mount, dataset) -> None:
     assert set(status["cache"]) >= {"capacity_bytes", "used_bytes", "files"}
     assert set(status["reads"]) == {"cache_hits", "misses", "bytes_from_cache",
                                     "bytes_from_source", "files_from_source", "files_from_cache",
+                                    "passthrough_opens",
                                     "bytes_from_peers", "files_from_peers", "client_hits",
                                     "client_misses", "client_bytes_from_cache",
                                     "client_bytes_from_mount", "client_direct",

@@ -1,0 +1,139 @@
+"""coordlfs with FUSE passthrough (``--passthrough``, ``coordlfs.fs.backing``): a cached file is
+read by the kernel with no READ reaching the daemon, by read, pread and mmap, byte-exact; a miss
+beside it is served by the daemon (direct_io), mmap included; a source file changed while a
+passthrough open is held; other users get the answers they get without passthrough; where
+passthrough cannot be had the mount says why and reads as before. The rest of the suite runs
+either way with ``COORDLFS_TEST_PASSTHROUGH=no`` or ``=auto`` (``coordlfs.testbed.mounts``)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import xxhash
+from conftest import Mount, force_unmount, random_source, run_as_other_user, run_cli, wait_for
+
+from coordlfs.fs import passthrough
+
+SIZE = 3 * 1024 * 1024 + 4321  # not a whole number of pages or of FUSE reads
+
+needs_passthrough = pytest.mark.skipif(passthrough.available() is not None,
+                                       reason=f"no FUSE passthrough: {passthrough.available()}")
+
+
+def daemon_reads(m: Mount) -> int:
+    reads = m.status()["reads"]
+    return reads["cache_hits"] + reads["misses"]
+
+
+def read_every_way(path: Path) -> str:
+    """xxhash of the file read whole, checked against 200 random 4 KiB preads and a mapping
+    (ACCESS_READ, as numpy's: MAP_SHARED)."""
+    with path.open("rb", buffering=0) as f:
+        whole = f.read()
+        rng = random.Random(7)
+        for off in (rng.randrange(len(whole)) for _ in range(200)):
+            assert os.pread(f.fileno(), 4096, off) == whole[off:off + 4096]
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            assert mapped[:] == whole
+    return xxhash.xxh64_hexdigest(whole)
+
+
+def cached(m: Mount, *names: str) -> None:
+    """Read the files once (misses that fill their entries) and wait until they are complete."""
+    for name in names:
+        (m.mountpoint / name).read_bytes()
+    wait_for(lambda: m.status()["cache"]["files"] == len(names), "cached")
+
+
+@needs_passthrough
+def test_a_cached_file_is_read_with_no_read_at_the_daemon(tmp_path: Path, mount) -> None:
+    src = random_source(tmp_path, **{"cached.bin": SIZE, "big.bin": 2 * SIZE})
+    want = {n: xxhash.xxh64_hexdigest((src / n).read_bytes()) for n in ("cached.bin", "big.bin")}
+    m = mount(src, "--passthrough", "yes", "--max-file-size", "4M")  # big.bin: never cached
+    assert m.status()["passthrough"]["on"]
+    cached(m, "cached.bin")
+    before = daemon_reads(m)
+    assert read_every_way(m.mountpoint / "cached.bin") == want["cached.bin"]
+    assert daemon_reads(m) == before
+    assert m.status()["reads"]["passthrough_opens"] == 1
+    # a file too big to cache beside it: direct_io, served by the daemon, mmap included
+    assert read_every_way(m.mountpoint / "big.bin") == want["big.bin"]
+    assert daemon_reads(m) > before
+    stats = run_cli("stats", str(m.mountpoint)).stdout
+    assert "passthrough on: 1 opens read by the kernel" in stats
+
+
+@needs_passthrough
+def test_a_file_changed_while_open_by_passthrough(tmp_path: Path, mount) -> None:
+    """The kernel takes one backing per inode, and any other open beside a passthrough one is
+    EIO: while an open of the old version is held, new opens read the old version too; once it
+    is closed, the new one. No open fails."""
+    src = random_source(tmp_path, **{"f.bin": SIZE})
+    old = (src / "f.bin").read_bytes()
+    m = mount(src, "--passthrough", "yes")
+    cached(m, "f.bin")
+    path = m.mountpoint / "f.bin"
+    with path.open("rb", buffering=0) as held:
+        assert held.read(4096) == old[:4096]
+        new = os.urandom(SIZE)
+        with (src / "f.bin").open("r+b") as f:  # in place: the same inode
+            f.write(new)
+        assert path.read_bytes() == old  # a new open beside the held one
+        assert os.pread(held.fileno(), 8192, SIZE - 8192) == old[-8192:]
+    assert path.read_bytes() == new
+    assert read_every_way(path) == xxhash.xxh64_hexdigest(new)
+
+
+@pytest.fixture
+def reachable() -> Iterator[Path]:
+    """A directory every user may enter (pytest's tmp_path is mode 700), removed after."""
+    directory = Path(tempfile.mkdtemp(prefix="coordlfs-passthrough-", dir="/tmp"))
+    directory.chmod(0o755)
+    try:
+        yield directory
+    finally:
+        force_unmount(directory / "mnt", None)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@needs_passthrough
+@pytest.mark.parametrize("mode", ["yes", "no"])
+def test_other_users_get_the_same_permission_answers(reachable: Path, tmp_path: Path, mount,
+                                                     mode: str) -> None:
+    """The backing file is read with the daemon's credentials: the kernel's own check of the
+    mount's modes (default_permissions) must be what refuses nobody a 0600 root file."""
+    src = random_source(tmp_path, secret=SIZE, open=4096)
+    (src / "secret").chmod(0o600)
+    m = mount(src, "--allow-other", "--passthrough", mode, mountpoint=reachable / "mnt")
+    cached(m, "secret", "open")
+    for tool in (["cat"], ["python3", "-c", "import mmap,sys; f=open(sys.argv[1],'rb'); "
+                                            "mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)"]):
+        out = run_as_other_user([*tool, m.mountpoint / "secret"])
+        assert out.returncode != 0 and "Permission denied" in out.stderr, out
+    out = run_as_other_user(["sha1sum", m.mountpoint / "open"])  # a file nobody may read
+    assert out.returncode == 0, out
+    force_unmount(m.mountpoint, m.pid)
+
+
+def test_passthrough_off_says_why_and_reads_as_before(tmp_path: Path, mount) -> None:
+    """``--passthrough no``: not even asked for; the log says so once (INFO), stats say why,
+    reads are byte-exact and reach the daemon."""
+    src = random_source(tmp_path, **{"f.bin": SIZE})
+    want = xxhash.xxh64_hexdigest((src / "f.bin").read_bytes())
+    m = mount(src, "--passthrough", "no")
+    state = m.status()["passthrough"]
+    assert not state["on"] and state["why_off"] == "off (--passthrough no)", state
+    cached(m, "f.bin")
+    before = daemon_reads(m)
+    assert read_every_way(m.mountpoint / "f.bin") == want
+    assert daemon_reads(m) > before and m.status()["reads"]["passthrough_opens"] == 0
+    assert "passthrough off: off (--passthrough no)" in run_cli("stats", str(m.mountpoint)).stdout
+    logged = [line for line in m.log.read_text().splitlines() if "passthrough off" in line]
+    assert len(logged) == 1 and " INFO " in logged[0], logged
