@@ -239,20 +239,28 @@ def run_fio(settings: Settings, job: str, directory: Path, scratch: Path,
     if not layout:
         argv.insert(1, "--readonly")
     env = {**os.environ, **settings.environment(directory, layout)}
+    return fio_report(argv, env, scratch, settings.runtime + FIO_SLACK,
+                      f"fio {job} against {directory}")
+
+
+def fio_report(argv: list[str], env: dict[str, str], scratch: Path, timeout: float,
+               what: str) -> dict[str, Any]:
+    """Run fio's ``argv`` (with ``--output-format=json``) in a process group of its own in
+    ``scratch``, stopped with its job processes on a timeout or an interrupt; its JSON report,
+    or a one-line UserError naming ``what``."""
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=env, cwd=scratch, start_new_session=True)
     try:
-        out, err = process.communicate(timeout=settings.runtime + FIO_SLACK)
+        out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         stop_group(process)
-        raise UserError(f"fio {job} against {directory} did not finish in "
-                        f"{settings.runtime + FIO_SLACK} s") from None
+        raise UserError(f"{what} did not finish in {timeout:.0f} s") from None
     except BaseException:
         stop_group(process)
         raise
     if process.returncode != 0:
         lines = (err.strip() or out.strip()).splitlines()
-        raise UserError(f"fio {job} against {directory} failed (exit {process.returncode}): "
+        raise UserError(f"{what} failed (exit {process.returncode}): "
                         f"{lines[-1] if lines else 'no message'}")
     return parse_output(out)
 

@@ -20,6 +20,14 @@ compared with tmpfs (the issue's goal: 1.5x tmpfs's open+read+close). A fresh pr
 a minor page fault per 16 pages of the cache it touches first (the kernel maps the shared
 pages on demand); its "mapping warm" case reads every file once before it is timed, as a
 long-lived reader's later epochs do.
+
+FUSE passthrough (the kernel reads the cache's file itself, only open and release reach the
+daemon) is measured beside the classic path: coordlfs mounted with ``--passthrough yes`` next
+to ``--passthrough no`` (today's mount where the option does not exist yet), and libfuse's own
+C++ ``passthrough_hp`` over the tmpfs copy, what passthrough costs without Python. A system
+that cannot run here (no patched pyfuse3, no ``passthrough_hp``, no option) is n/a with the
+reason. The big file is also read by fio through tmpfs and both coordlfs mounts
+(``coordlfs.bench.bigfile``).
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from coordlfs.bench import harness
+from coordlfs.bench import bigfile, harness
+from coordlfs.bench.passthrough import DEFAULT_HP, Unavailable, coordlfs_flags, passthrough_hp
 from coordlfs.bench.ratios import ratio
 from coordlfs.bench.reading import copy_files, read_files
 from coordlfs.client.dataset import Dataset as ClientDataset
@@ -98,14 +107,23 @@ CASES = (
     Case("client_warm", "coordlfs client, mapping warm", "client", True),
     Case("bare", "bare pyfuse3, from daemon (ceiling)", "memfs", False, ("memfs",)),
     # coordlfs's cache is in tmpfs, which dropping the page cache leaves alone, as it should
-    Case("coordlfs_cache", "coordlfs, from its cache", "coordlfs", False, ("coordlfs",)),
+    Case("coordlfs_cache", "coordlfs classic, from its cache", "coordlfs", False,
+         ("coordlfs",)),
+    Case("hp", "passthrough_hp (libfuse, C++)", "hp", False, ("hp",)),
+    Case("coordlfs_pt", "coordlfs passthrough", "coordlfs_pt", False, ("coordlfs_pt",)),
     Case("bare_warm", "bare pyfuse3, page cache warm", "memfs", True),
-    Case("coordlfs_warm", "coordlfs, page cache warm", "coordlfs", True),
+    Case("coordlfs_warm", "coordlfs classic, page cache warm", "coordlfs", True),
+    Case("hp_warm", "passthrough_hp, page cache warm", "hp", True),
+    Case("coordlfs_pt_warm", "coordlfs passthrough, warm", "coordlfs_pt", True),
     Case("passthrough", "naive passthrough, from disk", "passthrough", False,
          ("passthrough", "source")),
 )
 #: Each case is compared with the bare pyfuse3 case of the same page-cache state.
 BASELINE = {False: "bare", True: "bare_warm"}
+#: The issue's goals for passthrough hits with the page cache dropped: a share of tmpfs by
+#: reader count (more than 4 readers: the goal of 4), and of passthrough_hp.
+PASSTHROUGH_GOALS = {1: 0.16, 4: 0.22}
+PASSTHROUGH_HP_GOAL = 0.9
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--read-ahead-kb", type=int, metavar="KB", default=READ_AHEAD_KB,
                         help="read_ahead_kb of every FUSE mount, the baselines too (default: "
                              f"{READ_AHEAD_KB}, what coordlfs sets for itself)")
+    parser.add_argument("--passthrough-hp", metavar="PATH", default=str(DEFAULT_HP),
+                        help="libfuse's passthrough_hp (default: where scripts/setup builds it, "
+                             f"{DEFAULT_HP})")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
 
@@ -142,6 +163,7 @@ class Settings:
     directory: str
     read_ahead_kb: int
     json_path: str | None
+    passthrough_hp: str = str(DEFAULT_HP)
 
 
 def parse_readers(text: str) -> tuple[int, ...]:
@@ -169,7 +191,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     directory = args.dir or os.path.join(tempfile.gettempdir(), "coordlfs-bench-hits")
     return Settings(args.files, size, parse_size(args.big_size, "--big-size"),
                     parse_readers(args.readers), args.repeat, os.path.abspath(directory),
-                    args.read_ahead_kb, args.json)
+                    args.read_ahead_kb, args.json, args.passthrough_hp)
 
 
 def check_can_run() -> None:
@@ -425,6 +447,12 @@ COMPARISONS = {
     "client_vs_tmpfs": ("client", "tmpfs"),
     "client_warm_vs_tmpfs": ("client_warm", "tmpfs"),
     "client_vs_coordlfs_cache": ("client", "coordlfs_cache"),
+    "coordlfs_passthrough_vs_tmpfs": ("coordlfs_pt", "tmpfs"),
+    "coordlfs_passthrough_vs_passthrough_hp": ("coordlfs_pt", "hp"),
+    "coordlfs_passthrough_vs_classic": ("coordlfs_pt", "coordlfs_cache"),
+    "coordlfs_passthrough_warm_vs_tmpfs": ("coordlfs_pt_warm", "tmpfs"),
+    "coordlfs_passthrough_warm_vs_passthrough_hp_warm": ("coordlfs_pt_warm", "hp_warm"),
+    "passthrough_hp_vs_tmpfs": ("hp", "tmpfs"),
 }
 
 
@@ -433,12 +461,14 @@ def columns(readers: tuple[int, ...], big: bool) -> list[tuple[str, int]]:
     return [(str(n), n) for n in readers] + ([("sequential", 0)] if big else [])
 
 
-def paired_ratio(result: Result, baseline: Result) -> float | None:
-    """The median of run-by-run ratios.
+def paired_ratio(result: Result | None, baseline: Result | None) -> float | None:
+    """The median of run-by-run ratios (None where a case could not run).
 
     Run i of two adjacent cases was taken seconds apart, so their ratio cancels most of the
     swings in CPU speed a shared virtual machine has; the ratio of medians does not.
     """
+    if result is None or baseline is None:
+        return None
     pairs = zip(result.runs, baseline.runs, strict=True)
     ratios = [r.gb_per_s / b.gb_per_s for r, b in pairs if b.gb_per_s > 0]
     return statistics.median(ratios) if ratios else None
@@ -454,14 +484,14 @@ def summarize(results: dict[tuple[str, int], Result], readers: tuple[int, ...],
     cols = columns(readers, big)
     summary: dict[str, Any] = {"goal": GOAL}
     for name, (case, base) in COMPARISONS.items():
-        summary[name] = {label: ratio(results[case, key].gb_per_s, results[base, key].gb_per_s)
+        summary[name] = {label: _ratio_of(results.get((case, key)), results.get((base, key)))
                          for label, key in cols}
-    summary["coordlfs_cache_vs_bare_paired"] = {
-        label: paired_ratio(results["coordlfs_cache", key], results["bare", key])
-        for label, key in cols}
-    summary["client_vs_tmpfs_paired"] = {
-        label: paired_ratio(results["client", key], results["tmpfs", key])
-        for label, key in cols}
+    for name, case, base in (("coordlfs_cache_vs_bare_paired", "coordlfs_cache", "bare"),
+                             ("client_vs_tmpfs_paired", "client", "tmpfs"),
+                             ("coordlfs_passthrough_vs_passthrough_hp_paired", "coordlfs_pt",
+                              "hp")):
+        summary[name] = {label: paired_ratio(results.get((case, key)), results.get((base, key)))
+                         for label, key in cols}
     hits = [summary["coordlfs_cache_vs_bare"][str(n)] for n in readers]
     summary["goal_met"] = all(r is not None and r >= GOAL for r in hits)
     summary["client_goal"] = CLIENT_GOAL
@@ -469,7 +499,31 @@ def summarize(results: dict[tuple[str, int], Result], readers: tuple[int, ...],
     summary["client_goal_met"] = all(r is not None and r >= CLIENT_GOAL for r in client)
     warm = [summary["client_warm_vs_tmpfs"][str(n)] for n in readers]
     summary["client_warm_goal_met"] = all(r is not None and r >= CLIENT_GOAL for r in warm)
+    summary["passthrough_goals"] = {"vs_tmpfs": PASSTHROUGH_GOALS,
+                                    "vs_passthrough_hp": PASSTHROUGH_HP_GOAL}
+    summary["passthrough_goal_met"] = _passthrough_goal_met(summary, readers)
     return summary
+
+
+def _ratio_of(result: Result | None, baseline: Result | None) -> float | None:
+    """The ratio of two cases' medians; None where either could not run."""
+    if result is None or baseline is None:
+        return None
+    return ratio(result.gb_per_s, baseline.gb_per_s)
+
+
+def _passthrough_goal_met(summary: dict[str, Any], readers: tuple[int, ...]) -> bool | None:
+    """Passthrough hits with the page cache dropped against tmpfs and passthrough_hp; None
+    where either could not run."""
+    pairs = []
+    for n in readers:
+        goal = PASSTHROUGH_GOALS.get(n, PASSTHROUGH_GOALS[max(PASSTHROUGH_GOALS)])
+        pairs += [(summary["coordlfs_passthrough_vs_tmpfs"][str(n)], goal),
+                  (summary["coordlfs_passthrough_vs_passthrough_hp"][str(n)],
+                   PASSTHROUGH_HP_GOAL)]
+    if any(value is None for value, _goal in pairs):
+        return None
+    return all(value >= goal for value, goal in pairs)
 
 
 def _percent(value: float | None) -> str:
@@ -486,8 +540,9 @@ def _cells(result: Result, baseline: Result, files: bool) -> str:
 
 
 def format_table(results: dict[tuple[str, int], Result], readers: tuple[int, ...],
-                 big_size: int) -> str:
-    """One line per case: files/s, GB/s and the share of bare pyfuse3, per reader count.
+                 big_size: int, unavailable: dict[str, str] | None = None) -> str:
+    """One line per case: files/s, GB/s and the share of bare pyfuse3, per reader count; a
+    case whose system could not run (``unavailable``: system -> why) says why.
 
     "vs bare" compares with bare pyfuse3 in the same page-cache state (dropped or warm).
     """
@@ -500,6 +555,10 @@ def format_table(results: dict[tuple[str, int], Result], readers: tuple[int, ...
     lines = [top, head, "-" * len(head)]
     for case in CASES:
         line = f"{case.label:<36}"
+        why = (unavailable or {}).get(case.system)
+        if why:
+            lines.append(f"{line} | n/a: {why}")
+            continue
         for _, key in columns(readers, big_size > 0):
             line += " | " + _cells(results[case.key, key], results[BASELINE[case.warm], key],
                                    files=key > 0)
@@ -519,15 +578,19 @@ class Bench:
     roots: dict[str, str]
     #: the daemon's pid of each FUSE system
     pids: dict[str, int]
+    #: the systems that could not run here, and why
+    unavailable: dict[str, str]
     results: dict[tuple[str, int], Result] = field(default_factory=dict)
+    #: the big file read by fio: GB/s of each run by (system, ``bigfile.key``)
+    big_runs: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     #: runs taken again because the kernel's caches were dropped while they ran
     disturbed: int = 0
 
     def paths(self, system: str, rels: list[str]) -> list[str]:
         return [os.path.join(self.roots[system], rel) for rel in rels]
 
-    def control(self) -> str:
-        return os.path.join(self.roots["coordlfs"], ".coordlfs")
+    def control(self, system: str = "coordlfs") -> str:
+        return os.path.join(self.roots[system], ".coordlfs")
 
     def once(self, case: Case, rels: list[Any], readers: int, key: int) -> None:
         """One measured run, after dropping the page cache or after warming it.
@@ -568,15 +631,36 @@ class Bench:
             else:
                 rels = [big] if big else []
             for case in CASES:
-                self.once(case, rels, max(key, 1), key)
+                if case.system not in self.unavailable:
+                    self.once(case, rels, max(key, 1), key)
+        if big and "fio" not in self.unavailable:
+            self.fio_big(big)
 
-    def warm_coordlfs(self) -> dict[str, Any]:
-        """Read everything once through coordlfs and wait until its cache holds all of it."""
+    def fio_big(self, big: str) -> None:
+        """One fio run of every pattern and reader count through every system that runs,
+        the systems back to back, each mount's pages of the file dropped first."""
+        size = self.dataset.bytes_of([big])
+        with tempfile.TemporaryDirectory(prefix="coordlfs-bench-fio-") as scratch:
+            for pattern in bigfile.PATTERNS:
+                for readers in self.settings.readers:
+                    for system in bigfile.SYSTEMS:
+                        if system in self.unavailable:
+                            continue
+                        path = self.paths(system, [big])
+                        if system != "tmpfs":
+                            evict(path)
+                        rate = bigfile.measure(path[0], pattern, readers, size, Path(scratch))
+                        self.big_runs.setdefault((system, bigfile.key(pattern, readers)),
+                                                 []).append(rate)
+
+    def warm_coordlfs(self, system: str = "coordlfs") -> dict[str, Any]:
+        """Read everything once through a coordlfs mount and wait until its cache holds all of
+        it."""
         everything = [rel for rel, _size in self.dataset.files]
-        measure(self.paths("coordlfs", everything), 1)
+        measure(self.paths(system, everything), 1)
         deadline = time.monotonic() + START_TIMEOUT
         while True:
-            status = self.status()
+            status = self.status(system)
             cache = status["cache"]
             if cache["filling"] == 0 and cache["files"] >= len(everything):
                 return status
@@ -584,63 +668,98 @@ class Bench:
                 raise UserError(f"coordlfs cached {cache['files']} of {len(everything)} files")
             time.sleep(0.1)
 
-    def status(self) -> dict[str, Any]:
-        with open(self.control(), "rb") as f:
+    def status(self, system: str = "coordlfs") -> dict[str, Any]:
+        with open(self.control(system), "rb") as f:
             return json.loads(f.read())
 
 
 def _check_memory(dataset: Dataset) -> None:
-    # tmpfs copy + memfs's dict + coordlfs's cache + page cache of the warm cases
-    need = 5 * dataset.total_bytes
+    # tmpfs copy + memfs's dict + coordlfs's two caches + page cache of the warm cases
+    need = 6 * dataset.total_bytes
     if need > physical_memory():
         raise UserError(f"the dataset ({format_size(dataset.total_bytes)}) is too large for "
                         f"this machine's memory ({format_size(physical_memory())}); the "
-                        f"benchmark keeps about 5 copies of it in RAM")
+                        f"benchmark keeps about 6 copies of it in RAM")
 
 
 def _start_all(stack: contextlib.ExitStack, settings: Settings, dataset: Dataset,
-               work: str) -> tuple[dict[str, str], dict[str, int]]:
+               work: str) -> tuple[dict[str, str], dict[str, int], dict[str, str]]:
     """Copy the dataset to tmpfs and mount each FUSE system.
 
-    Returns the root path of each system's copy and the pid of each FUSE daemon.
+    Returns the root path of each system's copy, the pid of each FUSE daemon and why each
+    system that could not start (coordlfs passthrough, passthrough_hp, fio) could not.
     """
     shm = stack.enter_context(tempfile.TemporaryDirectory(prefix="coordlfs-bench-",
                                                           dir="/dev/shm"))
     roots = {"source": dataset.root, "tmpfs": os.path.join(shm, "data")}
     print(f"copying the dataset to tmpfs ({roots['tmpfs']})", flush=True)
     shutil.copytree(dataset.root, roots["tmpfs"])
-    cache_dir = os.path.join(shm, "cache")
-    pids = {}
-    for system in ("memfs", "passthrough", "coordlfs"):
+    pids: dict[str, int] = {}
+    unavailable = {}
+    fio = bigfile.unavailable()
+    if fio:
+        unavailable["fio"] = fio
+    for system in ("memfs", "passthrough", "coordlfs", "coordlfs_pt", "hp"):
         mountpoint = os.path.join(work, system)
         os.mkdir(mountpoint)
         stack.callback(os.rmdir, mountpoint)  # runs after the unmount below: an empty dir
         log = os.path.join(work, f"{system}.log")
         print(f"mounting {system} on {mountpoint}", flush=True)
-        if system == "coordlfs":
-            # Room for everything with a margin, and no per-file limit: every file a hit. The
-            # cache on a tmpfs of its own in huge pages, as a root mount has it by default.
-            room = str(dataset.total_bytes + (64 << 20))
-            pids[system] = stack.enter_context(mounted(
-                Path(dataset.root), Path(mountpoint), Path(log), "--cache-size", room,
-                "--max-file-size", room, "--cache-tmpfs", "yes",
-                cache_dir=Path(cache_dir))).pid
-        else:
-            pids[system] = stack.enter_context(baseline(system, dataset.root, mountpoint, log))
+        try:
+            pids[system] = stack.enter_context(
+                _serve(system, settings, dataset, roots, mountpoint, log, shm))
+        except Unavailable as e:
+            unavailable[system] = str(e)
+            print(f"  {system}: n/a: {e}", flush=True)
+            continue
         set_read_ahead(mountpoint, settings.read_ahead_kb)
         roots[system] = mountpoint
     pids["client"] = pids["coordlfs"]  # what a client's hit costs the daemon: nothing
-    return roots, pids
+    return roots, pids, unavailable
 
 
-def _report(bench: Bench, reads: dict[str, int]) -> dict[str, Any]:
+@contextlib.contextmanager
+def _serve(system: str, settings: Settings, dataset: Dataset, roots: dict[str, str],
+           mountpoint: str, log: str, shm: str) -> Iterator[int]:
+    """Mount one FUSE system; yields its daemon's pid. Unavailable if coordlfs passthrough or
+    passthrough_hp cannot run here."""
+    if system == "hp":  # over the tmpfs copy: backing files on tmpfs, as coordlfs's are
+        with passthrough_hp(Path(settings.passthrough_hp), roots["tmpfs"], mountpoint,
+                            Path(log)) as pid:
+            yield pid
+        return
+    if system not in ("coordlfs", "coordlfs_pt"):
+        with baseline(system, dataset.root, mountpoint, log) as pid:
+            yield pid
+        return
+    # Room for everything with a margin, and no per-file limit: every file a hit. The cache
+    # on a tmpfs of its own in huge pages, as a root mount has it by default.
+    room = str(dataset.total_bytes + (64 << 20))
+    flags = coordlfs_flags(system == "coordlfs_pt")
+    with contextlib.ExitStack() as stack:
+        try:
+            daemon = stack.enter_context(mounted(
+                Path(dataset.root), Path(mountpoint), Path(log), "--cache-size", room,
+                "--max-file-size", room, "--cache-tmpfs", "yes", *flags,
+                cache_dir=Path(shm, f"cache-{system}")))
+        except UserError as e:  # --passthrough yes where passthrough cannot run
+            if system == "coordlfs":
+                raise
+            raise Unavailable(str(e)) from None
+        yield daemon.pid
+
+
+def _report(bench: Bench, reads: dict[str, dict[str, int]],
+            passthrough: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The JSON report; ``reads``: each coordlfs mount's read counters over the measured runs,
+    ``passthrough``: what its status says of passthrough (its keys naming it)."""
     settings = bench.settings
     big_rel = big_file(bench.dataset)
     big = big_rel is not None
     summary = summarize(bench.results, settings.readers, big)
+    big_bytes = bench.dataset.bytes_of([big_rel] if big_rel else [])
     print()
-    print(format_table(bench.results, settings.readers,
-                       bench.dataset.bytes_of([big_rel] if big_rel else [])))
+    print(format_table(bench.results, settings.readers, big_bytes, bench.unavailable))
     print()
     for label, key in columns(settings.readers, big):
         what = f"{label} reader{'s' if key > 1 else ''}" if key else "sequential"
@@ -653,14 +772,30 @@ def _report(bench: Bench, reads: dict[str, int]) -> dict[str, Any]:
               f"{_percent(summary['client_vs_tmpfs_paired'][label])}; goal "
               f"{_percent(CLIENT_GOAL)}); mapping warm: "
               f"{_percent(summary['client_warm_vs_tmpfs'][label])}")
+        print(f"coordlfs passthrough, {what}: "
+              f"{_percent(summary['coordlfs_passthrough_vs_tmpfs'][label])} of tmpfs, "
+              f"{_percent(summary['coordlfs_passthrough_vs_passthrough_hp'][label])} of "
+              f"passthrough_hp (run by run: "
+              f"{_percent(summary['coordlfs_passthrough_vs_passthrough_hp_paired'][label])})")
+    if big:
+        why_not = {s: why for s, why in bench.unavailable.items() if s in bigfile.SYSTEMS}
+        if "fio" in bench.unavailable:
+            why_not = dict.fromkeys(bigfile.SYSTEMS, bench.unavailable["fio"])
+        summary["big_file"] = bigfile.summary(bench.big_runs, why_not, settings.readers)
+        print()
+        print(bigfile.format_table(summary["big_file"], settings.readers,
+                                   f"{format_size(big_bytes)}, fio, dropped"))
     return {
         "machine": {"cpus": os.cpu_count(), "memory_bytes": physical_memory(),
                     "kernel": platform.release(), "python": platform.python_version()},
         "settings": {**asdict(settings), "chunk": CHUNK},
         "cases": [asdict(c) for c in CASES],
         "results": [r.to_json() for r in bench.results.values()],
-        "coordlfs_reads": reads,
+        "coordlfs_reads": reads["coordlfs"],
+        "coordlfs_passthrough_reads": reads.get("coordlfs_pt"),
+        "passthrough_status": passthrough,
         "runs_disturbed_and_retaken": bench.disturbed,
+        "unavailable": bench.unavailable,
         "summary": summary,
     }
 
@@ -677,14 +812,19 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         work = stack.enter_context(tempfile.TemporaryDirectory(prefix="coordlfs-bench-"))
         bench = Bench(settings, dataset, *_start_all(stack, settings, dataset, work))
-        print("filling the coordlfs cache", flush=True)
-        before = bench.warm_coordlfs()["reads"]
+        print("filling the coordlfs caches", flush=True)
+        mounts = [s for s in ("coordlfs", "coordlfs_pt") if s not in bench.unavailable]
+        before = {system: bench.warm_coordlfs(system)["reads"] for system in mounts}
         for number in harness.repeated(settings.repeat):
             bench.repeat(number - 1)
-        after = bench.status()["reads"]
-        reads = {k: after[k] - before[k] for k in after}
-        if reads["bytes_from_source"]:
-            print(f"warning: coordlfs read {reads['bytes_from_source']} bytes from the source "
-                  "during the measured runs; not every read was a cache hit", file=sys.stderr)
-    harness.write_report(settings.json_path, _report(bench, reads))
+        reads, passthrough = {}, {}
+        for system in mounts:
+            status = bench.status(system)
+            reads[system] = {k: v - before[system][k] for k, v in status["reads"].items()}
+            passthrough[system] = {k: v for k, v in status.items() if "passthrough" in k}
+            if reads[system]["bytes_from_source"]:
+                print(f"warning: {system} read {reads[system]['bytes_from_source']} bytes from "
+                      "the source during the measured runs; not every read was a cache hit",
+                      file=sys.stderr)
+    harness.write_report(settings.json_path, _report(bench, reads, passthrough))
     return 0

@@ -5,7 +5,11 @@ The daemon's anonymous resident set (RssAnon) is read after mounting, after ever
 looked up (inodes) and after every file was read (cache entries). Cached bytes themselves live
 in a tmpfs file each; what they occupy beyond their bytes (page rounding) is reported too,
 and so is what the kernel allocates per file (FUSE inodes and dentries, from
-/proc/slabinfo), which the daemon cannot shrink but a user must budget for.
+/proc/slabinfo), which the daemon cannot shrink but a user must budget for. The cache's own
+files cost the kernel memory as well: a tmpfs inode and dentry per file
+(``shmem_inode_cache``, ``dentry``) and its bytes rounded up to pages (``Shmem`` in
+/proc/meminfo), measured over the reads that fill the cache. Both are machine-wide counts:
+another process making files meanwhile shows up in them.
 
 ``--direct`` builds the daemon's tables in this process instead, with no files and no mount
 (ten million entries take minutes, not the hours a mount would), measures their RssAnon
@@ -31,6 +35,8 @@ from coordlfs.testbed.mounts import mounted
 
 #: the kernel's slab caches that grow per file the kernel holds through the mount
 SLABS = ("fuse_inode", "dentry")
+#: the kernel's slab caches that grow per file in the cache's tmpfs
+CACHE_SLABS = ("shmem_inode_cache", "dentry")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,9 +55,9 @@ def _rss(pid: int | str) -> int:
     raise UserError(f"no RssAnon for pid {pid}")
 
 
-def _slabs() -> dict[str, int]:
+def _slabs(names: tuple[str, ...] = SLABS + CACHE_SLABS) -> dict[str, int]:
     """Bytes of the kernel's per-file slab caches (objects in use times object size)."""
-    found = dict.fromkeys(SLABS, 0)
+    found = dict.fromkeys(names, 0)
     try:
         for line in Path("/proc/slabinfo").read_text().splitlines()[2:]:
             name, active, _total, size, *_rest = line.split()
@@ -60,6 +66,20 @@ def _slabs() -> dict[str, int]:
     except OSError:  # not root, or no SLUB statistics: reported as 0
         pass
     return found
+
+
+def _shmem() -> int:
+    """Bytes of tmpfs and shared memory pages in the machine (``Shmem`` in /proc/meminfo)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) * 1024
+    raise UserError("no Shmem in /proc/meminfo")
+
+
+def _cache_files(cache_dir: Path) -> tuple[int, int]:
+    """The cache's entry files and the bytes tmpfs allocated for them."""
+    files = list((cache_dir / FILES).iterdir())
+    return len(files), sum(p.stat().st_blocks * 512 for p in files)
 
 
 def _path(i: int) -> bytes:
@@ -84,13 +104,17 @@ def measure(files: int, size: int) -> dict[str, float]:
                 os.stat(name)
             looked_up, kernel = _rss(pid), _slabs()
             known = mount.status()  # before reads: the kernel may forget inodes meanwhile
+            shmem = _shmem()
             for name in names:
                 with open(name, "rb") as f:
                     f.read()
-            cached = _rss(pid)
+            cached, filled = _rss(pid), _slabs()
             status = mount.status()
-            occupied = sum(p.stat().st_blocks * 512 for p in (cache_dir / FILES).iterdir())
+            shmem = _shmem() - shmem
+            cache_files, allocated = _cache_files(cache_dir)
     kernel_bytes = {name: (kernel[name] - slabs[name]) / files for name in SLABS}
+    cache_slabs = {name: (filled[name] - kernel[name]) / files for name in CACHE_SLABS}
+    cached_bytes = status["cache"]["bytes"]
     return {
         "files": files,
         "file_bytes": size,
@@ -105,7 +129,13 @@ def measure(files: int, size: int) -> dict[str, float]:
         / max(1, status["cache"]["files"]),
         **{f"kernel_{name}_bytes_per_file": value for name, value in kernel_bytes.items()},
         "kernel_bytes_per_file": sum(kernel_bytes.values()),
-        "tmpfs_bytes_per_file_beyond_data": (occupied - status["cache"]["bytes"]) / files,
+        "tmpfs_bytes_per_file_beyond_data": (allocated - cached_bytes) / files,
+        "cache_dir_files": cache_files,
+        **{f"cache_kernel_{name}_bytes_per_file": v for name, v in cache_slabs.items()},
+        "cache_kernel_slab_bytes_per_file": sum(cache_slabs.values()),
+        "cache_kernel_shmem_bytes_per_file_beyond_data": (shmem - cached_bytes) / files,
+        "cache_kernel_bytes_per_file": sum(cache_slabs.values())
+        + (shmem - cached_bytes) / files,
     }
 
 
@@ -171,6 +201,12 @@ def run(args: argparse.Namespace) -> int:
           + ", ".join(f"{name} {result[f'kernel_{name}_bytes_per_file']:.0f}"
                       for name in SLABS) + ")")
     print(f"tmpfs beyond the data    {result['tmpfs_bytes_per_file_beyond_data']:.1f} bytes "
-          f"per cached file of {args.size} bytes (a file each: page rounding)")
+          f"per cached file of {args.size} bytes ({result['cache_dir_files']} files: page "
+          "rounding)")
+    print(f"kernel per cached file   {result['cache_kernel_bytes_per_file']:.0f} bytes ("
+          + ", ".join(f"{name} {result[f'cache_kernel_{name}_bytes_per_file']:.0f}"
+                      for name in CACHE_SLABS)
+          + ", Shmem beyond the data "
+          f"{result['cache_kernel_shmem_bytes_per_file_beyond_data']:.0f}; machine-wide counts)")
     harness.write_report(args.json, result)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 from benchtools import defaults
 from conftest import run_cli
 
-from coordlfs.bench import hits
+from coordlfs.bench import bigfile, hits, passthrough
 from coordlfs.bench.hits import Result, Run
 from coordlfs.errors import UserError
 
@@ -171,8 +172,90 @@ def test_table_has_a_row_per_case_and_shares_of_bare() -> None:
     lines = table.splitlines()
     assert len(lines) == 3 + len(hits.CASES)
     assert "1.0 GiB sequential" in lines[0]
-    row = next(line for line in lines if line.startswith("coordlfs, from its cache"))
+    row = next(line for line in lines if line.startswith("coordlfs classic, from its cache"))
     assert "3,600" in row and "90%" in row
+
+
+def test_a_system_that_cannot_run_is_na_with_why_in_table_and_summary() -> None:
+    results = {k: r for k, r in _results((4000,), (3600,)).items()
+               if k[0] not in ("coordlfs_pt", "coordlfs_pt_warm")}
+    table = hits.format_table(results, (1, 4), 0, {"coordlfs_pt": "no --passthrough option"})
+    rows = [line for line in table.splitlines() if line.startswith("coordlfs passthrough")]
+    assert len(rows) == 2 and all("n/a: no --passthrough option" in row for row in rows)
+    summary = hits.summarize(results, (1, 4), False)
+    assert summary["coordlfs_passthrough_vs_tmpfs"] == {"1": None, "4": None}
+    assert summary["coordlfs_passthrough_vs_passthrough_hp_paired"] == {"1": None, "4": None}
+    assert summary["passthrough_goal_met"] is None
+    assert summary["passthrough_hp_vs_tmpfs"]["1"] == pytest.approx(1.0)
+
+
+def test_passthrough_goals_are_shares_of_tmpfs_and_of_passthrough_hp() -> None:
+    results = _results((4000,), (3600,))
+    for readers, speed in ((1, 170.0), (4, 230.0)):  # tmpfs and passthrough_hp at 1000
+        results["coordlfs_pt", readers] = _result("coordlfs_pt", readers, speed)
+    summary = hits.summarize(results, (1, 4), False)
+    assert summary["coordlfs_passthrough_vs_tmpfs"] == {"1": 0.17, "4": 0.23}
+    assert summary["passthrough_goal_met"] is False  # 0.17 of passthrough_hp, not 0.9
+    for key in ("tmpfs", "hp"):
+        for readers in (1, 4):
+            results[key, readers] = _result(key, readers, 180.0)
+    assert hits.summarize(results, (1, 4), False)["passthrough_goal_met"] is True
+
+
+# -- the passthrough systems and the big file ------------------------------------------------
+
+
+def test_coordlfs_passthrough_flags_only_where_the_mount_has_the_option(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    options = tuple(o for o in passthrough.OPTIONS if o.name != "passthrough")
+    monkeypatch.setattr(passthrough, "OPTIONS", options)
+    assert passthrough.coordlfs_flags(False) == ()  # today's classic mount
+    with pytest.raises(passthrough.Unavailable, match="no --passthrough option"):
+        passthrough.coordlfs_flags(True)
+    option = dataclasses.replace(options[0], name="passthrough")
+    monkeypatch.setattr(passthrough, "OPTIONS", (*options, option))
+    assert passthrough.coordlfs_flags(True) == ("--passthrough", "yes")
+    assert passthrough.coordlfs_flags(False) == ("--passthrough", "no")
+
+
+def test_passthrough_hp_missing_is_unavailable_with_why(tmp_path: Path) -> None:
+    binary = tmp_path / "passthrough_hp"
+    with pytest.raises(passthrough.Unavailable, match=f"no passthrough_hp at {binary}"), \
+            passthrough.passthrough_hp(binary, str(tmp_path), str(tmp_path), tmp_path / "log"):
+        pass
+
+
+def test_fio_reads_the_big_file_whole_or_randomly_capped() -> None:
+    sequential, random_ = bigfile.PATTERNS
+    argv = bigfile.argv("/m:nt/big", sequential, 4, 3 << 30)
+    assert {"--readonly", "--rw=read", "--bs=1048576", "--numjobs=4", "--ioengine=psync",
+            f"--io_size={3 << 30}", "--filename=/m\\:nt/big"} <= set(argv)
+    argv = bigfile.argv("/big", random_, 1, 3 << 30)
+    assert {"--rw=randread", "--bs=4096", "--norandommap",
+            f"--io_size={bigfile.RANDOM_BYTES}"} <= set(argv)
+    assert f"--io_size={1 << 20}" in bigfile.argv("/big", random_, 1, 1 << 20)
+
+
+def test_big_file_summary_shares_of_tmpfs_and_goals() -> None:
+    runs = {}
+    for key, tmpfs, classic, through in (("sequential_1", 4.0, 2.0, 3.8),
+                                         ("random_1", 2.0, 0.1, 1.7)):
+        runs["tmpfs", key], runs["coordlfs", key] = [tmpfs, 9.0, tmpfs], [classic]
+        runs["coordlfs_pt", key] = [through]
+    result = bigfile.summary(runs, {}, (1,))  # medians: tmpfs's 9.0 is an outlier
+    assert result["vs_tmpfs"]["coordlfs"] == {"sequential_1": 0.5, "random_1": 0.05}
+    assert result["passthrough_vs_classic"]["random_1"] == 17.0
+    assert result["goal_met"] is True  # 0.95 >= 0.9 sequential, 0.85 >= 0.8 random
+    runs["coordlfs_pt", "random_1"] = [1.5]
+    assert bigfile.summary(runs, {}, (1,))["goal_met"] is False
+    runs["coordlfs_pt", "random_1"] = [1.7]
+    table = bigfile.format_table(result, (1,), "1 GiB")
+    assert "coordlfs passthrough" in table and "n/a" not in table
+    del runs["coordlfs_pt", "random_1"], runs["coordlfs_pt", "sequential_1"]
+    result = bigfile.summary(runs, {"coordlfs_pt": "why not"}, (1,))
+    assert result["goal_met"] is None
+    assert result["gb_per_s"]["coordlfs_pt"] == {"sequential_1": None, "random_1": None}
+    assert "coordlfs passthrough     | n/a: why not" in bigfile.format_table(result, (1,), "x")
 
 
 # -- a real run ------------------------------------------------------------------------------
@@ -203,20 +286,39 @@ def test_tiny_run_reports_every_figure_and_cleans_up(tmp_path: Path) -> None:
                      timeout=120)
     assert result.returncode == 0, result.stderr
     assert "daemon logged" not in result.stderr  # its logs go with its directory: it warns
-    assert "coordlfs, from its cache" in result.stdout
+    assert "coordlfs classic, from its cache" in result.stdout
     report = json.loads(out.read_text())
-    assert {"machine", "settings", "cases", "results", "coordlfs_reads", "summary"} <= set(report)
+    assert {"machine", "settings", "cases", "results", "coordlfs_reads", "summary",
+            "unavailable"} <= set(report)
     summary = report["summary"]
-    for key in ("coordlfs_cache_vs_bare", "coordlfs_warm_vs_bare_warm",
-                "coordlfs_cache_vs_bare_paired", "client_vs_tmpfs", "client_vs_tmpfs_paired",
-                "client_vs_coordlfs_cache", "client_warm_vs_tmpfs"):
+    for key in (*hits.COMPARISONS, "coordlfs_cache_vs_bare_paired", "client_vs_tmpfs_paired",
+                "coordlfs_passthrough_vs_passthrough_hp_paired"):
         assert set(summary[key]) == {"1", "4", "sequential"}
     assert isinstance(summary["goal_met"], bool)
     assert isinstance(summary["client_goal_met"], bool)
     assert isinstance(summary["client_warm_goal_met"], bool)
     assert "coordlfs client, bytes copied out" in result.stdout
+    # a system that cannot run here (coordlfs passthrough before the option exists, no
+    # passthrough_hp built) is n/a and says why; every other case ran
+    unavailable = report["unavailable"]
+    assert set(unavailable) <= {"coordlfs_pt", "hp", "fio"}
+    assert all(why.strip() for why in unavailable.values())
+    for system in ("coordlfs_pt", "hp"):
+        if system in unavailable:
+            assert f"n/a: {unavailable[system]}" in result.stdout
     cases = {(r["case"], r["readers"]) for r in report["results"]}
-    assert cases == {(c.key, n) for c in hits.CASES for n in (1, 4, 0)}
+    assert cases == {(c.key, n) for c in hits.CASES for n in (1, 4, 0)
+                     if c.system not in unavailable}
+    assert summary["passthrough_goal_met"] in (True, False, None)
+    big = summary["big_file"]
+    keys = {"sequential_1", "sequential_4", "random_1", "random_4"}
+    assert set(big["gb_per_s"]) == {"tmpfs", "coordlfs", "coordlfs_pt"}
+    assert all(set(rates) == keys for rates in big["gb_per_s"].values())
+    assert set(big["vs_tmpfs"]) == {"coordlfs", "coordlfs_pt"}
+    assert ("coordlfs_pt" in big["unavailable"]) == bool({"coordlfs_pt", "fio"} & set(unavailable))
+    for system, rates in big["gb_per_s"].items():
+        ran = system not in big["unavailable"]
+        assert all((rate is not None and rate > 0) == ran for rate in rates.values())
     assert all(r["files_per_s"] > 0 and len(r["runs"]) == 1 for r in report["results"])
     # every measured coordlfs read was a hit, the client's from shared memory: 50 small
     # files with 1 and 4 readers, and the big file (more if a run was disturbed and retaken)

@@ -1,4 +1,5 @@
-"""coordlfs bench overhead: a small real run over a mount, and the tables built directly."""
+"""coordlfs bench overhead: a small real run over a mount (the daemon's and the kernel's bytes per
+file, the cache's own files included), and the tables built directly."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ def test_over_a_mount_it_reports_the_daemon_and_the_kernel_per_file(tmp_path: Pa
                    "table_bytes_per_cached_file", "kernel_bytes_per_file"} <= report.keys()
     assert report["cached_files"] == 300
     assert report["table_bytes_per_cached_file"] > 0
+    # the cache's own files in the kernel: a file per entry
+    assert {"cache_kernel_shmem_inode_cache_bytes_per_file", "cache_kernel_dentry_bytes_per_file",
+            "cache_kernel_slab_bytes_per_file", "cache_kernel_shmem_bytes_per_file_beyond_data",
+            "cache_kernel_bytes_per_file", "cache_dir_files"} <= report.keys()
+    assert report["cache_dir_files"] == 300
 
 
 def test_direct_builds_the_tables_and_adopts_them_as_a_restart_does(tmp_path: Path) -> None:
