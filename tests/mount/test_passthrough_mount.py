@@ -20,6 +20,7 @@ import xxhash
 from conftest import Mount, force_unmount, random_source, run_as_other_user, run_cli, wait_for
 
 from coordlfs.fs import passthrough
+from coordlfs.testbed.storage import drop_caches
 
 SIZE = 3 * 1024 * 1024 + 4321  # not a whole number of pages or of FUSE reads
 
@@ -131,6 +132,7 @@ def test_passthrough_off_says_why_and_reads_as_before(tmp_path: Path, mount) -> 
     state = m.status()["passthrough"]
     assert not state["on"] and state["why_off"] == "off (--passthrough no)", state
     cached(m, "f.bin")
+    drop_caches()  # else the kernel's page cache answers without the daemon
     before = daemon_reads(m)
     assert read_every_way(m.mountpoint / "f.bin") == want
     assert daemon_reads(m) > before and m.status()["reads"]["passthrough_opens"] == 0

@@ -62,7 +62,7 @@ def test_a_miss_fills_the_cache_and_the_next_open_hits(tmp_path: Path,
                                   "bytes_from_source": len(data),
                                   "cache_hits": requests(len(data)),
                                   "bytes_from_cache": len(data), "files_from_cache": 1}
-            assert m.cache.used == len(data)
+            assert m.cache.data_bytes == len(data)
 
         m.run(body)
 
