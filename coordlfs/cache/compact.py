@@ -314,8 +314,10 @@ class Rows:
         self.paths.put(row, path)
         self.count += 1
 
-    def free_row(self, row: int) -> None:
-        self.keys.remove(row)
+    def free_row(self, row: int, keyed: bool = True) -> None:
+        """Free ``row``; ``keyed`` False: its key was taken out of ``keys`` already."""
+        if keyed:
+            self.keys.remove(row)
         self.paths.drop(row)
         self._free.append(row)
         self.count -= 1

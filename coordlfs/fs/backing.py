@@ -35,8 +35,9 @@ class Backings:
 
     def __init__(self, cache: WholeFileCache) -> None:
         self.cache = cache
-        #: entry number (``Entry.offset``) -> its registered backing id
+        #: entry number (``Entry.offset``) -> its registered backing id, and the entry
         self._ids: dict[int, int] = {}
+        self._entries: dict[int, Entry] = {}
         #: inode -> the entry number whose id its passthrough opens hold, and how many
         self._held: dict[int, list[int]] = {}
         #: entry number -> passthrough opens holding its id (over every inode)
@@ -63,6 +64,7 @@ class Backings:
         if entry.offset not in self._ids:
             try:
                 self._ids[entry.offset] = self._register(entry)
+                self._entries[entry.offset] = entry
             except OSError as e:
                 self._plain[inode] = self._plain.get(inode, 0) + 1
                 level = logging.INFO if self._failed_logged else logging.WARNING
@@ -71,6 +73,12 @@ class Backings:
                         os.fsdecode(entry.path), e)
                 return 0
         return self._hold(inode, entry.offset)
+
+    def held(self, inode: int) -> Entry | None:
+        """The entry whose backing id the passthrough opens of ``inode`` hold, if any: the
+        version they read, which a new open of the inode cannot but read too."""
+        held = self._held.get(inode)
+        return None if held is None else self._entries[held[0]]
 
     def _register(self, entry: Entry) -> int:
         fd = self.cache.entry_fd(entry)
@@ -116,6 +124,7 @@ class Backings:
 
     def _drop(self, number: int) -> None:
         try:
+            del self._entries[number]
             pyfuse3.backing_close(self._ids.pop(number))
         except OSError as e:  # the mount is going away
             log.info("backing id of entry %d not closed: %s", number, e)

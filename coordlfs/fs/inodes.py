@@ -10,6 +10,11 @@ The kernel may hold millions of inodes, so a node is a row of a ``compact.Rows``
 the row's generation in the high 32 bits, so a row reused after a forget gets a number never
 shown before and no map from numbers to rows is needed. ``table[inode]`` is a ``Node``, a
 view of the row for the moment it is used.
+
+A key has one inode at a time, and mostly an inode is its key's for life. The exception is a
+file changed while passthrough opens of its old version are held (``detach``): the kernel
+gives an inode one backing file, so the new version needs a new inode, and the old one lives
+on, found by its number only, until the kernel forgets it.
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ class InodeTable(Rows):
         self._size, self._mtime, self._ctime = array("q"), array("q"), array("q")
         super().__init__(self.lookups, self._generation, self._size, self._mtime, self._ctime,
                          reserved=_FIRST_FREE)
+        #: rows whose key was given a new inode (``detach``): found by number only
+        self._detached: set[int] = set()
         self.claim(ROOT_INODE, root_key, b"")
         self._size[ROOT_INODE] = _UNSEEN
         self.lookups[ROOT_INODE] = 1
@@ -127,6 +134,19 @@ class InodeTable(Rows):
             if path.startswith(prefix):
                 self.paths.put(row, new + path[len(old) :])
 
+    def detach(self, inode: int, version: Version) -> None:
+        """Give the inode's key a new inode at its next ``inode_for``: this one stands for
+        ``version`` of the file (what its open files read) until the kernel forgets it."""
+        row = self._row(inode)
+        self.keys.remove(row)  # its key columns stay: ``Node.key`` still answers
+        self._detached.add(row)
+        self.set_version(row, version)
+
+    def detached(self, inode: int) -> Version | None:
+        """The version a detached inode stands for; None for an inode that is its key's."""
+        row = self._row(inode)
+        return self.version(row) if row in self._detached else None
+
     def version(self, row: int) -> Version | None:
         size = self._size[row]
         if size == _UNSEEN:
@@ -177,7 +197,9 @@ class InodeTable(Rows):
         self._drop(self._row(inode))
 
     def _drop(self, row: int) -> None:
-        self.free_row(row)
+        keyed = row not in self._detached
+        self._detached.discard(row)
+        self.free_row(row, keyed)
         if self._generation[row] < _ROW:
             self._generation[row] += 1  # the next node in this row gets a new number
         else:  # four billion nodes in one row: retire it rather than repeat a number

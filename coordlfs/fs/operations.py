@@ -34,7 +34,7 @@ from coordlfs.fs.listing import DOTS, Listing
 from coordlfs.fs.readers import AlignedReads, Reader, Readers
 from coordlfs.jobs.groups import Member
 from coordlfs.peers.links import Peers
-from coordlfs.source.source import Source
+from coordlfs.source.source import Source, Version
 from coordlfs.source.threads import in_thread
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,14 @@ class Operations(pyfuse3.Operations):
             return self._control_attr()
         path = self._node_path(inode)
         st = self.source.lstat(path)
-        return self._attr(self._known(st, path), st)
+        old = self.inodes.detached(inode)
+        if old is None:
+            return self._attr(self._known(st, path), st)
+        # The old version of a changed file, open by passthrough (``_renumbered``): its
+        # open files read that version, so it shows that version's size and times.
+        attr = self._attr(inode, st)
+        attr.st_size, attr.st_mtime_ns, attr.st_ctime_ns = old.size, old.mtime_ns, old.ctime_ns
+        return attr
 
     @guarded
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any) -> Any:
@@ -323,7 +330,9 @@ class Operations(pyfuse3.Operations):
         st = self.source.lstat(path)
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
-        changed = not self.inodes.shown(inode, st)
+        if self._renumbered(inode, st):
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        changed = not self.inodes.shown(inode, st) and self.inodes.detached(inode) is None
         if changed:
             # The kernel holds old attributes and maybe old pages: drop both before the reader
             # sees this open succeed (attributes only here; keep_cache=False drops the pages).
@@ -343,6 +352,27 @@ class Operations(pyfuse3.Operations):
                                     keep_cache=False, noflush=True)
         # Page-cached and passthrough opens of one inode cannot coexist (EIO): none cached.
         return pyfuse3.FileInfo(fh=self._new_handle(handle), direct_io=True, keep_cache=False)
+
+    def _renumbered(self, inode: int, st: os.stat_result) -> bool:
+        """Whether ``inode``'s file changed since the version its held passthrough opens read,
+        and its key got a new inode for that (``InodeTable.detach``).
+
+        The kernel gives an inode one backing at a time: a new open of it must read the old
+        version (another backing id or direct_io is EIO). An ESTALE answer makes the kernel
+        walk the path again with LOOKUP_REVAL (``do_filp_open``); FUSE's revalidation then
+        looks the name up, meets the new inode, and opens that. The old inode lives on for
+        its open files, shown as their version (``getattr``), until the kernel forgets it.
+        """
+        held = self.backings.held(inode) if self.backings is not None else None
+        if held is None or self.inodes.detached(inode) is not None:
+            return False
+        key = self.inodes[inode].key
+        if held.matches(st) and key == (st.st_dev, st.st_ino):
+            return False
+        log.info("source file %s changed while open by passthrough: new opens get a new "
+                 "inode", os.fsdecode(held.path))
+        self.inodes.detach(inode, Version(key[1], held.size, held.mtime_ns, held.ctime_ns))
+        return True
 
     @guarded
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:

@@ -34,6 +34,7 @@ from coordlfs.jobs.prep import register_commands as register_prep_commands
 from coordlfs.protocol import spec as control_spec
 from coordlfs.protocol.spec import Access, Command
 from coordlfs.sizes import parse_size, physical_memory
+from coordlfs.source.source import Version
 
 
 @pytest.mark.parametrize(("text", "value"), [
@@ -73,6 +74,29 @@ def test_inode_table_counts_and_forgets() -> None:
     assert len(table) == 1
     table.forget(ROOT_INODE, 10)  # the root is never forgotten
     assert table[ROOT_INODE].path == b""
+
+
+def test_inode_table_detach_gives_the_key_a_new_inode() -> None:
+    """A file changed under passthrough opens: the old inode lives on by number until
+    forgotten, the key's next inode is another, and forgetting either leaves the other."""
+    table = InodeTable((1, 100))
+    others = [table.inode_for((1, ino), b"o%d" % ino) for ino in range(6, 200)]  # shared slots
+    old = table.inode_for((1, 5), b"f")
+    table.ref(old)
+    assert table.detached(old) is None
+    table.detach(old, Version(5, 10, 20, 30))
+    assert table.detached(old) == Version(5, 10, 20, 30)
+    assert table.find((1, 5)) is None
+    new = table.inode_for((1, 5), b"f")
+    table.ref(new)
+    assert new != old and table.find((1, 5)) == new and table.detached(new) is None
+    assert table[old].key == (1, 5) and table[old].path == b"f" and table[old].lookups == 1
+    assert table.forget(old, 1)
+    with pytest.raises(KeyError):
+        table[old]
+    assert table.find((1, 5)) == new and table[new].lookups == 1
+    assert all(table.find((1, ino)) == inode for ino, inode in enumerate(others, 6))
+    assert table.forget(new, 1) and table.find((1, 5)) is None
 
 
 def test_stats_between_marks() -> None:
