@@ -71,25 +71,67 @@ def test_a_cached_file_is_read_with_no_read_at_the_daemon(tmp_path: Path, mount)
     assert "passthrough on: 1 opens read by the kernel" in stats
 
 
-@needs_passthrough
-def test_a_file_changed_while_open_by_passthrough(tmp_path: Path, mount) -> None:
-    """The kernel takes one backing per inode, and any other open beside a passthrough one is
-    EIO: while an open of the old version is held, new opens read the old version too; once it
-    is closed, the new one. No open fails."""
+def change_in_place(path: Path, change: str) -> bytes:
+    """Rewrite the file in place (its inode stays): longer, or the same size with another
+    mtime. The new bytes."""
+    size = path.stat().st_size
+    new = os.urandom(size + 5000 if change == "longer" else size)
+    with path.open("r+b") as f:
+        f.write(new)
+    if change == "same size, other mtime":
+        os.utime(path, ns=(1, 1))
+    return new
+
+
+@pytest.mark.parametrize("mode", [pytest.param("yes", marks=needs_passthrough), "no"])
+@pytest.mark.parametrize("change", ["longer", "same size, other mtime"])
+def test_a_file_changed_while_open(tmp_path: Path, mount, mode: str, change: str) -> None:
+    """A long-lived reader holds the file open while the source rewrites it in place: every
+    new open reads the new version, by path and from a directory's descriptor, before and
+    after the held one closes. With passthrough the held open keeps reading the old version
+    whole (its own inode: the kernel takes one backing per inode, and any other open beside a
+    passthrough one is EIO; ``Operations._renumbered``), and the new version, once cached, is
+    read by passthrough too. Without it the held open shares the inode, and its reads stream
+    the source's current bytes (docs/design/passthrough.md). No open fails."""
     src = random_source(tmp_path, **{"f.bin": SIZE})
     old = (src / "f.bin").read_bytes()
-    m = mount(src, "--passthrough", "yes")
+    m = mount(src, "--passthrough", mode)
     cached(m, "f.bin")
     path = m.mountpoint / "f.bin"
-    with path.open("rb", buffering=0) as held:
-        assert held.read(4096) == old[:4096]
-        new = os.urandom(SIZE)
-        with (src / "f.bin").open("r+b") as f:  # in place: the same inode
-            f.write(new)
-        assert path.read_bytes() == old  # a new open beside the held one
-        assert os.pread(held.fileno(), 8192, SIZE - 8192) == old[-8192:]
-    assert path.read_bytes() == new
-    assert read_every_way(path) == xxhash.xxh64_hexdigest(new)
+    root = os.open(m.mountpoint, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with path.open("rb", buffering=0) as held:
+            assert held.read(4096) == old[:4096]
+            new = change_in_place(src / "f.bin", change)
+            want = xxhash.xxh64_hexdigest(new)
+            assert read_every_way(path) == want  # a new open beside the held one
+            fd = os.open("f.bin", os.O_RDONLY, dir_fd=root)
+            try:
+                assert os.pread(fd, len(new) + 1, 0) == new
+            finally:
+                os.close(fd)
+            listed = {e.name: e.inode() for e in os.scandir(m.mountpoint)}
+            assert listed["f.bin"] == path.stat().st_ino
+            if mode == "yes":
+                wait_for(lambda: m.status()["cache"]["files"] == 1, "the new version cached")
+                before = daemon_reads(m)
+                assert read_every_way(path) == want
+                assert daemon_reads(m) == before  # the new version by passthrough
+                assert os.pread(held.fileno(), 2 * SIZE, 0) == old  # the old one, whole
+                assert os.fstat(held.fileno()).st_size == SIZE
+                assert os.fstat(held.fileno()).st_ino != path.stat().st_ino
+            else:
+                assert os.pread(held.fileno(), SIZE, 0) == new[:SIZE]
+        assert read_every_way(path) == want
+        fd = os.open("f.bin", os.O_RDONLY, dir_fd=root)
+        try:
+            assert os.pread(fd, len(new) + 1, 0) == new
+        finally:
+            os.close(fd)
+    finally:
+        os.close(root)
+    wait_for(lambda: m.status()["inodes"] == 2, "the old inode forgotten")  # the root, f.bin
+    assert read_every_way(path) == want
 
 
 @pytest.fixture
