@@ -7,7 +7,7 @@ reaches the daemon. Every other open is direct_io, served by the readers. The ke
 
 - an inode takes one backing at a time, and while a passthrough open of it is held, any other
   open of it (another backing id, direct_io, page-cached) fails with EIO: such opens get the
-  same id;
+  same id (a file changed since gets a new inode instead: ``Operations._renumbered``);
 - a shared mapping of a direct_io open puts the inode in cached mode, and a passthrough open
   beside it fails with EIO: while the daemon holds another open of the inode, a new one is
   direct_io too.
@@ -55,8 +55,8 @@ class Backings:
         held = self._held.get(inode)
         if held is not None:  # any other answer would be EIO
             if entry is None or entry.offset != held[0]:
-                log.info("inode %d changed while open by passthrough: new opens read the "
-                         "version those opens read until they are closed", inode)
+                log.info("inode %d opened beside passthrough opens of another version: "
+                         "reads theirs", inode)
             return self._hold(inode, held[0])
         if entry is None or not entry.complete or self._plain.get(inode):
             self._plain[inode] = self._plain.get(inode, 0) + 1
