@@ -120,6 +120,11 @@ def test_a_file_changed_while_open(tmp_path: Path, mount, mode: str, change: str
                 assert os.pread(held.fileno(), 2 * SIZE, 0) == old  # the old one, whole
                 assert os.fstat(held.fileno()).st_size == SIZE
                 assert os.fstat(held.fileno()).st_ino != path.stat().st_ino
+                again = os.open(f"/proc/self/fd/{held.fileno()}", os.O_RDONLY)  # its inode
+                try:
+                    assert os.pread(again, 2 * SIZE, 0) == old
+                finally:
+                    os.close(again)
             else:
                 assert os.pread(held.fileno(), SIZE, 0) == new[:SIZE]
         assert read_every_way(path) == want
