@@ -196,6 +196,10 @@ class Epoch:
     source_bytes: int | None = None
     #: coordlfs only: bytes in its cache at the end of the epoch
     cache_used_bytes: int | None = None
+    #: coordlfs only: opens the kernel served by passthrough, and reads the daemon served
+    #: (cache hits, misses)
+    passthrough_opens: int | None = None
+    daemon_reads: int | None = None
 
 
 @dataclass(slots=True)
@@ -236,7 +240,10 @@ def read_epochs(label: str, reader: Reader, dataset: Dataset, orders: list[list[
                             f"{dataset.total_bytes}")
         epoch = Epoch(number, ours.bytes, disk.bytes, round(seconds, 3))
         if control is not None:
-            epoch.source_bytes = control.stats(since=mark)["reads"]["bytes_from_source"]
+            reads = control.stats(since=mark)["reads"]
+            epoch.source_bytes = reads["bytes_from_source"]
+            epoch.passthrough_opens = reads.get("passthrough_opens", 0)
+            epoch.daemon_reads = reads["cache_hits"] + reads["misses"]
             epoch.cache_used_bytes = control.status()["cache"]["bytes"]
         print(f"  {label} epoch {number}/{len(orders)}: {format_size(ours.bytes)} from "
               f"storage, {seconds:.1f} s", flush=True)
@@ -265,13 +272,13 @@ def run_page_cache(dataset: Dataset, orders: list[list[str]], budget: int,
 
 def run_coordlfs(dataset: Dataset, orders: list[list[str]], budget: int, device: BlockDevice,
                  read_bps: int | None, workdir: Path,
-                 client: bool = False) -> tuple[list[Epoch], int, int]:
+                 client: bool = False) -> tuple[list[Epoch], int, dict[str, Any]]:
     """coordlfs with ``--cache-size budget``; the same reader, limit and orders; with
     ``client``, a fresh mount read through the client.
 
     The kernel's page cache is dropped before each epoch, so that only coordlfs's cache can
     save reads. With ``read_bps`` the daemon (it reads the disk, not the reader) is
-    throttled. Returns the epochs, the reader's footprint and the cache capacity.
+    throttled. Returns the epochs, the reader's footprint and the mount's status at the end.
     """
     label = "client" if client else "coordlfs"
     how = "reading through coordlfs.client, each epoch's order prefetched; " if client \
@@ -293,7 +300,7 @@ def run_coordlfs(dataset: Dataset, orders: list[list[str]], budget: int, device:
         epochs = read_epochs(label, reader, dataset, orders, base,
                              Storage(device, [daemon, reader.pid]), before_epoch=drop_caches,
                              control=control)
-        return epochs, footprint, control.status()["cache"]["capacity_bytes"]
+        return epochs, footprint, control.status()
 
 
 def prepare(args: argparse.Namespace, workdir: Path) -> Dataset:
@@ -324,9 +331,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         orders = epoch_orders(dataset, args.epochs, args.seed)
         page_cache, pc_footprint = run_page_cache(dataset, orders, budget, device,
                                                   args.read_bps)
-        ours, cl_footprint, capacity = run_coordlfs(dataset, orders, budget, device,
-                                                    args.read_bps, workdir)
-        client, client_footprint, client_capacity = run_coordlfs(
+        ours, cl_footprint, status = run_coordlfs(dataset, orders, budget, device,
+                                                  args.read_bps, workdir)
+        client, client_footprint, client_status = run_coordlfs(
             dataset, orders, budget, device, args.read_bps, workdir, client=True)
     return {
         "dataset": {"root": str(dataset.root), "files": len(dataset.files),
@@ -337,11 +344,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "read_bps": args.read_bps,
         "page_cache": {"reader_footprint_bytes": pc_footprint,
                        "epochs": [asdict(e) for e in page_cache]},
-        "coordlfs": {"cache_capacity_bytes": capacity,
+        "coordlfs": {"cache_capacity_bytes": status["cache"]["capacity_bytes"],
+                     "passthrough": _passthrough(status),
                      "cache_used_bytes": ours[-1].cache_used_bytes,
                      "reader_footprint_bytes": cl_footprint,
                      "epochs": [asdict(e) for e in ours]},
-        "client": {"cache_capacity_bytes": client_capacity,
+        "client": {"cache_capacity_bytes": client_status["cache"]["capacity_bytes"],
                    "cache_used_bytes": client[-1].cache_used_bytes,
                    "reader_footprint_bytes": client_footprint,
                    "epochs": [asdict(e) for e in client]},
@@ -350,6 +358,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "client_time_ratios": [round(c.seconds / p.seconds, 3)
                                for p, c in zip(page_cache, client, strict=True)],
     }
+
+
+def _passthrough(status: dict[str, Any]) -> str:
+    """Which path served the mount's cached files: "on", or why it was off."""
+    state = status.get("passthrough") or {}
+    return "on" if state.get("on") else f"off: {state.get('why_off') or 'not in this version'}"
 
 
 def _later_ratio(page_cache: list[Epoch], ours: list[Epoch]) -> float | None:
@@ -385,6 +399,15 @@ def verdict(name: str, mine: list[dict[str, Any]], theirs: list[dict[str, Any]])
             f"{_epochs(less)} and more in {_epochs(more)}.")
 
 
+def _served_by(epoch: dict[str, Any]) -> str:
+    """Who served an epoch's reads through the mount: the kernel by passthrough (opens), the
+    daemon (READ requests)."""
+    opens, reads = epoch.get("passthrough_opens"), epoch.get("daemon_reads")
+    if opens is None or reads is None:
+        return "-"
+    return f"kernel {opens} opens, daemon {reads} reads"
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The side-by-side table (bytes from storage and seconds per epoch), the ratio for the
     epochs after the first, and a sentence per coordlfs side on who wins where."""
@@ -395,14 +418,15 @@ def format_report(report: dict[str, Any]) -> str:
                f" {e['seconds']:6.2f} s"
 
     lines = ["epoch | page cache: from storage, time | coordlfs mount: ditto     "
-             "| coordlfs client: ditto",
+             "| coordlfs client: ditto     | mount served by",
              "------+--------------------------------+---------------------------"
-             "+---------------------------"]
+             "+---------------------------+----------------"]
     for theirs, mine, client in zip(report["page_cache"]["epochs"],
                                     report["coordlfs"]["epochs"], report["client"]["epochs"],
                                     strict=True):
         lines.append(f"{theirs['epoch']:5d} |     {cell(theirs)} | {cell(mine)} | "
-                     f"{cell(client)}")
+                     f"{cell(client)} | {_served_by(mine)}")
+    lines.append(f"mount: FUSE passthrough {report['coordlfs']['passthrough']}")
     ratio = report["later_epochs_ratio"]
     epochs = len(report["coordlfs"]["epochs"])
     if ratio is not None:

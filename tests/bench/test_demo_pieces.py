@@ -287,7 +287,7 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
                                                                  theirs["epochs"]]
     for e in ours["epochs"] + theirs["epochs"]:
         assert set(e) == {"epoch", "storage_bytes", "device_bytes", "seconds", "source_bytes",
-                          "cache_used_bytes"}
+                          "cache_used_bytes", "passthrough_opens", "daemon_reads"}
         assert e["seconds"] > 0
     assert ours["cache_capacity_bytes"] == total // 2
     used = ours["cache_used_bytes"]
@@ -299,6 +299,12 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     # What the daemon read from the disk is its source bytes, rounded up to O_DIRECT blocks.
     assert second["source_bytes"] <= second["storage_bytes"] < second["source_bytes"] + (2 << 20)
     assert theirs["epochs"][0]["storage_bytes"] >= 0.95 * total
+    # which path served the mount: the table says, per epoch
+    assert f"mount: FUSE passthrough {ours['passthrough']}" in stdout
+    assert "kernel " in stdout and " opens, daemon " in stdout
+    if ours["passthrough"] == "on":  # the cached half opened by passthrough from epoch 2
+        assert all(e["passthrough_opens"] > 0 for e in (second, third))
+    assert first["daemon_reads"] > 0
     assert isinstance(report["later_epochs_ratio"], float)
     # the client: a fresh mount, the same orders, each epoch's bytes and time
     client = report["client"]
