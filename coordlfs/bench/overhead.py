@@ -32,6 +32,7 @@ from coordlfs.errors import UserError
 from coordlfs.fs.inodes import InodeTable
 from coordlfs.source.source import Version
 from coordlfs.testbed.mounts import mounted
+from coordlfs.testbed.storage import drop_caches
 
 #: the kernel's slab caches that grow per file the kernel holds through the mount
 SLABS = ("fuse_inode", "dentry")
@@ -112,6 +113,8 @@ def measure(files: int, size: int) -> dict[str, float]:
             status = mount.status()
             shmem = _shmem() - shmem
             cache_files, allocated = _cache_files(cache_dir)
+        growth = {mode: _page_cache_growth(src, mnt, Path(tmp, f"log-{mode}"), files, size, mode)
+                  for mode in ("auto", "no")}
     kernel_bytes = {name: (kernel[name] - slabs[name]) / files for name in SLABS}
     cache_slabs = {name: (filled[name] - kernel[name]) / files for name in CACHE_SLABS}
     cached_bytes = status["cache"]["bytes"]
@@ -136,7 +139,38 @@ def measure(files: int, size: int) -> dict[str, float]:
         "cache_kernel_shmem_bytes_per_file_beyond_data": (shmem - cached_bytes) / files,
         "cache_kernel_bytes_per_file": sum(cache_slabs.values())
         + (shmem - cached_bytes) / files,
+        "page_cache_growth_per_byte_read": growth,
     }
+
+
+def _page_cache() -> int:
+    """Bytes of page cache outside tmpfs and shared memory (``Cached`` less ``Shmem``)."""
+    fields = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        name, value = line.split(":", 1)
+        fields[name] = int(value.split()[0]) * 1024
+    return fields["Cached"] - fields["Shmem"]
+
+
+def _page_cache_growth(src: Path, mnt: Path, log: Path, files: int, size: int,
+                       passthrough: str) -> dict[str, object]:
+    """Double caching: a mount with ``--passthrough MODE`` fills its cache with every file,
+    the page cache is dropped, and every file is read through the mount again; how much the
+    page cache outside tmpfs grew, per byte read (machine-wide: others' reads count too)."""
+    with mounted(src, mnt, log, "--cache-size", str(2 * files * pages(size)),
+                 "--passthrough", passthrough) as mount:
+        names = sorted(mnt / p.relative_to(src) for p in src.rglob("f*"))
+        for name in names:  # a small file is filled before its first read returns
+            name.read_bytes()
+        if mount.status()["cache"]["files"] != files:
+            raise UserError(f"--passthrough {passthrough}: not every file was cached")
+        drop_caches()
+        before = _page_cache()
+        read = sum(len(name.read_bytes()) for name in names)
+        grown = _page_cache() - before
+        state = mount.status()["passthrough"]
+    return {"passthrough": "on" if state["on"] else f"off: {state['why_off']}",
+            "bytes_read": read, "page_cache_growth_bytes": grown, "ratio": grown / read}
 
 
 def measure_direct(files: int, size: int) -> dict[str, float]:
@@ -208,5 +242,8 @@ def run(args: argparse.Namespace) -> int:
                       for name in CACHE_SLABS)
           + ", Shmem beyond the data "
           f"{result['cache_kernel_shmem_bytes_per_file_beyond_data']:.0f}; machine-wide counts)")
+    for mode, growth in result["page_cache_growth_per_byte_read"].items():
+        print(f"page cache, 2nd read     +{growth['ratio']:.1%} of the bytes read "
+              f"(--passthrough {mode}: {growth['passthrough']})")
     harness.write_report(args.json, result)
     return 0

@@ -34,6 +34,10 @@ def test_over_a_mount_it_reports_the_daemon_and_the_kernel_per_file(tmp_path: Pa
             "cache_kernel_slab_bytes_per_file", "cache_kernel_shmem_bytes_per_file_beyond_data",
             "cache_kernel_bytes_per_file", "cache_dir_files"} <= report.keys()
     assert report["cache_dir_files"] == 300
+    # double caching: the page cache's growth on a second read, with passthrough and without
+    growth = report["page_cache_growth_per_byte_read"]
+    assert set(growth) == {"auto", "no"} and growth["no"]["passthrough"].startswith("off")
+    assert all(g["bytes_read"] == 300 * 4096 for g in growth.values())
 
 
 def test_direct_builds_the_tables_and_adopts_them_as_a_restart_does(tmp_path: Path) -> None:
