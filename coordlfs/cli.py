@@ -171,8 +171,9 @@ def _passthrough_line(state: dict[str, Any] | None, reads: dict[str, int]) -> st
 
 def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
     cache, reads = status["cache"], (interval or status)["reads"]
-    served = reads["cache_hits"] + reads["misses"]
-    rate = f"{100 * reads['cache_hits'] / served:.1f}%" if served else "-"
+    # of bytes: the kernel reads passthrough opens without the daemon counting their reads
+    served = reads["bytes_from_cache"] + reads["bytes_from_source"] + reads["bytes_from_peers"]
+    rate = f"{100 * reads['bytes_from_cache'] / served:.1f}%" if served else "-"
     held = status["read_window"]
     lines = [
         f"coordlfs {status['version']} on {status['mountpoint']} "
@@ -191,7 +192,8 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
         lines.append(f"between  {interval['since']} .. {interval['until']} "
                      f"({interval['seconds']:.1f} s)")
     lines += [
-        f"reads    {reads['cache_hits']} hits, {reads['misses']} misses, hit rate {rate}",
+        f"reads    {reads['cache_hits']} hits, {reads['misses']} misses, {rate} of bytes "
+        "from cache",
         f"bytes    {format_size(reads['bytes_from_cache'])} from cache, "
         f"{format_size(reads['bytes_from_source'])} from source, "
         f"{format_size(reads['bytes_from_peers'])} from peers",

@@ -10,6 +10,12 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNOREC
 _PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 
 
+def pages(size: int) -> int:
+    """What ``size`` bytes occupy on tmpfs, as the cache charges them: whole pages."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return -(-size // page) * page
+
+
 def physical_memory() -> int:
     """Bytes of RAM on this machine."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

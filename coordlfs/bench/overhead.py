@@ -25,11 +25,12 @@ import time
 from pathlib import Path
 
 from coordlfs.bench import harness
-from coordlfs.cache.cache import FILES, WholeFileCache, file_name, pages
+from coordlfs.cache.cache import FILES, WholeFileCache, file_name
 from coordlfs.cache.entries import Entry
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.errors import UserError
 from coordlfs.fs.inodes import InodeTable
+from coordlfs.sizes import pages
 from coordlfs.source.source import Version
 from coordlfs.testbed.mounts import mounted
 from coordlfs.testbed.storage import drop_caches

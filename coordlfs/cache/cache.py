@@ -40,7 +40,6 @@ import contextlib
 import errno
 import fcntl
 import logging
-import mmap
 import os
 import shutil
 import time
@@ -58,6 +57,7 @@ from coordlfs.cache.journal import JOURNAL
 from coordlfs.cache.published import BEAT_EVERY_S, INDEX, IndexWriter, Published, retire
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.errors import UserError
+from coordlfs.sizes import pages
 from coordlfs.source.source import Source, SourceReader
 from coordlfs.source.threads import in_thread
 from coordlfs.source.watch import PublishedWatch
@@ -97,11 +97,6 @@ _FILE_OVERHEAD = 752 + 192
 
 def _no_room(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in _NO_ROOM
-
-
-def pages(size: int) -> int:
-    """What ``size`` bytes occupy on tmpfs: whole pages."""
-    return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def file_name(number: int) -> str:

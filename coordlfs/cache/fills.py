@@ -42,6 +42,7 @@ import trio
 
 from coordlfs.cache.cache import FILL_CHUNK, Entry, WholeFileCache, create_file, write_all
 from coordlfs.protocol.spec import Caller, Refused, Served
+from coordlfs.sizes import pages
 from coordlfs.source.beneath import mode_grants, open_beneath
 from coordlfs.source.source import Source, SourceReader
 
@@ -256,7 +257,7 @@ class FillQueue:
         for fill in fills:
             st = fill.st
             if st is not None:
-                cache.promise(-st.st_size)  # reserved now, or never
+                cache.promise(-pages(st.st_size))  # reserved now, or never
             if st is None or fill.skip:
                 continue
             key = (st.st_dev, st.st_ino)

@@ -19,7 +19,8 @@ class ReadCounters:
     #: files opened through the mount whose entry was complete in the cache (one per open)
     files_from_cache: int = 0
     #: opens answered with a backing file (FUSE passthrough): their reads never reach the
-    #: daemon, so they count as no hits (``cache_hits`` + ``misses``: the daemon's reads)
+    #: daemon, so they count as no hits (``cache_hits`` + ``misses``: the daemon's reads);
+    #: the file's size is added to ``bytes_from_cache``, as if read whole
     passthrough_opens: int = 0
     #: files whose bytes were fetched from the source (one per fill, one per streaming open)
     files_from_source: int = 0

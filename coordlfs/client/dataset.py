@@ -67,6 +67,7 @@ from typing import Any
 from coordlfs.cache.published import IndexReader, Published
 from coordlfs.control import Control, ControlError, find_mount
 from coordlfs.protocol import spec as control_spec
+from coordlfs.sizes import pages
 from coordlfs.source.beneath import mode_grants, open_beneath
 from coordlfs.source.source import SourceReader
 
@@ -314,7 +315,7 @@ class _DirectMisses:
                 st = None  # the mount will say what it is
             size = 0 if st is None or not stat.S_ISREG(st.st_mode) or (
                 self.max_file_size is not None and st.st_size > self.max_file_size) \
-                else st.st_size
+                else pages(st.st_size)  # what the cache charges for it
             total += size
             if total > room:
                 return names[cut:], sizes[::-1]

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from coordlfs.cache.cache import FILES, WholeFileCache, file_name, pages
+from coordlfs.cache.cache import FILES, WholeFileCache, file_name
 from coordlfs.cache.published import INDEX, IndexReader
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.errors import UserError
+from coordlfs.sizes import pages
 from coordlfs.source.source import Source
 
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import trio
 
-from coordlfs.cache.cache import WholeFileCache, pages
+from coordlfs.cache.cache import WholeFileCache
 from coordlfs.cache.published import INDEX, IndexReader
 from coordlfs.cache.stats import ReadCounters
+from coordlfs.sizes import pages
 from coordlfs.source.source import Source
 
 CAPACITY = 20_000
