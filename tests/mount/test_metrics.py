@@ -83,7 +83,8 @@ def test_the_series_are_the_stats_counters(mount, dataset) -> None:
     assert value(samples, "coordlfs_peer_nodes") == 0
     info = value(samples, "coordlfs_info", version=__version__, protocol=str(status["protocol"]),
                  source=str(source), mountpoint=str(m.mountpoint), node="",
-                 peers_from=status["peers"]["source"])
+                 peers_from=status["peers"]["source"],
+                 passthrough_off=status["passthrough"]["why_off"] or "")
     assert info == 1
     assert value(samples, "process_open_fds") > 0  # the daemon's own, not this process's
 
