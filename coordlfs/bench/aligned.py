@@ -210,7 +210,7 @@ class SystemResult:
 def budget_for(dataset: Dataset, cache: int, window: int, plan: Plan) -> int:
     """The memory budget both systems get: the cache and window plus coordlfs's overhead."""
     return (cache + window + harness.DAEMON_BASE_BYTES
-            + harness.DAEMON_BYTES_PER_FILE * len(dataset.files)
+            + harness.MOUNT_BYTES_PER_FILE * len(dataset.files)
             + harness.PAGE_HEADROOM_PER_READER * plan.readers * plan.jobs)
 
 

@@ -211,13 +211,14 @@ def cache_size_for(budget: int, dataset: Dataset, readers_memory: int, readers: 
     """What is left of the budget for cached bytes.
 
     The daemon's own memory grows with the files it knows (DAEMON_BYTES_PER_FILE), and the
-    kernel needs a little room for pages of reads in flight (more for a client's readers).
-    Cached bytes cost their size: the arena packs them without page rounding.
+    kernel needs a little room for pages of reads in flight (more for a client's readers)
+    and its own records of each cached file (KERNEL_BYTES_PER_CACHED_FILE, charged for every
+    file: the cache may hold them all). The capacity itself counts cached bytes in pages.
     """
     per_reader = harness.PAGE_HEADROOM_PER_READER + (
         harness.CLIENT_HEADROOM_PER_READER if client else 0)
     room = (budget - readers_memory - harness.DAEMON_BASE_BYTES - per_reader * readers
-            - harness.DAEMON_BYTES_PER_FILE * len(dataset.files))
+            - harness.MOUNT_BYTES_PER_FILE * len(dataset.files))
     return max(0, room)
 
 

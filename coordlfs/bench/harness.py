@@ -37,6 +37,13 @@ TRAINING_NEEDS = "drops the page cache, makes memory and blkio cgroups and mount
 #: daemon held 64 MiB; with 8 MiB, ``bench epochs --budget 0.5`` had the daemon killed.
 DAEMON_BYTES_PER_FILE = 2048
 DAEMON_BASE_BYTES = 48 << 20
+#: Kernel memory per cached file, charged to the daemon's cgroup beside the cached pages:
+#: each entry is a tmpfs file (an inode and a dentry, 944 bytes measured on Linux 6.18), and
+#: with passthrough the backing file the kernel keeps open for it (a struct file and the
+#: backing's own record, about 300 bytes).
+KERNEL_BYTES_PER_CACHED_FILE = 1280
+#: What a mount costs per file of its dataset beside the cached bytes: daemon and kernel
+MOUNT_BYTES_PER_FILE = DAEMON_BYTES_PER_FILE + KERNEL_BYTES_PER_CACHED_FILE
 #: Room per reader for the kernel's pages of reads in flight and the source's metadata, above
 #: the cache. 1.1 GiB, budget 50%, 4 readers, arena cache: with 4 MiB per reader, epochs 2
 #: and 3 read 0.61 / 0.59 of the dataset (0.55 expected from the capacity), and the daemon's

@@ -18,7 +18,7 @@ from coordlfs.bench.epochs import (
 from coordlfs.bench.harness import (
     CLIENT_HEADROOM_PER_READER,
     DAEMON_BASE_BYTES,
-    DAEMON_BYTES_PER_FILE,
+    MOUNT_BYTES_PER_FILE,
     PAGE_HEADROOM_PER_READER,
     parse_make,
 )
@@ -51,7 +51,7 @@ def test_cache_size_leaves_room_for_the_daemon_and_pages_in_flight() -> None:
     budget = 60_000_000
     size = cache_size_for(budget, dataset, readers_memory=1_000_000, readers=1)
     assert size == (budget - 1_000_000 - DAEMON_BASE_BYTES - PAGE_HEADROOM_PER_READER
-                    - 1000 * DAEMON_BYTES_PER_FILE)
+                    - 1000 * MOUNT_BYTES_PER_FILE)
     assert cache_size_for(budget, dataset, 1_000_000, readers=2) < size
     # a client's readers get more room each: the bytes they copy out, their misses' pages
     big = 4 * budget
