@@ -88,6 +88,8 @@ _HASH = struct.Struct("<QQ")
 #: Files a client keeps mapped, at most: well below the kernel's 65,530 mappings a process
 #: (``vm.max_map_count``), with room for the libraries' own.
 MAPPED_FILES = 16384
+#: Files a client remembers having read once, at most (a set of numbers, ~60 bytes each)
+_SEEN_FILES = 1 << 20
 #: The smallest table, slots: 256 KiB of index, 2,048 files before it grows.
 MIN_SLOTS = 1 << 12
 
@@ -287,6 +289,8 @@ class IndexReader:
         self._files = os.open(files, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         #: entry number -> its file mapped: kept, never evicted (``MAPPED_FILES`` at most)
         self._mapped: dict[int, mmap.mmap] = {}
+        #: entry numbers read once (``view``): a second read maps the file
+        self._seen: set[int] = set()
         try:
             self._map, self._mask, self.revalidate = self._open()
         except OSError:
@@ -299,33 +303,42 @@ class IndexReader:
             raise OSError(f"{index} was written with a clock other than this process's")
 
     def view(self, found: Published) -> memoryview | bytes | None:
-        """The bytes of a file ``find`` found: a view of its mapping, kept for the next read
-        (or, once ``MAPPED_FILES`` are mapped, bytes read from it); None if its entry went
-        meanwhile (the caller reads through the mount).
+        """The bytes of a file ``find`` found; None if its entry went meanwhile (the caller
+        reads through the mount).
 
-        Mappings are kept as MinIO keeps files, never replaced: with random-order epochs an
-        evicting table would miss as often as it holds. A kept view of a file the daemon
-        then drops shows the old bytes, and holds their memory until the client closes."""
-        mapped = self._mapped.get(found.offset)
+        The first read of a file in this process reads it (open, pread, close: about tmpfs's
+        cost, where opening and mapping it costs half as much again); the second maps it and
+        keeps the mapping, and every later read is a view of it, with no system call. So a
+        process that reads each file once (a DataLoader worker of one epoch) pays no mapping,
+        and one that reads it again (the epochs after) reads at memory speed. Mappings are
+        kept as MinIO keeps files, never replaced, up to ``MAPPED_FILES``: with random-order
+        epochs an evicting table would miss as often as it holds. A kept view of a file the
+        daemon then drops shows the old bytes, and holds their memory until the client
+        closes."""
+        number = found.offset
+        mapped = self._mapped.get(number)
         if mapped is not None and len(mapped) == found.size:
             return memoryview(mapped)
         try:
-            fd = os.open(f"{found.offset:x}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+            fd = os.open(f"{number:x}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
                          dir_fd=self._files)
         except OSError:
             return None
         try:
+            if number not in self._seen or len(self._mapped) >= MAPPED_FILES:
+                if len(self._seen) < _SEEN_FILES:
+                    self._seen.add(number)
+                data = os.pread(fd, found.size + 1, 0)  # one more: a longer file is not it
+                return data if len(data) == found.size else None
+            # a mapping past the file's end would fault (SIGBUS): its size is checked first
             if found.size == 0 or os.fstat(fd).st_size != found.size:
                 return b"" if found.size == 0 else None
-            if len(self._mapped) >= MAPPED_FILES:
-                data = os.pread(fd, found.size, 0)
-                return data if len(data) == found.size else None
             mapped = mmap.mmap(fd, found.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         except OSError:
             return None
         finally:
             os.close(fd)
-        self._mapped[found.offset] = mapped
+        self._mapped[number] = mapped
         return memoryview(mapped)
 
     def _open(self) -> tuple[mmap.mmap, int, bool]:

@@ -6,11 +6,12 @@
         for path in order:
             buf = ds.read(path)             # bytes-like: bytes(buf) copies it out
 
-A hit costs no system call and no copy: the daemon publishes the files its cache holds in
-an index in shared memory (``coordlfs.cache.published``), and the client maps that index and,
-at its first read of each, the cached file (each is a file of its own), and keeps the
-mapping, so ``read`` returns a read-only view of the cached bytes. Past
-``published.MAPPED_FILES`` mappings a hit is one open and read of the cached file. A miss
+A repeated hit costs no system call and no copy: the daemon publishes the files its cache holds in
+an index in shared memory (``coordlfs.cache.published``), and the client maps that index; it
+reads a cached file (each is a file of its own) at its first read in the process, maps it at
+the second and keeps the mapping, so from then on ``read`` returns a read-only view of the
+cached bytes. Past ``published.MAPPED_FILES`` mappings a hit is one open and read of the
+cached file. A miss
 goes through the mount, which fills the cache as it does for every reader (and waits for a
 prefetch of the file already under way), so the next read is a hit.
 

@@ -88,28 +88,37 @@ def test_a_retired_index_is_never_trusted(directory) -> None:
     second.close()
 
 
-def test_a_found_file_is_mapped_once_and_checked(directory, monkeypatch) -> None:
-    """A slot whose file is gone or of another size is no hit; a mapped file keeps the bytes
-    it showed after the daemon unlinks it; past MAPPED_FILES a hit is read, not mapped."""
+def test_a_found_file_is_read_then_mapped_and_checked(directory, monkeypatch) -> None:
+    """A file's first read reads it, the second maps it, later ones are views of that
+    mapping; a slot whose file is gone or of another size is no hit; a mapped file keeps the
+    bytes it showed after the daemon unlinks it; past MAPPED_FILES a hit is read, not mapped."""
     root, fd = directory
     files = root / "files"
     for n in (1, 2, 3):
         (files / f"{n:x}").write_bytes(bytes([n]) * 8)
-    (files / "4").write_bytes(b"short")
+    (files / "4").write_bytes(b"longer file")
     writer = IndexWriter(fd)
     for n in (1, 2, 3, 4, 5):
         writer.publish(b"f%d" % n, Published(offset=n, size=8, ino=n, mtime_ns=0, ctime_ns=0))
     reader = IndexReader(str(root / INDEX), str(files))
     monkeypatch.setattr(published, "MAPPED_FILES", 2)
-    views = [reader.view(reader.find(b"f%d" % n)) for n in (1, 2, 3)]
-    assert [bytes(v) for v in views] == [b"\x01" * 8, b"\x02" * 8, b"\x03" * 8]
-    assert [type(v) for v in views] == [memoryview, memoryview, bytes]
-    assert reader.view(reader.find(b"f4")) is None  # another size: not this entry's file
-    assert reader.view(reader.find(b"f5")) is None  # gone
+
+    def reads() -> list[bytes | memoryview | None]:
+        return [reader.view(reader.find(b"f%d" % n)) for n in (1, 2, 3)]
+
+    first, second, third = reads(), reads(), reads()
+    for views in (first, second, third):
+        assert [bytes(v) for v in views] == [b"\x01" * 8, b"\x02" * 8, b"\x03" * 8]
+    assert [type(v) for v in first] == [bytes, bytes, bytes]
+    assert [type(v) for v in second] == [memoryview, memoryview, bytes]  # two maps at most
+    assert [type(v) for v in third] == [memoryview, memoryview, bytes]
+    for _ in range(2):  # read, then (mapping) checked
+        assert reader.view(reader.find(b"f4")) is None  # another size: not this entry's file
+        assert reader.view(reader.find(b"f5")) is None  # gone
     (files / "1").unlink()
     assert bytes(reader.view(reader.find(b"f1"))) == b"\x01" * 8  # mapped: kept
     reader.close()
-    assert bytes(views[0]) == b"\x01" * 8  # a view the user holds outlives the reader
+    assert bytes(second[0]) == b"\x01" * 8  # a view the user holds outlives the reader
     writer.close()
 
 
