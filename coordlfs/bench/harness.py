@@ -39,8 +39,9 @@ DAEMON_BYTES_PER_FILE = 2048
 DAEMON_BASE_BYTES = 48 << 20
 #: Kernel memory per cached file, charged to the daemon's cgroup beside the cached pages:
 #: each entry is a tmpfs file (an inode and a dentry, 944 bytes measured on Linux 6.18), and
-#: with passthrough the backing file the kernel keeps open for it (a struct file and the
-#: backing's own record, about 300 bytes).
+#: with passthrough the backing file the kernel keeps open for it (a struct file: the filp
+#: slab grew 193 bytes per cached file opened by passthrough, 4,000 files; and the backing's
+#: own small record).
 KERNEL_BYTES_PER_CACHED_FILE = 1280
 #: What a mount costs per file of its dataset beside the cached bytes: daemon and kernel
 MOUNT_BYTES_PER_FILE = DAEMON_BYTES_PER_FILE + KERNEL_BYTES_PER_CACHED_FILE
