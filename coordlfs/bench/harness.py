@@ -116,6 +116,15 @@ def print_summary(summary: dict[str, Any]) -> None:
             print(f"{key} {value}")
 
 
+def log_tail(log: str, lines: int = 5) -> str:
+    """The last lines of a daemon's log on one line, for a one-line error ("" if unreadable)."""
+    try:
+        with open(log, errors="replace") as f:
+            return " | ".join(f.read().strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 def write_report(path: str | None, report: dict[str, Any]) -> None:
     """``--json``: the report, if a file was asked for."""
     if path:

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from coordlfs.bench import bigfile, harness
-from coordlfs.bench.passthrough import DEFAULT_HP, Unavailable, coordlfs_flags, passthrough_hp
+from coordlfs.bench.passthrough import DEFAULT_HP, Unavailable, passthrough_hp
 from coordlfs.bench.ratios import ratio
 from coordlfs.bench.reading import copy_files, read_files
 from coordlfs.client.dataset import Dataset as ClientDataset
@@ -279,14 +279,6 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def _log_tail(log: str, lines: int = 5) -> str:
-    try:
-        with open(log, errors="replace") as f:
-            return " | ".join(f.read().strip().splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 def _wait_ready(name: str, process: subprocess.Popen, log: str) -> None:
     """Wait for the daemon's first line on stdout, which it prints once the mount is live."""
     assert process.stdout is not None
@@ -297,7 +289,7 @@ def _wait_ready(name: str, process: subprocess.Popen, log: str) -> None:
             if process.stdout.readline():
                 return
             break  # EOF: it exited
-    raise UserError(f"{name} did not mount: {_log_tail(log)}")
+    raise UserError(f"{name} did not mount: {harness.log_tail(log)}")
 
 
 @contextlib.contextmanager
@@ -735,7 +727,8 @@ def _serve(system: str, settings: Settings, dataset: Dataset, roots: dict[str, s
     # Room for everything with a margin, and no per-file limit: every file a hit. The cache
     # on a tmpfs of its own in huge pages, as a root mount has it by default.
     room = str(dataset.total_bytes + (64 << 20))
-    flags = coordlfs_flags(system == "coordlfs_pt")
+    # yes: never a silent fall back to the classic path
+    flags = ("--passthrough", "yes" if system == "coordlfs_pt" else "no")
     with contextlib.ExitStack() as stack:
         try:
             daemon = stack.enter_context(mounted(

@@ -1,7 +1,7 @@
 """The passthrough systems benchmarks set side by side: coordlfs with and without FUSE
-passthrough (``coordlfs mount --passthrough yes|no``, where this tree's mount has the option),
-and libfuse's C++ example ``passthrough_hp``, which ``scripts/setup`` builds from the libfuse
-source the daemon links (3.17) into the venv's private prefix.
+passthrough (``coordlfs mount --passthrough yes|no``), and libfuse's C++ example
+``passthrough_hp``, which ``scripts/setup`` builds from the libfuse source the daemon links
+(3.17) into the venv's private prefix.
 
 A system that cannot run here is no error: the benchmark shows it as n/a with the reason
 (``Unavailable``) and measures the rest.
@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from coordlfs.daemon.options import OPTIONS
+from coordlfs.bench.harness import log_tail
 from coordlfs.system.mounts import mount_at
 from coordlfs.testbed.mounts import stop_daemon, uninterrupted
 
@@ -36,27 +36,6 @@ class Unavailable(Exception):
     """A system that cannot run on this machine or tree; the message says why."""
 
 
-def mount_has_passthrough() -> bool:
-    """``coordlfs mount --help`` lists ``--passthrough`` (the options are declared once)."""
-    return any(option.name == "passthrough" for option in OPTIONS)
-
-
-def coordlfs_flags(passthrough: bool) -> tuple[str, ...]:
-    """The mount's flags for coordlfs with passthrough (``yes``: never a silent fallback to the
-    classic path) or classic (``no``; today's mount where the option does not exist yet)."""
-    if mount_has_passthrough():
-        return ("--passthrough", "yes" if passthrough else "no")
-    if passthrough:
-        raise Unavailable("coordlfs mount has no --passthrough option in this tree")
-    return ()
-
-
-def _log_tail(log: Path) -> str:
-    with contextlib.suppress(OSError):
-        return " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
-    return ""
-
-
 @contextlib.contextmanager
 def passthrough_hp(binary: Path, source: str, mountpoint: str, log: Path) -> Iterator[int]:
     """Serve ``source`` with passthrough_hp at ``mountpoint`` until the block ends; yields its
@@ -72,7 +51,7 @@ def passthrough_hp(binary: Path, source: str, mountpoint: str, log: Path) -> Ite
         deadline = time.monotonic() + HP_START_TIMEOUT
         while mount_at(mountpoint) is None:
             if process.poll() is not None or time.monotonic() > deadline:
-                raise Unavailable(f"passthrough_hp did not mount: {_log_tail(log)}")
+                raise Unavailable(f"passthrough_hp did not mount: {log_tail(str(log))}")
             time.sleep(0.05)
         yield process.pid
     finally:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import pyfuse3
 
@@ -35,17 +36,13 @@ class Backings:
 
     def __init__(self, cache: WholeFileCache) -> None:
         self.cache = cache
-        #: entry number (``Entry.offset``) -> its registered backing id, and the entry
+        #: entry number (``Entry.offset``) -> its registered backing id
         self._ids: dict[int, int] = {}
-        self._entries: dict[int, Entry] = {}
-        #: inode -> the entry number whose id its passthrough opens hold, and how many
-        self._held: dict[int, list[int]] = {}
-        #: entry number -> passthrough opens holding its id (over every inode)
-        self._holding: dict[int, int] = {}
+        #: inode -> the entry whose id its passthrough opens hold, and how many. An entry is
+        #: one inode's (its key's): a changed file's new version is another entry
+        self._held: dict[int, _Held] = {}
         #: inode -> opens of it not by passthrough (direct_io)
         self._plain: dict[int, int] = {}
-        #: entries dropped while opens held their id: closed at the last release
-        self._retired: set[int] = set()
         self._failed_logged = False
         cache.released.append(self._released)
 
@@ -54,17 +51,17 @@ class Backings:
         the complete entry the open would read, if any."""
         held = self._held.get(inode)
         if held is not None:  # any other answer would be EIO
-            if entry is None or entry.offset != held[0]:
+            if entry is None or entry.offset != held.entry.offset:
                 log.info("inode %d opened beside passthrough opens of another version: "
                          "reads theirs", inode)
-            return self._hold(inode, held[0])
+            held.opens += 1
+            return self._ids[held.entry.offset]
         if entry is None or not entry.complete or self._plain.get(inode):
             self._plain[inode] = self._plain.get(inode, 0) + 1
             return 0
         if entry.offset not in self._ids:
             try:
                 self._ids[entry.offset] = self._register(entry)
-                self._entries[entry.offset] = entry
             except OSError as e:
                 self._plain[inode] = self._plain.get(inode, 0) + 1
                 level = logging.INFO if self._failed_logged else logging.WARNING
@@ -72,13 +69,14 @@ class Backings:
                 log.log(level, "no backing file for %s (%s): served by the daemon",
                         os.fsdecode(entry.path), e)
                 return 0
-        return self._hold(inode, entry.offset)
+        self._held[inode] = _Held(entry)
+        return self._ids[entry.offset]
 
     def held(self, inode: int) -> Entry | None:
         """The entry whose backing id the passthrough opens of ``inode`` hold, if any: the
         version they read, which a new open of the inode cannot but read too."""
         held = self._held.get(inode)
-        return None if held is None else self._entries[held[0]]
+        return None if held is None else held.entry
 
     def _register(self, entry: Entry) -> int:
         fd = self.cache.entry_fd(entry)
@@ -86,12 +84,6 @@ class Backings:
             return pyfuse3.backing_open(fd)
         finally:
             os.close(fd)
-
-    def _hold(self, inode: int, number: int) -> int:
-        held = self._held.setdefault(inode, [number, 0])
-        held[1] += 1
-        self._holding[number] = self._holding.get(number, 0) + 1
-        return self._ids[number]
 
     def close(self, inode: int, backing: int) -> None:
         """An open of ``inode`` answered with ``backing`` (0: direct_io) is released."""
@@ -103,31 +95,32 @@ class Backings:
                 del self._plain[inode]
             return
         held = self._held[inode]
-        number = held[0]
-        held[1] -= 1
-        if not held[1]:
+        held.opens -= 1
+        if not held.opens:
             del self._held[inode]
-        self._holding[number] -= 1
-        if not self._holding[number]:
-            del self._holding[number]
-            if number in self._retired:
-                self._retired.discard(number)
-                self._drop(number)
+            if held.entry.failed:  # dropped by the cache while held (``_released``)
+                self._drop(held.entry.offset)
 
     def _released(self, _key: Key, entry: Entry) -> None:
         if entry.offset not in self._ids:
             return
-        if entry.offset in self._holding:
-            self._retired.add(entry.offset)
-        else:
+        # Held (few: the inodes with passthrough opens): closed at their last release
+        if not any(held.entry.offset == entry.offset for held in self._held.values()):
             self._drop(entry.offset)
 
     def _drop(self, number: int) -> None:
         try:
-            del self._entries[number]
             pyfuse3.backing_close(self._ids.pop(number))
         except OSError as e:  # the mount is going away
             log.info("backing id of entry %d not closed: %s", number, e)
 
     def status(self) -> dict[str, int]:
         return {"backing_ids": len(self._ids), "inodes_open_by_passthrough": len(self._held)}
+
+
+@dataclass(slots=True)
+class _Held:
+    """The passthrough opens of one inode: the entry whose backing id they hold."""
+
+    entry: Entry
+    opens: int = 1

@@ -166,8 +166,11 @@ class InodeTable(Rows):
 
     def shown(self, inode: int, st: os.stat_result) -> bool:
         """Whether ``st`` is the version last shown to the kernel (``self[inode].version ==
-        Version.of(st)``, without the view or the version)."""
+        Version.of(st)``, without the view or the version). A detached inode shows its version
+        for good (its open files read it): nothing newer is ever shown on it."""
         row = self._row(inode)
+        if row in self._detached:
+            return True
         return (self._size[row] == st.st_size and self._mtime[row] == st.st_mtime_ns
                 and self._ctime[row] == st.st_ctime_ns and self.keys.ino[row] == st.st_ino)
 

@@ -332,7 +332,7 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
         if self._renumbered(inode, st):
             raise pyfuse3.FUSEError(errno.ESTALE)
-        changed = not self.inodes.shown(inode, st) and self.inodes.detached(inode) is None
+        changed = not self.inodes.shown(inode, st)
         if changed:
             # The kernel holds old attributes and maybe old pages: drop both before the reader
             # sees this open succeed (attributes only here; keep_cache=False drops the pages).

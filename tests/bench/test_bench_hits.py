@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -203,19 +202,6 @@ def test_passthrough_goals_are_shares_of_tmpfs_and_of_passthrough_hp() -> None:
 
 
 # -- the passthrough systems and the big file ------------------------------------------------
-
-
-def test_coordlfs_passthrough_flags_only_where_the_mount_has_the_option(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    options = tuple(o for o in passthrough.OPTIONS if o.name != "passthrough")
-    monkeypatch.setattr(passthrough, "OPTIONS", options)
-    assert passthrough.coordlfs_flags(False) == ()  # today's classic mount
-    with pytest.raises(passthrough.Unavailable, match="no --passthrough option"):
-        passthrough.coordlfs_flags(True)
-    option = dataclasses.replace(options[0], name="passthrough")
-    monkeypatch.setattr(passthrough, "OPTIONS", (*options, option))
-    assert passthrough.coordlfs_flags(True) == ("--passthrough", "yes")
-    assert passthrough.coordlfs_flags(False) == ("--passthrough", "no")
 
 
 def test_passthrough_hp_missing_is_unavailable_with_why(tmp_path: Path) -> None:
