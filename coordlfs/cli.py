@@ -165,7 +165,8 @@ def _passthrough_line(state: dict[str, Any] | None, reads: dict[str, int]) -> st
         return "passthrough off: the daemon predates it"
     if not state["on"]:
         return f"passthrough off: {state['why_off']}"
-    return (f"passthrough on: {reads.get('passthrough_opens', 0)} opens read by the kernel, "
+    return (f"passthrough on: {reads.get('passthrough_opens', 0)} opens read by the kernel "
+            f"from the cache, {reads.get('source_opens', 0)} from the source, "
             f"{reads['cache_hits'] + reads['misses']} reads served by the daemon")
 
 

@@ -22,6 +22,10 @@ class ReadCounters:
     #: daemon, so they count as no hits (``cache_hits`` + ``misses``: the daemon's reads);
     #: the file's size is added to ``bytes_from_cache``, as if read whole
     passthrough_opens: int = 0
+    #: opens answered with the source file itself as backing (a file neither MinIO nor a
+    #: peer keeps): the kernel reads storage itself; counted as the file read whole from the
+    #: source (``files_from_source``, ``bytes_from_source``)
+    source_opens: int = 0
     #: files whose bytes were fetched from the source (one per fill, one per streaming open)
     files_from_source: int = 0
     #: bytes and files (per open) that a peer mount served from its cache

@@ -101,7 +101,11 @@ FLAT: tuple[tuple[str, str, str, str, str], ...] = (
     ("passthrough", "backing_ids", "passthrough_backing_ids", GAUGE,
      "backing files registered with the kernel"),
     ("reads", "passthrough_opens", "passthrough_opens", COUNTER,
-     "opens answered with a backing file: their reads never reach the daemon"),
+     "opens answered with a cache entry's file as backing: their reads never reach the "
+     "daemon"),
+    ("reads", "source_opens", "passthrough_source_opens", COUNTER,
+     "opens answered with the source file as backing (a file no cache keeps): the kernel "
+     "reads storage itself"),
     ("cache", "used_bytes", "cache_used_bytes", GAUGE, "bytes cached or reserved for fills"),
     ("cache", "files", "cache_files", GAUGE, "complete files in the cache"),
     ("cache", "filling", "cache_filling_files", GAUGE, "files being filled"),

@@ -2,8 +2,11 @@
 
 An open of a complete cache entry is answered with the backing id of the entry's own file
 (``WholeFileCache.entry_fd``): the kernel then reads that file itself and no READ of the open
-reaches the daemon. Every other open is direct_io, served by the readers. The kernel's rules
-(Linux 6.18, measured; docs/design/passthrough.md) shape the rest:
+reaches the daemon. An open of a file that neither MinIO nor a peer will hold (no room, too
+big) is answered with the source file itself as its backing (``open_source``): the kernel
+reads it as it reads any file, through its page cache, at the page cache's speed. Every other
+open is direct_io, served by the readers. The kernel's rules (Linux 6.18, measured;
+docs/design/passthrough.md) shape the rest:
 
 - an inode takes one backing at a time, and while a passthrough open of it is held, any other
   open of it (another backing id, direct_io, page-cached) fails with EIO: such opens get the
@@ -12,9 +15,10 @@ reaches the daemon. Every other open is direct_io, served by the readers. The ke
   beside it fails with EIO: while the daemon holds another open of the inode, a new one is
   direct_io too.
 
-An id is registered once per entry and kept for later opens until the cache drops the entry
+An entry's id is registered once and kept for later opens until the cache drops the entry
 (``WholeFileCache.released``), or, if passthrough opens of it are still held then, until the
-last of them is released: the kernel keeps the file for open files either way.
+last of them is released: the kernel keeps the file for open files either way. A source
+file's id lives as long as the opens of its inode that hold it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import pyfuse3
 
 from coordlfs.cache.cache import Entry, WholeFileCache
 from coordlfs.cache.compact import Key
+from coordlfs.source.source import Source, Version
 
 log = logging.getLogger(__name__)
 
@@ -34,54 +39,94 @@ log = logging.getLogger(__name__)
 class Backings:
     """The passthrough state of the inodes with open files, and the registered ids."""
 
-    def __init__(self, cache: WholeFileCache) -> None:
+    def __init__(self, cache: WholeFileCache, source: Source) -> None:
         self.cache = cache
+        self.source = source
         #: entry number (``Entry.offset``) -> its registered backing id
         self._ids: dict[int, int] = {}
-        #: inode -> the entry whose id its passthrough opens hold, and how many. An entry is
-        #: one inode's (its key's): a changed file's new version is another entry
-        self._held: dict[int, _Held] = {}
+        #: inode -> the backing its passthrough opens hold, and how many. An entry is one
+        #: inode's (its key's): a changed file's new version is another entry
+        self._held: dict[int, Held] = {}
         #: inode -> opens of it not by passthrough (direct_io)
         self._plain: dict[int, int] = {}
         self._failed_logged = False
         cache.released.append(self._released)
 
-    def open(self, inode: int, entry: Entry | None) -> int:
-        """The backing id to answer an open of ``inode`` with, 0 for direct_io; ``entry`` is
-        the complete entry the open would read, if any."""
-        held = self._held.get(inode)
-        if held is not None:  # any other answer would be EIO
-            if entry is None or entry.offset != held.entry.offset:
-                log.info("inode %d opened beside passthrough opens of another version: "
-                         "reads theirs", inode)
-            held.opens += 1
-            return self._ids[held.entry.offset]
-        if entry is None or not entry.complete or self._plain.get(inode):
-            self._plain[inode] = self._plain.get(inode, 0) + 1
-            return 0
-        if entry.offset not in self._ids:
-            try:
-                self._ids[entry.offset] = self._register(entry)
-            except OSError as e:
-                self._plain[inode] = self._plain.get(inode, 0) + 1
-                level = logging.INFO if self._failed_logged else logging.WARNING
-                self._failed_logged = True
-                log.log(level, "no backing file for %s (%s): served by the daemon",
-                        os.fsdecode(entry.path), e)
-                return 0
-        self._held[inode] = _Held(entry)
-        return self._ids[entry.offset]
+    def open(self, inode: int, entry: Entry | None, st: os.stat_result) -> int:
+        """The backing id to answer an open of ``inode`` (seen as ``st``) with, 0 for
+        direct_io; ``entry`` is the complete entry the open would read, if any."""
+        held = self._beside(inode, entry)
+        if held is not None:
+            return held
+        if entry is None or not entry.complete:
+            return self._direct(inode)
+        number = entry.offset
+        if number not in self._ids:
+            fd = self.cache.entry_fd(entry)
+            backing = self._register(fd, entry.path)
+            if not backing:
+                return self._direct(inode)
+            self._ids[number] = backing
+        self._held[inode] = Held(entry.path, Version.of(st), self._ids[number], entry)
+        return self._ids[number]
 
-    def held(self, inode: int) -> Entry | None:
-        """The entry whose backing id the passthrough opens of ``inode`` hold, if any: the
-        version they read, which a new open of the inode cannot but read too."""
-        held = self._held.get(inode)
-        return None if held is None else held.entry
+    def open_source(self, inode: int, path: bytes, st: os.stat_result) -> int:
+        """The backing id to answer an open of ``inode`` (the source file ``path``, seen as
+        ``st``) with when the daemon keeps none of its bytes: the source file itself, 0 (for
+        direct_io) if it is not that file any more."""
+        held = self._beside(inode, None)
+        if held is not None:
+            return held
+        version = Version.of(st)
+        try:
+            fd = self.source.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                                  | os.O_NONBLOCK)
+        except OSError:
+            return self._direct(inode)
+        try:
+            same = Version.of(os.fstat(fd)) == version
+        except OSError:
+            same = False
+        if not same:  # replaced since the open's lstat: the readers stream what is there
+            os.close(fd)
+            return self._direct(inode)
+        backing = self._register(fd, path)
+        if not backing:
+            return self._direct(inode)
+        self._held[inode] = Held(path, version, backing, None)
+        return backing
 
-    def _register(self, entry: Entry) -> int:
-        fd = self.cache.entry_fd(entry)
+    def _beside(self, inode: int, entry: Entry | None) -> int | None:
+        """The id of the passthrough opens of ``inode`` already held, for one more open;
+        None if there are none. Any other answer would be EIO."""
+        held = self._held.get(inode)
+        if held is None:
+            return None
+        if entry is None or held.entry is None or entry.offset != held.entry.offset:
+            log.info("inode %d opened beside passthrough opens of another backing: "
+                     "reads theirs", inode)
+        held.opens += 1
+        return held.id
+
+    def _direct(self, inode: int) -> int:
+        self._plain[inode] = self._plain.get(inode, 0) + 1
+        return 0
+
+    def held(self, inode: int) -> Held | None:
+        """What the passthrough opens of ``inode`` hold, if any: the version they read, which
+        a new open of the inode cannot but read too."""
+        return self._held.get(inode)
+
+    def _register(self, fd: int, path: bytes) -> int:
+        """``fd``'s backing id, 0 if the kernel refused it (said once); closes ``fd``."""
         try:
             return pyfuse3.backing_open(fd)
+        except OSError as e:
+            level = logging.INFO if self._failed_logged else logging.WARNING
+            self._failed_logged = True
+            log.log(level, "no backing file for %s (%s): served by the daemon",
+                    os.fsdecode(path), e)
+            return 0
         finally:
             os.close(fd)
 
@@ -98,29 +143,38 @@ class Backings:
         held.opens -= 1
         if not held.opens:
             del self._held[inode]
-            if held.entry.failed:  # dropped by the cache while held (``_released``)
-                self._drop(held.entry.offset)
+            if held.entry is None:
+                self._close(held.id, held.path)
+            elif held.entry.failed:  # dropped by the cache while held (``_released``)
+                self._close(self._ids.pop(held.entry.offset), held.path)
 
     def _released(self, _key: Key, entry: Entry) -> None:
         if entry.offset not in self._ids:
             return
         # Held (few: the inodes with passthrough opens): closed at their last release
-        if not any(held.entry.offset == entry.offset for held in self._held.values()):
-            self._drop(entry.offset)
+        if not any(held.entry is not None and held.entry.offset == entry.offset
+                   for held in self._held.values()):
+            self._close(self._ids.pop(entry.offset), entry.path)
 
-    def _drop(self, number: int) -> None:
+    @staticmethod
+    def _close(backing: int, path: bytes) -> None:
         try:
-            pyfuse3.backing_close(self._ids.pop(number))
+            pyfuse3.backing_close(backing)
         except OSError as e:  # the mount is going away
-            log.info("backing id of entry %d not closed: %s", number, e)
+            log.info("backing id of %s not closed: %s", os.fsdecode(path), e)
 
     def status(self) -> dict[str, int]:
         return {"backing_ids": len(self._ids), "inodes_open_by_passthrough": len(self._held)}
 
 
 @dataclass(slots=True)
-class _Held:
-    """The passthrough opens of one inode: the entry whose backing id they hold."""
+class Held:
+    """The passthrough opens of one inode: the file whose backing id they hold."""
 
-    entry: Entry
+    path: bytes
+    #: the version of the file they read
+    version: Version
+    id: int
+    #: the cache entry whose file it is, None for the source file itself
+    entry: Entry | None
     opens: int = 1

@@ -119,7 +119,7 @@ class Operations(pyfuse3.Operations):
     def serve_by_passthrough(self, why_not: str | None) -> None:
         """Before mounting: passthrough is asked for at init (None), or why not."""
         self.passthrough_off = why_not
-        self.backings = Backings(self.cache) if why_not is None else None
+        self.backings = Backings(self.cache, self.source) if why_not is None else None
 
     def init(self) -> None:
         """The kernel's INIT, answered: whether it granted the passthrough asked for."""
@@ -340,20 +340,36 @@ class Operations(pyfuse3.Operations):
             self.inodes.seen(inode, st)
             pyfuse3.invalidate_inode(inode, attr_only=True)
         handle = FileHandle(inode, path, st)
-        handle.reader = self.readers.opened(handle, ctx.pid)
+        handle.reader = await self.readers.opened(handle, ctx.pid)
         if self.backings is None:
             return pyfuse3.FileInfo(fh=self._new_handle(handle), keep_cache=not changed)
-        # An aligned member reads through the daemon (the window, the group's counts).
-        entry = handle.reader.entry if handle.member is None else None
-        handle.backing = self.backings.open(inode, entry)
+        handle.backing = self._backing(handle)
         if handle.backing:
-            # The kernel reads it without a word to us: counted as read whole, as at a hit
-            self.counters.passthrough_opens += 1
-            self.counters.bytes_from_cache += handle.st.st_size
             return pyfuse3.FileInfo(fh=self._new_handle(handle), backing_id=handle.backing,
                                     keep_cache=False, noflush=True)
         # Page-cached and passthrough opens of one inode cannot coexist (EIO): none cached.
         return pyfuse3.FileInfo(fh=self._new_handle(handle), direct_io=True, keep_cache=False)
+
+    def _backing(self, handle: FileHandle) -> int:
+        """The backing id to answer ``handle``'s open with, 0 for direct_io. The kernel reads
+        a backing file without a word to us: the open is counted as the file read whole, from
+        the cache or from the source. An aligned member reads through the daemon (the window,
+        the group's counts)."""
+        assert self.backings is not None
+        reader, st, counters = handle.reader, handle.st, self.counters
+        if handle.member is None and reader.source_file:
+            backing = self.backings.open_source(handle.inode, handle.path, st)
+            if backing:
+                counters.source_opens += 1
+                counters.files_from_source += 1
+                counters.bytes_from_source += st.st_size
+            return backing
+        entry = reader.entry if handle.member is None else None
+        backing = self.backings.open(handle.inode, entry, st)
+        if backing:
+            counters.passthrough_opens += 1
+            counters.bytes_from_cache += st.st_size
+        return backing
 
     def _renumbered(self, inode: int, st: os.stat_result) -> bool:
         """Whether ``inode``'s file changed since the version its held passthrough opens read,
@@ -368,12 +384,11 @@ class Operations(pyfuse3.Operations):
         held = self.backings.held(inode) if self.backings is not None else None
         if held is None or self.inodes.detached(inode) is not None:
             return False
-        key = self.inodes[inode].key
-        if held.matches(st) and key == (st.st_dev, st.st_ino):
+        if held.version == Version.of(st) and self.inodes[inode].key == (st.st_dev, st.st_ino):
             return False
         log.info("source file %s changed while open by passthrough: new opens get a new "
                  "inode", os.fsdecode(held.path))
-        self.inodes.detach(inode, Version(key[1], held.size, held.mtime_ns, held.ctime_ns))
+        self.inodes.detach(inode, held.version)
         return True
 
     @guarded

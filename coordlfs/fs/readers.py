@@ -1,9 +1,12 @@
 """Where an open file's bytes come from: one reader per handle, one class per source of bytes.
 
-A handle's reader is chosen once, at open when the answer is already known (a MinIO entry,
-complete or filling; the group window holding the file for this member) and otherwise at the
-first read the kernel sends (``FirstMiss``): a peer ranked before this node, else MinIO here if
-it has room, else a peer ranked after this node, else local storage (``coordlfs.peers.placement``).
+A handle's reader is chosen once, at open: a MinIO entry (complete or filling), the group
+window holding the file for this member, else a peer ranked before this node, else MinIO here
+if it has room, else a peer ranked after this node, else local storage
+(``coordlfs.peers.placement``). Choosing at open lets a miss be answered like a hit: a file of
+one fill step is filled before the open returns, and the kernel then reads the entry's file
+itself where passthrough is on (``coordlfs.fs.backing``), as it reads the source file itself
+for a file nobody caches (``Reader.source_file``).
 A reader that cannot go on (a fill that failed, a peer that went down mid-file) hands the rest
 of the file to local storage itself, so ``Operations.read`` only ever asks its handle's reader.
 A new source of bytes is a new class here, never another field on the handle.
@@ -58,6 +61,9 @@ class Reader:
 
     #: a MinIO entry: once it is complete ``Operations.read`` serves it inline, as a hit
     entry: Entry | None = None
+    #: the bytes are the source file's own, read as they are: the kernel may read that file
+    #: itself (FUSE passthrough) instead of asking for them
+    source_file: bool = False
 
     @property
     def holds_bytes(self) -> bool:
@@ -71,18 +77,6 @@ class Reader:
 
     def close(self) -> None:
         """The handle is released."""
-
-
-class FirstMiss(Reader):
-    """Nothing chosen yet: the first read chooses the handle's reader and keeps it."""
-
-    def __init__(self, readers: Readers, handle: Handle) -> None:
-        self.readers = readers
-        self.handle = handle
-
-    async def read(self, off: int, size: int) -> bytes | memoryview:
-        reader = self.handle.reader = await self.readers.choose(self.handle, off, size)
-        return await reader.read(off, size)
 
 
 class CacheReader(Reader):
@@ -147,6 +141,7 @@ class StreamReader(Held):
         self.readers = readers
         self.handle = handle
         self._file: SourceReader | None = None
+        self.source_file = not data and handle.member is None
 
     async def read(self, off: int, size: int) -> bytes | memoryview:
         held = self.held(off, size)
@@ -237,7 +232,7 @@ class Readers:
         #: Fills outlive the read that started them; set by the daemon before serving.
         self.nursery: trio.Nursery | None = None
 
-    def opened(self, handle: Handle, pid: int) -> Reader:
+    async def opened(self, handle: Handle, pid: int) -> Reader:
         """The reader for a handle just opened by ``pid``; sets the handle's member."""
         st = handle.st
         key = key_of(st)
@@ -250,12 +245,14 @@ class Readers:
             return self._cached(entry, handle)
         if held is not None:
             return WindowReader(self, handle, held)
-        return FirstMiss(self, handle)
+        if not st.st_size:
+            return StreamReader(self, handle)
+        return await self._choose(handle)
 
     def _cached(self, entry: Entry, handle: Handle) -> CacheReader:
         return CacheReader(self.cache, entry, lambda: StreamReader(self, handle))
 
-    async def choose(self, handle: Handle, off: int, size: int) -> Reader:
+    async def _choose(self, handle: Handle) -> Reader:
         """The bytes a peer sent ahead (``coordlfs.peers.hold``), else a peer ranked before
         this node for the file, else MinIO here if it has room, else a peer ranked after this
         node, else local storage."""
@@ -266,7 +263,7 @@ class Readers:
             return PeerReader(self, handle, held[0], held[1], 0)
         before, after = (self.peers.candidates(path) if st.st_size <= self.cache.max_file_size
                          else ([], []))
-        peer = await self._from_peers(handle, before, off, size)
+        peer = await self._from_peers(handle, before)
         if peer is not None:
             return peer
         assert self.nursery is not None
@@ -274,14 +271,13 @@ class Readers:
                                                  self.nursery)
         if entry is not None:
             return self._cached(entry, handle)
-        peer = await self._from_peers(handle, after, off, size)
+        peer = await self._from_peers(handle, after)
         return peer if peer is not None else StreamReader(self, handle)
 
-    async def _from_peers(self, handle: Handle, links: list[PeerLink], off: int,
-                          size: int) -> PeerReader | None:
-        """A reader on the first of ``links`` that serves the range (a small file whole)."""
-        if handle.st.st_size <= STREAM_WHOLE:
-            off, size = 0, handle.st.st_size
+    async def _from_peers(self, handle: Handle, links: list[PeerLink]) -> PeerReader | None:
+        """A reader on the first of ``links`` that serves the file's start (a small file
+        whole)."""
+        off, size = 0, min(handle.st.st_size, STREAM_WHOLE)
         for link in links:
             data = await self.peers.read(link, handle.path, handle.st, off, size)
             if data is not None:
