@@ -353,8 +353,9 @@ class Operations(pyfuse3.Operations):
     def _backing(self, handle: FileHandle) -> int:
         """The backing id to answer ``handle``'s open with, 0 for direct_io. The kernel reads
         a backing file without a word to us: the open is counted as the file read whole, from
-        the cache or from the source. An aligned member reads through the daemon (the window,
-        the group's counts)."""
+        the cache (a hit) or from the source (a source file; a miss filled at open counted
+        its bytes as it filled). An aligned member reads through the daemon (the window, the
+        group's counts)."""
         assert self.backings is not None
         reader, st, counters = handle.reader, handle.st, self.counters
         if handle.member is None and reader.source_file:
@@ -368,7 +369,8 @@ class Operations(pyfuse3.Operations):
         backing = self.backings.open(handle.inode, entry, st)
         if backing:
             counters.passthrough_opens += 1
-            counters.bytes_from_cache += st.st_size
+            if reader.hit:
+                counters.bytes_from_cache += st.st_size
         return backing
 
     def _renumbered(self, inode: int, st: os.stat_result) -> bool:
@@ -402,7 +404,7 @@ class Operations(pyfuse3.Operations):
             return b""
         reader = handle.reader
         entry = reader.entry
-        if entry is not None and entry.complete:  # the hit, inline: no coroutine of its own
+        if entry is not None and entry.complete and reader.hit:  # inline: no coroutine
             data = self.cache.data(entry, off, size)
             self.counters.cache_hits += 1
             self.counters.bytes_from_cache += len(data)

@@ -64,6 +64,9 @@ class Reader:
     #: the bytes are the source file's own, read as they are: the kernel may read that file
     #: itself (FUSE passthrough) instead of asking for them
     source_file: bool = False
+    #: the open found the file complete in the cache (a miss filled at open is not a hit: its
+    #: bytes are counted as the source's, by the fill)
+    hit: bool = False
 
     @property
     def holds_bytes(self) -> bool:
@@ -240,9 +243,11 @@ class Readers:
         handle.member, held = self.aligned.opened(pid, handle.path, key, Version.of(st),
                                                   cached=entry is not None)
         if entry is not None:
+            reader = self._cached(entry, handle)
             if entry.complete:
                 self.counters.files_from_cache += 1
-            return self._cached(entry, handle)
+                reader.hit = True
+            return reader
         if held is not None:
             return WindowReader(self, handle, held)
         if not st.st_size:

@@ -18,7 +18,6 @@ from coordlfs.cache.stats import ReadCounters
 from coordlfs.fs.readers import (
     STREAM_WHOLE,
     CacheReader,
-    FirstMiss,
     PeerReader,
     StreamReader,
     WindowReader,
@@ -44,8 +43,8 @@ def test_a_miss_fills_the_cache_and_the_next_open_hits(tmp_path: Path,
     data = write_files(tmp_path / "src", {"a.bin": 3 * MiB + 5})["a.bin"]
     with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch) as m:
         async def body() -> None:
-            fh = await m.open("a.bin")
-            assert isinstance(m.reader(fh), FirstMiss)
+            fh = await m.open("a.bin")  # too big to fill at open: filled while it is read
+            assert isinstance(m.reader(fh), CacheReader)
             assert xxhash.xxh64(await m.read_all(fh)).digest() == xxhash.xxh64(data).digest()
             assert isinstance(m.reader(fh), CacheReader)
             await m.ops.release(fh)
@@ -74,10 +73,9 @@ def test_concurrent_openers_of_a_filling_file_share_one_storage_read(
         async def body() -> None:
             first, second = await m.open("a.bin"), await m.open("a.bin")
             assert bytes(await m.ops.read(first, 0, 4096)) == data[:4096]
-            assert isinstance(m.reader(second), FirstMiss)  # chosen at its own first miss
-            assert await m.read_all(second) == data
             assert isinstance(m.reader(second), CacheReader)
             assert m.reader(second).entry is m.reader(first).entry
+            assert await m.read_all(second) == data
             for fh in (first, second):
                 await m.ops.release(fh)
             await m.filled()
@@ -176,8 +174,9 @@ def test_a_changed_source_file_is_invalidated_dropped_and_read_anew(
             (tmp_path / "src" / "a.bin").write_bytes(new)
             info = await m.ops.open(attr.st_ino, os.O_RDONLY, ctx())
             assert not info.keep_cache and m.kernel.invalidated == [attr.st_ino]
-            assert not m.cache.entries  # the old version's entry is dropped
-            assert isinstance(m.reader(info.fh), FirstMiss)
+            reader = m.reader(info.fh)  # the old version's entry dropped, the new filled at open
+            assert isinstance(reader, CacheReader) and reader.entry and reader.entry.complete
+            assert m.cache.data_bytes == len(new)
             assert await m.read_all(info.fh) == new
             await m.ops.release(info.fh)
             # the dropped entry is never read again: the old handle streams the source
@@ -312,7 +311,7 @@ def test_a_peer_that_fails_mid_file_hands_the_rest_to_local_storage(
             reader = m.reader(fh)
             assert isinstance(reader, PeerReader)
             await m.ops.release(fh)
-            from_peer = 3 * CHUNK
+            from_peer = STREAM_WHOLE + 2 * CHUNK  # its first answer, at open: the first MiB
             assert counted(m) == {"misses": requests(size), "files_from_peers": 1,
                                   "bytes_from_peers": from_peer, "files_from_source": 1,
                                   "bytes_from_source": size - from_peer}
