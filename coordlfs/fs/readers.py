@@ -24,7 +24,7 @@ from typing import Protocol
 
 import trio
 
-from coordlfs.cache.cache import Entry, WholeFileCache
+from coordlfs.cache.cache import FILL_CHUNK, Entry, WholeFileCache
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.fs.inodes import Key
 from coordlfs.jobs.groups import Groups, Member
@@ -64,8 +64,8 @@ class Reader:
     #: the bytes are the source file's own, read as they are: the kernel may read that file
     #: itself (FUSE passthrough) instead of asking for them
     source_file: bool = False
-    #: the open found the file complete in the cache (a miss filled at open is not a hit: its
-    #: bytes are counted as the source's, by the fill)
+    #: the open found the file in the cache, complete or being filled by another (a miss
+    #: this open filled is not a hit: its bytes are counted as the source's, by the fill)
     hit: bool = False
 
     @property
@@ -243,10 +243,14 @@ class Readers:
         handle.member, held = self.aligned.opened(pid, handle.path, key, Version.of(st),
                                                   cached=entry is not None)
         if entry is not None:
+            if not entry.complete and entry.size <= FILL_CHUNK:
+                # another's fill (a prefetch, another reader) of one step: done soon, and
+                # then this open is a hit the kernel may read itself
+                await self.cache.wait_for(entry, entry.size)
             reader = self._cached(entry, handle)
+            reader.hit = True
             if entry.complete:
                 self.counters.files_from_cache += 1
-                reader.hit = True
             return reader
         if held is not None:
             return WindowReader(self, handle, held)
