@@ -1,0 +1,103 @@
+"""Misses answered at open (``Readers.opened``): a file of one fill step is filled before the
+open returns and then read like a hit (by the kernel, where passthrough is on); a file no
+cache keeps is read by the kernel from the source file itself. Byte-exact under concurrent
+readers of one file, a source rewritten while it is being filled, and with no room at all.
+Runs with passthrough on and off (``COORDLFS_TEST_PASSTHROUGH``): the counters that differ
+are checked only where passthrough is on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import xxhash
+from conftest import digests, drop_caches, random_source
+
+
+def daemon_reads(reads: dict[str, int]) -> int:
+    return reads["cache_hits"] + reads["misses"]
+
+
+def test_readers_opening_one_cold_file_at_once_share_one_storage_read(mount,
+                                                                      tmp_path: Path) -> None:
+    src = random_source(tmp_path, image=300_000)
+    data = (src / "image").read_bytes()
+    m = mount(src)
+    drop_caches()
+    readers = [subprocess.Popen(["cat", str(m.mountpoint / "image")], stdout=subprocess.PIPE)
+               for _ in range(16)]
+    outputs = [r.communicate()[0] for r in readers]
+    assert all(out == data for out in outputs)
+    status = m.status()
+    reads = status["reads"]
+    assert reads["files_from_source"] == 1 and reads["bytes_from_source"] == len(data)
+    if status["passthrough"]["on"]:  # the first open filled it; every open is the kernel's
+        assert reads["passthrough_opens"] == 16 and daemon_reads(reads) == 0
+
+
+def test_a_file_rewritten_while_it_is_filled_is_never_kept_torn(mount, tmp_path: Path) -> None:
+    """A writer rewrites the file in place, as fast as it can, while readers open it through
+    the mount (each open a fill or a hit); every fill that overlapped a write is given up
+    (its final fstat shows another version). Once the writer stops, the mount serves the
+    source's last bytes, and the entry kept for them is right."""
+    src = tmp_path / "src"
+    src.mkdir()
+    path = src / "image"
+    size = 600_000
+    path.write_bytes(b"\0" * size)
+    m = mount(src)
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        n = 0
+        with open(path, "r+b", buffering=0) as f:
+            while not stop.is_set():
+                n += 1
+                f.seek(0)
+                for _ in range(6):  # in pieces: a reader may see a torn file, the cache not
+                    f.write(bytes([n % 251]) * (size // 6))
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    try:
+        deadline = time.monotonic() + 2
+        opens = 0
+        while time.monotonic() < deadline:
+            (m.mountpoint / "image").read_bytes()
+            opens += 1
+    finally:
+        stop.set()
+        writer.join()
+    final = os.urandom(size)
+    path.write_bytes(final)
+    for _ in range(3):  # the fill, then hits of the entry kept
+        assert (m.mountpoint / "image").read_bytes() == final
+    assert opens > 1
+    assert m.status()["cache"]["bytes"] == size
+
+
+def test_files_no_cache_keeps_are_read_byte_exact_by_many_readers(mount, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for i in range(40):
+        (src / f"d{i % 4}").mkdir(parents=True, exist_ok=True)
+        (src / f"d{i % 4}" / f"f{i}").write_bytes(os.urandom(50_000 + 997 * i))
+    (src / "big").write_bytes(os.urandom(5 << 20))
+    want = digests(src)
+    m = mount(src, "--cache-size", "0")
+    drop_caches()
+    names = sorted(want)
+    readers = [subprocess.Popen(["cat", *(str(m.mountpoint / n) for n in names)],
+                                stdout=subprocess.PIPE) for _ in range(4)]
+    expected = b"".join((src / n).read_bytes() for n in names)
+    for r in readers:
+        out = r.communicate()[0]
+        assert xxhash.xxh64_hexdigest(out) == xxhash.xxh64_hexdigest(expected)
+    assert digests(m.mountpoint) == want
+    status = m.status()
+    reads = status["reads"]
+    assert status["cache"]["files"] == 0
+    if status["passthrough"]["on"]:  # the kernel read the source files, not the daemon
+        assert reads["source_opens"] >= len(names) and daemon_reads(reads) == 0
