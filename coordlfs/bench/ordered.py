@@ -38,7 +38,8 @@ POLL_S = 0.002
 @dataclass(slots=True)
 class OrderedRun(Run):
     #: the mount's counts after the epoch: files its fills read ahead of the readers, files
-    #: read from storage in all (the rest at a reader's open), reads a client missed
+    #: read from storage in all (the rest at a reader's open), reads a client missed, opens
+    #: the kernel served by passthrough
     mount: dict[str, int] = field(default_factory=dict)
 
 
@@ -91,4 +92,5 @@ def epoch(mount: Mount, rels: list[str], readers: int, way: str) -> OrderedRun:
     return OrderedRun(run.seconds, run.files, run.bytes, mount={
         "filled_ahead": status["fills"]["files"],
         "files_from_source": reads["files_from_source"],
-        "client_misses": reads["client_misses"]})
+        "client_misses": reads["client_misses"],
+        "passthrough_opens": reads["passthrough_opens"]})
