@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -79,6 +80,8 @@ START_TIMEOUT = 300.0
 RUN_TIMEOUT = 600.0
 #: What a run that took longer says.
 HUNG = f"a reader took more than {RUN_TIMEOUT:.0f}s; is a mount hung?"
+#: What a run whose reader failed says.
+FAILED = "a reader process failed (see its traceback above)"
 #: Attempts at a run before one disturbed by someone else's drop_caches is kept anyway.
 TRIES = 5
 #: The big file, relative to the dataset directory.
@@ -408,10 +411,10 @@ def measure(paths: list[str], readers: int, client: str | None = None,
             workers.append(worker)
             pipes.append(receive)
         if job is not None:
-            barrier.wait()
+            _join(barrier)
             led.append(time.perf_counter())
             job.lead()
-            barrier.wait()
+            _join(barrier)
             job.follow(_progress(done, pipes))
         reports = [_receive(pipe) for pipe in pipes]
     finally:
@@ -421,6 +424,14 @@ def measure(paths: list[str], readers: int, client: str | None = None,
             worker.join()
     return Run(max(r[1] for r in reports) - min([r[0] for r in reports] + led), len(paths),
                sum(r[2] for r in reports))
+
+
+def _join(barrier: Any) -> None:
+    """The job's wait for its readers: a reader that died first breaks it (at its timeout)."""
+    try:
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        raise UserError(FAILED) from None
 
 
 def _progress(done: Any, pipes: list[Connection]) -> Callable[[], int | None]:
@@ -444,7 +455,7 @@ def _receive(pipe: Connection) -> tuple[float, float, int]:
     try:
         return pipe.recv()
     except EOFError:
-        raise UserError("a reader process failed (see its traceback above)") from None
+        raise UserError(FAILED) from None
 
 
 # -- results ------------------------------------------------------------------------------
