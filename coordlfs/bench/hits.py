@@ -46,12 +46,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from coordlfs.bench import bigfile, harness
 from coordlfs.bench.passthrough import DEFAULT_HP, Unavailable, passthrough_hp
@@ -77,6 +78,10 @@ CHUNK = 1 << 20
 START_TIMEOUT = 300.0
 #: Seconds one measured run may take before the benchmark gives up on a hung mount.
 RUN_TIMEOUT = 600.0
+#: What a run that took longer says.
+HUNG = f"a reader took more than {RUN_TIMEOUT:.0f}s; is a mount hung?"
+#: What a run whose reader failed says.
+FAILED = "a reader process failed (see its traceback above)"
 #: Attempts at a run before one disturbed by someone else's drop_caches is kept anyway.
 TRIES = 5
 #: The big file, relative to the dataset directory.
@@ -338,11 +343,30 @@ class Run:
         return self.bytes / self.seconds / 1e9
 
 
+class Job(Protocol):
+    """The process of a job that hands its readers' order to the mount (a DataLoader's main
+    process, where the sampler runs): ``lead`` before they start, ``follow`` while they read,
+    told how many files they have read so far (None once none reads any more)."""
+
+    def lead(self) -> None: ...
+
+    def follow(self, progress: Callable[[], int | None]) -> None: ...
+
+
+def _counted(paths: list[Any], done: Any, slot: int) -> Iterable[Any]:
+    """``paths``, with how many of them were read in ``done[slot]`` (shared memory)."""
+    for number, path in enumerate(paths):
+        done[slot] = number
+        yield path
+    done[slot] = len(paths)
+
+
 def _reader(paths: list[Any], barrier: Any, conn: Connection, client: str | None,
-            warm: bool) -> None:
+            warm: bool, done: Any = None, slot: int = 0) -> None:
     """One reader process: open, read to EOF into one reused buffer, close; or with
     ``client`` (a mountpoint), each file read through the client and copied out, with
-    ``warm`` once before the timed pass. Reports times."""
+    ``warm`` once before the timed pass. Reports times. With ``done`` (a job's readers), it
+    starts once the job led (the barrier's second round) and counts its files there."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     buf = bytearray(CHUNK)
@@ -350,6 +374,9 @@ def _reader(paths: list[Any], barrier: Any, conn: Connection, client: str | None
     if dataset and warm:
         copy_files(dataset, paths)
     barrier.wait()
+    if done is not None:
+        barrier.wait()
+        paths = _counted(paths, done, slot)
     start = time.perf_counter()
     total = copy_files(dataset, paths) if dataset else read_files(paths, buf)
     end = time.perf_counter()
@@ -360,44 +387,75 @@ def _reader(paths: list[Any], barrier: Any, conn: Connection, client: str | None
 
 
 def measure(paths: list[str], readers: int, client: str | None = None,
-            warm: bool = False) -> Run:
+            warm: bool = False, job: Job | None = None) -> Run:
     """Read ``paths`` split round-robin among ``readers`` processes started together; with
     ``client`` (a mountpoint) the paths are relative to it and read through the client (with
-    ``warm``, each process reads its share once before it is timed).
+    ``warm``, each process reads its share once before it is timed). With ``job``, this
+    process is the job's: once the readers are ready it leads, then starts and follows them.
 
-    The time is from the first reader's start to the last one's end (perf_counter is
-    system-wide on Linux), so process start-up is not counted.
+    The time is from the first reader's start (or the job's lead) to the last one's end
+    (perf_counter is system-wide on Linux), so process start-up is not counted.
     """
     context = multiprocessing.get_context("fork")
-    barrier = context.Barrier(readers, timeout=START_TIMEOUT)
+    barrier = context.Barrier(readers + (job is not None), timeout=START_TIMEOUT)
+    done = context.RawArray("q", readers) if job else None
     encoded = paths if client else [os.fsencode(p) for p in paths]
-    workers, pipes = [], []
+    workers, pipes, led = [], [], []
     try:
         for i in range(readers):
             receive, send = context.Pipe(duplex=False)
-            worker = context.Process(target=_reader,
-                                     args=(encoded[i::readers], barrier, send, client, warm))
+            worker = context.Process(target=_reader, args=(encoded[i::readers], barrier, send,
+                                                           client, warm, done, i))
             worker.start()
             send.close()
             workers.append(worker)
             pipes.append(receive)
+        if job is not None:
+            _join(barrier)
+            led.append(time.perf_counter())
+            job.lead()
+            _join(barrier)
+            job.follow(_progress(done, pipes))
         reports = [_receive(pipe) for pipe in pipes]
     finally:
         for worker in workers:
             if worker.is_alive():
                 worker.terminate()
             worker.join()
-    return Run(max(r[1] for r in reports) - min(r[0] for r in reports), len(paths),
+    return Run(max(r[1] for r in reports) - min([r[0] for r in reports] + led), len(paths),
                sum(r[2] for r in reports))
+
+
+def _join(barrier: Any) -> None:
+    """The job's wait for its readers: a reader that died first breaks it (at its timeout)."""
+    try:
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        raise UserError(FAILED) from None
+
+
+def _progress(done: Any, pipes: list[Connection]) -> Callable[[], int | None]:
+    """What a job is told of its readers: the files they read so far, None once every one
+    reported (or died); a UserError past ``RUN_TIMEOUT``, as a reader's wait has."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+
+    def progress() -> int | None:
+        if all(pipe.poll() for pipe in pipes):
+            return None
+        if time.monotonic() > deadline:
+            raise UserError(HUNG)
+        return sum(done)
+
+    return progress
 
 
 def _receive(pipe: Connection) -> tuple[float, float, int]:
     if not pipe.poll(RUN_TIMEOUT):
-        raise UserError(f"a reader took more than {RUN_TIMEOUT:.0f}s; is a mount hung?")
+        raise UserError(HUNG)
     try:
         return pipe.recv()
     except EOFError:
-        raise UserError("a reader process failed (see its traceback above)") from None
+        raise UserError(FAILED) from None
 
 
 # -- results ------------------------------------------------------------------------------

@@ -9,25 +9,32 @@ source with their pages dropped first (the page cache reading the source: the li
 the big file, read sequentially in 1 MiB reads, the same two ways. The source's pages are
 dropped per file with POSIX_FADV_DONTNEED before each run, so the kernel's dentries and
 inodes of the source stay, as they do for a dataset that was just listed, and other
-processes on the machine keep their caches. It takes ``bench hits``'s options and dataset.
-Figures are medians of ``--repeat`` runs, the two cases side by side in each run.
+processes on the machine keep their caches.
+
+The ``ordered`` case is the cold epoch of a job that hands its order over first
+(``coordlfs.bench.ordered``): the same shuffled files through a fresh mount, read through the
+mount with the order handed over ahead of the readers, and read through ``coordlfs.client``
+after ``Dataset.prefetch(order)``; against the same page cache runs. ``--cases`` picks the
+cases. It takes ``bench hits``'s options and dataset. Figures are medians of ``--repeat``
+runs, the cases side by side in each run, and their ratios are taken run by run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from coordlfs.bench import harness
+from coordlfs.bench import harness, hits, ordered
 from coordlfs.bench.hits import (
     Run,
-    add_arguments,
     big_file,
     columns,
     cpu_seconds,
@@ -38,9 +45,30 @@ from coordlfs.bench.hits import (
     small_files,
 )
 from coordlfs.daemon.mounting import set_read_ahead
-from coordlfs.testbed.mounts import mounted
+from coordlfs.errors import UserError
+from coordlfs.testbed.mounts import Mount, mounted
 
 __all__ = ["add_arguments", "run"]
+
+#: What ``--cases`` picks from: cold misses (the small files and the big one), and the cold
+#: epoch with its order handed over (the small files, through the mount and the client).
+CASES = ("cold", "ordered")
+#: The issue's goals for the ordered epoch, as a share of the page cache, by way of reading.
+ORDERED_GOALS = {"mount": 0.7, "client": 0.9}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    hits.add_arguments(parser)
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated cases of {', '.join(CASES)} (default: all)")
+
+
+def parse_cases(text: str) -> tuple[str, ...]:
+    """``"cold,ordered"`` -> the cases in their order; an unknown one is a UserError."""
+    cases = set(text.split(","))
+    if not cases <= set(CASES):
+        raise UserError(f"bad --cases {text!r}: expected some of {','.join(CASES)}")
+    return tuple(c for c in CASES if c in cases)
 
 
 def check_can_run() -> None:
@@ -48,55 +76,79 @@ def check_can_run() -> None:
     harness.require_fuse()
 
 
-def _cold(paths: list[str], readers: int, pid: int | None) -> Run:
-    """One run with the source's pages of ``paths`` dropped first."""
+def _cold(paths: list[str], read: Callable[[], Run], pid: int | None) -> Run:
+    """One run (``read``) with the source's pages of ``paths`` dropped first."""
     evict(paths)
     cpu = cpu_seconds(pid) if pid else 0.0
-    run = measure(paths, readers)
+    run = read()
     if pid:
         run.daemon_cpu_s = cpu_seconds(pid) - cpu
     return run
 
 
-def _through_mount(source: Path, paths: list[str], rels: list[str], readers: int,
-                   room: int, read_ahead_kb: int) -> Run:
-    """One run through a fresh mount: every read a miss that fills the cache."""
+@contextlib.contextmanager
+def _fresh_mount(source: Path, room: int, read_ahead_kb: int) -> Iterator[Mount]:
+    """A new mount of ``source`` with an empty cache and room for every file."""
     with tempfile.TemporaryDirectory(prefix="coordlfs-bench-misses-") as work:
         mnt = Path(work) / "mnt"
         with mounted(source, mnt, Path(work) / "coordlfs.log", "--cache-size", str(room),
                      "--max-file-size", str(room)) as mount:
             set_read_ahead(str(mnt), read_ahead_kb)
-            evict(paths)
-            return _cold([str(mnt / rel) for rel in rels], readers, mount.pid)
+            yield mount
+
+
+def _one(case: str, source: Path, rels: list[str], readers: int, room: int,
+         read_ahead_kb: int) -> Run:
+    """One run of ``case``: ``source`` (the page cache reading the source), ``coordlfs`` (every
+    read a miss that fills the cache) or ``ordered_WAY`` (the order handed over), each but the
+    first through a fresh mount."""
+    paths = [str(source / rel) for rel in rels]
+    if case == "source":
+        return _cold(paths, lambda: measure(paths, readers), None)
+    with _fresh_mount(source, room, read_ahead_kb) as mount:
+        if case == "coordlfs":
+            mine = [str(mount.mountpoint / rel) for rel in rels]
+            return _cold(paths, lambda: measure(mine, readers), mount.pid)
+        way = case.removeprefix("ordered_")
+        return _cold(paths, lambda: ordered.epoch(mount, rels, readers, way), mount.pid)
+
+
+def _names(cases: tuple[str, ...], key: int) -> list[str]:
+    """The runs of one column, the page cache's first: the ordered ones for small files only."""
+    return ["source", *(["coordlfs"] if "cold" in cases else []),
+            *([f"ordered_{way}" for way in ordered.WAYS] if "ordered" in cases and key else [])]
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
+    cases = parse_cases(args.cases)
     check_can_run()
     dataset = prepare_dataset(settings.directory, settings.files, settings.size,
                               settings.big_size)
     os.sync()  # pages of a dataset just written are dirty, and no advice drops those
     source = Path(dataset.root)
     room = dataset.total_bytes + (64 << 20)
-    big = big_file(dataset)
+    big = big_file(dataset) if "cold" in cases else None
     cols = columns(settings.readers, big is not None)
-    runs: dict[str, dict[int, list[Run]]] = {"source": {}, "coordlfs": {}}
+    runs: dict[str, dict[int, list[Run]]] = {"source": {}}
     for number in harness.repeated(settings.repeat):
         for _label, key in cols:
             rels = small_files(dataset) if key else [str(big)]
             random.Random(number).shuffle(rels)
-            paths = [str(source / rel) for rel in rels]
-            readers = max(key, 1)
-            runs["source"].setdefault(key, []).append(_cold(paths, readers, None))
-            runs["coordlfs"].setdefault(key, []).append(
-                _through_mount(source, paths, rels, readers, room, settings.read_ahead_kb))
+            expected = dataset.bytes_of(rels)
+            for case in _names(cases, key):
+                one = _one(case, source, rels, max(key, 1), room, settings.read_ahead_kb)
+                if one.bytes != expected:
+                    raise UserError(f"{case}: read {one.bytes} bytes, expected {expected}")
+                runs.setdefault(case, {}).setdefault(key, []).append(one)
     summary = _summary(runs, cols)
     harness.print_summary(summary)
     harness.write_report(settings.json_path, {
-        "settings": {**asdict(settings), "readers": list(settings.readers)},
+        "settings": {**asdict(settings), "readers": list(settings.readers),
+                     "cases": list(cases)},
         "dataset": harness.dataset_record(dataset), "summary": summary,
         "runs": {case: {label: [asdict(r) | {"files_per_s": r.files_per_s}
-                                for r in by_key[key]] for label, key in cols}
+                                for r in by_key[key]] for label, key in cols if key in by_key}
                  for case, by_key in runs.items()}})
     return 0
 
@@ -121,18 +173,35 @@ def _summary(runs: dict[str, dict[int, list[Run]]],
              cols: list[tuple[str, int]]) -> dict[str, Any]:
     """Per reader count: misses/s, the page cache's files/s, their ratio run by run and the
     daemon's CPU per miss; for the big file (``sequential``) the same in GB/s and CPU
-    seconds per GB."""
+    seconds per GB. The ordered epochs the same, their keys starting ``ordered_mount_`` and
+    ``ordered_client_``, in files/s and CPU per file (most files are filled ahead, not
+    missed), with the goals and whether every reader count met them."""
     summary: dict[str, Any] = {}
     for label, key in cols:
-        mine, theirs = runs["coordlfs"][key], runs["source"][key]
+        theirs = runs["source"][key]
         unit, source_unit, rate, cpu_name, cpu = (
             ("misses_per_s", "files_per_s", _files_per_s, "cpu_us_per_miss", _cpu_us_per_miss)
             if key else ("gb_per_s", "gb_per_s", _gb_per_s, "cpu_s_per_gb", _cpu_s_per_gb))
-        summary[f"{unit}_{label}"] = round(statistics.median(map(rate, mine)), 3)
         summary[f"page_cache_{source_unit}_{label}"] = round(
             statistics.median(map(rate, theirs)), 3)
-        summary[f"misses_vs_page_cache_{label}"] = round(statistics.median(
-            rate(a) / rate(b) for a, b in zip(mine, theirs, strict=True)), 3)
-        costs = [c for c in map(cpu, mine) if c is not None]
-        summary[f"daemon_{cpu_name}_{label}"] = round(statistics.median(costs), 3)
+        names = {"coordlfs": (unit, "misses_vs_page_cache", f"daemon_{cpu_name}")}
+        names.update({f"ordered_{way}": (f"ordered_{way}_files_per_s",
+                                         f"ordered_{way}_vs_page_cache",
+                                         f"ordered_{way}_daemon_cpu_us_per_file")
+                      for way in ordered.WAYS})
+        for case, (rate_key, ratio_key, cpu_key) in names.items():
+            mine = runs.get(case, {}).get(key)
+            if mine is None:
+                continue
+            summary[f"{rate_key}_{label}"] = round(statistics.median(map(rate, mine)), 3)
+            summary[f"{ratio_key}_{label}"] = round(statistics.median(
+                rate(a) / rate(b) for a, b in zip(mine, theirs, strict=True)), 3)
+            costs = [c for c in map(cpu, mine) if c is not None]
+            summary[f"{cpu_key}_{label}"] = round(statistics.median(costs), 3)
+    if "ordered_mount" in runs:
+        summary["ordered_goals"] = ORDERED_GOALS
+        summary["ordered_goals_met"] = {
+            way: all(summary[f"ordered_{way}_vs_page_cache_{label}"] >= goal
+                     for label, key in cols if key)
+            for way, goal in ORDERED_GOALS.items()}
     return summary
