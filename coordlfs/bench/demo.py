@@ -53,7 +53,7 @@ from coordlfs.sizes import format_size, parse_size
 from coordlfs.testbed.cgroup import memory_cgroup
 from coordlfs.testbed.dataset import Dataset, DatasetSpec, ensure_dataset, epoch_orders
 from coordlfs.testbed.mounts import mounted
-from coordlfs.testbed.storage import BlockDevice, block_device, drop_caches
+from coordlfs.testbed.storage import BlockDevice, block_device, drop_caches, drop_page_cache
 
 DEFAULT_DIR = "/var/tmp/coordlfs-demo"
 #: Our cgroups are ``<prefix>-<pid>[-daemon]``, so that a later run can remove a killed run's.
@@ -196,9 +196,10 @@ class Epoch:
     source_bytes: int | None = None
     #: coordlfs only: bytes in its cache at the end of the epoch
     cache_used_bytes: int | None = None
-    #: coordlfs only: opens the kernel served by passthrough, and reads the daemon served
-    #: (cache hits, misses)
+    #: coordlfs only: opens the kernel served by passthrough (from the cache, from the source
+    #: files), and reads the daemon served (cache hits, misses)
     passthrough_opens: int | None = None
+    source_opens: int | None = None
     daemon_reads: int | None = None
 
 
@@ -243,6 +244,7 @@ def read_epochs(label: str, reader: Reader, dataset: Dataset, orders: list[list[
             reads = control.stats(since=mark)["reads"]
             epoch.source_bytes = reads["bytes_from_source"]
             epoch.passthrough_opens = reads.get("passthrough_opens", 0)
+            epoch.source_opens = reads.get("source_opens", 0)
             epoch.daemon_reads = reads["cache_hits"] + reads["misses"]
             epoch.cache_used_bytes = control.status()["cache"]["bytes"]
         print(f"  {label} epoch {number}/{len(orders)}: {format_size(ours.bytes)} from "
@@ -277,13 +279,15 @@ def run_coordlfs(dataset: Dataset, orders: list[list[str]], budget: int, device:
     ``client``, a fresh mount read through the client.
 
     The kernel's page cache is dropped before each epoch, so that only coordlfs's cache can
-    save reads. With ``read_bps`` the daemon (it reads the disk, not the reader) is
-    throttled. Returns the epochs, the reader's footprint and the mount's status at the end.
+    save reads (the data alone: the names and inodes the kernel knows stay, of the mount as
+    of the source for the page cache's epochs). With ``read_bps`` the daemon (it reads the
+    disk, not the reader) is throttled. Returns the epochs, the reader's footprint and the
+    mount's status at the end.
     """
     label = "client" if client else "coordlfs"
     how = "reading through coordlfs.client, each epoch's order prefetched; " if client \
         else "same reader and "
-    print(f"{label} ({how}limit, caches dropped before each epoch):", flush=True)
+    print(f"{label} ({how}limit, page cache dropped before each epoch):", flush=True)
     mountpoint = workdir / "mnt"
     with contextlib.ExitStack() as stack:
         mount = stack.enter_context(mounted(dataset.root, mountpoint, workdir / "mount.log",
@@ -298,7 +302,7 @@ def run_coordlfs(dataset: Dataset, orders: list[list[str]], budget: int, device:
             f"{CGROUP_PREFIX}-{os.getpid()}", budget, dataset.paths(base),
             client=str(mountpoint) if client else None))
         epochs = read_epochs(label, reader, dataset, orders, base,
-                             Storage(device, [daemon, reader.pid]), before_epoch=drop_caches,
+                             Storage(device, [daemon, reader.pid]), before_epoch=drop_page_cache,
                              control=control)
         return epochs, footprint, control.status()
 
@@ -405,7 +409,8 @@ def _served_by(epoch: dict[str, Any]) -> str:
     opens, reads = epoch.get("passthrough_opens"), epoch.get("daemon_reads")
     if opens is None or reads is None:
         return "-"
-    return f"kernel {opens} opens, daemon {reads} reads"
+    return (f"kernel {opens} + {epoch.get('source_opens') or 0} opens (cache + source), "
+            f"daemon {reads} reads")
 
 
 def format_report(report: dict[str, Any]) -> str:

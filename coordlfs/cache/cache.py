@@ -43,6 +43,7 @@ import logging
 import mmap
 import os
 import shutil
+import stat
 import time
 from array import array
 from collections import OrderedDict
@@ -213,6 +214,8 @@ class WholeFileCache:
             raise
         #: entry number -> its file mapped, for ``data`` (least recently read first)
         self._mapped: OrderedDict[int, mmap.mmap] = OrderedDict()
+        #: what ``_copy_cached`` copies through, on the event loop's thread alone
+        self._copy_buffer = memoryview(bytearray(FILL_CHUNK))
         #: called with each entry dropped (``_release``), such as to drop its backing id
         self.released: list[Callable[[Key, Entry], None]] = []
         #: kernel bytes per entry file beside its pages (``file_overhead``)
@@ -439,6 +442,76 @@ class WholeFileCache:
             nursery.start_soon(self.fill, key, entry, source)
         return entry
 
+    def reserve_behind(self, key: Key, path: bytes, st: os.stat_result
+                       ) -> tuple[Entry | None, bool]:
+        """The entry for this version of the file, and whether it was reserved just now, for
+        an opener the kernel serves from the source file itself (FUSE passthrough): then it
+        is ``behind`` that reader, filled when it closes (``fill_behind``). None when MinIO
+        has no room."""
+        entry, new = self._claim(key, path, st)
+        if new:
+            entry.behind = True
+        return entry, new
+
+    def fill_behind(self, key: Key, entry: Entry, source: Source, nursery: trio.Nursery,
+                    source_fd: int = -1) -> None:
+        """Fill an entry ``behind`` a reader of the source file, once: from the pages the
+        reader's reads brought into the page cache, here on the event loop with no thread
+        hand-off (``_copy_cached``: reads that never wait for storage; ``source_fd``, the
+        reader's backing, if still open), or, where some are not there (the reader read part
+        of the file, or they were reclaimed), by a fill through the page cache in a worker
+        thread. Storage is read once, and counted once, by the opener (``bytes_from_source``
+        of a source open); the pages are dropped once copied (the cache has them)."""
+        if not entry.behind:
+            return
+        entry.behind = False
+        try:
+            final = self._copy_cached(entry, source, source_fd)
+        except OSError as e:
+            self.end_fill(key, entry, None, e)
+            return
+        if final is None:
+            nursery.start_soon(self.fill, key, entry, source, True)
+        else:
+            self.arrived(entry, entry.size, counted=False)
+            self.end_fill(key, entry, final)
+
+    def _copy_cached(self, entry: Entry, source: Source, src: int) -> os.stat_result | None:
+        """Copy the source file (``src``, else opened here) into the entry's file from the
+        page cache alone (``RWF_NOWAIT``), and drop those pages; its fstat after, or None if a
+        page was not there (nothing kept)."""
+        opened = src < 0
+        if opened:
+            src = source.open_file(entry.path)
+        fd = -1
+        try:
+            if not stat.S_ISREG(os.fstat(src).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            fd = create_file(self.files_fd, entry.offset)
+            buffer = self._copy_buffer
+            offset = 0
+            while offset < entry.size:
+                want = min(len(buffer), entry.size - offset)
+                try:
+                    got = os.preadv(src, [buffer[:want]], offset, os.RWF_NOWAIT)
+                except BlockingIOError:
+                    got = 0
+                if got <= 0:
+                    break
+                write_all(fd, buffer[:got], offset)
+                offset += got
+            if offset < entry.size:
+                os.unlink(file_name(entry.offset), dir_fd=self.files_fd)  # the thread's fill
+                return None
+            final = os.fstat(src)
+            os.posix_fadvise(src, 0, 0, os.POSIX_FADV_DONTNEED)
+            return final
+        finally:
+            if opened:
+                os.close(src)
+            if fd >= 0:
+                os.close(fd)
+
     async def fill_for_reader(self, key: Key, path: bytes, st: os.stat_result, source: Source,
                               nursery: trio.Nursery) -> Entry | None:
         """``start_fill`` for a reader's miss: a file of one fill step (nearly every miss) is
@@ -464,16 +537,17 @@ class WholeFileCache:
         self.counters.files_from_source += 1
         return entry, True
 
-    async def fill(self, key: Key, entry: Entry, source: Source) -> None:
-        """Copy the source file into the entry; on any failure the entry is given up."""
-        copier = _Copier(source, entry, self.files_fd)
+    async def fill(self, key: Key, entry: Entry, source: Source, behind: bool = False) -> None:
+        """Copy the source file into the entry; on any failure the entry is given up.
+        ``behind``: through the page cache, behind a reader whose reads were counted."""
+        copier = _Copier(source, entry, self.files_fd, behind)
         try:
             try:
                 while entry.filled < entry.size:
                     got = await in_thread(copier.step, entry.filled)
                     if got == 0:
                         raise OSError(5, "source file shrank while being cached")
-                    self.arrived(entry, got)
+                    self.arrived(entry, got, counted=not behind)
             finally:
                 copier.close()
         except Exception as e:  # a failed fill must never fail the mount: readers stream
@@ -487,10 +561,12 @@ class WholeFileCache:
             log.warning("caching %s failed: %s", os.fsdecode(entry.path), error,
                         exc_info=not isinstance(error, OSError))
 
-    def arrived(self, entry: Entry, got: int) -> None:
-        """``got`` more bytes of a filling entry are in its file: its readers may go on."""
+    def arrived(self, entry: Entry, got: int, counted: bool = True) -> None:
+        """``got`` more bytes of a filling entry are in its file: its readers may go on.
+        ``counted``: read from storage for the cache (not behind a reader counted already)."""
         entry.filled += got
-        self.counters.bytes_from_source += got
+        if counted:
+            self.counters.bytes_from_source += got
         self._wake(entry)
 
     def end_fill(self, key: Key, entry: Entry, final: os.stat_result | None,
@@ -786,31 +862,55 @@ class _Copier:
     share a thread call, so a small file (the common case) costs one thread hand-off rather
     than three, and the event loop's thread makes no system call for it (each would wait for
     the GIL behind the fill threads').
+
+    The source is read with O_DIRECT (``SourceReader``), so that its page cache is not filled
+    with bytes the cache keeps; ``behind`` a reader the kernel serves from the source file
+    itself, it is read through the page cache that reader fills, the kernel copying its pages
+    into the entry's file (``sendfile``: no copy through this process).
     """
 
-    def __init__(self, source: Source, entry: Entry, files_fd: int) -> None:
+    def __init__(self, source: Source, entry: Entry, files_fd: int, behind: bool) -> None:
         self.source = source
         self.entry = entry
         self.files_fd = files_fd
+        self.behind = behind
         self.reader: SourceReader | None = None
+        self.source_fd = -1
         self.fd = -1
         self.final: os.stat_result | None = None
 
     def step(self, offset: int) -> int:
-        if self.reader is None:
-            self.reader = self.source.open_reader(self.entry.path)
+        if self.fd < 0:
+            if self.behind:
+                self.source_fd = self.source.open_file(self.entry.path)
+            else:
+                self.reader = self.source.open_reader(self.entry.path)
             self.fd = create_file(self.files_fd, self.entry.offset)
-        data = self.reader.read_view(offset, min(FILL_CHUNK, self.entry.size - offset))
-        write_all(self.fd, data, offset)
-        if offset + len(data) >= self.entry.size:
-            self.final = self.reader.fstat()
+        want = min(FILL_CHUNK, self.entry.size - offset)
+        if self.behind:
+            got = os.sendfile(self.fd, self.source_fd, offset, want)
+        else:
+            assert self.reader is not None
+            data = self.reader.read_view(offset, want)
+            write_all(self.fd, data, offset)
+            got = len(data)
+        if offset + got >= self.entry.size:
+            if self.behind:
+                self.final = os.fstat(self.source_fd)
+                os.posix_fadvise(self.source_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            else:
+                assert self.reader is not None
+                self.final = self.reader.fstat()
             self.close()
-        return len(data)
+        return got
 
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+        if self.source_fd >= 0:
+            fd, self.source_fd = self.source_fd, -1
+            os.close(fd)
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             os.close(fd)

@@ -120,6 +120,7 @@ class Operations(pyfuse3.Operations):
         """Before mounting: passthrough is asked for at init (None), or why not."""
         self.passthrough_off = why_not
         self.backings = Backings(self.cache, self.source) if why_not is None else None
+        self.readers.behind = self.backings is not None
 
     def init(self) -> None:
         """The kernel's INIT, answered: whether it granted the passthrough asked for."""
@@ -130,6 +131,7 @@ class Operations(pyfuse3.Operations):
             log.info("FUSE passthrough on: complete cache entries are read by the kernel")
         else:
             self.backings = None
+            self.readers.behind = False
             log.warning("FUSE passthrough off: %s", self.passthrough_off)
 
     def passthrough_status(self) -> dict[str, Any]:
@@ -359,11 +361,13 @@ class Operations(pyfuse3.Operations):
         assert self.backings is not None
         reader, st, counters = handle.reader, handle.st, self.counters
         if handle.member is None and reader.source_file:
-            backing = self.backings.open_source(handle.inode, handle.path, st)
+            backing = self.backings.open_source(handle.inode, handle.path, st, reader.behind)
             if backing:
                 counters.source_opens += 1
-                counters.files_from_source += 1
-                counters.bytes_from_source += st.st_size
+                if not reader.hit:  # another's open of the same reserved entry: counted
+                    counters.bytes_from_source += st.st_size
+                if reader.entry is None:  # else counted when its entry was reserved
+                    counters.files_from_source += 1
             return backing
         entry = reader.entry if handle.member is None else None
         backing = self.backings.open(handle.inode, entry, st)

@@ -3,10 +3,12 @@
 A handle's reader is chosen once, at open: a MinIO entry (complete or filling), the group
 window holding the file for this member, else a peer ranked before this node, else MinIO here
 if it has room, else a peer ranked after this node, else local storage
-(``coordlfs.peers.placement``). Choosing at open lets a miss be answered like a hit: a file of
-one fill step is filled before the open returns, and the kernel then reads the entry's file
-itself where passthrough is on (``coordlfs.fs.backing``), as it reads the source file itself
-for a file nobody caches (``Reader.source_file``).
+(``coordlfs.peers.placement``). Choosing at open lets the daemon step out of a small miss's
+reads: where passthrough is on (``coordlfs.fs.backing``) the kernel reads the source file
+itself (``Reader.source_file``) while the cache's fill copies the pages it brings in
+(``WholeFileCache.fill_behind``), and for a file nobody caches it just reads the source file;
+without passthrough a file of one fill step is filled before the open returns and its reads
+are answered from the entry.
 A reader that cannot go on (a fill that failed, a peer that went down mid-file) hands the rest
 of the file to local storage itself, so ``Operations.read`` only ever asks its handle's reader.
 A new source of bytes is a new class here, never another field on the handle.
@@ -50,6 +52,8 @@ class Handle(Protocol):
     #: the aligned-group member that opened it, if any
     member: Member | None
     reader: Reader
+    #: the backing id its open was answered with, 0 if none (``coordlfs.fs.backing``)
+    backing: int
 
 
 def key_of(st: os.stat_result) -> Key:
@@ -67,6 +71,9 @@ class Reader:
     #: the open found the file in the cache, complete or being filled by another (a miss
     #: this open filled is not a hit: its bytes are counted as the source's, by the fill)
     hit: bool = False
+    #: for a source file the kernel reads itself: what fills the cache behind those reads,
+    #: given the file's descriptor at the last release (``Backings.open_source``)
+    behind: Callable[[int], None] | None = None
 
     @property
     def holds_bytes(self) -> bool:
@@ -109,6 +116,38 @@ class CacheReader(Reader):
             self._instead.close()
 
 
+class BehindReader(CacheReader):
+    """A small miss the kernel reads from the source file itself (FUSE passthrough): its
+    entry is reserved, and filled from the pages those reads bring in when the handle is
+    closed (``WholeFileCache.fill_behind``). Should the daemon be asked for bytes after all
+    (the source file could not be the open's backing), the fill starts then and the reads
+    wait for it."""
+
+    source_file = True
+
+    def __init__(self, readers: Readers, entry: Entry, handle: Handle) -> None:
+        super().__init__(readers.cache, entry, lambda: StreamReader(readers, handle))
+        self.readers = readers
+        self.handle = handle
+        self.behind = self._fill
+
+    def _fill(self, source_fd: int = -1) -> None:
+        """Fill the entry now (from ``source_fd``, the kernel's backing, if given)."""
+        readers = self.readers
+        assert readers.nursery is not None
+        readers.cache.fill_behind(key_of(self.handle.st), self.entry, readers.source,
+                                  readers.nursery, source_fd)
+
+    async def read(self, off: int, size: int) -> bytes | memoryview:
+        self._fill()
+        return await super().read(off, size)
+
+    def close(self) -> None:
+        if not self.handle.backing:  # else the backing's last release fills it
+            self._fill()
+        super().close()
+
+
 class Held(Reader):
     """Bytes of the file held by the handle, starting at ``offset`` in it."""
 
@@ -144,7 +183,9 @@ class StreamReader(Held):
         self.readers = readers
         self.handle = handle
         self._file: SourceReader | None = None
-        self.source_file = not data and handle.member is None
+        # a small file, which the daemon would read whole: the kernel may read it as whole
+        self.source_file = (not data and handle.member is None
+                            and handle.st.st_size <= STREAM_WHOLE)
 
     async def read(self, off: int, size: int) -> bytes | memoryview:
         held = self.held(off, size)
@@ -234,6 +275,9 @@ class Readers:
         self.aligned = aligned
         #: Fills outlive the read that started them; set by the daemon before serving.
         self.nursery: trio.Nursery | None = None
+        #: the kernel reads source files itself (FUSE passthrough, ``coordlfs.fs.backing``):
+        #: a small miss is then filled behind the opener's own reads, not before them
+        self.behind = False
 
     async def opened(self, handle: Handle, pid: int) -> Reader:
         """The reader for a handle just opened by ``pid``; sets the handle's member."""
@@ -243,20 +287,28 @@ class Readers:
         handle.member, held = self.aligned.opened(pid, handle.path, key, Version.of(st),
                                                   cached=entry is not None)
         if entry is not None:
-            if not entry.complete and entry.size <= FILL_CHUNK:
-                # another's fill (a prefetch, another reader) of one step: done soon, and
-                # then this open is a hit the kernel may read itself
-                await self.cache.wait_for(entry, entry.size)
-            reader = self._cached(entry, handle)
-            reader.hit = True
-            if entry.complete:
-                self.counters.files_from_cache += 1
-            return reader
+            return await self._found(entry, handle)
         if held is not None:
             return WindowReader(self, handle, held)
         if not st.st_size:
             return StreamReader(self, handle)
         return await self._choose(handle)
+
+    async def _found(self, entry: Entry, handle: Handle) -> CacheReader:
+        """The reader of an entry the open found in the cache."""
+        if entry.behind:  # another reader's, read by the kernel from the source: as it is
+            reader: CacheReader = BehindReader(self, entry, handle)
+            reader.hit = True
+            return reader
+        if not entry.complete and entry.size <= FILL_CHUNK:
+            # another's fill (a prefetch, another reader) of one step: done soon, and then
+            # this open is a hit the kernel may read itself
+            await self.cache.wait_for(entry, entry.size)
+        reader = self._cached(entry, handle)
+        reader.hit = True
+        if entry.complete:
+            self.counters.files_from_cache += 1
+        return reader
 
     def _cached(self, entry: Entry, handle: Handle) -> CacheReader:
         return CacheReader(self.cache, entry, lambda: StreamReader(self, handle))
@@ -276,10 +328,17 @@ class Readers:
         if peer is not None:
             return peer
         assert self.nursery is not None
-        entry = await self.cache.fill_for_reader(key_of(st), path, st, self.source,
-                                                 self.nursery)
-        if entry is not None:
-            return self._cached(entry, handle)
+        if self.behind and st.st_size <= FILL_CHUNK and handle.member is None:
+            entry, new = self.cache.reserve_behind(key_of(st), path, st)
+            if entry is not None and not new:  # another's, reserved while peers were asked
+                return await self._found(entry, handle)
+            if entry is not None:
+                return BehindReader(self, entry, handle)
+        else:
+            entry = await self.cache.fill_for_reader(key_of(st), path, st, self.source,
+                                                     self.nursery)
+            if entry is not None:
+                return self._cached(entry, handle)
         peer = await self._from_peers(handle, after)
         return peer if peer is not None else StreamReader(self, handle)
 

@@ -175,6 +175,12 @@ class Source:
     def statvfs(self) -> os.statvfs_result:
         return os.fstatvfs(self.root_fd)
 
+    def open_file(self, path: bytes) -> int:
+        """A descriptor of ``path`` for reading through the page cache, as any reader of the
+        source would: a backing file the kernel reads itself (FUSE passthrough), or a fill
+        copying the pages such a read brings in. The caller checks what it opened."""
+        return self.open(path, _READING)
+
     def open_reader(self, path: bytes) -> SourceReader:
         """Open a regular file for reading; blocking, so call it from a worker thread."""
         reader = SourceReader.opening(self.open, path)

@@ -88,13 +88,20 @@ def block_device(path: str | os.PathLike[str]) -> BlockDevice:
     return device
 
 
-def drop_caches() -> None:
-    """Write back, then drop the kernel's clean page cache, dentries and inodes (root only).
+def drop_caches(what: str = "3") -> None:
+    """Write back, then drop the kernel's clean page cache, dentries and inodes (root only;
+    ``what="1"``: the page cache alone).
 
     The next read of any file then comes from its device, so a measurement starts cold.
     """
     os.sync()
     try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        Path("/proc/sys/vm/drop_caches").write_text(f"{what}\n")
     except PermissionError:
         raise UserError("dropping the page cache needs root (run as root)") from None
+
+
+def drop_page_cache() -> None:
+    """``drop_caches`` of the data alone: the kernel keeps the names and inodes it knows (of
+    the source and of a mount alike), as a job's own later epochs would find them."""
+    drop_caches("1")
