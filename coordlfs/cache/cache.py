@@ -412,9 +412,10 @@ class WholeFileCache:
                     and entry.path not in self.index):
                 self._publish(key, entry)  # withdrawn for a change that changed nothing
             return entry
-        if entry.complete:
-            log.info("source file %s changed; dropping its cache entry", os.fsdecode(entry.path))
-            self._release(key, entry)
+        # one being filled too: its fill goes on into a file already gone, and fails at its
+        # end, while the new version is filled meanwhile
+        log.info("source file %s changed; dropping its cache entry", os.fsdecode(entry.path))
+        self._release(key, entry)
         return None
 
     def reserve(self, key: Key, path: bytes, st: os.stat_result) -> Entry | None:
@@ -801,7 +802,7 @@ class WholeFileCache:
         # Open handles still holding the entry must not read a file that goes: a failed
         # entry sends them to the source.
         was_complete = entry.complete
-        entry.complete, entry.failed = False, True
+        entry.complete, entry.failed, entry.behind = False, True, False
         removed, flags = self.entries.remove(key, entry)
         if removed:
             self.used -= pages(entry.size)

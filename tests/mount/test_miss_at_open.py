@@ -1,7 +1,8 @@
-"""Misses answered at open (``Readers.opened``): a file of one fill step is filled before the
-open returns and then read like a hit (by the kernel, where passthrough is on); a file no
-cache keeps is read by the kernel from the source file itself. Byte-exact under concurrent
-readers of one file, a source rewritten while it is being filled, and with no room at all.
+"""Misses chosen at open (``Readers.opened``): with passthrough, a small file is read by the
+kernel from the source file itself and the cache copies it behind those reads; without, a
+file of one fill step is filled before the open returns and then read like a hit. Byte-exact
+under concurrent readers of one file, a source rewritten while it is being filled, and with
+no room at all.
 Runs with passthrough on and off (``COORDLFS_TEST_PASSTHROUGH``): the counters that differ
 are checked only where passthrough is on."""
 
@@ -34,8 +35,9 @@ def test_readers_opening_one_cold_file_at_once_share_one_storage_read(mount,
     status = m.status()
     reads = status["reads"]
     assert reads["files_from_source"] == 1 and reads["bytes_from_source"] == len(data)
-    if status["passthrough"]["on"]:  # the first open filled it; every open is the kernel's
-        assert reads["passthrough_opens"] == 16 and daemon_reads(reads) == 0
+    if status["passthrough"]["on"]:  # every open the kernel's, from the source or the cache
+        assert reads["passthrough_opens"] + reads["source_opens"] == 16
+        assert daemon_reads(reads) == 0
 
 
 def test_a_file_rewritten_while_it_is_filled_is_never_kept_torn(mount, tmp_path: Path) -> None:
@@ -99,5 +101,6 @@ def test_files_no_cache_keeps_are_read_byte_exact_by_many_readers(mount, tmp_pat
     status = m.status()
     reads = status["reads"]
     assert status["cache"]["files"] == 0
-    if status["passthrough"]["on"]:  # the kernel read the source files, not the daemon
-        assert reads["source_opens"] >= len(names) and daemon_reads(reads) == 0
+    if status["passthrough"]["on"]:  # the kernel read the small source files, not the daemon
+        small = len(names) - 1
+        assert reads["source_opens"] >= small and reads["files_from_source"] >= small

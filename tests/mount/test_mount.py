@@ -46,8 +46,9 @@ def test_every_byte_matches_the_source(mount, dataset) -> None:
     assert digests(m.mountpoint) == digests(source)
     status = m.status()
     assert 0 < status["cache"]["used_bytes"] <= 10 << 20
-    reads = status["reads"]  # with passthrough the kernel reads cached files: opens, no hits
-    assert reads["cache_hits"] + reads["passthrough_opens"] > 0 and reads["misses"] > 0
+    reads = status["reads"]  # with passthrough the kernel reads the files: opens, no reads
+    assert reads["cache_hits"] + reads["passthrough_opens"] > 0
+    assert reads["misses"] + reads["source_opens"] > 0
 
 
 def test_three_shuffled_epochs_read_only_the_uncached_rest(mount, dataset) -> None:
@@ -136,7 +137,7 @@ def test_control_entry_is_hidden_but_reachable(mount, dataset) -> None:
     assert status["protocol"] == 1 and status["pid"] == m.pid
     assert status["source"] == str(source) and status["mountpoint"] == str(m.mountpoint)
     assert set(status["cache"]) >= {"capacity_bytes", "used_bytes", "files"}
-    assert set(status["reads"]) == {"cache_hits", "misses", "bytes_from_cache",
+    assert set(status["reads"]) == {"cache_hits", "misses", "bytes_from_cache", "source_opens",
                                     "bytes_from_source", "files_from_source", "files_from_cache",
                                     "passthrough_opens",
                                     "bytes_from_peers", "files_from_peers", "client_hits",
@@ -286,7 +287,8 @@ def test_small_streamed_file_costs_one_storage_read(mount, tmp_path: Path) -> No
     reads = m.status()["reads"]
     assert reads["files_from_source"] == 1
     assert reads["bytes_from_source"] == len(data)
-    assert reads["misses"] > 1
+    # the daemon served every request again from what it read, or the kernel read the source
+    assert reads["misses"] > 1 or reads["source_opens"] == 1
 
 
 def _resident_bytes(path: Path) -> int:

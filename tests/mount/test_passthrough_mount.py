@@ -67,10 +67,9 @@ def test_a_cached_file_is_read_with_no_read_at_the_daemon(tmp_path: Path, mount)
     assert read_every_way(m.mountpoint / "cached.bin") == want["cached.bin"]
     assert daemon_reads(m) == before
     assert m.status()["reads"]["passthrough_opens"] == 1
-    # a file too big to cache beside it: the kernel reads the source file, mmap included
+    # a file too big to cache beside it: direct_io, served by the daemon, mmap included
     assert read_every_way(m.mountpoint / "big.bin") == want["big.bin"]
-    assert daemon_reads(m) == before
-    assert m.status()["reads"]["source_opens"] >= 1
+    assert daemon_reads(m) > before
     stats = run_cli("stats", str(m.mountpoint)).stdout
     assert "passthrough on: 1 opens read by the kernel from the cache" in stats
 
