@@ -287,7 +287,8 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
                                                                  theirs["epochs"]]
     for e in ours["epochs"] + theirs["epochs"]:
         assert set(e) == {"epoch", "storage_bytes", "device_bytes", "seconds", "source_bytes",
-                          "cache_used_bytes", "passthrough_opens", "daemon_reads"}
+                          "cache_used_bytes", "passthrough_opens", "source_opens",
+                          "daemon_reads"}
         assert e["seconds"] > 0
     assert ours["cache_capacity_bytes"] == total // 2
     used = ours["cache_used_bytes"]
@@ -301,10 +302,13 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert theirs["epochs"][0]["storage_bytes"] >= 0.95 * total
     # which path served the mount: the table says, per epoch
     assert f"mount: FUSE passthrough {ours['passthrough']}" in stdout
-    assert "kernel " in stdout and " opens, daemon " in stdout
-    if ours["passthrough"] == "on":  # the cached half opened by passthrough from epoch 2
+    assert "kernel " in stdout and " opens (cache + source), daemon " in stdout
+    if ours["passthrough"] == "on":  # the cached half opened by passthrough from epoch 2,
+        # every file of the first and the rest of the others from the source by the kernel
         assert all(e["passthrough_opens"] > 0 for e in (second, third))
-    assert first["daemon_reads"] > 0
+        assert first["source_opens"] == 100 and first["daemon_reads"] == 0
+    else:
+        assert first["daemon_reads"] > 0
     assert isinstance(report["later_epochs_ratio"], float)
     # the client: a fresh mount, the same orders, each epoch's bytes and time
     client = report["client"]
