@@ -327,7 +327,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print("\n".join(summary_lines(summary)))
-    return 1 if summary["failed"] else 0
+    failed = summary["failed"] or any("error" in node for node in summary["nodes"].values())
+    return 1 if failed else 0
 
 
 def _stagger_jobs(args: argparse.Namespace) -> list[JobProfile]:
