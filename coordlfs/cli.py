@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -312,12 +311,11 @@ def cmd_warm(args: argparse.Namespace) -> int:
     except ValueError as e:  # bad arguments: status 2, like argparse's own errors
         print(f"coordlfs warm: {e}", file=sys.stderr)
         return 2
-    given = itertools.chain(args.paths, warm_files.listed(args.from_file)
-                            if args.from_file else ())
-    files = warm_files.collect(given)
-    if order is not None:
-        files.reorder(*order)
-    run = WarmRun(Control(files.mount), files, display(args.json), args.all_nodes)
+    listing = warm_files.Listing(args.paths, warm_files.listed(args.from_file)
+                                 if args.from_file else ())
+    if order is not None:  # a shuffle of the whole list: found first
+        listing.wait().reorder(*order)
+    run = WarmRun(Control(listing.files.mount), listing, display(args.json), args.all_nodes)
     try:
         summary = run.run()
     except Interrupted as e:

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordlfs.client.warm_files import Files
+from coordlfs.client.warm_files import Files, Listing
 from coordlfs.client.warm_progress import Display, Progress
-from coordlfs.control import Control, ControlError
+from coordlfs.control import BACKOFF_S, Control, ControlError
 from coordlfs.errors import UserError
 from coordlfs.protocol import spec
 from coordlfs.sizes import pages
@@ -57,7 +57,7 @@ class _Sent:
 @dataclass(slots=True)
 class WarmRun:
     control: Control
-    files: Files
+    listing: Listing
     display: Display
     all_nodes: bool = False
     here: _Sent = field(default_factory=_Sent)
@@ -65,6 +65,10 @@ class WarmRun:
     #: files not sent once the cache had no room for them, and their bytes
     unfit: list[int] = field(default_factory=lambda: [0, 0])
     has_peers: bool = False
+
+    @property
+    def files(self) -> Files:
+        return self.listing.files
 
     def run(self) -> dict[str, Any]:
         """Warm every file; returns the summary (``summary``)."""
@@ -85,6 +89,10 @@ class WarmRun:
             raise Interrupted(f"interrupted: {self._done(here)} of {self._total_files()} "
                               f"files done; the mount dropped the {dropped} still queued "
                               "(run it again to resume)") from None
+        except UserError:  # a path of the list: what was queued goes
+            self.display.close()
+            self.control.call(spec.WARM_CANCEL)
+            raise
         self.display.close()
         return self.summary(reply, time.monotonic() - start)
 
@@ -100,10 +108,14 @@ class WarmRun:
             self.display.show(self._progress(here))
             if not sent and self._finished(here, reply["peers"]):
                 return reply
+            if not sent and not here["left"]:  # the mount waits for files still being found
+                time.sleep(BACKOFF_S)
 
     def _finished(self, here: dict[str, int], peers: dict[str, Any]) -> bool:
+        self.listing.check()
+        complete = self.files.complete  # before the count: a file found meanwhile is sent
         n = len(self.files.names)
-        if self.here.upto < n or here["left"]:
+        if not complete or self.here.upto < n or here["left"]:
             return False
         if not self.all_nodes:
             return True

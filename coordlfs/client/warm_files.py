@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -24,11 +25,14 @@ from coordlfs.protocol.order import SEED_LIMIT, epoch_order
 
 @dataclass(slots=True)
 class Files:
-    """The files to warm: paths relative to ``mount`` and their sizes, in order."""
+    """The files to warm: paths relative to ``mount`` and their sizes, in order. While a
+    ``Listing`` runs, the lists only grow (appended to by its thread); ``complete`` once it
+    has ended."""
 
     mount: str
     names: list[str] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
+    complete: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -70,29 +74,80 @@ def listed(list_file: str) -> Iterator[str]:
             stream.close()
 
 
-def collect(paths: Iterable[str]) -> Files:
-    """The files ``paths`` name, each once (where first named), on one coordlfs mount."""
-    files: Files | None = None
-    seen: set[str] = set()
-    for given in paths:
-        real, st = _resolve(given)
-        mount = find_mount(real)
+class Listing:
+    """The files that ``paths``, then ``more`` (a list file's), name, each once (where first
+    named), all on one mount, found in a thread of its own: a warm sends the first files
+    while the rest are found (a large tree takes seconds to walk through a mount). ``paths``
+    are checked before it starts (a bad one is an error before any file is warmed); what
+    stops the thread later is raised by ``check``."""
+
+    def __init__(self, paths: list[str], more: Iterable[str] = ()) -> None:
+        more = iter(more)
+        if not paths:
+            first = next(more, None)
+            if first is None:
+                raise UserError("no paths given (name files or directories, or --from-file "
+                                "LIST)")
+            paths = [first]
+        checked = [(given, *_resolve(given)) for given in paths]
+        mount = find_mount(checked[0][1])
         if mount is None:
+            raise UserError(f"{paths[0]} is not on a coordlfs mount")
+        self.files = Files(mount)
+        self.error: BaseException | None = None
+        self._seen: set[str] = set()
+        #: directory -> the coordlfs mount holding it ("": none), for the paths of a list
+        self._mounts: dict[str, str] = {}
+        for given, real, _st in checked:
+            self._check_mount(given, real)
+        self._thread = threading.Thread(target=self._run, args=(checked, more),
+                                        name="coordlfs-warm-listing", daemon=True)
+        self._thread.start()
+
+    def _run(self, checked: list[tuple[str, str, os.stat_result]], more: Iterator[str]
+             ) -> None:
+        try:
+            for given, real, st in checked:
+                self._add(given, real, st)
+            for given in more:
+                real, st = _resolve(given)
+                self._check_mount(given, real)
+                self._add(given, real, st)
+        except BaseException as e:  # a UserError, mostly: raised in the warm's own thread
+            self.error = e
+        finally:
+            self.files.complete = True
+
+    def _check_mount(self, given: str, real: str) -> None:
+        directory = os.path.dirname(real)
+        mount = self._mounts.get(directory)
+        if mount is None:
+            mount = self._mounts[directory] = find_mount(real) or ""
+        if not mount:
             raise UserError(f"{given} is not on a coordlfs mount")
-        if files is None:
-            files = Files(mount)
-        elif mount != files.mount:
-            raise UserError(f"{given} is on {mount}, not {files.mount}: warm one mount at a "
-                            "time")
+        if mount != self.files.mount:
+            raise UserError(f"{given} is on {mount}, not {self.files.mount}: warm one mount "
+                            "at a time")
+
+    def _add(self, given: str, real: str, st: os.stat_result) -> None:
+        files = self.files
         for path, size in _files_under(given, real, st):
-            name = os.path.relpath(path, mount)
-            if name not in seen:
-                seen.add(name)
+            name = os.path.relpath(path, files.mount)
+            if name not in self._seen:
+                self._seen.add(name)
+                files.sizes.append(size)  # first: a reader sees a name only with its size
                 files.names.append(name)
-                files.sizes.append(size)
-    if files is None:
-        raise UserError("no paths given (name files or directories, or --from-file LIST)")
-    return files
+
+    def check(self) -> None:
+        """Raise what stopped the listing, if anything did."""
+        if self.error is not None:
+            raise self.error
+
+    def wait(self) -> Files:
+        """All the files, once found."""
+        self._thread.join()
+        self.check()
+        return self.files
 
 
 def _resolve(given: str) -> tuple[str, os.stat_result]:
