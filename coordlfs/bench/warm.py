@@ -43,8 +43,9 @@ TIMEOUT_S = 3600
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--files", type=int, default=3000,
                         help="files in the demo's dataset (default 3000, about 330 MB)")
-    parser.add_argument("--dir", default=DEFAULT_DIR,
-                        help=f"the demo's work directory, on a disk (default {DEFAULT_DIR})")
+    parser.add_argument("--work", default=DEFAULT_DIR,
+                        help=f"work directory on a disk, the demo's by default, whose dataset "
+                             f"is reused ({DEFAULT_DIR})")
     parser.add_argument("--seed", type=int, default=0, help="the dataset's seed (default 0)")
     parser.add_argument("--repeat", type=int, default=3, help="runs; medians are reported "
                                                               "(default 3)")
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if vmtouch is None:
         print("bench warm: vmtouch not found (scripts/setup installs it); compared with cat "
               "only", flush=True)
-    workdir = harness.work_dir(args.dir)
+    workdir = harness.work_dir(args.work)
     with harness.claimed(workdir, "bench warm"):
         dataset = prepare(args, workdir)
         print(harness.describe_dataset(dataset), flush=True)
