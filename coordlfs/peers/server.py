@@ -273,7 +273,10 @@ class PeerServer:
                     else:
                         await frames.send(answer[0], frame.request_id, answer[1])
                 elif frame.kind == Kind.WARM and self.warm is not None:
-                    kind, payload = self.warm(frame.payload)
+                    try:
+                        kind, payload = self.warm(frame.payload)
+                    except ProtocolError as e:  # a malformed WARM: refused alone
+                        kind, payload = self._refuse(e)
                     await frames.send(kind, frame.request_id, payload)
                 else:
                     raise ProtocolError(f"unexpected {frame.kind.name} frame")

@@ -33,7 +33,7 @@ import trio
 
 from coordlfs.cache.fills import FillQueue
 from coordlfs.peers.links import PeerDown, PeerLink, Peers
-from coordlfs.peers.wire import Fail, Kind, ProtocolError, Warm, encode_fail, encode_warm_reply
+from coordlfs.peers.wire import Fail, Kind, Warm, encode_fail, encode_warm_reply
 from coordlfs.protocol.spec import WARM_COUNTS, Caller, RequestError, Served
 
 log = logging.getLogger(__name__)
@@ -185,11 +185,9 @@ async def _pause(share: _Share, seconds: float) -> None:
 
 def answer(fills: FillQueue, payload: bytes | bytearray) -> tuple[Kind, bytes]:
     """A peer's WARM, on the peer server: queue the files this node caches as a warm of the
-    asking node's, or drop it, and reply with its counts here."""
-    try:
-        request = Warm.decode(payload)
-    except ProtocolError as e:
-        return Kind.FAIL, encode_fail(Fail.REFUSED, str(e))
+    asking node's, or drop it, and reply with its counts here. ProtocolError for a malformed
+    one (the server refuses it, as a bad GET)."""
+    request = Warm.decode(payload)
     warm = ("peer", request.token)
     taken = 0
     try:

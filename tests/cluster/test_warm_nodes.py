@@ -9,9 +9,22 @@ import json
 from pathlib import Path
 from typing import Any
 
+import trio
 from conftest import Mount, drop_caches, run_cli
 from test_peer_batches import owned_by
 from test_peers import cluster, copies, force_unmount, free_port, read_files, reads
+
+from coordlfs.peers.wire import (
+    WARM_HEADER,
+    WARM_PATH,
+    Fail,
+    FrameStream,
+    Kind,
+    Warm,
+    client_handshake,
+    decode_fail,
+    decode_warm_reply,
+)
 
 #: Seconds a warm of these small datasets may take, at most.
 WARM_S = 120
@@ -69,3 +82,40 @@ def test_each_node_warms_its_share_and_all_nodes_asks_the_peer(mount, tmp_path: 
     assert len(lines) == 1 and lines[0].startswith(f"node 127.0.0.1:{ports[1]}: cannot "
                                                    "connect"), result.stdout
     assert "Traceback" not in result.stderr
+
+
+async def _strange_warms(port: int) -> list[tuple[Kind, int]]:
+    """WARMs a stranger could send: before the handshake, then authenticated (the mount is
+    --insecure) with a path out of the dataset, unknown flags, a lying count; then a good
+    one. Returns each reply's kind and code (the good one's: taken files)."""
+    seen = []
+    frames = FrameStream(await trio.open_tcp_stream("127.0.0.1", port))
+    await frames.receive()  # HELLO
+    await frames.send(Kind.WARM, 1, Warm(1, (b"a",)).encode())
+    reply = await frames.receive()
+    assert reply is not None
+    seen.append((reply.kind, decode_fail(reply.payload)[0]))
+    await frames.aclose()
+    frames = FrameStream(await trio.open_tcp_stream("127.0.0.1", port))
+    await client_handshake(frames, b"")
+    await frames.receive()  # the features
+    bad = (WARM_HEADER.pack(2, 0, 1) + WARM_PATH.pack(9) + b"../secret",
+           WARM_HEADER.pack(2, 8, 0), WARM_HEADER.pack(2, 0, 5) + WARM_PATH.pack(1) + b"a")
+    for i, payload in enumerate([*bad, Warm(2, (b"class0",)).encode()], 2):
+        await frames.send(Kind.WARM, i, payload)
+        reply = await frames.receive()
+        assert reply is not None and reply.request_id == i
+        seen.append((reply.kind, decode_fail(reply.payload)[0] if reply.kind == Kind.FAIL
+                     else decode_warm_reply(reply.payload)[0]))
+    await frames.aclose()
+    return seen
+
+
+def test_strange_warms_are_refused_and_the_mount_stays_up(mount, tmp_path: Path) -> None:
+    roots, _sizes = copies(tmp_path, 1, files=20)
+    port = free_port()
+    (a,) = cluster(mount, [*roots, roots[0]], "--insecure", ports=[port, free_port()], start=1)
+    refused = (Kind.FAIL, Fail.REFUSED)
+    assert trio.run(_strange_warms, port) == [refused] * 4 + [(Kind.DATA, 1)]
+    assert a.status()["served"]["refused"] >= 4
+    assert (a.mountpoint / "class0").is_dir()  # the mount serves on
