@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import secrets
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -59,6 +58,8 @@ class _Share:
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(WARM_COUNTS, 0))
     error: str = ""
     more: trio.Event = field(default_factory=trio.Event)
+    #: a task feeds the peer (``WarmRelays._feed``); none once the share is done
+    feeding: bool = False
 
     @property
     def done(self) -> bool:
@@ -105,14 +106,15 @@ class WarmRelays:
             if link is not None:
                 if room == 0:
                     break
-                share = relay.shares.get(link)
-                if share is None:
-                    share = relay.shares[link] = _Share(link)
-                    assert self._nursery is not None
-                    self._nursery.start_soon(self._feed, relay, share)
-                share.paths.append(path)
-                share.more.set()
-                room -= 1
+                share = relay.shares.setdefault(link, _Share(link))
+                if not share.error:  # a peer that failed is asked no more
+                    share.paths.append(path)
+                    share.more.set()
+                    room -= 1
+                    if not share.feeding:
+                        share.feeding = True
+                        assert self._nursery is not None
+                        self._nursery.start_soon(self._feed, relay, share)
             taken += 1
         return taken
 
@@ -155,13 +157,10 @@ class WarmRelays:
 
     async def _feed(self, relay: Relay, share: _Share) -> None:
         """Send the share's files to its peer, ``AHEAD`` left there at a time, and poll its
-        counts until it has done them; then wait for more. A cancel is passed on to the
-        peer; a peer that fails ends the share."""
+        counts until it has done them (more files start a new feed). A cancel is passed on
+        to the peer; a peer that fails ends the share."""
         try:
-            while not relay.cancelled:
-                if share.done:
-                    await _pause(share, math.inf)
-                    continue
+            while not relay.cancelled and not share.done:
                 count = Warm.fitting(share.paths) if share.counts["left"] < AHEAD else 0
                 sending = tuple(itertools.islice(share.paths, count))
                 taken, share.counts = await share.link.warm(Warm(relay.token, sending))
@@ -169,11 +168,14 @@ class WarmRelays:
                     share.paths.popleft()
                 if taken < len(sending) or not sending:  # the peer is busy: ask again later
                     await _pause(share, POLL_S)
-            _taken, share.counts = await share.link.warm(Warm(relay.token, cancel=True))
+            if relay.cancelled:
+                _taken, share.counts = await share.link.warm(Warm(relay.token, cancel=True))
         except PeerDown as e:
             share.error = str(e)
             share.paths.clear()
             log.warning("warm on peer %s ended: %s", share.link.address, e)
+        finally:
+            share.feeding = False
 
 
 async def _pause(share: _Share, seconds: float) -> None:
