@@ -72,6 +72,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the status as JSON")
     s.add_argument("--since", metavar="MARK", help="only reads after this mark")
 
+    a = sub.add_parser(
+        "warm", help="fill a mount's cache with files ahead of a job, in its order",
+        description="Fill the cache of the coordlfs mount holding PATHs with their files "
+                    "(a directory: every file under it, depth first in name order, as "
+                    "ImageFolder indexes them), in this order, up to the cache's capacity. "
+                    "On a cluster each node caches its own share; files already cached are "
+                    "not read again, so a run stopped by Ctrl-C resumes where it was. Exits "
+                    "1 if files failed, 130 when interrupted.")
+    a.add_argument("paths", nargs="*", metavar="PATH", help="files or directories on a "
+                                                            "coordlfs mount")
+    a.add_argument("--from-file", metavar="LIST", help="also the paths in LIST, one per line "
+                                                       "(- for stdin)")
+    a.add_argument("--order", metavar="SEED:N", help="in the shuffled order a job of seed "
+                   "SEED reads in epoch N (0 for the first; AlignedSampler.set_epoch's "
+                   "number): coordlfs.protocol.order.epoch_order over the files as listed")
+    a.add_argument("--all-nodes", action="store_true", help="ask every peer of the mount to "
+                   "warm its share of the same files too")
+    a.add_argument("--json", action="store_true", help="print a JSON summary at the end "
+                                                       "instead of lines")
+
     k = sub.add_parser("mark", help="record a named point (an epoch boundary) in the statistics")
     k.add_argument("mountpoint")
     k.add_argument("name")
@@ -282,6 +302,34 @@ def cmd_mark(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_warm(args: argparse.Namespace) -> int:
+    from coordlfs.client import warm_files
+    from coordlfs.client.warm import Interrupted, WarmRun
+    from coordlfs.client.warm_progress import display, summary_lines
+
+    try:
+        order = warm_files.parse_order(args.order) if args.order else None
+    except ValueError as e:  # bad arguments: status 2, like argparse's own errors
+        print(f"coordlfs warm: {e}", file=sys.stderr)
+        return 2
+    listing = warm_files.Listing(args.paths, warm_files.listed(args.from_file)
+                                 if args.from_file else ())
+    if order is not None:  # a shuffle of the whole list: found first
+        listing.wait().reorder(*order)
+    run = WarmRun(Control(listing.files.mount), listing, display(args.json), args.all_nodes)
+    try:
+        summary = run.run()
+    except Interrupted as e:
+        print(f"coordlfs warm: {e}", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print("\n".join(summary_lines(summary)))
+    failed = summary["failed"] or any("error" in node for node in summary["nodes"].values())
+    return 1 if failed else 0
+
+
 def _stagger_jobs(args: argparse.Namespace) -> list[JobProfile]:
     specs = args.jobs or []
     path = args.catalog or default_catalog_path()
@@ -342,5 +390,6 @@ def main(argv: list[str] | None = None) -> int:
         return bench(argv[1:])
     args = build_parser().parse_args(argv)
     commands = {"mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats, "mark": cmd_mark,
-                "stagger": cmd_stagger, "whatif": cmd_whatif}
-    return exit_status("coordlfs", lambda: commands[args.command](args))
+                "warm": cmd_warm, "stagger": cmd_stagger, "whatif": cmd_whatif}
+    return exit_status("coordlfs", lambda: commands[args.command](args),
+                       sigterm_interrupts=args.command == "warm")

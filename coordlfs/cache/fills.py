@@ -33,15 +33,15 @@ import errno
 import logging
 import os
 import stat
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from coordlfs.cache.cache import FILL_CHUNK, Entry, WholeFileCache, create_file, write_all
-from coordlfs.protocol.spec import Caller, Refused, Served
+from coordlfs.protocol.spec import WARM_COUNTS, Caller, Refused, RequestError, Served
 from coordlfs.sizes import pages
 from coordlfs.source.beneath import mode_grants, open_beneath
 from coordlfs.source.source import Source, SourceReader
@@ -51,6 +51,13 @@ log = logging.getLogger(__name__)
 #: Files all requesters together may have queued; past it a request takes what fits and
 #: says how many (``"queued"``), so the daemon's memory for orders stays bounded (~40 MB).
 MAX_QUEUED = 1 << 19
+
+#: Warms whose progress is kept (``FillQueue.tallies``) at most: a finished one is forgotten
+#: to make room for a new one; while all of them run, another warm is refused.
+MAX_TALLIES = 64
+
+#: Who asked for files: a local process (its pid), or a peer's warm (``coordlfs.peers.warm``).
+Requester = Hashable
 
 #: Most files a worker takes at once (``FillQueue._take``): the event loop's hand-offs to and
 #: from the worker thread are shared by them, while a reader waiting for the last of them
@@ -126,6 +133,7 @@ class _Fill:
     """One file of a batch: what the worker thread got to, for the event loop to end."""
 
     path: bytes
+    requester: Requester = None
     reader: SourceReader | None = None
     st: os.stat_result | None = None
     entry: Entry | None = None
@@ -219,8 +227,8 @@ class FillQueue:
     depth: int
     #: files a peer caches are left to their owner (``coordlfs.peers.placement``)
     caches_here: Callable[[bytes], bool] = lambda _path: True
-    #: paths still to fill, per requester (the pid that sent them), in their order
-    queues: dict[int, deque[bytes]] = field(default_factory=dict)
+    #: paths still to fill, per requester, in their order
+    queues: dict[Requester, deque[bytes]] = field(default_factory=dict)
     queued: int = 0
     #: files taken from the queues and not yet ended
     in_flight: int = 0
@@ -232,23 +240,84 @@ class FillQueue:
         ("cached", "too_large", "no_room", "elsewhere", "not_regular"), 0))
     #: files whose fill failed, by cause (an errno's name, or an exception's type)
     failures: dict[str, int] = field(default_factory=dict)
+    #: per warm (a requester that said ``warm``), what its files came to (``WARM_COUNTS``),
+    #: oldest first
+    tallies: OrderedDict[Requester, dict[str, int]] = field(default_factory=OrderedDict)
+    #: told when a warm has no file left (``warm.status`` waits for it)
+    drained: Callable[[], None] = lambda: None
     _more: trio.Event = field(default_factory=trio.Event)
 
-    def add(self, requester: int, paths: list[bytes], size: int = 0) -> int:
-        """Queue ``paths`` after the requester's earlier ones; returns how many fit. ``size``
-        is what they come to, where the requester said (``Dataset.prefetch``): promised to
-        them in the room clients see (``WholeFileCache.promise``), so that a client's miss on
-        a file not handed over is read from the source rather than taking their room."""
+    def add(self, requester: Requester, paths: list[bytes], size: int = 0) -> int:
+        """Queue ``paths`` after the requester's earlier ones; returns how many were taken (a
+        prefix: the queue is bounded). ``size`` is what they come to, where the requester
+        said (``Dataset.prefetch``): promised to them in the room clients see
+        (``WholeFileCache.promise``), so that a client's miss on a file not handed over is
+        read from the source rather than taking their room."""
+        taken, _elsewhere = self._queue(requester, paths, None)
+        if size and taken == len(paths):
+            self.cache.promise(size)
+        return taken
+
+    def warm(self, requester: Requester, paths: list[bytes]) -> tuple[int, list[int]]:
+        """``add`` for a warm, whose progress is kept (``tally``); also returns the places in
+        ``paths`` of the files a peer caches."""
+        return self._queue(requester, paths, self._tally(requester))
+
+    def _queue(self, requester: Requester, paths: list[bytes], tally: dict[str, int] | None
+               ) -> tuple[int, list[int]]:
+        """Queue what this node caches of ``paths``, in order, while the bound lets; those a
+        peer caches are left to their owner, not opened here. Returns how many were taken
+        and the places of those a peer caches."""
         if self.depth == 0:
-            return 0
-        taken = paths[: max(0, MAX_QUEUED - self.queued)]
-        if taken:
-            self.queues.setdefault(requester, deque()).extend(taken)
-            self.queued += len(taken)
+            return 0, []
+        queue = self.queues.get(requester, deque())
+        taken, elsewhere = 0, []
+        for place, path in enumerate(paths):
+            if not self.caches_here(path):
+                elsewhere.append(place)
+            elif self.queued < MAX_QUEUED:
+                queue.append(path)
+                self.queued += 1
+            else:
+                break
+            taken += 1
+        self.skipped["elsewhere"] += len(elsewhere)
+        if tally is not None:
+            tally["elsewhere"] += len(elsewhere)
+            tally["left"] += taken - len(elsewhere)
+        if queue:
+            self.queues[requester] = queue
             self._more.set()
-            if size and len(taken) == len(paths):
-                self.cache.promise(size)
-        return len(taken)
+        return taken, elsewhere
+
+    def _tally(self, requester: Requester) -> dict[str, int]:
+        """The warm's counts, made on its first request: a finished warm's are forgotten to
+        make room (``MAX_TALLIES``); while every kept one runs, the request is refused."""
+        tally = self.tallies.get(requester)
+        if tally is None:
+            if len(self.tallies) >= MAX_TALLIES:
+                done = next((r for r, t in self.tallies.items() if not t["left"]), None)
+                if done is None:
+                    raise RequestError(f"{MAX_TALLIES} warms run at once: try again once "
+                                       "one has ended")
+                del self.tallies[done]
+            tally = self.tallies[requester] = dict.fromkeys(WARM_COUNTS, 0)
+        return tally
+
+    def tally(self, requester: Requester) -> dict[str, int] | None:
+        """What the requester's warm came to so far; None if it sent none (or long ago)."""
+        tally = self.tallies.get(requester)
+        return None if tally is None else dict(tally)
+
+    def cancel(self, requester: Requester) -> int:
+        """Drop what the requester still has queued (files in flight complete); returns how
+        many files were dropped."""
+        queue = self.queues.pop(requester, None)
+        dropped = len(queue) if queue is not None else 0
+        self.queued -= dropped
+        if (tally := self.tallies.get(requester)) is not None:
+            tally["left"] -= dropped
+        return dropped
 
     def reserve_all(self, fills: list[_Fill]) -> None:
         """On the event loop, for a worker: reserve the entries to fill; the rest are
@@ -281,13 +350,26 @@ class FillQueue:
         fill.ended = True
         self.in_flight -= 1
         try:
-            self._end(fill)
+            outcome = self._end(fill)
+            if (tally := self.tallies.get(fill.requester)) is not None:
+                tally["left"] -= 1
+                if not tally["left"]:
+                    self.drained()
+                if outcome is not None:
+                    tally[outcome] += 1
+                    size = fill.st.st_size if fill.st is not None else 0
+                    if f"{outcome}_bytes" in tally:
+                        tally[f"{outcome}_bytes"] += size
+                    elif outcome == "files":
+                        tally["bytes"] += size
         except Exception:  # run from run_sync_soon too, where an error would end trio
             log.exception("ending the fill of %s failed", os.fsdecode(fill.path))
 
-    def _end(self, fill: _Fill) -> None:
+    def _end(self, fill: _Fill) -> str | None:
+        """What came of the file (a ``WARM_COUNTS`` name), None if cancelled (unmount)."""
         if fill.skip:
             self.skipped[fill.skip] += 1
+            return fill.skip
         entry, error = fill.entry, fill.error
         if entry is not None:
             assert fill.st is not None
@@ -298,11 +380,13 @@ class FillQueue:
             if error is None:
                 self.files += 1
                 self.bytes += entry.size
-                return
+                return "files"
             if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-                return  # the cache said it is full
-        if isinstance(error, Exception):  # not a cancellation
-            self._failed(fill.path, error)
+                return "no_room"  # the cache said it is full
+        if not isinstance(error, Exception):
+            return None
+        self._failed(fill.path, error)
+        return "failed"
 
     def _failed(self, path: bytes, error: Exception) -> None:
         if isinstance(error, OSError) and error.errno is not None:
@@ -330,7 +414,7 @@ class FillQueue:
     async def _worker(self, limiter: trio.CapacityLimiter) -> None:
         token = trio.lowlevel.current_trio_token()
         while True:
-            paths = self._take()
+            requester, paths = self._take()
             if not paths:
                 if not self.in_flight:
                     self.cache.promise(-self.cache.promised)  # what no file ever took
@@ -338,7 +422,7 @@ class FillQueue:
                     self._more = trio.Event()
                 await self._more.wait()
                 continue
-            batch = _Batch(self, [_Fill(path) for path in paths], token)
+            batch = _Batch(self, [_Fill(path, requester) for path in paths], token)
             self.in_flight += len(paths)
             try:
                 await trio.to_thread.run_sync(batch.run, limiter=limiter)
@@ -346,9 +430,10 @@ class FillQueue:
                 for fill in batch.fills:  # those not ended yet (skipped, failed, cancelled)
                     self.end(fill)
 
-    def _take(self) -> list[bytes]:
-        """The next paths for a worker, from each requester in turn: a share of what is
-        queued, up to ``BATCH``, so that every worker has some while the queue lasts."""
+    def _take(self) -> tuple[Requester, list[bytes]]:
+        """The next paths for a worker, and whose they are, from each requester in turn: a
+        share of what is queued, up to ``BATCH``, so that every worker has some while the
+        queue lasts."""
         for requester in self.queues:
             paths = self.queues.pop(requester)
             count = min(BATCH, len(paths), -(-self.queued // self.depth))
@@ -356,8 +441,8 @@ class FillQueue:
             if paths:
                 self.queues[requester] = paths  # to the back of the turn
             self.queued -= count
-            return taken
-        return []
+            return requester, taken
+        return None, []
 
     def status(self) -> dict[str, Any]:
         return {"depth": self.depth, "queued": self.queued, "in_flight": self.in_flight,
@@ -369,10 +454,16 @@ def register_commands(server: Served, fills: FillQueue, source: Source,
                       from_peers: Callable[[list[bytes]], object] = lambda _paths: None
                       ) -> None:
     """``prefetch``: anyone, for the files they may read through the mount; the files peers
-    cache are handed to ``from_peers`` (``Peers.prefetch``)."""
+    cache are handed to ``from_peers`` (``Peers.prefetch``), but for a warm, which leaves
+    them to their owners (``coordlfs.peers.warm``)."""
 
     def prefetch(args: dict[str, Any], caller: Caller) -> dict[str, Any]:
         paths = [os.fsencode(p) for p in args["paths"]]
+        if args["warm"]:  # every path keeps its place (the reply's are in it): one gone fails
+            if not caller.privileged:
+                readable(source, Credentials.of(caller), paths)
+            queued, elsewhere = fills.warm(caller.pid, paths)
+            return {"queued": queued, "elsewhere": elsewhere}
         if not caller.privileged:
             paths = readable(source, Credentials.of(caller), paths)
         from_peers(paths)

@@ -41,6 +41,9 @@ from coordlfs.peers.placement import find_self, parse_address, read_secret
 from coordlfs.peers.server import PeerServer, connection_cap, listen_socket
 from coordlfs.peers.server import register_commands as register_peer_commands
 from coordlfs.peers.sources import Membership, peer_source
+from coordlfs.peers.warm import WarmRelays
+from coordlfs.peers.warm import answer as answer_warm
+from coordlfs.peers.warm import register_commands as register_warm_commands
 from coordlfs.source.source import Source
 from coordlfs.system.mounts import device_mounted_at
 
@@ -141,6 +144,10 @@ class Daemon:
         self.fills = FillQueue(self.cache, self.source, config.fill_depth,
                                self.peers.caches_here)
         register_fill_commands(self.control, self.fills, self.source, self.peers.prefetch)
+        self.warms = WarmRelays(self.peers)
+        register_warm_commands(self.control, self.fills, self.warms)
+        if self.server is not None:
+            self.server.warm = functools.partial(answer_warm, self.fills)
         self.ops = Operations(self.source, self.cache, self.stats.reads, self.control,
                               AlignedReads(self.groups, self.window, self.prefetcher),
                               self.peers, config.revalidate_s)
@@ -255,6 +262,7 @@ class Daemon:
             nursery.start_soon(self.prefetcher.run)
             nursery.start_soon(self.fills.run)
             nursery.start_soon(self.peers.run)
+            nursery.start_soon(self.warms.run)
             nursery.start_soon(self.ops.freshness.run)
             nursery.start_soon(self.cache.run_shared)
             nursery.start_soon(self.cache.check, self.source)

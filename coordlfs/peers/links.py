@@ -44,9 +44,11 @@ from coordlfs.peers.wire import (
     Kind,
     ProtocolError,
     Wanted,
+    Warm,
     client_handshake,
     decode_fail,
     decode_features,
+    decode_warm_reply,
     idle_timeout,
 )
 
@@ -115,6 +117,7 @@ class PeerLink:
         self._down_until = 0.0
         #: what the connected peer serves beyond GET; None until its first frame came
         self._features: frozenset[bytes] | None = None
+        self._first_frame = trio.Event()
         #: the node left the cluster: no request goes to it any more
         self.retired = False
 
@@ -156,6 +159,25 @@ class PeerLink:
             await self._lied(stream, f"answered a GETMANY with {kind.name}")
         try:
             return request.decode_reply(payload)
+        except ProtocolError as e:
+            await self._lied(stream, str(e))
+
+    async def warm(self, request: Warm) -> tuple[int, dict[str, int]]:
+        """Send a WARM (``coordlfs.peers.warm``): how many paths the peer took, and the
+        warm's counts there. PeerDown for a peer that is down, refuses it or predates it
+        (known from the connection's first frame, waited for up to the timeout)."""
+        await self._connected()
+        with trio.move_on_after(self.timeout):
+            await self._first_frame.wait()
+        if not self._features or b"warm" not in self._features:
+            raise PeerDown("the peer's version does not warm")
+        stream, kind, payload = await self._exchange(Kind.WARM, request.encode())
+        if kind == Kind.FAIL:
+            raise PeerDown(f"the peer refused: {decode_fail(payload)[1]}")
+        try:
+            if kind != Kind.DATA:
+                raise ProtocolError(f"answered a WARM with {kind.name}")
+            return decode_warm_reply(payload)
         except ProtocolError as e:
             await self._lied(stream, str(e))
 
@@ -216,6 +238,7 @@ class PeerLink:
             assert self.nursery is not None
             self._stream = stream
             self._features = None
+            self._first_frame = trio.Event()
             self.nursery.start_soon(self._receive, stream)
             log.info("peer %s: connected", self.address)
             return stream
@@ -230,6 +253,7 @@ class PeerLink:
                 if self._features is None:  # the first frame: the features, if any
                     self._features = (decode_features(frame.payload) if frame.request_id == 0
                                       and frame.kind == Kind.DATA else frozenset())
+                    self._first_frame.set()
                 pending = self._pending.get(frame.request_id)
                 if pending is None:
                     continue  # its reader gave up (timeout); the link is being closed anyway

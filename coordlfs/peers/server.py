@@ -179,6 +179,8 @@ class PeerServer:
         self.cache = cache
         self.stats = ServedStats(max_connections=max_connections)
         self.nursery: trio.Nursery | None = None
+        #: answers a peer's WARM (``coordlfs.peers.warm.answer``); set by the daemon
+        self.warm: Callable[[bytes | bytearray], Answer] | None = None
         self._refused = RateLimitedLog(log, logging.WARNING, LOG_INTERVAL_S)
 
     async def run(self) -> None:
@@ -270,6 +272,12 @@ class PeerServer:
                                             limit, token, peer)
                     else:
                         await frames.send(answer[0], frame.request_id, answer[1])
+                elif frame.kind == Kind.WARM and self.warm is not None:
+                    try:
+                        kind, payload = self.warm(frame.payload)
+                    except ProtocolError as e:  # a malformed WARM: refused alone
+                        kind, payload = self._refuse(e)
+                    await frames.send(kind, frame.request_id, payload)
                 else:
                     raise ProtocolError(f"unexpected {frame.kind.name} frame")
         except IdleTimeout as e:

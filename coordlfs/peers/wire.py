@@ -28,6 +28,15 @@ path as a GET's. Its reply is one FILES frame: per file, in the request's order,
 bytes), so a file that cannot be served (MISS, STALE, a symlink REFUSED) fails alone. A
 GETMANY that is malformed as a whole is answered FAIL REFUSED, as a bad GET is.
 
+WARM asks a peer to fill its cache with files of a warm (``coordlfs warm --all-nodes``; the
+peer queues those it caches in its fill queue, as ``prefetch`` would) and says how far that
+warm has come there: ``!QBH`` (the warm's token, flags: 1 cancel, the count of paths), then
+per path ``!H`` (its length) and the path, each as a GET's; no paths asks only how far it has
+come, cancel drops what the peer still has queued of it. Its reply is a DATA frame of
+``WARM_REPLY``: how many of the paths were taken, then the warm's counts there, in the order
+of ``coordlfs.protocol.spec.WARM_COUNTS``. A malformed WARM is answered FAIL REFUSED; one the
+peer cannot take now (too many warms at once), FAIL BUSY.
+
 Features, without a new version: a server that knows GETMANY sends, right after WELCOME, a
 DATA frame with request id 0 (never a request's id) whose payload lists what it serves
 (``FEATURES``, space-separated). A client of version 1 before GETMANY ignores it (a reply
@@ -73,6 +82,8 @@ from typing import NoReturn
 import trio
 import xxhash
 
+from coordlfs.protocol.spec import WARM_COUNTS
+
 #: What a frame's payload, or a part of it, may be.
 Buffer = bytes | bytearray | memoryview
 
@@ -92,8 +103,14 @@ MAX_FILES = 16
 MANY_HEADER = struct.Struct("!H")
 MANY_FILE = struct.Struct("!QqH")
 FILES_ENTRY = struct.Struct("!BI")
+WARM_HEADER = struct.Struct("!QBH")
+WARM_PATH = struct.Struct("!H")
+#: WARM's flag that drops what the peer still has queued of the warm
+WARM_CANCEL = 1
+#: A WARM's reply: paths taken, then ``WARM_COUNTS``.
+WARM_REPLY = struct.Struct(f"!Q{len(WARM_COUNTS)}Q")
 #: What this side serves beyond GET, sent after WELCOME (see the module's docstring).
-FEATURES = (b"getmany",)
+FEATURES = (b"getmany", b"warm")
 #: Payloads up to this size are joined to their header (one send); larger ones are sent
 #: after it, which costs a second send but not a copy.
 _JOIN_BELOW = 64 << 10
@@ -123,6 +140,7 @@ class Kind(enum.IntEnum):
     FAIL = 6
     GETMANY = 7
     FILES = 8
+    WARM = 9
 
 
 class Fail(enum.IntEnum):
@@ -531,3 +549,77 @@ def encode_files(answers: list[tuple[Kind, Buffer]]) -> list[Buffer]:
         else:
             parts += [FILES_ENTRY.pack(payload[0], len(payload) - 1), payload[1:]]
     return parts
+
+
+@dataclass(frozen=True, slots=True)
+class Warm:
+    """Ask a peer to warm files (``paths``, those it caches) for the warm ``token`` of the
+    asking node, or only how far it has come (no paths), or to drop what it still has queued
+    of it (``cancel``)."""
+
+    token: int
+    paths: tuple[bytes, ...] = ()
+    cancel: bool = False
+
+    @staticmethod
+    def fitting(paths: Sequence[bytes]) -> int:
+        """How many of ``paths``, from the first, one WARM frame carries."""
+        room, count = MAX_PAYLOAD - WARM_HEADER.size, 0
+        for path in paths:
+            room -= WARM_PATH.size + len(path)
+            if room < 0 or count == 0xFFFF:
+                break
+            count += 1
+        return count
+
+    def encode(self) -> bytes:
+        for path in self.paths:
+            if problem := _path_problem(path):
+                raise ValueError(problem)
+        if self.fitting(self.paths) != len(self.paths):
+            raise ValueError(f"{len(self.paths)} paths do not fit one WARM frame")
+        try:
+            parts = [WARM_HEADER.pack(self.token, WARM_CANCEL if self.cancel else 0,
+                                      len(self.paths))]
+        except struct.error as e:
+            raise ValueError(f"WARM field out of range: {e}") from None
+        for path in self.paths:
+            parts += [WARM_PATH.pack(len(path)), path]
+        return b"".join(parts)
+
+    @classmethod
+    def decode(cls, payload: bytes | bytearray) -> Warm:
+        view = memoryview(payload)
+        if len(view) < WARM_HEADER.size:
+            raise ProtocolError(f"WARM payload of {len(view)} bytes is too short")
+        token, flags, count = WARM_HEADER.unpack_from(view)
+        if flags & ~WARM_CANCEL:
+            raise ProtocolError(f"bad WARM: unknown flags {flags:#x}")
+        at, paths = WARM_HEADER.size, []
+        for _ in range(count):
+            if len(view) < at + WARM_PATH.size:
+                raise ProtocolError("WARM payload ends inside a path's length")
+            (length,) = WARM_PATH.unpack_from(view, at)
+            at += WARM_PATH.size
+            if len(view) < at + length:
+                raise ProtocolError("WARM payload ends inside a path")
+            path = bytes(view[at:at + length])
+            if problem := _path_problem(path):
+                raise ProtocolError(f"bad WARM: {problem}")
+            paths.append(path)
+            at += length
+        if at != len(view):
+            raise ProtocolError(f"WARM payload has {len(view) - at} bytes past its paths")
+        return cls(token, tuple(paths), bool(flags & WARM_CANCEL))
+
+
+def encode_warm_reply(taken: int, counts: dict[str, int]) -> bytes:
+    return WARM_REPLY.pack(taken, *(counts[name] for name in WARM_COUNTS))
+
+
+def decode_warm_reply(payload: bytes | bytearray) -> tuple[int, dict[str, int]]:
+    """How many paths the peer took, and the warm's counts there."""
+    if len(payload) != WARM_REPLY.size:
+        raise ProtocolError(f"WARM reply of {len(payload)} bytes, not {WARM_REPLY.size}")
+    taken, *counts = WARM_REPLY.unpack(payload)
+    return taken, dict(zip(WARM_COUNTS, counts, strict=True))

@@ -354,12 +354,34 @@ PEER_OWNER = Command("peer.owner", "the node that caches a file", Access.READ,
 
 PREFETCH = Command(
     "prefetch", "queue files to be read into the cache in this order, many at once (after "
-    "the caller's earlier ones; up to a bound in all)", Access.FILES,
+    "the caller's earlier ones; up to a bound in all); with 'warm', only those this node "
+    "caches, and the caller's progress is kept for warm.status", Access.FILES,
     (Arg("paths", FilePaths()),
      # what the files come to, where the caller knows: the room clients see leaves it to them
      Arg("bytes", Integer(0, 1 << 60, '"{name}" must be a count of bytes'), optional=True,
-         default=0)),
-    '"queued" (how many were taken)')
+         default=0),
+     Arg("warm", Flag(), optional=True, default=False)),
+    '"queued" (how many were taken); with "warm", "elsewhere" (the places in "paths" of '
+    'those a peer caches, left to it)')
+
+#: What a warm's files came to so far, on one node (``warm.status``; the peer wire carries
+#: them in this order): files filled and their bytes; already cached; no room left in the
+#: cache; over --max-file-size; left to a peer; not a regular file; failed; still to do.
+WARM_COUNTS = ("files", "bytes", "cached", "cached_bytes", "no_room", "no_room_bytes",
+               "too_large", "elsewhere", "not_regular", "failed", "left")
+WARM_STATUS = Command(
+    "warm.status", "how far the caller's warm (prefetch with 'warm') has come, here and "
+    "on the peers it asked (warm.peers)", Access.OWN, (WAIT,),
+    ready=lambda reply: not (reply["here"] or {}).get("left"),
+    reply='"here" (' + ", ".join(f'"{c}"' for c in WARM_COUNTS) + '; null before any), '
+          '"peers" (per address the same and "unsent", or "error")')
+WARM_CANCEL = Command(
+    "warm.cancel", "drop the files of the caller's warm still queued, here and on the peers "
+    "it asked", Access.OWN, reply='"dropped"')
+WARM_PEERS = Command(
+    "warm.peers", "ask every peer to warm its share of these files, after the caller's "
+    "earlier ones (up to a bound: send the rest once they took these)", Access.MOUNT,
+    (Arg("paths", FilePaths()),), '"queued" (how many were taken)')
 
 PREP_JOIN = Command(
     "prep.join", "join (or create) a prep group for a live process of the caller's",
@@ -401,7 +423,7 @@ PREP_LIST = Command("prep.list", "prep groups, their members and the staging are
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     STATUS, HELP, STATS, MARK, MARKS, CLIENT_REPORT,
     GROUP_JOIN, GROUP_LEAVE, GROUP_FILES, GROUP_EPOCH, GROUP_LIST, PROFILE,
-    PEER_LIST, PEER_OWNER, PREFETCH,
+    PEER_LIST, PEER_OWNER, PREFETCH, WARM_STATUS, WARM_CANCEL, WARM_PEERS,
     PREP_JOIN, PREP_EPOCH, PREP_CLAIM, PREP_RESERVE, PREP_PUBLISH, PREP_NEXT, PREP_LEAVE,
     PREP_LIST)}
 

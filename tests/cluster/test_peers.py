@@ -46,6 +46,7 @@ from coordlfs.peers.server import (
     listen_socket,
 )
 from coordlfs.peers.wire import (
+    FEATURES,
     GET_HEADER,
     HEADER,
     MAGIC,
@@ -467,7 +468,7 @@ def test_hostile_requests_are_refused_and_the_mount_stays_up(mount, tmp_path: Pa
     for path in ("../secret", "/etc/passwd", "a\0b", "out/passwd", "outfile", "class0/../../x"):
         assert seen[path] == refused, path
     assert seen["good"] is True and seen["oversized"] is None
-    assert seen["features"] == (Kind.DATA, 0, b"getmany")
+    assert seen["features"] == (Kind.DATA, 0, b" ".join(FEATURES))
     served = a.status()["served"]
     assert served["refused"] >= 8 and served["connections"] == 2
     assert (a.mountpoint / "outfile").is_symlink()  # the mount still works

@@ -19,6 +19,8 @@ from coordlfs.jobs.groups import register_commands as register_group_commands
 from coordlfs.jobs.prep import Prep
 from coordlfs.jobs.prep import register_commands as register_prep_commands
 from coordlfs.peers.server import register_commands as register_peer_commands
+from coordlfs.peers.warm import WarmRelays
+from coordlfs.peers.warm import register_commands as register_warm_commands
 from coordlfs.protocol import spec as control_spec
 from coordlfs.protocol.spec import COMMANDS, doc_table
 from coordlfs.source.source import Source
@@ -34,7 +36,9 @@ def _daemon_server(tmp_path: Path) -> ControlServer:
     register_prep_commands(server, Prep(1 << 20, root=str(tmp_path)))
     register_peer_commands(server, None, None)  # type: ignore[arg-type]
     source = Source(str(tmp_path))
-    register_fill_commands(server, FillQueue(None, source, 0), source)  # type: ignore[arg-type]
+    fills = FillQueue(None, source, 0)  # type: ignore[arg-type]
+    register_fill_commands(server, fills, source)
+    register_warm_commands(server, fills, WarmRelays(None))  # type: ignore[arg-type]
     return server
 
 

@@ -44,17 +44,17 @@ def test_requesters_take_turns_in_their_own_order() -> None:
     q = queue(depth=1)
     q.add(1, [b"a%d" % i for i in range(2 * BATCH)])
     q.add(2, [b"b0"])
-    assert q._take() == [b"a%d" % i for i in range(BATCH)]
-    assert q._take() == [b"b0"]
-    assert q._take() == [b"a%d" % i for i in range(BATCH, 2 * BATCH)]
-    assert q._take() == [] and q.queued == 0
+    assert q._take() == (1, [b"a%d" % i for i in range(BATCH)])
+    assert q._take() == (2, [b"b0"])
+    assert q._take() == (1, [b"a%d" % i for i in range(BATCH, 2 * BATCH)])
+    assert q._take() == (None, []) and q.queued == 0
 
 
 def test_a_short_queue_is_shared_among_the_workers() -> None:
     q = queue(depth=4)
     q.add(1, [b"x"] * 8)
     # each take is a share of what is left, so that idle workers find some too
-    assert [len(q._take()) for _ in range(7)] == [2, 2, 1, 1, 1, 1, 0]
+    assert [len(q._take()[1]) for _ in range(7)] == [2, 2, 1, 1, 1, 1, 0]
 
 
 @pytest.mark.parametrize(("uid", "gids", "mode", "allowed"), [

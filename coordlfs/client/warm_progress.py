@@ -1,0 +1,142 @@
+"""How ``coordlfs warm`` shows its progress: a bar on a terminal (tqdm: files, bytes, rate and
+time left), a plain line every ``LINE_S`` otherwise (a log, a pipe, a batch job's output), or
+nothing (``--json``, whose summary is the only output on stdout)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import IO, Any, Protocol
+
+from coordlfs.sizes import format_size
+
+#: Seconds between two plain progress lines.
+LINE_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """How far a warm has come on this node: files and bytes done of the total."""
+
+    files: int
+    total_files: int
+    bytes: int
+    total_bytes: int
+
+
+class Display(Protocol):
+    def show(self, progress: Progress) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Bar:
+    """A tqdm bar of bytes, with the files done beside it; drawn from the first progress on,
+    once the total is known."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self._bar: Any = None
+
+    def _start(self, total: int, files: str) -> Any:
+        from tqdm import tqdm  # only a terminal needs it
+
+        try:
+            sized = all(os.get_terminal_size(self.stream.fileno()))
+        except OSError:
+            sized = False
+        # a terminal that says it has no size (a bare pseudo-terminal) gets one: tqdm would
+        # draw nothing in none
+        return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="warm",
+                    file=self.stream, dynamic_ncols=sized, ncols=None if sized else 80,
+                    nrows=None if sized else 24, mininterval=0.2, postfix=files,
+                    bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}B/{total_fmt}B"
+                               "{postfix} [{elapsed}<{remaining}, {rate_fmt}]")
+
+    def show(self, progress: Progress) -> None:
+        files = f"{progress.files}/{progress.total_files} files"
+        if self._bar is None:
+            self._bar = self._start(progress.total_bytes, files)
+        self._bar.total = progress.total_bytes
+        self._bar.set_postfix_str(files, refresh=False)
+        self._bar.update(progress.bytes - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class Lines:
+    """A plain line now and then: ``warm: 120/500 files, 12.0M/50.0M, 8.0M/s, 5 s left``."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self.start = time.monotonic()
+        self._next = self.start + LINE_S
+
+    def show(self, progress: Progress) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + LINE_S
+        rate = progress.bytes / max(now - self.start, 1e-9)
+        left = ((progress.total_bytes - progress.bytes) / rate if rate else None)
+        print(f"warm: {progress.files}/{progress.total_files} files, "
+              f"{format_size(progress.bytes)}/{format_size(progress.total_bytes)}, "
+              f"{format_size(int(rate))}/s, "
+              f"{'?' if left is None else f'{left:.0f}'} s left", file=self.stream,
+              flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class Quiet:
+    def show(self, progress: Progress) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def display(json_summary: bool) -> Display:
+    """A bar where a person watches (stdout a terminal; with ``--json``, stderr), plain lines
+    on stdout when it is not a terminal, nothing beside a JSON summary off a terminal."""
+    if json_summary:
+        return Bar(sys.stderr) if sys.stderr.isatty() else Quiet()
+    return Bar(sys.stdout) if sys.stdout.isatty() else Lines(sys.stdout)
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    """The summary for a person: what was read, what was there, what did not fit, per node."""
+    lines = [_node_line("warmed", summary)]
+    fit = summary["did_not_fit"]
+    if fit["files"]:
+        lines.append(f"cache full: {fit['files']} files ({format_size(fit['bytes'])}) did not "
+                     "fit")
+    if summary["too_large"]:
+        lines.append(f"{summary['too_large']} files over the mount's --max-file-size, not "
+                     "cached")
+    if summary["failed"]:
+        lines.append(f"{summary['failed']} files failed (the mount's log says why)")
+    for address, node in summary["nodes"].items():
+        lines.append(f"node {address}: {node['error']}" if "error" in node
+                     else _node_line(f"node {address}:", node))
+    return lines
+
+
+def _node_line(what: str, counts: dict[str, Any]) -> str:
+    seconds = counts.get("seconds")
+    timing = (f" in {seconds:.1f} s ({format_size(int(counts['bytes_per_s']))}/s)"
+              if seconds is not None else "")
+    cached = counts["already_cached"]
+    line = (f"{what} {counts['files']} files ({format_size(counts['bytes'])}) read into the "
+            f"cache{timing}, {cached['files']} ({format_size(cached['bytes'])}) already there")
+    fit = counts["did_not_fit"]
+    if fit["files"] and what != "warmed":
+        line += f", {fit['files']} ({format_size(fit['bytes'])}) did not fit"
+    if counts.get("elsewhere"):
+        line += f"; {counts['elsewhere']} left to the nodes that cache them"
+    return line
