@@ -48,6 +48,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import trio
@@ -71,6 +72,9 @@ log = logging.getLogger(__name__)
 #: that thread hand-offs cost nothing next to the copy, small enough to bound the per-thread
 #: O_DIRECT buffers and to let a reader of a big file start early.
 FILL_CHUNK = 1 << 20
+#: Most entries one hand-off to a thread fills behind their readers (``fill_behind``): the
+#: loop's share of a hand-off per file, against the wait of the batch's last file
+BEHIND_BATCH = 16
 #: the directory of the entries' files, in the cache directory
 FILES = "files"
 #: what a user can do about a cache directory that is not theirs alone
@@ -214,8 +218,9 @@ class WholeFileCache:
             raise
         #: entry number -> its file mapped, for ``data`` (least recently read first)
         self._mapped: OrderedDict[int, mmap.mmap] = OrderedDict()
-        #: what ``_copy_cached`` copies through, on the event loop's thread alone
-        self._copy_buffer = memoryview(bytearray(FILL_CHUNK))
+        #: entries to fill behind their readers (``fill_behind``), and whether a task does
+        self._behind: list[_Behind] = []
+        self._filling_behind = False
         #: called with each entry dropped (``_release``), such as to drop its backing id
         self.released: list[Callable[[Key, Entry], None]] = []
         #: kernel bytes per entry file beside its pages (``file_overhead``)
@@ -456,62 +461,50 @@ class WholeFileCache:
 
     def fill_behind(self, key: Key, entry: Entry, source: Source, nursery: trio.Nursery,
                     source_fd: int = -1) -> None:
-        """Fill an entry ``behind`` a reader of the source file, once: from the pages the
-        reader's reads brought into the page cache, here on the event loop with no thread
-        hand-off (``_copy_cached``: reads that never wait for storage; ``source_fd``, the
-        reader's backing, if still open), or, where some are not there (the reader read part
-        of the file, or they were reclaimed), by a fill through the page cache in a worker
-        thread. Storage is read once, and counted once, by the opener (``bytes_from_source``
-        of a source open); the pages are dropped once copied (the cache has them)."""
+        """Fill an entry ``behind`` a reader of the source file, once, from the pages the
+        reader's reads brought into the page cache (``source_fd``: the reader's backing, if
+        still open): queued for a worker thread that copies a batch of files per hand-off
+        (``_copy_behind``), so that the event loop only reserves and ends each. Storage is
+        read once, and counted once, by the opener (``bytes_from_source`` of a source open);
+        the pages are dropped once copied (the cache has them)."""
         if not entry.behind:
             return
         entry.behind = False
-        try:
-            final = self._copy_cached(entry, source, source_fd)
-        except OSError as e:
-            self.end_fill(key, entry, None, e)
-            return
-        if final is None:
-            nursery.start_soon(self.fill, key, entry, source, True)
-        else:
-            self.arrived(entry, entry.size, counted=False)
-            self.end_fill(key, entry, final)
-
-    def _copy_cached(self, entry: Entry, source: Source, src: int) -> os.stat_result | None:
-        """Copy the source file (``src``, else opened here) into the entry's file from the
-        page cache alone (``RWF_NOWAIT``), and drop those pages; its fstat after, or None if a
-        page was not there (nothing kept)."""
-        opened = src < 0
-        if opened:
-            src = source.open_file(entry.path)
         fd = -1
+        if source_fd >= 0:
+            with contextlib.suppress(OSError):
+                fd = os.dup(source_fd)
+        self._behind.append(_Behind(key, entry, fd))
+        if not self._filling_behind:
+            self._filling_behind = True
+            nursery.start_soon(self._fill_behind, source)
+
+    async def _fill_behind(self, source: Source) -> None:
+        """Copy the queued entries a batch at a time, until none is left."""
+        batch: list[_Behind] = []
         try:
-            if not stat.S_ISREG(os.fstat(src).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file")
-            fd = create_file(self.files_fd, entry.offset)
-            buffer = self._copy_buffer
-            offset = 0
-            while offset < entry.size:
-                want = min(len(buffer), entry.size - offset)
-                try:
-                    got = os.preadv(src, [buffer[:want]], offset, os.RWF_NOWAIT)
-                except BlockingIOError:
-                    got = 0
-                if got <= 0:
-                    break
-                write_all(fd, buffer[:got], offset)
-                offset += got
-            if offset < entry.size:
-                os.unlink(file_name(entry.offset), dir_fd=self.files_fd)  # the thread's fill
-                return None
-            final = os.fstat(src)
-            os.posix_fadvise(src, 0, 0, os.POSIX_FADV_DONTNEED)
-            return final
+            while self._behind:
+                batch, self._behind = self._behind[:BEHIND_BATCH], self._behind[BEHIND_BATCH:]
+                await in_thread(_copy_behind, batch, source, self.files_fd)
+                for item in batch:
+                    self._end_behind(item)
+                batch = []
         finally:
-            if opened:
-                os.close(src)
-            if fd >= 0:
-                os.close(fd)
+            self._filling_behind = False
+            for item in batch + self._behind:  # cancelled at unmount
+                item.close()
+                self._end_behind(item, trio.Cancelled)
+            self._behind = []
+
+    def _end_behind(self, item: _Behind, stopped: type[BaseException] | None = None) -> None:
+        entry, error = item.entry, item.error
+        if stopped is None and error is None:
+            self.arrived(entry, entry.size, counted=False)
+        error = self.end_fill(item.key, entry, item.final,
+                              OSError(errno.ECANCELED, "unmounted") if stopped else error)
+        if error is not None and not _no_room(error) and not stopped:
+            log.warning("caching %s failed: %s", os.fsdecode(entry.path), error,
+                        exc_info=not isinstance(error, OSError))
 
     async def fill_for_reader(self, key: Key, path: bytes, st: os.stat_result, source: Source,
                               nursery: trio.Nursery) -> Entry | None:
@@ -538,17 +531,16 @@ class WholeFileCache:
         self.counters.files_from_source += 1
         return entry, True
 
-    async def fill(self, key: Key, entry: Entry, source: Source, behind: bool = False) -> None:
-        """Copy the source file into the entry; on any failure the entry is given up.
-        ``behind``: through the page cache, behind a reader whose reads were counted."""
-        copier = _Copier(source, entry, self.files_fd, behind)
+    async def fill(self, key: Key, entry: Entry, source: Source) -> None:
+        """Copy the source file into the entry; on any failure the entry is given up."""
+        copier = _Copier(source, entry, self.files_fd)
         try:
             try:
                 while entry.filled < entry.size:
                     got = await in_thread(copier.step, entry.filled)
                     if got == 0:
                         raise OSError(5, "source file shrank while being cached")
-                    self.arrived(entry, got, counted=not behind)
+                    self.arrived(entry, got)
             finally:
                 copier.close()
         except Exception as e:  # a failed fill must never fail the mount: readers stream
@@ -855,6 +847,51 @@ def _lstat_all(source: Source, checking: list[Checking]) -> list[os.stat_result 
     return stats
 
 
+@dataclass(slots=True, eq=False)
+class _Behind:
+    """An entry to fill behind its reader: the source file's descriptor if the reader's was
+    kept (else -1: opened again), and what the copy came to."""
+
+    key: Key
+    entry: Entry
+    fd: int
+    final: os.stat_result | None = None
+    error: Exception | None = None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+def _copy_behind(batch: list[_Behind], source: Source, files_fd: int) -> None:
+    """In a worker thread: each file into its entry's file, the kernel copying from the page
+    cache (``sendfile``: what the reader read is there, the rest is read), its pages dropped
+    after; errors are kept in the items, never raised."""
+    for item in batch:
+        out = -1
+        try:
+            if item.fd < 0:
+                item.fd = source.open_file(item.entry.path)
+            if not stat.S_ISREG(os.fstat(item.fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            out = create_file(files_fd, item.entry.offset)
+            size, done = item.entry.size, 0
+            while done < size:
+                got = os.sendfile(out, item.fd, done, size - done)
+                if got == 0:
+                    raise OSError(errno.EIO, "source file shrank while being cached")
+                done += got
+            item.final = os.fstat(item.fd)
+            os.posix_fadvise(item.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except Exception as e:
+            item.error = e
+        finally:
+            item.close()
+            if out >= 0:
+                os.close(out)
+
+
 class _Copier:
     """Copies a source file into a filling entry's file, one chunk per call from a worker
     thread.
@@ -863,55 +900,31 @@ class _Copier:
     share a thread call, so a small file (the common case) costs one thread hand-off rather
     than three, and the event loop's thread makes no system call for it (each would wait for
     the GIL behind the fill threads').
-
-    The source is read with O_DIRECT (``SourceReader``), so that its page cache is not filled
-    with bytes the cache keeps; ``behind`` a reader the kernel serves from the source file
-    itself, it is read through the page cache that reader fills, the kernel copying its pages
-    into the entry's file (``sendfile``: no copy through this process).
     """
 
-    def __init__(self, source: Source, entry: Entry, files_fd: int, behind: bool) -> None:
+    def __init__(self, source: Source, entry: Entry, files_fd: int) -> None:
         self.source = source
         self.entry = entry
         self.files_fd = files_fd
-        self.behind = behind
         self.reader: SourceReader | None = None
-        self.source_fd = -1
         self.fd = -1
         self.final: os.stat_result | None = None
 
     def step(self, offset: int) -> int:
-        if self.fd < 0:
-            if self.behind:
-                self.source_fd = self.source.open_file(self.entry.path)
-            else:
-                self.reader = self.source.open_reader(self.entry.path)
+        if self.reader is None:
+            self.reader = self.source.open_reader(self.entry.path)
             self.fd = create_file(self.files_fd, self.entry.offset)
-        want = min(FILL_CHUNK, self.entry.size - offset)
-        if self.behind:
-            got = os.sendfile(self.fd, self.source_fd, offset, want)
-        else:
-            assert self.reader is not None
-            data = self.reader.read_view(offset, want)
-            write_all(self.fd, data, offset)
-            got = len(data)
-        if offset + got >= self.entry.size:
-            if self.behind:
-                self.final = os.fstat(self.source_fd)
-                os.posix_fadvise(self.source_fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            else:
-                assert self.reader is not None
-                self.final = self.reader.fstat()
+        data = self.reader.read_view(offset, min(FILL_CHUNK, self.entry.size - offset))
+        write_all(self.fd, data, offset)
+        if offset + len(data) >= self.entry.size:
+            self.final = self.reader.fstat()
             self.close()
-        return got
+        return len(data)
 
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
-        if self.source_fd >= 0:
-            fd, self.source_fd = self.source_fd, -1
-            os.close(fd)
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             os.close(fd)
