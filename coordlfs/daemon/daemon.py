@@ -18,6 +18,7 @@ import trio
 
 from coordlfs import PROTOCOL_VERSION, __version__
 from coordlfs.cache.cache import WholeFileCache
+from coordlfs.cache.filler import Filler
 from coordlfs.cache.fills import FillQueue
 from coordlfs.cache.fills import register_commands as register_fill_commands
 from coordlfs.cache.stats import Stats, register_commands
@@ -215,6 +216,8 @@ class Daemon:
         changes of the source reach it."""
         try:
             warm = self.cache.adopt()  # checked against the source while serving
+            self.cache.filler = Filler(self.source.root_fd, self.cache.files_fd,
+                                       self.config.fill_depth)
             log.info("source %s, cache %s: %d bytes of %d in %d warm entries",
                      self.source.path, self.cache.directory, self.cache.used,
                      self.cache.capacity, warm)
@@ -242,6 +245,8 @@ class Daemon:
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s", self.config.mountpoint)
         finally:
+            if self.cache.filler is not None:
+                self.cache.filler.close()
             self.ops.freshness.close()
             self._close()
             self.prep.close()
@@ -261,6 +266,8 @@ class Daemon:
             nursery.start_soon(self._reap_members)
             nursery.start_soon(self.prefetcher.run)
             nursery.start_soon(self.fills.run)
+            assert self.cache.filler is not None
+            nursery.start_soon(self.cache.filler.run)
             nursery.start_soon(self.peers.run)
             nursery.start_soon(self.warms.run)
             nursery.start_soon(self.ops.freshness.run)

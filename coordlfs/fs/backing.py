@@ -72,12 +72,12 @@ class Backings:
         return self._ids[number]
 
     def open_source(self, inode: int, path: bytes, st: os.stat_result,
-                    behind: Callable[[int], None] | None) -> int:
+                    behind: Callable[[], None] | None) -> int:
         """The backing id to answer an open of ``inode`` (the source file ``path``, seen as
         ``st``) with when the daemon is to read none of its bytes: the source file itself, 0
-        (for direct_io) if it is not that file any more. ``behind``: called with the source
-        file's descriptor when the last of the inode's opens is released, to copy into the
-        cache the pages their reads brought in (``WholeFileCache.fill_behind``)."""
+        (for direct_io) if it is not that file any more. ``behind``: called when the last of
+        the inode's opens is released, to copy into the cache the pages their reads brought
+        in (``WholeFileCache.fill_behind``)."""
         held = self._beside(inode, None)
         if held is not None:
             return held
@@ -93,10 +93,10 @@ class Backings:
         if not same:  # replaced since the open's lstat: the readers stream what is there
             os.close(fd)
             return self._direct(inode)
-        backing = self._register(fd, path, keep=True)
+        backing = self._register(fd, path)
         if not backing:
             return self._direct(inode)
-        self._held[inode] = Held(path, version, backing, None, fd, behind)
+        self._held[inode] = Held(path, version, backing, None, True, behind)
         return backing
 
     def _beside(self, inode: int, entry: Entry | None) -> int | None:
@@ -120,21 +120,19 @@ class Backings:
         a new open of the inode cannot but read too."""
         return self._held.get(inode)
 
-    def _register(self, fd: int, path: bytes, keep: bool = False) -> int:
-        """``fd``'s backing id, 0 if the kernel refused it (said once); closes ``fd`` unless
-        asked to ``keep`` it while it is registered."""
+    def _register(self, fd: int, path: bytes) -> int:
+        """``fd``'s backing id (the kernel keeps the file), 0 if the kernel refused it (said
+        once); closes ``fd``."""
         try:
-            backing = pyfuse3.backing_open(fd)
+            return pyfuse3.backing_open(fd)
         except OSError as e:
-            os.close(fd)
             level = logging.INFO if self._failed_logged else logging.WARNING
             self._failed_logged = True
             log.log(level, "no backing file for %s (%s): served by the daemon",
                     os.fsdecode(path), e)
             return 0
-        if not keep:
+        finally:
             os.close(fd)
-        return backing
 
     def close(self, inode: int, backing: int) -> None:
         """An open of ``inode`` answered with ``backing`` (0: direct_io) is released."""
@@ -150,13 +148,10 @@ class Backings:
         if held.opens:
             return
         del self._held[inode]
-        if held.source_fd >= 0:
+        if held.source:
             self._close(held.id, held.path)
-            try:
-                if held.behind is not None:
-                    held.behind(held.source_fd)
-            finally:
-                os.close(held.source_fd)
+            if held.behind is not None:
+                held.behind()
         elif held.entry is not None and held.entry.failed:  # dropped while held
             self._close(self._ids.pop(held.entry.offset), held.path)
 
@@ -189,8 +184,8 @@ class Held:
     id: int
     #: the cache entry whose file it is, None for the source file itself
     entry: Entry | None
-    #: the source file's descriptor, kept while registered; -1 for an entry's file
-    source_fd: int = -1
+    #: the source file itself, not an entry's
+    source: bool = False
     #: what copies a source file's pages into the cache at the last release
-    behind: Callable[[int], None] | None = None
+    behind: Callable[[], None] | None = None
     opens: int = 1
