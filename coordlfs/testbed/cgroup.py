@@ -7,12 +7,11 @@ memory cgroup, so the kernel's LRU thrashes as it would on a loaded server.
 ``blkio.throttle.io_service_bytes`` counts what the group's processes read from it. All are
 real kernel mechanisms, not mocks.
 
-A blkio group is where a benchmark counts and throttles storage, for both sides alike: the
-kernel charges a read to the group of the process whose read or page fault submits it, so
-it counts the reader of a FUSE passthrough open (the kernel reads the backing file in the
-reader's context, not the daemon's), a job's DataLoader workers (a fork starts in its
-parent's groups), and processes that have since exited, none of which the daemon's own
-``/proc/PID/io`` sees.
+A blkio group is where a benchmark counts and throttles storage, both sides alike: the kernel
+charges a read to the group of the task that submits it, so the group's count has the reads
+of a FUSE passthrough open (the reader's kernel reads its backing file, not the daemon), of a
+job's DataLoader workers (a fork starts in its parent's groups) and of processes gone since,
+which the per-process counters (``/proc/PID/io``) of the pids a benchmark knows miss.
 
 A group is made under the cgroup the calling process is in (so a harness's own accounting
 still covers it) and is always removed on exit: its processes go back where they came from,
