@@ -8,9 +8,10 @@ read-ahead: the jobs register the file list and their epochs, as ``AlignedSample
 started together, and the aligned group staggered by the advisor (``coordlfs.jobs.stagger``): one
 job alone on a fresh mount gives ``I``, ``W`` and ``W|cached``, the group started together
 gives ``W|conc``, and job k starts k times the advised delay late.
-Storage bytes come from the kernel's per-process counters of every reader (page cache) or
-of the daemon (coordlfs); an epoch's bytes are those read between the moments the last job
-finished the epoch before and this one.
+Storage bytes are the kernel's count for the one cgroup that holds the jobs, their readers
+and the daemon (``Cgroup.bytes_read``; with passthrough a reader's kernel reads a miss from
+the source file itself), and the throttle caps that group; an epoch's bytes are those read
+between the moments the last job finished the epoch before and this one.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from typing import Any
 
 from coordlfs.bench import harness
 from coordlfs.bench.children import EpochMarks, Readers, batch_paths, running, stop_children
-from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.control import Control
 from coordlfs.errors import UserError
@@ -218,10 +218,8 @@ def run_system(system: str, plan: Plan, dataset: Dataset, cache: int, window: in
                work: Path, delays: tuple[float, ...] | None = None) -> SystemResult:
     name = f"{CGROUP_PREFIX}-{os.getpid()}"
     budget = budget_for(dataset, cache, window, plan)
-    throttle_path = dataset.root if plan.throttle else None
-    with memory_cgroup(name, None, None, read_bps=plan.throttle,
-                       throttle_path=throttle_path) as cgroup, contextlib.ExitStack() as stack:
-        storage_pids: list[int] = []
+    with memory_cgroup(name, storage=dataset.root, read_bps=plan.throttle) as cgroup, \
+            contextlib.ExitStack() as stack:
         base, group = dataset.root, None
         if system != "page cache":
             base = work / "mnt"
@@ -229,7 +227,6 @@ def run_system(system: str, plan: Plan, dataset: Dataset, cache: int, window: in
                 dataset.root, base, work / "mount.log", "--cache-size", str(cache),
                 "--window-size", str(window))).pid
             cgroup.add(daemon)
-            storage_pids.append(daemon)
             group = f"bench-{os.getpid()}" if system != "coordlfs" else None
         jobs = stack.enter_context(running(Jobs(plan, dataset, str(base), group,
                                                      delays=delays)))
@@ -237,11 +234,9 @@ def run_system(system: str, plan: Plan, dataset: Dataset, cache: int, window: in
             cgroup.add(pid)
         cgroup.set_memory_limit(budget)
         drop_caches()
-        pids = storage_pids or jobs.reader_pids
-        before = sum(process_bytes_read(pid) for pid in pids)
+        before = cgroup.bytes_read()
         started = time.monotonic()
-        epochs, per_epoch = jobs.run(
-            lambda: sum(process_bytes_read(pid) for pid in pids) - before)
+        epochs, per_epoch = jobs.run(lambda: cgroup.bytes_read() - before)
     ends = [max(job[e][0] for job in epochs) - started for e in range(plan.epochs)]
     result = SystemResult(system, plan.jobs, per_epoch,
                           [round(job[-1][0] - started, 3) for job in epochs],

@@ -22,6 +22,7 @@ from coordlfs.bench.reading import copy_files, read_files
 from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.errors import UserError
 from coordlfs.protocol.order import batches_of
+from coordlfs.testbed.cgroup import Cgroup
 
 #: Seconds a process group gets to go after SIGTERM before SIGKILL.
 STOP_WAIT_S = 10
@@ -60,16 +61,20 @@ def stop_children(conns: list[Connection], procs: list[Any], farewell: Any) -> N
             proc.join()
 
 
-def worker_pool(workers: int) -> Pool:
+def worker_pool(workers: int, cgroup: Cgroup | None = None) -> Pool:
     """Forked workers that leave Ctrl-C and SIGTERM to the parent: the parent's ``with``
     terminates them (by SIGTERM, which must then end them, not raise in them), so no worker
-    prints a traceback or outlives a stopped benchmark."""
-    return multiprocessing.get_context("fork").Pool(workers, initializer=_leave_signals)
+    prints a traceback or outlives a stopped benchmark. With ``cgroup`` each worker joins it
+    before its first task: what the workers read is counted there."""
+    return multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker,
+                                                     initargs=(cgroup,))
 
 
-def _leave_signals() -> None:
+def _start_worker(cgroup: Cgroup | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if cgroup is not None:
+        cgroup.add(os.getpid())
 
 
 def stop_group(process: subprocess.Popen[str]) -> None:

@@ -7,9 +7,10 @@ coordlfs, its own mount whose daemon lives in the node's network namespace
 ``DistributedSampler`` would give them (``epoch_order(seed, epoch)[rank::N]``) at the same
 time, and the epoch ends when the slowest node finishes, as synchronous training does. Three
 systems: the page cache; MinIO alone (each node caches what it reads); MinIO with peers (a
-miss is fetched from the node that caches the file). Storage bytes per node come from the
-kernel's per-process counters of the readers (page cache) or the daemon (coordlfs; and its
-readers with ``--client``, which read misses MinIO has no room for from the source).
+miss is fetched from the node that caches the file). Storage bytes per node are the
+kernel's count for the node's cgroup (``Cgroup.bytes_read``), which its throttle caps: its
+readers, and for coordlfs its daemon too (with passthrough a reader's kernel reads a miss
+from the source file itself, as a client's reader does).
 
 A second part measures the peer path's throughput on an unshaped loopback link: a large file
 that one mount caches read through the other mount, and the same bytes fetched with the
@@ -37,7 +38,6 @@ from coordlfs.bench import harness
 from coordlfs.bench.aligned import Plan as JobPlan
 from coordlfs.bench.aligned import budget_for
 from coordlfs.bench.children import Readers, batch_paths, running
-from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.control import Control
@@ -50,7 +50,7 @@ from coordlfs.peers.wire import MAX_CHUNK, Get, Kind
 from coordlfs.protocol.order import epoch_order
 from coordlfs.protocol.spec import MAX_PREFETCH_PATHS, PREFETCH
 from coordlfs.sizes import format_size
-from coordlfs.testbed.cgroup import memory_cgroup
+from coordlfs.testbed.cgroup import Cgroup, memory_cgroup
 from coordlfs.testbed.dataset import Dataset
 from coordlfs.testbed.mounts import mounted
 from coordlfs.testbed.netns import Node, cluster_network, rate_bits
@@ -180,15 +180,17 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
         if system == "minio+peers":
             net = stack.enter_context(cluster_network(plan.nodes, plan.link))
         groups: list[Readers] = []
-        storage_pids: list[list[int]] = []
+        cgroups: list[Cgroup] = []
+        # per node, the processes whose CPU time counts: its readers, its daemon
+        busy: list[list[int]] = []
         controls: list[Control | None] = []
         bases: list[str | Path] = []
         tellers: list[Teller | None] = []
         client = plan.client and system != "page cache"
         for i, root in enumerate(roots):
             cgroup = stack.enter_context(memory_cgroup(
-                f"{CGROUP_PREFIX}-{os.getpid()}-{i}", None, None, read_bps=plan.job.throttle,
-                throttle_path=root if plan.job.throttle else None))
+                f"{CGROUP_PREFIX}-{os.getpid()}-{i}", storage=root, read_bps=plan.job.throttle))
+            cgroups.append(cgroup)
             base = work / f"mnt{i}"
             group = stack.enter_context(running(Readers(plan.job.readers,
                                                         str(base) if client else None)))
@@ -196,7 +198,7 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                 cgroup.add(pid)
             groups.append(group)
             if system == "page cache":
-                storage_pids.append(group.pids)
+                busy.append(group.pids)
                 controls.append(None)
                 bases.append(root)
                 tellers.append(None)
@@ -213,8 +215,7 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                     *options, enter=enter))
                 daemon, control = mount.pid, mount.control
                 cgroup.add(daemon)
-                # a client's readers read from storage the misses MinIO has no room for
-                storage_pids.append([daemon, *group.pids] if client else [daemon])
+                busy.append([daemon, *group.pids])
                 controls.append(control)
                 bases.append("" if client else base)
                 tellers.append(_teller(stack, base, control, plan))
@@ -224,18 +225,16 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
         with ThreadPoolExecutor(plan.nodes) as pool:
             for epoch in range(plan.job.epochs):
                 order = epoch_order(plan.job.seed, epoch, len(names))
-                working = [sorted({*pids, *group.pids})
-                           for pids, group in zip(storage_pids, groups, strict=True)]
-                before = [_counters(pids, busy, control) for pids, busy, control
-                          in zip(storage_pids, working, controls, strict=True)]
+                before = [_counters(cgroup, pids, control) for cgroup, pids, control
+                          in zip(cgroups, busy, controls, strict=True)]
                 shares = [[names[k] for k in order[i::plan.nodes]] for i in range(plan.nodes)]
                 futures = [pool.submit(node_epoch, groups[i], bases[i], shares[i], plan,
                                        tellers[i])
                            for i in range(plan.nodes)]
                 done = [f.result() for f in futures]
                 _check_bytes(system, epoch, done, shares, sizes)
-                after = [_counters(pids, busy, control) for pids, busy, control
-                         in zip(storage_pids, working, controls, strict=True)]
+                after = [_counters(cgroup, pids, control) for cgroup, pids, control
+                         in zip(cgroups, busy, controls, strict=True)]
                 epochs.append([NodeEpoch(round(seconds, 3), round(100 * waited / seconds, 1),
                                          a[0] - b[0], a[1] - b[1], round(a[2] - b[2], 3))
                                for (seconds, waited, _got), a, b in zip(done, after, before,
@@ -303,11 +302,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _counters(pids: list[int], busy: list[int], control: Control | None
+def _counters(cgroup: Cgroup, busy: list[int], control: Control | None
               ) -> tuple[int, int, float]:
-    """Bytes ``pids`` read from storage, bytes from peers, CPU seconds of ``busy``."""
-    stored = sum(process_bytes_read(pid) for pid in pids)
-    return (stored, control.status()["reads"]["bytes_from_peers"] if control else 0,
+    """Bytes a node's group read from storage, bytes from peers, CPU seconds of ``busy``."""
+    return (cgroup.bytes_read(), control.status()["reads"]["bytes_from_peers"] if control else 0,
             sum(cpu_seconds(pid) for pid in busy))
 
 

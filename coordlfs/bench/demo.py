@@ -14,12 +14,14 @@ open/read/close (an unmodified job), then by a fresh mount through ``coordlfs.cl
 reader handing each epoch's order to the mount first (``prefetch``) and copying each file's
 bytes out (``bytes()``).
 
-Bytes from storage are what the processes under test had the kernel read from the disk
-(``read_bytes`` of ``/proc/PID/io``: the reader for the page cache; for coordlfs the daemon,
-which reads the source, and the reader, which reads through the client the misses the cache
-has no room for from the source itself), so that other processes using the disk do not blur
-the numbers; the disk's own sector counter (``/sys/block/<dev>/stat``) goes into the JSON
-beside it. Either way the dataset must be on a disk, not on tmpfs.
+Bytes from storage are what the processes under test had the kernel read from the disk, the
+count of a blkio cgroup that holds them (``Cgroup.bytes_read``: the reader for the page
+cache; for coordlfs the daemon and the reader, whose kernel reads a miss or a file the cache
+has no room for from the source file itself, the backing of its passthrough open, as its
+client does), so that other processes using the disk do not blur the numbers; the disk's own
+sector counter (``/sys/block/<dev>/stat``) goes into the JSON beside it. With ``--throttle``
+that group is throttled, on both sides alike. Either way the dataset must be on a disk, not
+on tmpfs.
 
     python -m coordlfs.bench.demo [--files N] [--dir DIR] [--epochs 3] [--json FILE]
 
@@ -43,20 +45,20 @@ from pathlib import Path
 from typing import Any
 
 from coordlfs.bench import harness
-from coordlfs.bench.counters import measure_reads, process_bytes_read
+from coordlfs.bench.counters import measure_reads
 from coordlfs.bench.reading import copy_files, read_files
 from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.control import Control
 from coordlfs.daemon.mounting import free_space
 from coordlfs.errors import UserError, exit_status
 from coordlfs.sizes import format_size, parse_size
-from coordlfs.testbed.cgroup import memory_cgroup
+from coordlfs.testbed.cgroup import Cgroup, memory_cgroup, storage_cgroup
 from coordlfs.testbed.dataset import Dataset, DatasetSpec, ensure_dataset, epoch_orders
 from coordlfs.testbed.mounts import mounted
 from coordlfs.testbed.storage import BlockDevice, block_device, drop_caches, drop_page_cache
 
 DEFAULT_DIR = "/var/tmp/coordlfs-demo"
-#: Our cgroups are ``<prefix>-<pid>[-daemon]``, so that a later run can remove a killed run's.
+#: Our cgroups are ``<prefix>-<pid>[-storage]``, so that a later run can remove a killed run's.
 CGROUP_PREFIX = "coordlfs-demo"
 #: Reads go into one preallocated buffer, so the reader's memory (charged to its cgroup next to
 #: the page cache under test) stays the same from the measurement of its footprint to the end.
@@ -165,21 +167,22 @@ class Reader:
 
 
 @contextlib.contextmanager
-def budgeted_reader(name: str, budget: int, sample: list[str], read_bps: int | None = None,
-                    throttle_path: Path | None = None,
-                    client: str | None = None) -> Iterator[tuple[Reader, int]]:
+def budgeted_reader(name: str, budget: int, sample: list[str], storage: Path | None = None,
+                    read_bps: int | None = None, client: str | None = None
+                    ) -> Iterator[tuple[Reader, int, Cgroup]]:
     """A reader in a memory cgroup of ``budget`` bytes plus its own footprint, measured.
 
-    Yields (reader, footprint in bytes). ``sample`` is an epoch's path list: handling one
-    is part of the footprint. With ``read_bps`` its reads from the disk holding
-    ``throttle_path`` are throttled too; with ``client`` it reads through the client.
+    Yields (reader, footprint in bytes, its cgroup). ``sample`` is an epoch's path list:
+    handling one is part of the footprint. With ``storage`` the group counts its reads from
+    the disk holding it, throttled to ``read_bps``; with ``client`` it reads through the
+    client.
     """
-    with Reader(client) as reader, memory_cgroup(name, None, reader.pid, read_bps=read_bps,
-                                           throttle_path=throttle_path) as group:
+    with Reader(client) as reader, memory_cgroup(name, None, reader.pid, storage=storage,
+                                                 read_bps=read_bps) as group:
         reader.read(sample, dry=True)
         footprint = group.memory_usage()
         group.set_memory_limit(budget + footprint)
-        yield reader, footprint
+        yield reader, footprint, group
 
 
 # -- epochs --------------------------------------------------------------------------------
@@ -187,7 +190,7 @@ def budgeted_reader(name: str, budget: int, sample: list[str], read_bps: int | N
 @dataclass(slots=True)
 class Epoch:
     epoch: int
-    #: bytes the processes under test read from storage (their /proc/PID/io read_bytes)
+    #: bytes the processes under test read from storage (their blkio cgroup's count)
     storage_bytes: int
     #: bytes read from the whole disk meanwhile (its sectors-read counter), others' reads too
     device_bytes: int
@@ -205,17 +208,15 @@ class Epoch:
 
 @dataclass(slots=True)
 class Storage:
-    """Where bytes from storage are counted: the disk, and the processes that read from it.
+    """Where bytes from storage are counted: the disk, and the group of the processes that
+    read from it.
 
-    On a quiet machine the two agree; where other processes use the disk, the processes'
-    own counts still tell what the reading under test cost.
+    On a quiet machine the two agree; where other processes use the disk, the group's own
+    count still tells what the reading under test cost.
     """
 
     device: BlockDevice
-    pids: list[int]
-
-    def process_bytes(self) -> int:
-        return sum(process_bytes_read(pid) for pid in self.pids)
+    group: Cgroup
 
 
 def read_epochs(label: str, reader: Reader, dataset: Dataset, orders: list[list[str]],
@@ -234,7 +235,7 @@ def read_epochs(label: str, reader: Reader, dataset: Dataset, orders: list[list[
         if control is not None:
             control.mark(mark)
         with measure_reads(storage.device.bytes_read) as disk, \
-                measure_reads(storage.process_bytes) as ours:
+                measure_reads(storage.group.bytes_read) as ours:
             seconds, got = reader.read([os.path.join(base, rel) for rel in order])
         if got != dataset.total_bytes:
             raise UserError(f"{label}: read {got} bytes in epoch {number}, but the dataset has "
@@ -265,11 +266,10 @@ def run_page_cache(dataset: Dataset, orders: list[list[str]], budget: int,
     print("page cache (reader in a memory cgroup, caches dropped once):", flush=True)
     drop_caches()
     sample = dataset.paths()
-    throttle = dataset.root if read_bps is not None else None
-    with budgeted_reader(f"{CGROUP_PREFIX}-{os.getpid()}", budget, sample, read_bps,
-                         throttle) as (reader, footprint):
+    with budgeted_reader(f"{CGROUP_PREFIX}-{os.getpid()}", budget, sample, dataset.root,
+                         read_bps) as (reader, footprint, group):
         return read_epochs("page cache", reader, dataset, orders, dataset.root,
-                           Storage(device, [reader.pid])), footprint
+                           Storage(device, group)), footprint
 
 
 def run_coordlfs(dataset: Dataset, orders: list[list[str]], budget: int, device: BlockDevice,
@@ -280,9 +280,11 @@ def run_coordlfs(dataset: Dataset, orders: list[list[str]], budget: int, device:
 
     The kernel's page cache is dropped before each epoch, so that only coordlfs's cache can
     save reads (the data alone: the names and inodes the kernel knows stay, of the mount as
-    of the source for the page cache's epochs). With ``read_bps`` the daemon (it reads the
-    disk, not the reader) is throttled. Returns the epochs, the reader's footprint and the
-    mount's status at the end.
+    of the source for the page cache's epochs). The daemon and the reader (its kernel reads
+    the misses from the source file) are counted, and with ``read_bps`` throttled, in one
+    blkio group, whose memory groups differ: the budget is the reader's page cache, the
+    cache the daemon's. Returns the epochs, the reader's footprint and the mount's status
+    at the end.
     """
     label = "client" if client else "coordlfs"
     how = "reading through coordlfs.client, each epoch's order prefetched; " if client \
@@ -292,18 +294,17 @@ def run_coordlfs(dataset: Dataset, orders: list[list[str]], budget: int, device:
     with contextlib.ExitStack() as stack:
         mount = stack.enter_context(mounted(dataset.root, mountpoint, workdir / "mount.log",
                                             "--cache-size", str(budget)))
-        daemon, control = mount.pid, mount.control
-        if read_bps is not None:
-            stack.enter_context(memory_cgroup(f"{CGROUP_PREFIX}-{os.getpid()}-daemon", None,
-                                              daemon, read_bps=read_bps,
-                                              throttle_path=dataset.root))
+        control = mount.control
+        storage = stack.enter_context(storage_cgroup(f"{CGROUP_PREFIX}-{os.getpid()}-storage",
+                                                     dataset.root, read_bps))
+        storage.add(mount.pid)
         base = "" if client else mountpoint  # the client's paths are relative to the mount
-        reader, footprint = stack.enter_context(budgeted_reader(
+        reader, footprint, _budget = stack.enter_context(budgeted_reader(
             f"{CGROUP_PREFIX}-{os.getpid()}", budget, dataset.paths(base),
             client=str(mountpoint) if client else None))
-        epochs = read_epochs(label, reader, dataset, orders, base,
-                             Storage(device, [daemon, reader.pid]), before_epoch=drop_page_cache,
-                             control=control)
+        storage.add(reader.pid)
+        epochs = read_epochs(label, reader, dataset, orders, base, Storage(device, storage),
+                             before_epoch=drop_page_cache, control=control)
         return epochs, footprint, control.status()
 
 
@@ -449,7 +450,7 @@ def format_report(report: dict[str, Any]) -> str:
     if others > 0.05 * total * len(epochs_all):
         lines.append(f"note: {report['device']} served {format_size(others)} more to other "
                      "processes meanwhile; the table counts the demo's own reads only "
-                     "(/proc/PID/io)")
+                     "(its blkio cgroups)")
     return "\n".join(lines)
 
 

@@ -14,11 +14,13 @@ the budget B, on storage throttled by a blkio limit:
   mount), and the trainer hands each epoch's order to the mount before it starts
   (``prefetch``), as ``AlignedSampler`` does.
 
-Bytes from storage are the kernel's per-process counters (``/proc/PID/io`` ``read_bytes`` of
-the readers, and of the daemon: a client's readers read misses the cache has no room for
-from the source themselves), not coordlfs's. A trainer loop consumes the batches in order,
-sleeping ``--compute-ms`` per batch for the GPU step; the time it waits for the next batch
-is the stall time, as DS-Analyzer measures it.
+Bytes from storage are the kernel's count for the budget's cgroup (``Cgroup.bytes_read``),
+not coordlfs's: what its readers had read, and for coordlfs its daemon too (with passthrough
+a miss, or a file no cache has room for, is read by the reader's kernel from the source file
+itself; a client's readers read those from the source too). The throttle caps the same
+group, so it holds back every side's readers alike. A trainer loop consumes the batches in
+order, sleeping ``--compute-ms`` per batch for the GPU step; the time it waits for the next
+batch is the stall time, as DS-Analyzer measures it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from typing import Any, Protocol
 
 from coordlfs.bench import harness
 from coordlfs.bench.children import Readers, batch_paths, running
-from coordlfs.bench.counters import process_bytes_read
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.errors import UserError
@@ -96,17 +97,14 @@ def budget_bytes(text: str, dataset_bytes: int) -> int:
 # -- readers and trainer -------------------------------------------------------------------
 
 class Sampler:
-    """Samples the storage bytes of some processes over time, for the throughput plot."""
+    """Samples a count of storage bytes over time, for the throughput plot."""
 
-    def __init__(self, pids: list[int]) -> None:
-        self.pids = pids
+    def __init__(self, counter: Callable[[], int]) -> None:
+        self.bytes = counter
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.start = time.monotonic()
-
-    def bytes(self) -> int:
-        return sum(process_bytes_read(pid) for pid in self.pids)
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_S):
@@ -148,14 +146,15 @@ class ConfigResult:
     disturbed_epochs: list[int] = field(default_factory=list)
 
 
-def run_epochs(system: str, group: Readers, storage_pids: list[int], dataset: Dataset,
+def run_epochs(system: str, group: Readers, storage: Callable[[], int], dataset: Dataset,
                base: str | Path, settings: Settings,
                before_epoch: Callable[[list[str]], Any] | None = None) -> ConfigResult:
     """Every epoch's batches under ``base``; ``before_epoch`` is given each epoch's order
-    first (the client's trainer hands it to the mount), in the epoch's time."""
+    first (the client's trainer hands it to the mount), in the epoch's time. ``storage``
+    counts the bytes read from storage so far."""
     orders = epoch_orders(dataset, settings.epochs, settings.seed)
     results, disturbed = [], []
-    with Sampler(storage_pids) as sampler:
+    with Sampler(storage) as sampler:
         for number, order in enumerate(orders, 1):
             drops = harness.drop_count()
             before = sampler.bytes()
@@ -186,10 +185,9 @@ def run_epochs(system: str, group: Readers, storage_pids: list[int], dataset: Da
 
 def _group(name: str, settings: Settings,
            dataset: Dataset) -> contextlib.AbstractContextManager[Cgroup]:
-    """The budget's cgroup (the limit is set once its processes are in), throttled."""
-    throttle = settings.throttle
-    return memory_cgroup(name, None, None, read_bps=throttle,
-                         throttle_path=dataset.root if throttle else None)
+    """The budget's cgroup (the limit is set once its processes are in), counting and
+    throttling its reads from the dataset's disk."""
+    return memory_cgroup(name, storage=dataset.root, read_bps=settings.throttle)
 
 
 def run_page_cache(dataset: Dataset, budget: int, settings: Settings) -> ConfigResult:
@@ -200,7 +198,8 @@ def run_page_cache(dataset: Dataset, budget: int, settings: Settings) -> ConfigR
         memory = cgroup.memory_usage()
         cgroup.set_memory_limit(budget)
         drop_caches()
-        result = run_epochs("page cache", group, group.pids, dataset, dataset.root, settings)
+        result = run_epochs("page cache", group, cgroup.bytes_read, dataset, dataset.root,
+                            settings)
         result.peak_memory_bytes = cgroup.peak_memory()
     result.readers_memory_bytes = memory
     return result
@@ -247,17 +246,16 @@ def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path,
               f"readers {format_size(memory)} - daemon and page headroom", flush=True)
         with mounted(dataset.root, mountpoint, work / "mount.log",
                      "--cache-size", str(capacity)) as mount:
-            daemon = mount.pid
-            cgroup.add(daemon)
+            cgroup.add(mount.pid)
             cgroup.set_memory_limit(budget)
             drop_caches()
             if client:
                 with ClientDataset(mountpoint) as trainer:
-                    result = run_epochs("client", group, [daemon, *group.pids], dataset,
-                                        "", settings, trainer.prefetch)
+                    result = run_epochs("client", group, cgroup.bytes_read, dataset, "",
+                                        settings, trainer.prefetch)
             else:
-                result = run_epochs("coordlfs", group, [daemon], dataset, mountpoint, settings,
-                                    observer.before_epoch if observer else None)
+                result = run_epochs("coordlfs", group, cgroup.bytes_read, dataset, mountpoint,
+                                    settings, observer.before_epoch if observer else None)
                 if observer is not None:
                     observer.finished(result)
             result.peak_memory_bytes = cgroup.peak_memory()

@@ -15,20 +15,23 @@ and two regimes, each configuration on a fresh mount:
 
 * memory: the cache holds the whole dataset, which is read once through the mount first
   (warm); no throttle. Pre-processing is all the work: the prep-bound case.
-* storage: the cache holds ``--cache`` of the dataset, the daemon reads its source through a
-  blkio throttle (``--throttle``), the page cache is dropped before the jobs start, and the
-  jobs drop each file's pages from the page cache once read (``POSIX_FADV_DONTNEED``), as a
-  dataset larger than memory would leave them: otherwise the kernel would serve every epoch
-  after the first from the mount's pages, whatever the cache size.
+* storage: the cache holds ``--cache`` of the dataset, its source is read through a blkio
+  throttle (``--throttle``) that holds the daemon and the jobs with their loader workers
+  (with passthrough a worker's kernel reads a miss from the source file itself), the images'
+  pages are dropped from the page cache before the jobs start, and the jobs drop each file's
+  pages once read (``POSIX_FADV_DONTNEED``), as a dataset larger than memory would leave
+  them: otherwise the kernel would serve every epoch after the first from the mount's pages,
+  whatever the cache size.
 
 Measured, per job: samples per second over its epochs (from the common start to its last
 batch) and per epoch; the CPU time of the job and its loader workers from the start to its
 end (``getrusage`` of itself and its waited-for children, so the torch import before the
 start is left out); for shared jobs the batches each prepared. Per configuration: the
-makespan (the start to the last job's last batch) and the storage bytes of each epoch:
-``read_bytes`` of the daemon's ``/proc/PID/io`` between the moments the last job ended the
-epoch before and this one (independent jobs drift apart, so an epoch's bytes are those read
-while its slowest job finished it). The table shows the median job, the sum of CPU time,
+makespan (the start to the last job's last batch) and the storage bytes of each epoch: the
+kernel's count for the blkio cgroup of the daemon and the jobs (``Cgroup.bytes_read``; the
+workers a job forks at each epoch start in its group) between the moments the last job ended
+the epoch before and this one (independent jobs drift apart, so an epoch's bytes are those
+read while its slowest job finished it). The table shows the median job, the sum of CPU time,
 and the storage bytes per epoch after the first (the steady state). Ratios: throughput
 shared ÷ independent (median job's samples/s), prep CPU independent ÷ shared (total CPU s),
 storage independent ÷ shared (bytes per epoch after the first); medians over ``--repeat``.
@@ -55,16 +58,16 @@ from typing import IO, Any, TypeVar
 
 from coordlfs.bench import harness
 from coordlfs.bench.children import EpochMarks, running, stop_group
-from coordlfs.bench.counters import process_bytes_read
+from coordlfs.bench.hits import evict
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.bench.reading import read_files
 from coordlfs.errors import UserError
 from coordlfs.protocol.order import batch_count
 from coordlfs.sizes import format_size
-from coordlfs.testbed.cgroup import controller_root, memory_cgroup
+from coordlfs.testbed.cgroup import controller_root, storage_cgroup
 from coordlfs.testbed.dataset import Dataset
 from coordlfs.testbed.mounts import mounted
-from coordlfs.testbed.storage import block_device, drop_caches
+from coordlfs.testbed.storage import block_device
 
 CGROUP_PREFIX = "coordlfs-hpsearch"
 REGIMES = ("memory", "storage")
@@ -394,21 +397,23 @@ def run_config(images: Dataset, settings: Settings, regime: str, mode: str, coun
                                              "--cache-size", str(cache))).pid
         if regime == "memory":
             read_files(images.paths(mountpoint), bytearray(1 << 20))
-        elif settings.throttle:
-            cgroup = stack.enter_context(memory_cgroup(
-                f"{CGROUP_PREFIX}-{os.getpid()}", read_bps=settings.throttle,
-                throttle_path=images.root))
-            cgroup.add(daemon)
+        cgroup = stack.enter_context(storage_cgroup(
+            f"{CGROUP_PREFIX}-{os.getpid()}", images.root,
+            settings.throttle if regime == "storage" else None))
+        cgroup.add(daemon)
         logs = [work / "logs" / f"job-{i}.log" for i in range(count)]
         argvs = [job_argv(settings, mode, count, i, mountpoint, regime == "storage")
                  for i in range(count)]
         jobs = stack.enter_context(running(Jobs(argvs, logs)))
+        for process in jobs.processes:  # before "go": the loader workers come after
+            cgroup.add(process.pid)
         jobs.wait_ready()
-        if regime == "storage":
-            drop_caches()
-        before = process_bytes_read(daemon)
+        if regime == "storage":  # the images' pages (written back first), not the jobs' code
+            os.sync()
+            evict(images.paths())
+        before = cgroup.bytes_read()
         started = jobs.go()
-        job_results, per_epoch = jobs.collect(lambda: process_bytes_read(daemon) - before)
+        job_results, per_epoch = jobs.collect(lambda: cgroup.bytes_read() - before)
     result = ConfigResult(regime, mode, count, number, cache,
                           round(max(r["ended"] for r in job_results) - started, 3),
                           per_epoch, job_results)
@@ -469,17 +474,16 @@ def format_table(results: list[ConfigResult]) -> str:
 # -- the command ---------------------------------------------------------------------------
 
 def check_can_run(settings: Settings) -> None:
-    """Root, Pillow and torch, the cgroup controllers a throttle needs, and the shared loader."""
-    harness.require_root("bench hpsearch", "mounts FUSE, drops the page cache and throttles "
-                         "storage with a blkio cgroup")
+    """Root, Pillow and torch, the cgroup controller that counts and throttles storage, and
+    the shared loader."""
+    harness.require_root("bench hpsearch", "mounts FUSE, drops the page cache, counts and "
+                         "throttles storage with a blkio cgroup")
     missing = [package for module, package in (("PIL", "Pillow"), ("torch", "torch"))
                if importlib.util.find_spec(module) is None]
     if missing:
         raise UserError(f"bench hpsearch needs {' and '.join(missing)}: pip install "
                         "'coordlfs[images,torch]'")
-    if "storage" in settings.regimes and settings.throttle:
-        controller_root("memory")
-        controller_root("blkio")
+    controller_root("blkio")
     shared_prep = importlib.util.find_spec("coordlfs.client.shared_prep")
     if "shared" in settings.modes and shared_prep is None:
         raise UserError("the shared mode needs coordlfs.torch.SharedPrepLoader "
@@ -494,8 +498,7 @@ def run(args: argparse.Namespace) -> int:
 
     work = harness.work_dir(args.work)
     (work / "logs").mkdir(exist_ok=True)
-    if "storage" in settings.regimes and settings.throttle:
-        block_device(work)  # the throttle needs one under the images
+    block_device(work)  # the count and the throttle need one under the images
     with harness.claimed(work, "hpsearch", cgroups=CGROUP_PREFIX):
         files, width, height = args.make
         print(f"images in {work / 'images'}: making or checking {files} JPEGs of "

@@ -9,9 +9,12 @@ few cores. A reader drops each file's pages from the node's page cache after rea
 (``POSIX_FADV_DONTNEED``), so that the next epoch reaches the daemon, as it does on a node
 whose memory does not hold the dataset twice.
 
-Measured at each of ``--nodes``: bytes every daemon read from storage per epoch (its
-``/proc/PID/io`` read_bytes; the daemons read the source with O_DIRECT, so no page cache
-hides a read), bytes served by peers and by the caches, and after each epoch, per node, its
+Measured at each of ``--nodes``: bytes read from storage per epoch by the daemons and the
+readers together (the count of a blkio cgroup holding them all, ``Cgroup.bytes_read``: with
+passthrough a reader's kernel reads an owner's miss from the source file itself, and one
+reader reads for every node), the source's pages dropped before the first epoch so that no
+page cache hides a read; bytes served by peers and by the caches, and after each epoch, per
+node, its
 established TCP connections (its sockets in ``/proc/PID/fd`` looked up in ``/proc/net/tcp``:
 inbound on its listen port, outbound to peers) and its resident memory.
 """
@@ -31,16 +34,18 @@ from typing import Any
 
 from coordlfs.bench import harness
 from coordlfs.bench.children import worker_pool
-from coordlfs.bench.counters import process_bytes_read
+from coordlfs.bench.hits import evict
 from coordlfs.bench.placement import parse_counts
 from coordlfs.errors import UserError
 from coordlfs.protocol.order import epoch_order
 from coordlfs.sizes import format_size
+from coordlfs.testbed.cgroup import Cgroup, controller_root, storage_cgroup
 from coordlfs.testbed.dataset import Dataset
 from coordlfs.testbed.mounts import Mount, mounted, unmount_if_mounted
 
-#: An O_DIRECT read takes whole blocks: the least storage can give a file.
+#: Storage gives whole blocks (a page, an O_DIRECT read): the least it can give a file.
 BLOCK = 4096
+CGROUP_PREFIX = "coordlfs-nodes"
 ESTABLISHED = "01"
 
 
@@ -64,11 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(slots=True)
 class NodeSample:
-    """One node after an epoch: what its daemon read and served, its sockets and memory."""
+    """One node after an epoch: what its daemon fetched and served, its sockets and memory."""
 
-    storage_bytes: int
-    #: what the daemon read from source files for itself or a peer (data, where storage
-    #: bytes also count the metadata a dropped page cache makes it read again)
+    #: what the node read from source files for itself or a peer, by its daemon's count (data,
+    #: where storage bytes also count the metadata a dropped page cache makes it read again)
     source_bytes: int
     source_files: int
     peer_bytes: int
@@ -91,10 +95,12 @@ class Run:
     #: per epoch: its seconds and each node's sample (counters since the epoch began)
     epoch_seconds: list[float]
     epochs: list[list[NodeSample]]
+    #: per epoch: bytes the daemons and the readers read from storage, all nodes together
+    storage_bytes: list[int]
     unmount_seconds: float = 0.0
 
     def storage(self, epoch: int) -> int:
-        return sum(n.storage_bytes for n in self.epochs[epoch])
+        return self.storage_bytes[epoch]
 
     def source(self, epoch: int, what: str) -> int:
         return sum(getattr(n, f"source_{what}") for n in self.epochs[epoch])
@@ -198,14 +204,13 @@ def memory(pid: int) -> tuple[int, int]:
 
 
 def counters(mount: Mount) -> tuple[int, ...]:
-    """Storage bytes of the daemon, and from its status bytes and files from the source,
-    bytes from peers and from its cache, and the failures of its links."""
+    """From the daemon's status: bytes and files from the source, bytes from peers and from
+    its cache, and the failures of its links."""
     status = mount.status()
     reads = status["reads"]
     failures = sum(link["failures"] for link in status["peers"]["links"].values())
-    return (process_bytes_read(mount.pid), reads["bytes_from_source"],
-            reads["files_from_source"], reads["bytes_from_peers"], reads["bytes_from_cache"],
-            failures)
+    return (reads["bytes_from_source"], reads["files_from_source"], reads["bytes_from_peers"],
+            reads["bytes_from_cache"], failures)
 
 
 def sample(mounts: list[Mount], ports: list[int],
@@ -232,7 +237,10 @@ def batches(dataset: Dataset, mounts: list[Mount], epoch: int, seed: int,
     return [node[j] for j in range(len(per_node[0])) for node in per_node]
 
 
-def run_nodes(count: int, dataset: Dataset, work: Path, args: argparse.Namespace) -> Run:
+def run_nodes(count: int, dataset: Dataset, work: Path, args: argparse.Namespace,
+              cgroup: Cgroup) -> Run:
+    """``count`` nodes' epochs, their daemons and readers in ``cgroup``, which counts
+    storage."""
     share = dataset.total_bytes * args.cache_share / count
     largest = max(size for _rel, size in dataset.files)
     cache = int(min(dataset.total_bytes, share + largest))
@@ -245,17 +253,22 @@ def run_nodes(count: int, dataset: Dataset, work: Path, args: argparse.Namespace
             dataset.root, work / f"mnt{i}", work / f"node{i}.log", "--cache-size", str(cache),
             "--listen", f"127.0.0.1:{port}", "--peers", peers, "--insecure", *timeout))
             for i, port in enumerate(ports)]
-        result = Run(count, cache, round(time.monotonic() - started, 1), 0, [], [])
+        for mount in mounts:
+            cgroup.add(mount.pid)
+        result = Run(count, cache, round(time.monotonic() - started, 1), 0, [], [], [])
         print(f"{count} nodes mounted in {result.mount_seconds} s, each caching "
               f"{format_size(cache)}", flush=True)
-        with worker_pool(args.readers) as pool:
+        os.sync()  # written back, so that their pages can be dropped
+        evict(dataset.paths())
+        with worker_pool(args.readers, cgroup) as pool:
             for epoch in range(args.epochs):
-                before = [counters(m) for m in mounts]
+                before, stored = [counters(m) for m in mounts], cgroup.bytes_read()
                 began = time.monotonic()
                 for _ in pool.imap_unordered(read_batch, batches(dataset, mounts, epoch,
                                                                  args.seed, args.batch)):
                     pass
                 result.epoch_seconds.append(round(time.monotonic() - began, 1))
+                result.storage_bytes.append(cgroup.bytes_read() - stored)
                 result.epochs.append(sample(mounts, ports, before))
                 print_epoch(result, epoch, dataset)
         result.cache_drops = harness.drop_count() - drops
@@ -290,8 +303,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    harness.require_root("bench nodes", "mounts FUSE")
+    harness.require_root("bench nodes", "mounts FUSE and counts storage with a blkio cgroup")
     harness.require_fuse()
+    controller_root("blkio")
     counts = parse_counts(args.nodes)
     for name in ("epochs", "readers", "batch"):
         if getattr(args, name) < 1:
@@ -299,13 +313,16 @@ def run(args: argparse.Namespace) -> int:
     if args.cache_share <= 0:
         raise UserError(f"bad --cache-share {args.cache_share}: must be positive")
     work = harness.work_dir(args.work)
-    with harness.claimed(work, "bench nodes"):
+    with harness.claimed(work, "bench nodes", cgroups=CGROUP_PREFIX):
         for old in work.glob("mnt*"):
             unmount_if_mounted(old)
         dataset = harness.load_dataset(args)
         print(f"{harness.describe_dataset(dataset)}; nodes {', '.join(map(str, counts))}; "
               f"{args.readers} readers", flush=True)
-        runs = [run_nodes(n, dataset, work, args) for n in counts]
+        runs = []
+        for n in counts:
+            with storage_cgroup(f"{CGROUP_PREFIX}-{os.getpid()}", dataset.root) as cgroup:
+                runs.append(run_nodes(n, dataset, work, args, cgroup))
     rows = [r.row(dataset) for r in runs]
     print_table(rows)
     summary: dict[str, Any] = {}

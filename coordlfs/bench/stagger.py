@@ -65,10 +65,10 @@ def run_pair(setup: Setup, which: tuple[int, ...], delays: tuple[float, ...]) \
     plan = Plan(len(which), setup.plan.epochs, setup.plan.readers, setup.plan.batch, 0.0,
                 setup.plan.seed, setup.plan.throttle)
     name = f"{CGROUP_PREFIX}-{os.getpid()}"
-    throttle_path = setup.dataset.root if plan.throttle else None
+    storage = setup.dataset.root if plan.throttle else None  # throttled; bytes not counted
     cache = setup.dataset.total_bytes + (64 << 20)
-    with memory_cgroup(name, None, None, read_bps=plan.throttle,
-                       throttle_path=throttle_path) as cgroup, contextlib.ExitStack() as stack:
+    with memory_cgroup(name, storage=storage, read_bps=plan.throttle) as cgroup, \
+            contextlib.ExitStack() as stack:
         base = setup.work / "mnt"
         cgroup.add(stack.enter_context(mounted(setup.dataset.root, base,
                                                setup.work / "mount.log",

@@ -1,10 +1,17 @@
-"""Temporary cgroup v1 groups: a memory budget (and optionally a disk throttle) for a process.
+"""Temporary cgroup v1 groups: a memory budget, and a disk's reads counted and throttled.
 
 The page-cache baseline of a benchmark needs "a dataset larger than memory" on a machine with
 plenty of it: ``memory.limit_in_bytes`` caps the page cache charged to the processes in a
 memory cgroup, so the kernel's LRU thrashes as it would on a loaded server.
-``blkio.throttle.read_bps_device`` makes a fast disk behave like a slow one. Both are real
-kernel mechanisms, not mocks.
+``blkio.throttle.read_bps_device`` makes a fast disk behave like a slow one, and
+``blkio.throttle.io_service_bytes`` counts what the group's processes read from it. All are
+real kernel mechanisms, not mocks.
+
+A blkio group is where a benchmark counts and throttles storage, both sides alike: the kernel
+charges a read to the group of the task that submits it, so the group's count has the reads
+of a FUSE passthrough open (the reader's kernel reads its backing file, not the daemon), of a
+job's DataLoader workers (a fork starts in its parent's groups) and of processes gone since,
+which the per-process counters (``/proc/PID/io``) of the pids a benchmark knows miss.
 
 A group is made under the cgroup the calling process is in (so a harness's own accounting
 still covers it) and is always removed on exit: its processes go back where they came from,
@@ -25,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from coordlfs.errors import UserError
-from coordlfs.testbed.storage import block_device
+from coordlfs.testbed.storage import BlockDevice, block_device
 
 #: Where cgroup v1 hierarchies are mounted, one directory per controller.
 CGROUP_V1 = Path("/sys/fs/cgroup")
@@ -39,7 +46,8 @@ def controller_root(controller: str) -> Path:
     root = CGROUP_V1 / controller
     if not (root / "cgroup.procs").is_file():
         raise UserError(f"the cgroup v1 {controller} controller is not mounted at {root} "
-                        "(a cgroup v2-only system?); benchmarks with a memory budget need it")
+                        "(a cgroup v2-only system?); benchmarks need it for memory budgets and "
+                        "storage counts")
     return root
 
 
@@ -71,6 +79,8 @@ class Cgroup:
         self.name = name
         self.directories = directories
         self._origins: dict[tuple[str, int], Path] = {}
+        #: the disk whose reads the group counts (``watch_reads``)
+        self.disk: BlockDevice | None = None
 
     @property
     def memory(self) -> Path:
@@ -83,7 +93,7 @@ class Cgroup:
             _write(directory / "cgroup.procs", str(pid))
 
     def pids(self) -> list[int]:
-        return _pids(self.memory)
+        return _pids(next(iter(self.directories.values())))
 
     def memory_usage(self) -> int:
         """Bytes charged to the group: its processes' memory and the page cache they filled."""
@@ -98,11 +108,34 @@ class Cgroup:
     def set_memory_limit(self, limit_bytes: int) -> None:
         _write(self.memory / "memory.limit_in_bytes", str(limit_bytes))
 
-    def throttle_reads(self, path: str | os.PathLike[str], bytes_per_second: int) -> None:
-        """Cap the group's reads from the disk holding ``path`` (needs the blkio controller)."""
+    def watch_reads(self, path: str | os.PathLike[str], bytes_per_second: int | None) -> None:
+        """Count (``bytes_read``) the group's reads from the disk holding ``path`` and, with
+        ``bytes_per_second``, cap them (needs the blkio controller).
+
+        Without a cap the rule written is 0, none: it still switches the kernel's throttling
+        on for the disk, without which Linux 6.10 and later count nothing there (a disk no
+        group ever had a rule for: a machine just booted).
+        """
         disk = block_device(path).whole_disk()
         _write(self.directories["blkio"] / "blkio.throttle.read_bps_device",
-               f"{disk.number} {bytes_per_second}")
+               f"{disk.number} {bytes_per_second or 0}")
+        self.disk = disk
+
+    def bytes_read(self) -> int:
+        """Bytes read from the disk for the group's processes since it was made: those of
+        processes since gone or moved out, and of children they forked, included.
+
+        ``blkio.throttle.io_service_bytes``: counted as reads are submitted to the disk
+        (page-cache misses with their readahead, O_DIRECT), as ``/proc/PID/io`` counts them.
+        """
+        if self.disk is None:
+            raise ValueError(f"cgroup {self.name} counts no disk's reads")
+        stats = self.directories["blkio"] / "blkio.throttle.io_service_bytes"
+        for line in stats.read_text().splitlines():
+            fields = line.split()
+            if fields[:2] == [self.disk.number, "Read"]:
+                return int(fields[2])
+        return 0  # no read yet
 
     def remove(self) -> None:
         """Move every process back (to where it came from, else to the parent), then rmdir."""
@@ -149,7 +182,8 @@ def remove_stale(prefix: str) -> list[Path]:
 
 def _make(name: str, controllers: list[str]) -> Cgroup:
     if os.geteuid() != 0:
-        raise UserError("creating a cgroup (a memory budget for the benchmark) needs root")
+        raise UserError("creating a cgroup (a memory budget or storage counter for the "
+                        "benchmark) needs root")
     directories = {c: cgroup_of("self", c) / name for c in controllers}
     group = Cgroup(name, directories)
     try:
@@ -167,25 +201,45 @@ def _make(name: str, controllers: list[str]) -> Cgroup:
 
 
 @contextmanager
-def memory_cgroup(name: str, limit_bytes: int | None = None, pid: int | None = None, *,
-                  read_bps: int | None = None,
-                  throttle_path: str | os.PathLike[str] | None = None) -> Iterator[Cgroup]:
-    """A new memory cgroup ``name`` limited to ``limit_bytes`` (None: no limit), holding ``pid``.
-
-    With ``read_bps`` the group also gets a blkio twin that caps its reads from the disk
-    holding ``throttle_path`` to that many bytes per second. The group is removed on exit,
-    whatever happened inside.
-    """
-    if (read_bps is None) != (throttle_path is None):
-        raise ValueError("read_bps and throttle_path go together")
-    group = _make(name, ["memory"] if read_bps is None else ["memory", "blkio"])
+def _group(name: str, controllers: list[str], storage: str | os.PathLike[str] | None,
+           read_bps: int | None) -> Iterator[Cgroup]:
+    """A new group ``name`` in ``controllers``, watching ``storage``'s reads (blkio), removed
+    on exit whatever happened inside."""
+    if read_bps is not None and storage is None:
+        raise ValueError("read_bps needs storage: the disk to throttle")
+    group = _make(name, controllers)
     try:
-        if limit_bytes is not None:
-            group.set_memory_limit(limit_bytes)
-        if read_bps is not None and throttle_path is not None:
-            group.throttle_reads(throttle_path, read_bps)
-        if pid is not None:
-            group.add(pid)
+        if storage is not None:
+            group.watch_reads(storage, read_bps)
         yield group
     finally:
         group.remove()
+
+
+@contextmanager
+def memory_cgroup(name: str, limit_bytes: int | None = None, pid: int | None = None, *,
+                  storage: str | os.PathLike[str] | None = None,
+                  read_bps: int | None = None) -> Iterator[Cgroup]:
+    """A new memory cgroup ``name`` limited to ``limit_bytes`` (None: no limit), holding ``pid``.
+
+    With ``storage`` (a path) the group also gets a blkio twin that counts its reads from the
+    disk holding it (``Cgroup.bytes_read``) and, with ``read_bps``, caps them to that many
+    bytes per second. The group is removed on exit, whatever happened inside.
+    """
+    controllers = ["memory"] if storage is None else ["memory", "blkio"]
+    with _group(name, controllers, storage, read_bps) as group:
+        if limit_bytes is not None:
+            group.set_memory_limit(limit_bytes)
+        if pid is not None:
+            group.add(pid)
+        yield group
+
+
+@contextmanager
+def storage_cgroup(name: str, storage: str | os.PathLike[str],
+                   read_bps: int | None = None) -> Iterator[Cgroup]:
+    """A new blkio cgroup ``name`` alone: counts its processes' reads from the disk holding
+    ``storage`` and, with ``read_bps``, caps them, whatever memory groups they are in (a
+    reader with a memory budget of its own beside a daemon with none). Removed on exit."""
+    with _group(name, ["blkio"], storage, read_bps) as group:
+        yield group

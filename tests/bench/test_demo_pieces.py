@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import force_unmount
 
 from coordlfs.bench import demo
-from coordlfs.bench.counters import measure_reads, process_bytes_read
+from coordlfs.bench.counters import measure_reads
 from coordlfs.errors import UserError
 from coordlfs.system.mounts import mount_at
 from coordlfs.testbed import cgroup as cgroup_mod
 from coordlfs.testbed import storage
-from coordlfs.testbed.cgroup import cgroup_of, memory_cgroup, remove_stale
+from coordlfs.testbed.cgroup import Cgroup, cgroup_of, memory_cgroup, remove_stale, storage_cgroup
 from coordlfs.testbed.dataset import MANIFEST, DatasetSpec, ensure_dataset, file_contents
 from coordlfs.testbed.storage import block_device, parse_stat
 
@@ -143,21 +148,24 @@ def test_tmpfs_is_not_a_block_device() -> None:
         block_device("/dev/shm")
 
 
+def _uncached(path: Path, size: int) -> None:
+    """A file of ``size`` random bytes, on the disk and out of the page cache."""
+    with open(path, "wb") as f:
+        f.write(os.urandom(size))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def test_reading_an_uncached_file_counts(tmp_path: Path) -> None:
     if not _on_block_device(tmp_path):
         pytest.skip("tmp_path is not on a block device")
     path = tmp_path / "blob"
     size = 8 << 20
-    with open(path, "wb") as f:
-        f.write(os.urandom(size))
-        f.flush()
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache
+    _uncached(path, size)
     device = block_device(tmp_path)
-    with measure_reads(device.bytes_read) as disk, \
-            measure_reads(lambda: process_bytes_read(os.getpid())) as mine:
+    with measure_reads(device.bytes_read) as disk:
         assert len(path.read_bytes()) == size
-    assert mine.bytes >= size
     assert disk.bytes >= size  # other processes may add to it, never subtract
 
 
@@ -198,13 +206,112 @@ def test_cgroup_is_removed_on_error_and_throttle_is_set(sleeper: subprocess.Pope
     disk = block_device(tmp_path).whole_disk()
     with pytest.raises(RuntimeError, match="boom"), \
             memory_cgroup(f"coordlfs-test-{os.getpid()}", None, sleeper.pid,
-                          read_bps=50 << 20, throttle_path=tmp_path) as group:
+                          storage=tmp_path, read_bps=50 << 20) as group:
         throttle = (group.directories["blkio"] / "blkio.throttle.read_bps_device").read_text()
         assert f"{disk.number} {50 << 20}" in throttle
         assert cgroup_of(sleeper.pid, "blkio") == group.directories["blkio"]
         raise RuntimeError("boom")
     assert not any(d.exists() for d in group.directories.values())
     assert cgroup_of(sleeper.pid, "blkio") != group.directories["blkio"]
+
+
+#: Waits for a line, then reads its first argument in a child it forks, then the others.
+FORKING_READER = """
+import os, sys
+sys.stdin.readline()
+if os.fork() == 0:
+    open(sys.argv[1], "rb").read()
+    os._exit(0)
+os.wait()
+for path in sys.argv[2:]:
+    open(path, "rb").read()
+"""
+
+
+def _read_in(group: Cgroup, paths: list[Path]) -> None:
+    """``paths`` read by a process in ``group`` (the first by a child it forks)."""
+    reader = subprocess.Popen([sys.executable, "-c", FORKING_READER, *map(str, paths)],
+                              stdin=subprocess.PIPE, text=True)
+    try:
+        group.add(reader.pid)
+        reader.communicate("go\n", timeout=60)
+    finally:
+        reader.kill()
+        reader.wait()
+    assert reader.returncode == 0
+
+
+@needs_cgroups
+def test_a_storage_group_counts_its_processes_children_and_no_one_else(tmp_path: Path) -> None:
+    """A reader's kernel reads (a FUSE passthrough open's backing file, a DataLoader
+    worker's files) are the reader's, which the daemon's own count never saw."""
+    if not _on_block_device(tmp_path):
+        pytest.skip("tmp_path is not on a block device")
+    forked, own, outside = tmp_path / "forked", tmp_path / "own", tmp_path / "outside"
+    for path, size in ((forked, 4 << 20), (own, 2 << 20), (outside, 32 << 20)):
+        _uncached(path, size)
+    with storage_cgroup(f"coordlfs-test-{os.getpid()}", tmp_path) as group, \
+            measure_reads(group.bytes_read) as counted:
+        assert len(outside.read_bytes()) == 32 << 20  # by this process, not in the group
+        _read_in(group, [forked, own])
+    # both files (and a little metadata, or a library page someone's drop_caches evicted);
+    # never the 32 MiB read outside the group
+    assert 6 << 20 <= counted.bytes < 22 << 20
+
+
+#: ioctls of /dev/loop-control (linux/loop.h)
+LOOP_CTL_ADD, LOOP_CTL_REMOVE = 0x4C80, 0x4C81
+
+
+@contextlib.contextmanager
+def _new_loop_device(image: Path) -> Iterator[str]:
+    """A loop device made for the caller (a disk no throttle rule ever touched: a freed one
+    keeps its state), backed by ``image``, detached and removed afterwards."""
+    with open("/dev/loop-control", "rb") as control:
+        index = fcntl.ioctl(control, LOOP_CTL_ADD, -1)  # any free number
+        device = f"/dev/loop{index}"
+        try:
+            subprocess.run(["losetup", device, str(image)], check=True)
+            try:
+                yield device
+            finally:
+                subprocess.run(["losetup", "-d", device], check=True)
+        finally:
+            for _ in range(100):  # busy while the detach completes (udev probes it)
+                try:
+                    fcntl.ioctl(control, LOOP_CTL_REMOVE, index)
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            else:
+                fcntl.ioctl(control, LOOP_CTL_REMOVE, index)  # its error, raised this time
+
+
+@needs_cgroups
+@pytest.mark.skipif(not (shutil.which("losetup") and shutil.which("mkfs.ext4")
+                         and os.path.exists("/dev/loop-control")),
+                    reason="needs loop devices, losetup and mkfs.ext4")
+def test_reads_are_counted_on_a_disk_no_group_ever_throttled(tmp_path: Path) -> None:
+    """Linux 6.10 and later count a group's reads only on a disk that some group had a
+    throttle rule for, which a machine just booted has none of: a group that counts writes
+    a rule of none. A loop device made for the test is such a disk."""
+    image, mountpoint = tmp_path / "disk.img", tmp_path / "mnt"
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    with _new_loop_device(image) as loop:
+        mountpoint.mkdir()
+        subprocess.run(["mount", loop, str(mountpoint)], check=True)
+        try:
+            _uncached(mountpoint / "data", 8 << 20)
+            with storage_cgroup(f"coordlfs-test-{os.getpid()}", mountpoint) as group, \
+                    measure_reads(group.bytes_read) as counted:
+                rules = group.directories["blkio"] / "blkio.throttle.read_bps_device"
+                assert rules.read_text() == ""  # 0: no cap
+                _read_in(group, [mountpoint / "data"])
+            assert counted.bytes >= 8 << 20
+        finally:
+            subprocess.run(["umount", str(mountpoint)], check=True)
 
 
 @needs_cgroups
@@ -297,7 +404,8 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert first["source_bytes"] == total
     assert second["source_bytes"] == total - used == third["source_bytes"]
     assert first["cache_used_bytes"] == used  # full after one epoch, never evicted
-    # What the daemon read from the disk is its source bytes, rounded up to O_DIRECT blocks.
+    # What the daemon and the reader's kernel read from the disk is the source bytes,
+    # rounded up to whole blocks.
     assert second["source_bytes"] <= second["storage_bytes"] < second["source_bytes"] + (2 << 20)
     assert theirs["epochs"][0]["storage_bytes"] >= 0.95 * total
     # which path served the mount: the table says, per epoch

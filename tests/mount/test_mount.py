@@ -435,8 +435,7 @@ def test_hits_are_answered_while_slow_misses_are_pending(mount, tmp_path: Path) 
     src = random_source(tmp_path, hot=256 << 10, slow=6 << 20)
     m = mount(src, "--cache-size", "64M", "--max-file-size", "64M")
     read_file(m.mountpoint / "hot")  # cached before the disk becomes slow
-    with memory_cgroup(f"coordlfs-test-{m.pid}", pid=m.pid, read_bps=1 << 20,
-                       throttle_path=src):
+    with memory_cgroup(f"coordlfs-test-{m.pid}", pid=m.pid, storage=src, read_bps=1 << 20):
         drop_caches()
         slow = subprocess.Popen(["cat", str(m.mountpoint / "slow")], stdout=subprocess.PIPE)
         time.sleep(0.5)
