@@ -93,10 +93,10 @@ class Backings:
         if not same:  # replaced since the open's lstat: the readers stream what is there
             os.close(fd)
             return self._direct(inode)
-        backing = self._register(fd, path)
+        backing = self._register(fd, path, keep=True)
         if not backing:
             return self._direct(inode)
-        self._held[inode] = Held(path, version, backing, None, True, behind)
+        self._held[inode] = Held(path, version, backing, None, fd, behind)
         return backing
 
     def _beside(self, inode: int, entry: Entry | None) -> int | None:
@@ -120,19 +120,21 @@ class Backings:
         a new open of the inode cannot but read too."""
         return self._held.get(inode)
 
-    def _register(self, fd: int, path: bytes) -> int:
+    def _register(self, fd: int, path: bytes, keep: bool = False) -> int:
         """``fd``'s backing id (the kernel keeps the file), 0 if the kernel refused it (said
-        once); closes ``fd``."""
+        once); closes ``fd`` unless told to ``keep`` it (and it was registered)."""
         try:
-            return pyfuse3.backing_open(fd)
+            backing = pyfuse3.backing_open(fd)
         except OSError as e:
+            os.close(fd)
             level = logging.INFO if self._failed_logged else logging.WARNING
             self._failed_logged = True
             log.log(level, "no backing file for %s (%s): served by the daemon",
                     os.fsdecode(path), e)
             return 0
-        finally:
+        if not keep:
             os.close(fd)
+        return backing
 
     def close(self, inode: int, backing: int) -> None:
         """An open of ``inode`` answered with ``backing`` (0: direct_io) is released."""
@@ -148,10 +150,15 @@ class Backings:
         if held.opens:
             return
         del self._held[inode]
-        if held.source:
+        if held.source_fd >= 0:
             self._close(held.id, held.path)
-            if held.behind is not None:
-                held.behind()
+            try:
+                if held.behind is not None:
+                    held.behind()  # copies the pages into the cache, then drops them
+                else:  # as the daemon's own reads of the source, nothing left cached
+                    os.posix_fadvise(held.source_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(held.source_fd)
         elif held.entry is not None and held.entry.failed:  # dropped while held
             self._close(self._ids.pop(held.entry.offset), held.path)
 
@@ -184,8 +191,8 @@ class Held:
     id: int
     #: the cache entry whose file it is, None for the source file itself
     entry: Entry | None
-    #: the source file itself, not an entry's
-    source: bool = False
+    #: the source file's descriptor (the backing is the source file itself), else -1
+    source_fd: int = -1
     #: what copies a source file's pages into the cache at the last release
     behind: Callable[[], None] | None = None
     opens: int = 1
