@@ -110,8 +110,8 @@ def measure(files: int, size: int) -> dict[str, float]:
             for name in names:
                 with open(name, "rb") as f:
                     f.read()
+            status = mount.settled()  # a file read by the kernel is copied in after its close
             cached, filled = _rss(pid), _slabs()
-            status = mount.status()
             shmem = _shmem() - shmem
             cache_files, allocated = _cache_files(cache_dir)
         growth = {mode: _page_cache_growth(src, mnt, Path(tmp, f"log-{mode}"), files, size, mode)
@@ -161,9 +161,9 @@ def _page_cache_growth(src: Path, mnt: Path, log: Path, files: int, size: int,
     with mounted(src, mnt, log, "--cache-size", str(2 * files * pages(size)),
                  "--passthrough", passthrough) as mount:
         names = sorted(mnt / p.relative_to(src) for p in src.rglob("f*"))
-        for name in names:  # a small file is filled before its first read returns
+        for name in names:
             name.read_bytes()
-        if mount.status()["cache"]["files"] != files:
+        if mount.settled()["cache"]["files"] != files:
             raise UserError(f"--passthrough {passthrough}: not every file was cached")
         drop_caches()
         before = _page_cache()

@@ -39,6 +39,7 @@ import struct
 import subprocess
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -52,6 +53,9 @@ log = logging.getLogger(__name__)
 
 #: What a fill copies at once, and a reader of a large file waits for at most (its progress).
 FILL_CHUNK = 1 << 20
+#: Requests kept while the socket has no room (~150 bytes each); past it a fill fails (its
+#: readers read the source), so a filler that stops taking them cannot grow the daemon.
+MAX_WAITING = 1 << 16
 
 #: the messages' kinds
 OPEN, COPY, DROP, BEHIND = 1, 2, 3, 4
@@ -168,6 +172,10 @@ class Filler:
         self.files_fd = files_fd
         self.threads = max(1, threads)
         self._pending: dict[int, Pending] = {}
+        #: requests the socket had no room for yet (an AF_UNIX datagram socket queues
+        #: ``net.unix.max_dgram_qlen`` of them, 10 by default), sent by ``_sender``
+        self._outbox: deque[bytes] = deque()
+        self._more_out = trio.Event()
         self._next = 1
         self._closing = False
         self.started = 0
@@ -199,11 +207,19 @@ class Filler:
         message = _REQUEST.pack(ident, kind, number, ino, size, mtime_ns, ctime_ns) + path
         if len(path) >= _PATH_MAX:
             raise OSError(errno.ENAMETOOLONG, "file name too long to fill")
-        try:
-            self.sock.send(message)
-        except OSError as e:  # full (the filler is behind), or gone: the fill fails
-            raise OSError(e.errno or errno.EIO, "the fill process is not taking requests"
-                          ) from None
+        if len(self._outbox) >= MAX_WAITING:
+            raise OSError(errno.EAGAIN, "the fill process is not taking requests")
+        if self._outbox:
+            self._outbox.append(message)
+        else:
+            try:
+                self.sock.send(message)
+            except BlockingIOError:
+                self._outbox.append(message)
+                self._more_out.set()
+            except OSError as e:  # gone: ``run`` starts another
+                raise OSError(e.errno or errno.EIO, "the fill process is not taking "
+                              "requests") from None
         if pending is not None:
             self._pending[ident] = pending
         return ident
@@ -232,9 +248,14 @@ class Filler:
         self._send(BEHIND, Pending(then=then), number, version, path)
 
     async def run(self) -> None:
-        """Receive replies until unmount; a filler that exits is replaced."""
+        """Send what waits and receive replies until unmount; a filler that exits is
+        replaced."""
         while True:
-            await self._receive()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._sender)
+                await self._receive()
+                nursery.cancel_scope.cancel()
+            self._outbox.clear()
             self._fail_all("the fill process exited")
             if self._closing:
                 return
@@ -243,6 +264,20 @@ class Filler:
             await trio.sleep(1)
             self.sock.close()
             self.sock, self.process = self._spawn()
+
+    async def _sender(self) -> None:
+        while True:
+            await self._more_out.wait()
+            self._more_out = trio.Event()
+            while self._outbox:
+                try:
+                    self.sock.send(self._outbox[0])
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(self.sock)
+                    continue
+                except OSError:
+                    return  # gone: ``_receive`` sees it too
+                self._outbox.popleft()
 
     async def _receive(self) -> None:
         while True:
@@ -279,6 +314,14 @@ class Filler:
         for request in pending.values():
             request.error = OSError(errno.EIO, why)
             request.end()
+
+    async def drained(self, seconds: float) -> None:
+        """Wait, at most ``seconds``, for the requests in flight now to be answered: at
+        unmount, the files just read are then complete in the cache (and in its journal)."""
+        waiting = set(self._pending)
+        with trio.move_on_after(seconds):
+            while not waiting.isdisjoint(self._pending):
+                await trio.sleep(0.01)
 
     def close(self) -> None:
         """At unmount: the filler ends when it sees its end closed; waited for, then killed."""

@@ -50,6 +50,9 @@ from coordlfs.system.mounts import device_mounted_at
 
 log = logging.getLogger("coordlfs")
 
+#: At unmount, how long the fills in flight (files just read) may take to complete.
+DRAIN_S = 10.0
+
 #: Kernel read-ahead of the mount, KiB: at 1024 sequential reads arrive as 1 MiB requests
 #: (the most FUSE asks for here) instead of 128 KiB ones, and a GiB read costs the daemon
 #: about half the CPU (docs/benchmarks/hits.md). Small files are read whole either way.
@@ -283,6 +286,8 @@ class Daemon:
                 self.metrics.start(trio.lowlevel.current_trio_token())
             ready(self.ops.freshness.summary())
             await pyfuse3.main()
+            assert self.cache.filler is not None
+            await self.cache.filler.drained(DRAIN_S)
             nursery.cancel_scope.cancel()
 
     async def _reap_members(self) -> None:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -55,6 +56,19 @@ class Mount:
 
     def status(self) -> dict[str, Any]:
         return json.loads((self.mountpoint / ".coordlfs").read_bytes())
+
+    def settled(self, seconds: float = 60.0) -> dict[str, Any]:
+        """The status once no entry is being filled. A file the kernel read from the source
+        (FUSE passthrough) is copied into the cache after its last close, and the kernel sends
+        that close to the daemon after the reader's ``close`` has returned: what a reader just
+        read is in the cache a moment later, not at once."""
+        deadline = time.monotonic() + seconds
+        while (status := self.status())["cache"]["filling"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fills still in flight after {seconds:.0f} s: "
+                                   f"{status['cache']['filling']}")
+            time.sleep(0.01)
+        return status
 
 
 def stop_daemon(mountpoint: str | os.PathLike[str], pid: int | None) -> None:

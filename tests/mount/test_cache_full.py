@@ -55,7 +55,7 @@ def test_a_full_cache_filesystem_never_serves_wrong_bytes(tmp_path: Path, mount,
     m = mount(src, "--cache-size", "48M", cache_dir=small_tmpfs / "c")
     for name in files[:150]:
         (m.mountpoint / name).read_bytes()
-    assert m.status()["cache"]["files"] == 150
+    assert m.settled()["cache"]["files"] == 150
 
     filler = small_tmpfs / "filler"
     fill_up(filler)

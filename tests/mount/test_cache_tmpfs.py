@@ -25,6 +25,7 @@ def test_the_cache_gets_its_own_tmpfs_in_huge_pages_and_gives_it_back(mount, dat
     options = _mount_options(m.cache_dir)
     assert "huge=within_size" in options and "mode=700" in options, options
     assert digests(m.mountpoint) == digests(source)
+    m.settled()  # what the kernel read from the source is copied in after its release
     with Dataset(str(m.mountpoint)) as ds:
         assert ds.shared
         for name in sizes:

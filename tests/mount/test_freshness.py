@@ -72,7 +72,7 @@ def test_a_rewrite_in_place_with_size_and_mtime_put_back_is_served_new(src: Path
     assert (m.mountpoint / "a.bin").read_bytes() == b"A" * 5000  # cached, and in the kernel
     rewrite_keeping_size_and_mtime(src / "a.bin", b"B" * 5000)
     eventually(lambda: (m.mountpoint / "a.bin").read_bytes() == b"B" * 5000, "a rewrite")
-    assert m.status()["cache"]["files"] == 1  # the old entry was dropped, the new one cached
+    assert m.settled()["cache"]["files"] == 1  # the old entry was dropped, the new one cached
 
 
 def test_a_replacement_by_rename_with_size_and_mtime_put_back_is_served_new(src: Path,

@@ -28,7 +28,7 @@ def test_changed_files_are_read_fresh_after_a_warm_restart(mount, dataset) -> No
     names = sorted(sizes)
     m = mount(source, "--keep-cache")
     assert digests(m.mountpoint) == digests(source)
-    cached = m.status()["cache"]["files"]
+    cached = m.settled()["cache"]["files"]
     assert run_cli("umount", str(m.mountpoint)).returncode == 0
     changed_bytes = _change_three(source, names)
     again = mount(source, mountpoint=m.mountpoint, cache_dir=m.cache_dir)
@@ -43,7 +43,7 @@ def test_a_killed_daemon_leaves_a_cache_the_next_mount_adopts(mount, dataset) ->
     source, _sizes = dataset
     m = mount(source, "--keep-cache")
     assert digests(m.mountpoint) == digests(source)
-    cached = m.status()["cache"]["files"]
+    cached = m.settled()["cache"]["files"]
     os.kill(m.pid, signal.SIGKILL)  # no checkpoint: the journal's lines are all there is
     assert wait_exit(m.pid, 15)
     assert run_cli("umount", str(m.mountpoint)).returncode == 0

@@ -132,3 +132,24 @@ def test_a_filler_that_dies_fails_what_it_had_and_another_starts(tree: Tree) -> 
 
     serving(tree, body)
     assert (tree.files / file_name(9)).read_bytes() == b"c" * 5000
+
+
+def test_more_requests_at_once_than_the_socket_queues_are_all_answered(tree: Tree) -> None:
+    """An AF_UNIX datagram socket queues 10 datagrams (``net.unix.max_dgram_qlen``): the
+    rest wait in the daemon's outbox, none fails."""
+    for i in range(200):
+        (tree.src / f"f{i}").write_bytes(bytes([i]) * 3000)
+    ended: list[Pending] = []
+
+    async def body(filler: Filler) -> None:
+        for i in range(200):
+            st = os.stat(tree.src / f"f{i}")
+            filler.behind(b"f%d" % i, i, Version.of(st), ended.append)
+        with trio.fail_after(30):
+            while len(ended) < 200:
+                await trio.sleep(0.01)
+
+    serving(tree, body)
+    assert [p.error for p in ended if p.error is not None] == []
+    assert all((tree.files / file_name(i)).read_bytes() == bytes([i]) * 3000
+               for i in range(200))
