@@ -54,15 +54,8 @@ import trio
 from coordlfs.cache import cache_tmpfs, journal
 from coordlfs.cache.compact import Key
 from coordlfs.cache.entries import SHARED, UNCHECKED, Entry, EntryTable
-from coordlfs.cache.filler import (
-    FILL_CHUNK,
-    Filler,
-    Pending,
-    Stat,
-    create_file,
-    file_name,
-    write_all,
-)
+from coordlfs.cache.fill_process import FILL_CHUNK, Stat, create_file, file_name, write_all
+from coordlfs.cache.filler import Filler, Pending
 from coordlfs.cache.journal import JOURNAL
 from coordlfs.cache.published import BEAT_EVERY_S, INDEX, IndexWriter, Published, retire
 from coordlfs.cache.stats import ReadCounters

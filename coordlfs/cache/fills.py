@@ -43,7 +43,8 @@ from typing import Any
 import trio
 
 from coordlfs.cache.cache import Entry, WholeFileCache
-from coordlfs.cache.filler import Pending, Stat
+from coordlfs.cache.fill_process import Stat
+from coordlfs.cache.filler import Pending
 from coordlfs.protocol.spec import WARM_COUNTS, Caller, Refused, RequestError, Served
 from coordlfs.sizes import pages
 from coordlfs.source.beneath import mode_grants
@@ -417,9 +418,11 @@ class FillQueue:
         return None, []
 
     def status(self) -> dict[str, Any]:
+        filler = self.cache.filler
         return {"depth": self.depth, "queued": self.queued, "in_flight": self.in_flight,
                 "files": self.files, "bytes": self.bytes, "skipped": dict(self.skipped),
-                "failed": dict(self.failures)}
+                "failed": dict(self.failures),
+                "process": filler.status() if filler is not None else None}
 
 
 def register_commands(server: Served, fills: FillQueue, source: Source,

@@ -208,7 +208,7 @@ def test_ctrl_c_drops_the_rest_and_a_second_run_resumes(mount, source, tmp_path:
     m = mount(root, "--cache-size", "64M", "--fill-depth", "1")
     drop_caches()  # nothing of the source in the page cache: every read goes to the disk
     with memory_cgroup(f"coordlfs-test-warm-{os.getpid()}", pid=m.pid, read_bps=1 << 20,
-                       throttle_path=root):
+                       storage=root):
         proc = subprocess.Popen([*COORDLFS, "warm", str(m.mountpoint)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         try:

@@ -13,7 +13,8 @@ import pytest
 import trio
 import xxhash
 
-from coordlfs.cache.filler import FILL_CHUNK, Filler, Pending, Stat, file_name
+from coordlfs.cache.fill_process import FILL_CHUNK, Stat, file_name
+from coordlfs.cache.filler import Filler, Pending
 from coordlfs.source.source import Version
 
 
