@@ -100,8 +100,12 @@ class Backings:
         return backing
 
     def _beside(self, inode: int, entry: Entry | None) -> int | None:
-        """The id of the passthrough opens of ``inode`` already held, for one more open;
-        None if there are none. Any other answer would be EIO."""
+        """The answer the opens of ``inode`` the daemon holds already decide for one more:
+        the id of its passthrough opens (any other answer would be EIO), or direct_io while
+        a non-passthrough open is held (a shared mapping of that one would make a passthrough
+        open EIO); None if no open of it is held."""
+        if self._plain.get(inode):
+            return self._direct(inode)
         held = self._held.get(inode)
         if held is None:
             return None

@@ -274,3 +274,24 @@ def daemons_of(mountpoint: Path) -> list[int]:
         if b"coordlfs.daemon.detached" in argv and os.fsencode(mountpoint) in argv:
             found.append(int(proc.name))
     return found
+
+
+@needs_passthrough
+def test_an_open_beside_a_held_direct_io_open_is_direct_io_too(tmp_path: Path, mount) -> None:
+    """A file over one fill step is filled while its first open reads it (direct_io); once it
+    is complete, another open while that one is held and mapped must not be passthrough: the
+    kernel answers it EIO (an inode mapped shared through a direct_io open is in cached
+    mode). Seen as an EIO in `bench stagger`, where an aligned member's open is direct_io."""
+    src = random_source(tmp_path, **{"big.bin": SIZE})
+    want = (src / "big.bin").read_bytes()
+    m = mount(src, "--passthrough", "yes")
+    path = m.mountpoint / "big.bin"
+    with open(path, "rb") as held:
+        assert held.read() == want  # filled meanwhile; complete now
+        m.settled()
+        with mmap.mmap(held.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+            assert mapped[:4096] == want[:4096]
+            for _ in range(3):
+                with open(path, "rb") as again:  # EIO if answered by passthrough
+                    assert again.read() == want
+    assert read_every_way(path) == xxhash.xxh64_hexdigest(want)  # alone: passthrough again
