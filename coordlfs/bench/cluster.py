@@ -52,7 +52,7 @@ from coordlfs.protocol.spec import MAX_PREFETCH_PATHS, PREFETCH
 from coordlfs.sizes import format_size
 from coordlfs.testbed.cgroup import Cgroup, memory_cgroup
 from coordlfs.testbed.dataset import Dataset
-from coordlfs.testbed.mounts import mounted
+from coordlfs.testbed.mounts import mounted, settled
 from coordlfs.testbed.netns import Node, cluster_network, rate_bits
 from coordlfs.testbed.netns import check_can_run as check_netns
 from coordlfs.testbed.netns import remove_stale as remove_stale_network
@@ -233,6 +233,9 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                            for i in range(plan.nodes)]
                 done = [f.result() for f in futures]
                 _check_bytes(system, epoch, done, shares, sizes)
+                for control in controls:  # the fills behind this epoch's reads count in it
+                    if control is not None:
+                        settled(control)
                 after = [_counters(cgroup, pids, control) for cgroup, pids, control
                          in zip(cgroups, busy, controls, strict=True)]
                 epochs.append([NodeEpoch(round(seconds, 3), round(100 * waited / seconds, 1),

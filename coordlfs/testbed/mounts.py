@@ -58,17 +58,22 @@ class Mount:
         return json.loads((self.mountpoint / ".coordlfs").read_bytes())
 
     def settled(self, seconds: float = 60.0) -> dict[str, Any]:
-        """The status once no entry is being filled. A file the kernel read from the source
-        (FUSE passthrough) is copied into the cache after its last close, and the kernel sends
-        that close to the daemon after the reader's ``close`` has returned: what a reader just
-        read is in the cache a moment later, not at once."""
-        deadline = time.monotonic() + seconds
-        while (status := self.status())["cache"]["filling"]:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fills still in flight after {seconds:.0f} s: "
-                                   f"{status['cache']['filling']}")
-            time.sleep(0.01)
-        return status
+        return settled(self.control, seconds)
+
+
+def settled(control: Control, seconds: float = 60.0) -> dict[str, Any]:
+    """The mount's status once no entry is being filled. A file the kernel read from the
+    source (FUSE passthrough) is copied into the cache after its last close, and the kernel
+    sends that close to the daemon after the reader's ``close`` has returned: what a reader
+    just read is in the cache a moment later, not at once (a benchmark counting an epoch's
+    storage reads waits for them, so that they count in the epoch that caused them)."""
+    deadline = time.monotonic() + seconds
+    while (status := control.status())["cache"]["filling"]:
+        if time.monotonic() > deadline:
+            raise UserError(f"fills still in flight after {seconds:.0f} s: "
+                            f"{status['cache']['filling']}")
+        time.sleep(0.01)
+    return status
 
 
 def stop_daemon(mountpoint: str | os.PathLike[str], pid: int | None) -> None:
