@@ -145,6 +145,13 @@ def random_source(tmp_path: Path, **sizes: int) -> Path:
     return src
 
 
+def read_at_once(path: Path, readers: int) -> list[bytes]:
+    """``path`` read whole by ``readers`` processes (``cat``) started together."""
+    procs = [subprocess.Popen(["cat", str(path)], stdout=subprocess.PIPE)
+             for _ in range(readers)]
+    return [p.communicate()[0] for p in procs]
+
+
 def digests(root: Path) -> dict[str, str]:
     """xxhash of every regular file under ``root``, by relative path."""
     out = {}

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import xxhash
-from conftest import digests, drop_caches, random_source
+from conftest import digests, drop_caches, random_source, read_at_once
 
 
 def daemon_reads(reads: dict[str, int]) -> int:
@@ -28,10 +28,7 @@ def test_readers_opening_one_cold_file_at_once_share_one_storage_read(mount,
     data = (src / "image").read_bytes()
     m = mount(src)
     drop_caches()
-    readers = [subprocess.Popen(["cat", str(m.mountpoint / "image")], stdout=subprocess.PIPE)
-               for _ in range(16)]
-    outputs = [r.communicate()[0] for r in readers]
-    assert all(out == data for out in outputs)
+    assert all(out == data for out in read_at_once(m.mountpoint / "image", 16))
     status = m.status()
     reads = status["reads"]
     assert reads["files_from_source"] == 1 and reads["bytes_from_source"] == len(data)

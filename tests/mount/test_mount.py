@@ -19,6 +19,7 @@ from conftest import (
     drop_caches,
     force_unmount,
     random_source,
+    read_at_once,
     run_cli,
     wait_for,
 )
@@ -245,10 +246,7 @@ def test_concurrent_misses_fetch_once(mount, tmp_path: Path) -> None:
     data = (src / "shared").read_bytes()
     m = mount(src)
     drop_caches()
-    readers = [subprocess.Popen(["cat", str(m.mountpoint / "shared")], stdout=subprocess.PIPE)
-               for _ in range(4)]
-    outputs = [r.communicate()[0] for r in readers]
-    assert all(out == data for out in outputs)
+    assert all(out == data for out in read_at_once(m.mountpoint / "shared", 4))
     reads = m.status()["reads"]
     assert reads["bytes_from_source"] == len(data) and reads["files_from_source"] == 1
 
