@@ -43,10 +43,12 @@ import logging
 import mmap
 import os
 import shutil
+import stat
 import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import trio
@@ -54,14 +56,12 @@ import trio
 from coordlfs.cache import cache_tmpfs, journal
 from coordlfs.cache.compact import Key
 from coordlfs.cache.entries import SHARED, UNCHECKED, Entry, EntryTable
-from coordlfs.cache.fill_process import FILL_CHUNK, Stat, create_file, file_name, write_all
-from coordlfs.cache.filler import Filler, Pending
 from coordlfs.cache.journal import JOURNAL
 from coordlfs.cache.published import BEAT_EVERY_S, INDEX, IndexWriter, Published, retire
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.errors import UserError
 from coordlfs.sizes import pages
-from coordlfs.source.source import Source, SourceReader, Version
+from coordlfs.source.source import Source, SourceReader
 from coordlfs.source.threads import in_thread
 from coordlfs.source.watch import PublishedWatch
 from coordlfs.system.private_dir import open_private
@@ -71,6 +71,10 @@ log = logging.getLogger(__name__)
 #: Bytes read from the source per worker-thread call while filling an entry: large enough
 #: that thread hand-offs cost nothing next to the copy, small enough to bound the per-thread
 #: O_DIRECT buffers and to let a reader of a big file start early.
+FILL_CHUNK = 1 << 20
+#: Most entries one hand-off to a thread fills behind their readers (``fill_behind``): the
+#: loop's share of a hand-off per file, against the wait of the batch's last file
+BEHIND_BATCH = 16
 #: the directory of the entries' files, in the cache directory
 FILES = "files"
 #: what a user can do about a cache directory that is not theirs alone
@@ -100,6 +104,11 @@ _FILE_OVERHEAD = 752 + 192
 
 def _no_room(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in _NO_ROOM
+
+
+def file_name(number: int) -> str:
+    """The name of entry ``number``'s file in ``FILES``."""
+    return f"{number:x}"
 
 
 def file_overhead() -> int:
@@ -138,6 +147,29 @@ def _open_files(dir_fd: int, directory: str) -> int:
         raise UserError(f"{directory}/{FILES} is not a private directory of uid "
                         f"{os.geteuid()}'s: {_REMEDY}")
     return fd
+
+
+def create_file(files_fd: int, number: int) -> int:
+    """A new entry's file, for writing: 0600, exclusive (a leftover of the name is removed
+    first), never through a link."""
+    name = file_name(number)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(name, flags, 0o600, dir_fd=files_fd)
+    except FileExistsError:
+        os.unlink(name, dir_fd=files_fd)
+        return os.open(name, flags, 0o600, dir_fd=files_fd)
+
+
+def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """pwrite all of ``data``. A short write is continued, so a filesystem that runs out of
+    room raises ENOSPC rather than leaving a hole that reads back as zeros."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "the cache's filesystem took no bytes")
+        view, offset = view[written:], offset + written
 
 
 class WholeFileCache:
@@ -186,9 +218,9 @@ class WholeFileCache:
             raise
         #: entry number -> its file mapped, for ``data`` (least recently read first)
         self._mapped: OrderedDict[int, mmap.mmap] = OrderedDict()
-        #: the process that copies files into entries (``coordlfs.cache.filler``), for the
-        #: fills behind readers and the queue's; set by the daemon
-        self.filler: Filler | None = None
+        #: entries to fill behind their readers (``fill_behind``), and whether a task does
+        self._behind: list[_Behind] = []
+        self._filling_behind = False
         #: called with each entry dropped (``_release``), such as to drop its backing id
         self.released: list[Callable[[Key, Entry], None]] = []
         #: kernel bytes per entry file beside its pages (``file_overhead``)
@@ -427,32 +459,57 @@ class WholeFileCache:
             entry.behind = True
         return entry, new
 
-    def fill_behind(self, key: Key, entry: Entry) -> None:
+    def fill_behind(self, key: Key, entry: Entry, source: Source, nursery: trio.Nursery,
+                    source_fd: int = -1) -> None:
         """Fill an entry ``behind`` a reader of the source file, once, from the pages the
-        reader's reads brought into the page cache: by the filler (``coordlfs.cache.filler``:
-        ``sendfile``, the pages dropped after), the event loop only ending it. Storage is read
-        once, and counted once, by the opener (``bytes_from_source`` of a source open)."""
+        reader's reads brought into the page cache (``source_fd``: the reader's backing, if
+        still open): queued for a worker thread that copies a batch of files per hand-off
+        (``_copy_behind``), so that the event loop only reserves and ends each. Storage is
+        read once, and counted once, by the opener (``bytes_from_source`` of a source open);
+        the pages are dropped once copied (the cache has them)."""
         if not entry.behind:
             return
         entry.behind = False
-        assert self.filler is not None, "a fill behind a reader needs the filler"
+        fd = -1
+        if source_fd >= 0:
+            with contextlib.suppress(OSError):
+                fd = os.dup(source_fd)
+        self._behind.append(_Behind(key, entry, fd))
+        if not self._filling_behind:
+            self._filling_behind = True
+            nursery.start_soon(self._fill_behind, source)
 
-        def then(pending: Pending) -> None:
-            if pending.error is None:
-                self.arrived(entry, entry.size, counted=False)
-            self._ended(key, entry, pending.reply, pending.error)
+    async def drained(self, seconds: float) -> None:
+        """Wait, at most ``seconds``, for the fills behind readers to end: at unmount, the
+        files just read are then complete in the cache (and in its journal)."""
+        with trio.move_on_after(seconds):
+            while self._filling_behind:
+                await trio.sleep(0.01)
 
-        version = Version(key[1], entry.size, entry.mtime_ns, entry.ctime_ns)
+    async def _fill_behind(self, source: Source) -> None:
+        """Copy the queued entries a batch at a time, until none is left."""
+        batch: list[_Behind] = []
         try:
-            self.filler.behind(entry.path, entry.offset, version, then)
-        except OSError as e:
-            self._ended(key, entry, None, e)
+            while self._behind:
+                batch, self._behind = self._behind[:BEHIND_BATCH], self._behind[BEHIND_BATCH:]
+                await in_thread(_copy_behind, batch, source, self.files_fd)
+                for item in batch:
+                    self._end_behind(item)
+                batch = []
+        finally:
+            self._filling_behind = False
+            for item in batch + self._behind:  # cancelled at unmount
+                item.close()
+                self._end_behind(item, trio.Cancelled)
+            self._behind = []
 
-    def _ended(self, key: Key, entry: Entry, final: os.stat_result | Stat | None,
-               error: BaseException | None) -> None:
-        """``end_fill``, and the one line a failure other than a full cache is worth."""
-        error = self.end_fill(key, entry, final, error)
-        if error is not None and not _no_room(error):
+    def _end_behind(self, item: _Behind, stopped: type[BaseException] | None = None) -> None:
+        entry, error = item.entry, item.error
+        if stopped is None and error is None:
+            self.arrived(entry, entry.size, counted=False)
+        error = self.end_fill(item.key, entry, item.final,
+                              OSError(errno.ECANCELED, "unmounted") if stopped else error)
+        if error is not None and not _no_room(error) and not stopped:
             log.warning("caching %s failed: %s", os.fsdecode(entry.path), error,
                         exc_info=not isinstance(error, OSError))
 
@@ -494,12 +551,15 @@ class WholeFileCache:
             finally:
                 copier.close()
         except Exception as e:  # a failed fill must never fail the mount: readers stream
-            self._ended(key, entry, None, e)
+            error = self.end_fill(key, entry, None, e)
         except BaseException as e:  # cancelled at unmount
             self.end_fill(key, entry, None, e)
             raise
         else:
-            self._ended(key, entry, copier.final, None)
+            error = self.end_fill(key, entry, copier.final)
+        if error is not None and not _no_room(error):
+            log.warning("caching %s failed: %s", os.fsdecode(entry.path), error,
+                        exc_info=not isinstance(error, OSError))
 
     def arrived(self, entry: Entry, got: int, counted: bool = True) -> None:
         """``got`` more bytes of a filling entry are in its file: its readers may go on.
@@ -509,7 +569,7 @@ class WholeFileCache:
             self.counters.bytes_from_source += got
         self._wake(entry)
 
-    def end_fill(self, key: Key, entry: Entry, final: os.stat_result | Stat | None,
+    def end_fill(self, key: Key, entry: Entry, final: os.stat_result | None,
                  error: BaseException | None = None) -> BaseException | None:
         """End the fill of a reserved entry, by ``fill`` or by any other filler.
 
@@ -792,6 +852,51 @@ def _lstat_all(source: Source, checking: list[Checking]) -> list[os.stat_result 
         except (OSError, ValueError):
             stats.append(None)
     return stats
+
+
+@dataclass(slots=True, eq=False)
+class _Behind:
+    """An entry to fill behind its reader: the source file's descriptor if the reader's was
+    kept (else -1: opened again), and what the copy came to."""
+
+    key: Key
+    entry: Entry
+    fd: int
+    final: os.stat_result | None = None
+    error: Exception | None = None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+def _copy_behind(batch: list[_Behind], source: Source, files_fd: int) -> None:
+    """In a worker thread: each file into its entry's file, the kernel copying from the page
+    cache (``sendfile``: what the reader read is there, the rest is read), its pages dropped
+    after; errors are kept in the items, never raised."""
+    for item in batch:
+        out = -1
+        try:
+            if item.fd < 0:
+                item.fd = source.open_file(item.entry.path)
+            if not stat.S_ISREG(os.fstat(item.fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            out = create_file(files_fd, item.entry.offset)
+            size, done = item.entry.size, 0
+            while done < size:
+                got = os.sendfile(out, item.fd, done, size - done)
+                if got == 0:
+                    raise OSError(errno.EIO, "source file shrank while being cached")
+                done += got
+            item.final = os.fstat(item.fd)
+            os.posix_fadvise(item.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except Exception as e:
+            item.error = e
+        finally:
+            item.close()
+            if out >= 0:
+                os.close(out)
 
 
 class _Copier:

@@ -8,17 +8,16 @@ another. A later ``prefetch`` appends to the requester's queue: an order is sent
 (a request names at most ``control_spec.MAX_PREFETCH_PATHS``), and the next epoch's order
 comes after the rest of this one, which the job reads first.
 
-A worker's files are copied by the filler, the daemon's own process for fills
-(``coordlfs.cache.filler``: off the daemon's GIL, which the event loop serving FUSE requests
-needs): all of a worker's files are asked to be opened beneath the source's root (never
-through a symlink, O_DIRECT) at once; then each, in turn, is reserved here from the fstat the
-filler answers and copied there in pieces of up to ``FILL_CHUNK`` (a large file's readers go
-on as each arrives), or dropped. ``depth`` workers keep as many files in flight, and the
-filler has as many threads. The entry is reserved and ended through ``WholeFileCache`` like
-any fill, so a reader through the mount of a file being filled waits on the same entry, and
-an entry the mount is already filling (or holds) is skipped, as is a file over
-``--max-file-size``, one MinIO has no room for, and one a peer caches. Failures are counted
-and logged once per cause; they never fail the mount.
+A worker fills a whole file in one worker-thread call (``_Fill.run``): open beneath the
+source's root (never through a symlink), fstat, reserve the entry on the event loop (one
+call back), read with O_DIRECT in pieces of up to ``cache.FILL_CHUNK`` into the thread's
+aligned buffer, pwrite into the entry's file, fstat again. A small file (the common case)
+thus costs one hand-off to a thread and one back, where a read through the mount costs several FUSE
+requests; memory for fills in flight is at most ``depth`` buffers of ``FILL_CHUNK``. The entry
+is reserved and ended through ``WholeFileCache`` like any fill, so a reader through the mount
+of a file being filled waits on the same entry, and an entry the mount is already filling (or
+holds) is skipped, as is a file over ``--max-file-size``, one MinIO has no room for, and one a
+peer caches. Failures are counted and logged once per cause; they never fail the mount.
 
 Who may prefetch: the mount runs with ``default_permissions``, so the kernel checks a reader's
 uid and groups against each file's mode and every directory's search bit on the way. Root and
@@ -31,7 +30,6 @@ not read is refused whole (EACCES).
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import os
 import stat
@@ -42,13 +40,11 @@ from typing import Any
 
 import trio
 
-from coordlfs.cache.cache import Entry, WholeFileCache
-from coordlfs.cache.fill_process import Stat
-from coordlfs.cache.filler import Pending
+from coordlfs.cache.cache import FILL_CHUNK, Entry, WholeFileCache, create_file, write_all
 from coordlfs.protocol.spec import WARM_COUNTS, Caller, Refused, RequestError, Served
 from coordlfs.sizes import pages
-from coordlfs.source.beneath import mode_grants
-from coordlfs.source.source import Source
+from coordlfs.source.beneath import mode_grants, open_beneath
+from coordlfs.source.source import Source, SourceReader
 
 log = logging.getLogger(__name__)
 
@@ -134,25 +130,91 @@ def readable(source: Source, who: Credentials, paths: list[bytes]) -> list[bytes
 
 @dataclass(slots=True, eq=False)
 class _Fill:
-    """One file a worker fills: what the filler said of it, for the event loop to end."""
+    """One file of a batch: what the worker thread got to, for the event loop to end."""
 
     path: bytes
     requester: Requester = None
-    st: Stat | None = None
+    reader: SourceReader | None = None
+    st: os.stat_result | None = None
     entry: Entry | None = None
     #: bytes already handed on to waiting readers (``WholeFileCache.arrived``)
     reported: int = 0
-    final: Stat | None = None
+    final: os.stat_result | None = None
     error: BaseException | None = None
     #: why the file was not filled, when skipped before reserving (``FillQueue.skipped``)
     skip: str = ""
     ended: bool = False
 
-    def progress(self, cache: WholeFileCache, done: int) -> None:
-        """The filler copied ``done`` bytes of a large file: its readers may go on."""
-        if self.entry is not None and done > self.reported:
-            cache.arrived(self.entry, done - self.reported)
-            self.reported = done
+    def open(self, root_fd: int) -> None:
+        """In the worker thread: open and fstat, keeping any error."""
+        try:
+            self.reader = SourceReader.opening(open_beneath, root_fd, self.path)
+            self.st = self.reader.fstat()
+            if not stat.S_ISREG(self.st.st_mode):
+                self.skip = "not_regular"
+        except OSError as e:
+            self.error = e
+
+    def copy(self, cache: WholeFileCache, entry: Entry) -> None:
+        """In the worker thread: the file into its entry, in pieces of up to FILL_CHUNK; a
+        large file lets the readers of its start go on, and stops at an unmount."""
+        assert self.reader is not None
+        done = 0
+        fd = create_file(cache.files_fd, entry.offset)
+        try:
+            while done < entry.size:
+                if done:
+                    trio.from_thread.run_sync(cache.arrived, entry, done - self.reported)
+                    self.reported = done
+                    trio.from_thread.check_cancelled()
+                data = self.reader.read_view(done, min(FILL_CHUNK, entry.size - done))
+                if not data:
+                    raise OSError(errno.EIO, "source file shrank while being cached")
+                write_all(fd, data, done)
+                done += len(data)
+        finally:
+            os.close(fd)
+        self.final = self.reader.fstat()
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+
+@dataclass(slots=True, eq=False)
+class _Batch:
+    """Files one worker fills in one worker-thread call: the loop is asked once to reserve
+    them all, and told of each file as it completes, so a small file costs the event loop a
+    share of one hand-off plus its own completion."""
+
+    queue: FillQueue
+    fills: list[_Fill]
+    token: trio.lowlevel.TrioToken
+
+    def run(self) -> None:
+        """In a worker thread. Errors are kept in the fills, never raised."""
+        queue = self.queue
+        try:
+            for fill in self.fills:
+                fill.open(queue.source.root_fd)
+            trio.from_thread.run_sync(queue.reserve_all, self.fills)
+            for fill in self.fills:
+                if fill.entry is not None:
+                    trio.from_thread.check_cancelled()
+                    try:
+                        fill.copy(queue.cache, fill.entry)
+                    except Exception as e:
+                        fill.error = e
+                    fill.close()
+                    self.token.run_sync_soon(queue.end, fill)
+        except BaseException as e:  # cancelled at unmount: what is not copied is given up
+            for fill in self.fills:
+                if fill.final is None:
+                    fill.error = fill.error or e
+        finally:
+            for fill in self.fills:
+                fill.close()
 
 
 @dataclass(slots=True)
@@ -257,27 +319,29 @@ class FillQueue:
             tally["left"] -= dropped
         return dropped
 
-    def reserve(self, fill: _Fill) -> None:
-        """For a worker, once the filler has opened the file: reserve its entry, or say why
-        it is skipped (counted when ended)."""
-        cache, st = self.cache, fill.st
-        assert st is not None
-        cache.promise(-pages(st.st_size))  # reserved now, or never
-        key = (st.st_dev, st.st_ino)
-        if not stat.S_ISREG(st.st_mode):
-            fill.skip = "not_regular"
-        elif cache.lookup(key, st) is not None:  # type: ignore[arg-type]
-            fill.skip = "cached"
-        elif st.st_size > cache.max_file_size:
-            fill.skip = "too_large"
-        elif not self.caches_here(fill.path):
-            fill.skip = "elsewhere"
-        else:
-            fill.entry = cache.reserve(key, fill.path, st)  # type: ignore[arg-type]
-            if fill.entry is None:
-                fill.skip = "no_room"
+    def reserve_all(self, fills: list[_Fill]) -> None:
+        """On the event loop, for a worker: reserve the entries to fill; the rest are
+        skipped (and counted when ended)."""
+        cache = self.cache
+        for fill in fills:
+            st = fill.st
+            if st is not None:
+                cache.promise(-pages(st.st_size))  # reserved now, or never
+            if st is None or fill.skip:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if cache.lookup(key, st) is not None:
+                fill.skip = "cached"
+            elif st.st_size > cache.max_file_size:
+                fill.skip = "too_large"
+            elif not self.caches_here(fill.path):
+                fill.skip = "elsewhere"
             else:
-                cache.counters.files_from_source += 1
+                fill.entry = cache.reserve(key, fill.path, st)
+                if fill.entry is None:
+                    fill.skip = "no_room"
+                else:
+                    cache.counters.files_from_source += 1
 
     def end(self, fill: _Fill) -> None:
         """On the event loop, once per file: complete its entry or give it up, and count."""
@@ -338,15 +402,17 @@ class FillQueue:
 
     async def run(self) -> None:
         """The workers, until cancelled (unmount); what is still queued is dropped."""
+        limiter = trio.CapacityLimiter(max(1, self.depth))
         try:
             async with trio.open_nursery() as nursery:
                 for _ in range(self.depth):
-                    nursery.start_soon(self._worker)
+                    nursery.start_soon(self._worker, limiter)
         finally:
             self.queues.clear()
             self.queued = 0
 
-    async def _worker(self) -> None:
+    async def _worker(self, limiter: trio.CapacityLimiter) -> None:
+        token = trio.lowlevel.current_trio_token()
         while True:
             requester, paths = self._take()
             if not paths:
@@ -356,52 +422,13 @@ class FillQueue:
                     self._more = trio.Event()
                 await self._more.wait()
                 continue
-            fills = [_Fill(path, requester) for path in paths]
-            self.in_flight += len(fills)
+            batch = _Batch(self, [_Fill(path, requester) for path in paths], token)
+            self.in_flight += len(paths)
             try:
-                await self._fill(fills)
-            except BaseException as e:  # cancelled at unmount: what is not copied is given up
-                for fill in fills:
-                    if fill.final is None and fill.error is None:
-                        fill.error = e
-                raise
+                await trio.to_thread.run_sync(batch.run, limiter=limiter)
             finally:
-                for fill in fills:  # those not ended yet
+                for fill in batch.fills:  # those not ended yet (skipped, failed, cancelled)
                     self.end(fill)
-
-    async def _fill(self, fills: list[_Fill]) -> None:
-        """A worker's files, by the filler (``coordlfs.cache.filler``): all opened at once,
-        then, in turn, each reserved here and copied there, or dropped."""
-        filler = self.cache.filler
-        assert filler is not None, "the queue's fills need the filler"
-        opened: list[tuple[int, Pending] | None] = []
-        for fill in fills:
-            try:
-                opened.append(filler.open(fill.path))
-            except OSError as e:
-                fill.error = e
-                opened.append(None)
-        for fill, request in zip(fills, opened, strict=True):
-            if request is None:
-                continue
-            ident, pending = request
-            try:
-                fill.st = await pending.wait()
-            except OSError as e:
-                fill.error = e
-                continue
-            self.reserve(fill)
-            if fill.entry is None:
-                filler.drop(ident)
-                self.end(fill)
-                continue
-            try:
-                copied = filler.copy(ident, fill.entry.offset,
-                                     functools.partial(fill.progress, self.cache))
-                fill.final = await copied.wait()
-            except OSError as e:
-                fill.error = e
-            self.end(fill)
 
     def _take(self) -> tuple[Requester, list[bytes]]:
         """The next paths for a worker, and whose they are, from each requester in turn: a
@@ -418,11 +445,9 @@ class FillQueue:
         return None, []
 
     def status(self) -> dict[str, Any]:
-        filler = self.cache.filler
         return {"depth": self.depth, "queued": self.queued, "in_flight": self.in_flight,
                 "files": self.files, "bytes": self.bytes, "skipped": dict(self.skipped),
-                "failed": dict(self.failures),
-                "process": filler.status() if filler is not None else None}
+                "failed": dict(self.failures)}
 
 
 def register_commands(server: Served, fills: FillQueue, source: Source,

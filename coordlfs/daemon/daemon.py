@@ -18,7 +18,6 @@ import trio
 
 from coordlfs import PROTOCOL_VERSION, __version__
 from coordlfs.cache.cache import WholeFileCache
-from coordlfs.cache.filler import Filler
 from coordlfs.cache.fills import FillQueue
 from coordlfs.cache.fills import register_commands as register_fill_commands
 from coordlfs.cache.stats import Stats, register_commands
@@ -50,7 +49,7 @@ from coordlfs.system.mounts import device_mounted_at
 
 log = logging.getLogger("coordlfs")
 
-#: At unmount, how long the fills in flight (files just read) may take to complete.
+#: At unmount, how long the fills behind readers (files just read) may take to complete.
 DRAIN_S = 10.0
 
 #: Kernel read-ahead of the mount, KiB: at 1024 sequential reads arrive as 1 MiB requests
@@ -219,8 +218,6 @@ class Daemon:
         changes of the source reach it."""
         try:
             warm = self.cache.adopt()  # checked against the source while serving
-            self.cache.filler = Filler(self.source.root_fd, self.cache.files_fd,
-                                       self.config.fill_depth)
             log.info("source %s, cache %s: %d bytes of %d in %d warm entries",
                      self.source.path, self.cache.directory, self.cache.used,
                      self.cache.capacity, warm)
@@ -248,8 +245,6 @@ class Daemon:
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s", self.config.mountpoint)
         finally:
-            if self.cache.filler is not None:
-                self.cache.filler.close()
             self.ops.freshness.close()
             self._close()
             self.prep.close()
@@ -269,8 +264,6 @@ class Daemon:
             nursery.start_soon(self._reap_members)
             nursery.start_soon(self.prefetcher.run)
             nursery.start_soon(self.fills.run)
-            assert self.cache.filler is not None
-            nursery.start_soon(self.cache.filler.run)
             nursery.start_soon(self.peers.run)
             nursery.start_soon(self.warms.run)
             nursery.start_soon(self.ops.freshness.run)
@@ -286,8 +279,7 @@ class Daemon:
                 self.metrics.start(trio.lowlevel.current_trio_token())
             ready(self.ops.freshness.summary())
             await pyfuse3.main()
-            assert self.cache.filler is not None
-            await self.cache.filler.drained(DRAIN_S)
+            await self.cache.drained(DRAIN_S)
             nursery.cancel_scope.cancel()
 
     async def _reap_members(self) -> None:

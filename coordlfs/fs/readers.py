@@ -72,8 +72,8 @@ class Reader:
     #: this open filled is not a hit: its bytes are counted as the source's, by the fill)
     hit: bool = False
     #: for a source file the kernel reads itself: what fills the cache behind those reads,
-    #: at the last release (``Backings.open_source``)
-    behind: Callable[[], None] | None = None
+    #: given the file's descriptor at the last release (``Backings.open_source``)
+    behind: Callable[[int], None] | None = None
 
     @property
     def holds_bytes(self) -> bool:
@@ -131,9 +131,12 @@ class BehindReader(CacheReader):
         self.handle = handle
         self.behind = self._fill
 
-    def _fill(self) -> None:
-        """Fill the entry now, from the pages read (what the kernel's reads left)."""
-        self.readers.cache.fill_behind(key_of(self.handle.st), self.entry)
+    def _fill(self, source_fd: int = -1) -> None:
+        """Fill the entry now (from ``source_fd``, the kernel's backing, if given)."""
+        readers = self.readers
+        assert readers.nursery is not None
+        readers.cache.fill_behind(key_of(self.handle.st), self.entry, readers.source,
+                                  readers.nursery, source_fd)
 
     async def read(self, off: int, size: int) -> bytes | memoryview:
         self._fill()

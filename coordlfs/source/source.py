@@ -44,8 +44,8 @@ _WALK_AT = 3840
 #: what ``lstat``, ``readlink`` and the xattr calls open: the file itself, a link as a link
 _ITSELF = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 #: what ``SourceReader.opening`` opens a file with, O_DIRECT aside
-READING = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READING_DIRECT = READING | os.O_DIRECT
+_READING = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READING_DIRECT = _READING | os.O_DIRECT
 
 _local = threading.local()
 
@@ -179,7 +179,7 @@ class Source:
         """A descriptor of ``path`` for reading through the page cache, as any reader of the
         source would: a backing file the kernel reads itself (FUSE passthrough), or a fill
         copying the pages such a read brings in. The caller checks what it opened."""
-        return self.open(path, READING)
+        return self.open(path, _READING)
 
     def open_reader(self, path: bytes) -> SourceReader:
         """Open a regular file for reading; blocking, so call it from a worker thread."""
@@ -219,7 +219,7 @@ class SourceReader:
         except OSError as e:
             if e.errno != errno.EINVAL:  # this filesystem has no O_DIRECT
                 raise
-        return cls(open_fd(*args, READING), False)
+        return cls(open_fd(*args, _READING), False)
 
     def fstat(self) -> os.stat_result:
         return os.fstat(self.fd)

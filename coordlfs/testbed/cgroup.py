@@ -68,23 +68,6 @@ def _write(path: Path, value: str) -> None:
     path.write_text(value + "\n")
 
 
-def _children(pid: int) -> list[int]:
-    """The processes ``pid`` started, and theirs, as they are now."""
-    found: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        return found
-    for task in tasks:
-        try:
-            children = Path(f"/proc/{pid}/task/{task}/children").read_text().split()
-        except FileNotFoundError:
-            continue
-        for child in map(int, children):
-            found += [child, *_children(child)]
-    return found
-
-
 def _pids(directory: Path) -> list[int]:
     return [int(line) for line in (directory / "cgroup.procs").read_text().split()]
 
@@ -104,19 +87,10 @@ class Cgroup:
         return self.directories["memory"]
 
     def add(self, pid: int) -> None:
-        """Move process ``pid`` (all its threads) and the processes it started into the group,
-        remembering where each was: a mount's daemon brings its fill process
-        (``coordlfs.cache.filler``), which reads the storage and writes the cache's pages."""
-        for one in (pid, *_children(pid)):
-            for controller, directory in self.directories.items():
-                try:
-                    origin = cgroup_of(one, controller)
-                    _write(directory / "cgroup.procs", str(one))
-                except (FileNotFoundError, ProcessLookupError):
-                    if one == pid:
-                        raise
-                    continue  # a child that exited meanwhile
-                self._origins.setdefault((controller, one), origin)
+        """Move process ``pid`` (all its threads) into the group, remembering where it was."""
+        for controller, directory in self.directories.items():
+            self._origins.setdefault((controller, pid), cgroup_of(pid, controller))
+            _write(directory / "cgroup.procs", str(pid))
 
     def pids(self) -> list[int]:
         return _pids(next(iter(self.directories.values())))

@@ -13,7 +13,6 @@ import trio
 
 from coordlfs.cache import fills
 from coordlfs.cache.cache import FILL_CHUNK, WholeFileCache
-from coordlfs.cache.filler import Filler
 from coordlfs.cache.fills import BATCH, Credentials, FillQueue, readable
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.protocol.spec import Refused
@@ -119,12 +118,10 @@ def test_a_reader_waits_on_the_entry_the_queue_fills(tmp_path: Path) -> None:
     st = os.stat(tmp_path / "src" / "big")
     source = Source(str(tmp_path / "src"))
     cache = WholeFileCache(str(tmp_path / "cache"), 64 << 20, 64 << 20, ReadCounters())
-    cache.filler = Filler(source.root_fd, cache.files_fd, 1)  # a real fill process
     q = FillQueue(cache, source, 1)
 
     async def read() -> bool:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(cache.filler.run)
             nursery.start_soon(q.run)
             q.add(1, [b"big"])
             while (entry := cache.lookup((st.st_dev, st.st_ino), st)) is None:
@@ -145,6 +142,5 @@ def test_a_reader_waits_on_the_entry_the_queue_fills(tmp_path: Path) -> None:
         assert cache.counters.files_from_source == 1
         assert cache.counters.bytes_from_source == len(data)
     finally:
-        cache.filler.close()
         cache.close(keep=False)
         source.close()
