@@ -509,9 +509,11 @@ class Peers:
                 [self.links[n] for n in order[mine + 1:]])
 
     async def read(self, link: PeerLink, path: bytes, st: os.stat_result, offset: int,
-                   size: int) -> bytes | None:
-        """``size`` bytes at ``offset`` from ``link``'s cache; None: it cannot serve them."""
-        chunks = []
+                   size: int) -> bytes | bytearray | None:
+        """``size`` bytes at ``offset`` from ``link``'s cache; None: it cannot serve them.
+        A range of one request (a small file whole, nearly always) is its reply's payload as
+        it was received, not a copy."""
+        chunks: list[bytes | bytearray] = []
         for start in range(offset, offset + size, MAX_CHUNK):
             request = Get(path, st.st_size, st.st_mtime_ns, start,
                           min(MAX_CHUNK, offset + size - start))
@@ -523,7 +525,7 @@ class Peers:
                 self._not_served(link, path, *decode_fail(payload))
                 return None
             chunks.append(payload)
-        data = b"".join(chunks)
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self._served(link, len(data))
         return data
 
