@@ -17,16 +17,28 @@ page cache hides a read; bytes served by peers and by the caches, and after each
 node, its
 established TCP connections (its sockets in ``/proc/PID/fd`` looked up in ``/proc/net/tcp``:
 inbound on its listen port, outbound to peers) and its resident memory.
+
+``--simulated`` (say 64,256) measures one real node among N: the other N-1 are simulated in
+one process (``coordlfs.bench.simnodes``), each serving the real node's misses and asking it
+for its own files as fast as the real node reads, so the real node asks N-1 peers and is
+asked by N-1. Its peer sockets each way are sampled all along (``SAMPLE_S``), once with the
+default ``--peer-connections`` and once unbounded (``UNBOUNDED``: one connection per node
+each way, as before the bound), side by side, with the connections it opened and closed for
+room, the connections turned away and its peers' failures.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import socket
 import statistics
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +49,8 @@ from coordlfs.bench.children import worker_pool
 from coordlfs.bench.hits import evict
 from coordlfs.bench.placement import parse_counts
 from coordlfs.errors import UserError
+from coordlfs.peers.budget import DEFAULT_LIMIT as DEFAULT_PEER_CONNECTIONS
+from coordlfs.peers.placement import MAX_PEERS
 from coordlfs.protocol.order import epoch_order
 from coordlfs.sizes import format_size
 from coordlfs.testbed.cgroup import Cgroup, controller_root, storage_cgroup
@@ -47,12 +61,25 @@ from coordlfs.testbed.mounts import Mount, mounted, unmount_if_mounted
 BLOCK = 4096
 CGROUP_PREFIX = "coordlfs-nodes"
 ESTABLISHED = "01"
+#: ``--peer-connections`` of the unbounded simulated run: more than a node of the largest
+#: cluster can ask or be asked by (2 x MAX_PEERS), which is how nodes kept them before.
+UNBOUNDED = 2 * MAX_PEERS
+#: Seconds between two samples of the real node's sockets in a simulated run.
+SAMPLE_S = 0.1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     harness.add_dataset_arguments(parser, "nodes", make="1280:16K")
     parser.add_argument("--nodes", default="8,16,32,64",
-                        help="node counts, comma-separated (default 8,16,32,64)")
+                        help="node counts, comma-separated (default 8,16,32,64; none: only "
+                             "--simulated)")
+    parser.add_argument("--simulated", metavar="COUNTS",
+                        help="node counts of one real mount among simulated nodes, "
+                             "comma-separated (say 64,256): its peer connections")
+    parser.add_argument("--limits", default=f"{UNBOUNDED},{DEFAULT_PEER_CONNECTIONS}",
+                        help="the real mount's --peer-connections in the simulated runs, "
+                             f"comma-separated (default {UNBOUNDED},{DEFAULT_PEER_CONNECTIONS}"
+                             f": unbounded as before the bound, then the default)")
     parser.add_argument("--cache-share", type=float, default=4.0,
                         help="each node's cache in shares of the dataset (1/N each), at most "
                              "the dataset (default 4)")
@@ -277,6 +304,127 @@ def run_nodes(count: int, dataset: Dataset, work: Path, args: argparse.Namespace
     return result
 
 
+@dataclass(slots=True)
+class SimRun:
+    """One real node among ``nodes`` - 1 simulated ones, with ``--peer-connections limit``."""
+
+    nodes: int
+    limit: int
+    files_read: int
+    epoch_seconds: list[float]
+    #: the real node's established peer sockets at each sample: (inbound, outbound)
+    samples: list[tuple[int, int]]
+    #: its links' connections opened, and those closed to make room for another
+    links_opened: int
+    links_evicted: int
+    #: connections it served, closed to make room, and turned away (every one busy)
+    served: int
+    served_evicted: int
+    turned_away: int
+    #: faults that marked a peer down, at the real node and at the simulated ones
+    peer_failures: int
+    simulated: dict[str, int]
+
+    def row(self) -> dict[str, Any]:
+        totals = [i + o for i, o in self.samples]
+        per_1000 = 1000 / max(1, self.files_read)
+        return {
+            "nodes": self.nodes, "peer_connections": self.limit,
+            "sockets_max": max(totals), "sockets_median": statistics.median(totals),
+            "inbound_max": max(i for i, _o in self.samples),
+            "outbound_max": max(o for _i, o in self.samples),
+            "links_opened_per_1000_files": round(self.links_opened * per_1000, 1),
+            "served_opened_per_1000_files": round(self.served * per_1000, 1),
+            "links_evicted": self.links_evicted, "served_evicted": self.served_evicted,
+            "turned_away": self.turned_away, "peer_failures": self.peer_failures,
+            "simulated_failures": self.simulated["failures"],
+            "simulated_asked": self.simulated["asked"],
+            "simulated_served": self.simulated["served"],
+            "simulated_turned_away": self.simulated["turned_away"],
+            "epoch_seconds": self.epoch_seconds,
+        }
+
+
+class Sampler:
+    """The real node's established peer sockets, every ``SAMPLE_S``, while the block runs."""
+
+    def __init__(self, pid: int, port: int) -> None:
+        self.pid, self.port = pid, port
+        self.samples: list[tuple[int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        """Samples until stopped, and one as it stops: a run shorter than ``SAMPLE_S`` has
+        one all the same."""
+        while True:
+            stopping = self._stop.wait(SAMPLE_S)
+            self.samples.append(connections(self.pid, self.port, tcp_states()))
+            if stopping:
+                return
+
+
+def run_simulated(count: int, limit: int, dataset: Dataset, work: Path,
+                  args: argparse.Namespace) -> SimRun:
+    """The real node reads the dataset ``--epochs`` times among ``count`` - 1 simulated
+    nodes, with ``--peer-connections limit``."""
+    ports = free_ports(count)
+    nodes = [f"127.0.0.1:{p}" for p in ports]
+    largest = max(size for _rel, size in dataset.files)
+    cache = int(min(dataset.total_bytes, dataset.total_bytes * args.cache_share / count
+                    + largest))
+    timeout = ["--peer-timeout", args.peer_timeout] if args.peer_timeout else []
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(worker_pool(args.readers))  # forked before the pipes
+        simulator = stack.enter_context(subprocess.Popen(
+            [sys.executable, "-m", "coordlfs.bench.simnodes", str(dataset.root), nodes[0],
+             ",".join(nodes[1:])], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        stack.callback(simulator.kill)
+        assert simulator.stdin is not None and simulator.stdout is not None
+        if simulator.stdout.readline() != "ready\n":
+            raise UserError("the simulated nodes did not start")
+        mount = stack.enter_context(mounted(
+            dataset.root, work / "sim-mnt", work / f"sim-{count}-{limit}.log", "--cache-size",
+            str(cache), "--listen", nodes[0], "--peers", ",".join(nodes), "--insecure",
+            "--peer-connections", str(limit), *timeout))
+        with Sampler(mount.pid, ports[0]) as sampler:
+            seconds, done = [], 0
+            for epoch in range(args.epochs):
+                began = time.monotonic()
+                for _ in pool.imap_unordered(read_batch, batches(dataset, [mount], epoch,
+                                                                 args.seed, args.batch)):
+                    done = min(done + args.batch, (epoch + 1) * len(dataset.files))
+                    simulator.stdin.write(f"{done}\n")
+                    simulator.stdin.flush()
+                seconds.append(round(time.monotonic() - began, 1))
+        simulator.stdin.write("end\n")
+        simulator.stdin.flush()
+        simulated = json.loads(simulator.stdout.readline())
+        status = mount.status()
+    links = status["peers"]["links"].values()
+    served = status["served"]
+    run = SimRun(count, limit, done, seconds, sampler.samples,
+                 sum(link["connections"] for link in links), status["peers"]["evicted_links"],
+                 served["connections"], served["evicted"], served["turned_away"],
+                 sum(link["failures"] for link in links), simulated)
+    row = run.row()
+    print(f"  {count} nodes, --peer-connections {limit}: peer sockets {row['sockets_max']} "
+          f"at most ({row['inbound_max']} in, {row['outbound_max']} out), median "
+          f"{row['sockets_median']}; per 1000 files read {row['links_opened_per_1000_files']} "
+          f"connections opened, {row['served_opened_per_1000_files']} served; failures "
+          f"{row['peer_failures']} + {row['simulated_failures']}; epochs {seconds} s",
+          flush=True)
+    return run
+
+
 def print_epoch(result: Run, epoch: int, dataset: Dataset) -> None:
     nodes, total = result.epochs[epoch], dataset.total_bytes
     conns = [n.inbound + n.outbound for n in nodes]
@@ -302,11 +450,37 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r['mount_seconds']:7}  {r['epoch_seconds']}", flush=True)
 
 
+def parse_limits(text: str) -> tuple[int, ...]:
+    try:
+        limits = tuple(int(item) for item in text.split(","))
+    except ValueError:
+        raise UserError(f"bad --limits {text!r}: expected counts such as 512,64") from None
+    if not all(1 <= n <= UNBOUNDED for n in limits):
+        raise UserError(f"bad --limits {text!r}: each 1 to {UNBOUNDED}")
+    return limits
+
+
+def print_simulated(rows: list[dict[str, Any]]) -> None:
+    print("nodes  --peer-connections  peer sockets max (in+out), median  opened per 1000 files "
+          "(links, served)  closed for room (links, served)  turned away  failures")
+    for r in rows:
+        print(f"{r['nodes']:5}  {r['peer_connections']:18}  {r['sockets_max']:8} "
+              f"({r['inbound_max']}+{r['outbound_max']}), {r['sockets_median']:g}  "
+              f"{r['links_opened_per_1000_files']:21}, {r['served_opened_per_1000_files']}  "
+              f"{r['links_evicted']:23}, {r['served_evicted']}  {r['turned_away']:11}  "
+              f"{r['peer_failures'] + r['simulated_failures']}", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     harness.require_root("bench nodes", "mounts FUSE and counts storage with a blkio cgroup")
     harness.require_fuse()
-    controller_root("blkio")
-    counts = parse_counts(args.nodes)
+    counts = () if args.nodes == "none" else parse_counts(args.nodes)
+    simulated = parse_counts(args.simulated) if args.simulated else ()
+    limits = parse_limits(args.limits)
+    if not counts and not simulated:
+        raise UserError("--nodes none: give --simulated COUNTS")
+    if counts:
+        controller_root("blkio")
     for name in ("epochs", "readers", "batch"):
         if getattr(args, name) < 1:
             raise UserError(f"bad --{name} {getattr(args, name)}: need at least 1")
@@ -314,17 +488,24 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"bad --cache-share {args.cache_share}: must be positive")
     work = harness.work_dir(args.work)
     with harness.claimed(work, "bench nodes", cgroups=CGROUP_PREFIX):
-        for old in work.glob("mnt*"):
+        for old in [*work.glob("mnt*"), work / "sim-mnt"]:
             unmount_if_mounted(old)
         dataset = harness.load_dataset(args)
         print(f"{harness.describe_dataset(dataset)}; nodes {', '.join(map(str, counts))}; "
-              f"{args.readers} readers", flush=True)
+              f"simulated {', '.join(map(str, simulated)) or 'none'}; {args.readers} readers",
+              flush=True)
         runs = []
         for n in counts:
             with storage_cgroup(f"{CGROUP_PREFIX}-{os.getpid()}", dataset.root) as cgroup:
                 runs.append(run_nodes(n, dataset, work, args, cgroup))
+        sims = [run_simulated(n, limit, dataset, work, args)
+                for n in simulated for limit in limits]
     rows = [r.row(dataset) for r in runs]
-    print_table(rows)
+    sim_rows = [r.row() for r in sims]
+    if rows:
+        print_table(rows)
+    if sim_rows:
+        print_simulated(sim_rows)
     summary: dict[str, Any] = {}
     for r in rows:
         for key in ("source_files_epoch1_vs_files", "source_bytes_after_epoch1",
@@ -333,10 +514,15 @@ def run(args: argparse.Namespace) -> int:
             summary[f"{key}_{r['nodes']}"] = r[key]
         summary[f"seconds_{r['nodes']}"] = round(r["mount_seconds"] + sum(r["epoch_seconds"])
                                                  + r["unmount_seconds"], 1)
+    for r in sim_rows:
+        summary[f"simulated_sockets_max_{r['nodes']}_{r['peer_connections']}"] = \
+            r["sockets_max"]
     harness.print_summary(summary)
     harness.write_report(args.json, {"dataset": harness.dataset_record(dataset),
                                      "dataset_blocks": blocks(dataset),
                                      "settings": harness.plain_settings(args),
                                      "rows": rows, "runs": [asdict(r) for r in runs],
+                                     "simulated": sim_rows,
+                                     "simulated_runs": [asdict(r) for r in sims],
                                      "summary": summary})
     return 0

@@ -69,6 +69,8 @@ class MountConfig:
     secret_file: str | None
     insecure: bool
     peer_timeout: float
+    #: peer connections kept open at most each way (``coordlfs.peers.budget``)
+    peer_connections: int
     revalidate_s: float
     #: HOST:PORT serving Prometheus metrics, or None
     metrics: str | None

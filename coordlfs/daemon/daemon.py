@@ -170,10 +170,10 @@ class Daemon:
             log.warning("%s is not among the nodes from %s: this node caches nothing for the "
                         "others", listen, source.name)
         server = PeerServer(listen_socket(listen), secret, config.peer_timeout, self.source,
-                            self.cache, connection_cap(len(nodes)))
+                            self.cache, connection_cap(config.peer_connections))
         peers = Peers(nodes, me, secret, config.peer_timeout, self.stats.reads, listen,
-                      source.name)
-        self.membership = Membership(source, peers, server)
+                      source.name, config.peer_connections)
+        self.membership = Membership(source, peers)
         return peers, server
 
     def status(self) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from coordlfs.daemon.config import (
 )
 from coordlfs.daemon.mounting import free_space, usable_room
 from coordlfs.errors import UserError
+from coordlfs.peers.budget import DEFAULT_LIMIT as DEFAULT_PEER_CONNECTIONS
 from coordlfs.peers.placement import find_self, is_loopback, parse_address, parse_peers, read_secret
 from coordlfs.sizes import format_size, parse_size
 from coordlfs.system.mounts import within
@@ -294,6 +295,10 @@ OPTIONS: tuple[Option, ...] = (
            "also the most a frame may take either way, and 10x it closes an idle peer "
            "connection", _number(float, 0, 60, low_open=True, unit=" s"), "SECONDS",
            default=DEFAULT_PEER_TIMEOUT, section=CLUSTER),
+    Option("peer_connections", "peer connections kept open at most each way (to the peers "
+           "this node asks, from those that ask it); past it the least recently used idle "
+           "one is closed", _number(int, 1, 4096), "N", default=DEFAULT_PEER_CONNECTIONS,
+           section=CLUSTER),
     Option("metrics", "serve the mount's status as Prometheus metrics on this address "
            "(http://HOST:PORT/metrics)", _address, "HOST:PORT", section=RUN),
     Option("foreground", "do not detach; log to stderr unless --log", default=False,

@@ -1,14 +1,22 @@
 """Fetching a local miss from the peer mount that caches the file.
 
 Each remote peer is a ``PeerLink``: one kept-alive, authenticated connection (``peer_wire``)
-with many requests in flight, opened on first use. Any fault (refused connection, failed
-handshake, a reply later than ``timeout``, a bad checksum, a wrong length, garbage, a closed
-connection) marks the peer down: every request in flight on it gets ``None`` and the reader
+with many requests in flight, opened on first use. One is enough: replies come back in any
+order, so a large reply holds up no other request for longer than its own bytes take, and a
+second connection would not receive faster on the one event loop. Any fault (refused
+connection, failed handshake, a reply later than ``timeout``, a bad checksum, a wrong length,
+garbage) marks the peer down: every request in flight on it gets ``None`` and the reader
 reads local storage instead, so a fault costs a reader at most the timeout. A down peer is
 retried after a backoff that doubles from 1 s to 30 s. A link with nothing in flight for half
 the server's idle timeout (``peer_wire.idle_timeout``) closes its connection itself, before
 the server would, and reconnects at the next request; a server that closes a connection
-with nothing in flight is not a fault either. ``Peers`` ranks the nodes for a file
+with nothing in flight is not a fault either, and one that closes it under a request (its
+own budget needed the room, or it restarted) costs that request a second try on a new
+connection, and only a second loss marks it down; a server with every connection busy
+turns a new one away (BUSY), which sends that one file to local storage and marks nothing
+down. The links of a node share a ``Budget``
+(``coordlfs.peers.budget``): past its limit, a new connection first closes the least
+recently used idle link, or waits for one to become idle. ``Peers`` ranks the nodes for a file
 (``placement``) and keeps the counters the status shows. Files of an order handed over go many
 per request (``read_many``: GETMANY to a peer that lists it) into the holding area
 (``coordlfs.peers.hold``), where readers' first misses find them.
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -32,7 +41,8 @@ from typing import Any, NoReturn, Protocol
 import trio
 
 from coordlfs.cache.stats import ReadCounters
-from coordlfs.peers.placement import Address, find_self, owner, ranking, resolve
+from coordlfs.peers.budget import DEFAULT_LIMIT, Budget
+from coordlfs.peers.placement import Address, Resolved, find_self, owner, ranking, resolve
 from coordlfs.peers.wire import (
     MAX_CHUNK,
     Fail,
@@ -43,6 +53,7 @@ from coordlfs.peers.wire import (
     IdleTimeout,
     Kind,
     ProtocolError,
+    TurnedAway,
     Wanted,
     Warm,
     client_handshake,
@@ -91,6 +102,10 @@ class PeerStats:
     misses: int = 0
     stale: int = 0
     failures: int = 0
+    #: connections opened (the first, and one after each close), and those the peer turned
+    #: away because its own connections were all busy
+    connections: int = 0
+    turned_away: int = 0
     last_error: str = ""
 
 
@@ -100,13 +115,18 @@ class _Pending:
     kind: Kind | None = None
     payload: bytes | bytearray = b""
     error: str = ""
+    #: the peer closed the connection under it: it may not have seen the request
+    lost: bool = False
 
 
 class PeerLink:
-    def __init__(self, address: Address, secret: bytes, timeout: float) -> None:
+    def __init__(self, address: Address, secret: bytes, timeout: float,
+                 budget: Budget | None = None) -> None:
         self.address = address
         self.secret = secret
         self.timeout = timeout
+        #: the connections this link's node may keep open; None: no bound
+        self.budget = budget
         self.stats = PeerStats()
         self.nursery: trio.Nursery | None = None
         self._stream: FrameStream | None = None
@@ -120,6 +140,8 @@ class PeerLink:
         self._first_frame = trio.Event()
         #: the node left the cluster: no request goes to it any more
         self.retired = False
+        #: where the peer's name resolved to, until a connection there fails
+        self._where: Resolved | None = None
 
     @property
     def state(self) -> str:
@@ -183,26 +205,40 @@ class PeerLink:
 
     async def _exchange(self, kind: Kind, payload: bytes
                         ) -> tuple[FrameStream, Kind, bytes | bytearray]:
-        """Send one request and wait for its reply, on the stream it went out on."""
-        stream = await self._connected()
-        request_id = self._next_id
-        self._next_id = self._next_id % 0xFFFFFFFF + 1
-        pending = self._pending[request_id] = _Pending(trio.Event())
-        self.stats.requests += 1
-        try:
-            with trio.move_on_after(self.timeout):
-                await stream.send(kind, request_id, payload)
-                await pending.done.wait()
-        except Exception as e:  # the connection broke under the send
-            await self._fail(stream, f"sending failed: {_describe(e)}")
-        finally:
-            self._pending.pop(request_id, None)
-        if not pending.done.is_set():
-            await self._fail(stream, f"no reply within {self.timeout:g} s")
-        if pending.error or pending.kind is None:
-            raise PeerDown(pending.error or self.stats.last_error)
-        self._backoff = 0.0
-        return stream, pending.kind, pending.payload
+        """Send one request and wait for its reply, on the stream it went out on; once more
+        on a new connection if the peer closed the first under it."""
+        for last_try in (False, True):
+            stream = await self._connected()
+            request_id = self._next_id
+            self._next_id = self._next_id % 0xFFFFFFFF + 1
+            pending = self._pending[request_id] = _Pending(trio.Event())
+            self.stats.requests += 1
+            if self.budget is not None:
+                self.budget.used(self)
+            try:
+                with trio.move_on_after(self.timeout):
+                    await stream.send(kind, request_id, payload)
+                    await pending.done.wait()
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as e:  # closed under it
+                await self._lose(stream, f"sending failed: {_describe(e)}")
+            except Exception as e:  # the send timed out, or a bug
+                await self._fail(stream, f"sending failed: {_describe(e)}")
+            finally:
+                self._pending.pop(request_id, None)
+                if not self._pending and self.budget is not None:
+                    self.budget.went_idle()
+            if not pending.done.is_set():
+                await self._fail(stream, f"no reply within {self.timeout:g} s")
+            if pending.lost and not last_try:
+                log.debug("peer %s: %s; asking again", self.address, pending.error)
+                continue
+            if pending.lost:  # twice: not a close that made room, a fault
+                self._mark_down(pending.error)
+            if pending.error or pending.kind is None:
+                raise PeerDown(pending.error or self.stats.last_error)
+            self._backoff = 0.0
+            return stream, pending.kind, pending.payload
+        raise AssertionError("unreachable")
 
     async def _lied(self, stream: FrameStream, reason: str) -> NoReturn:
         """The reply breaks the protocol: the peer goes down, its bytes are not used."""
@@ -217,31 +253,73 @@ class PeerLink:
                 raise PeerDown(LEFT)
             if self._down_until > time.monotonic():
                 raise PeerDown(self.stats.last_error)
+            await self._room()
             try:
-                with trio.fail_after(self.timeout):
-                    where = await trio.to_thread.run_sync(resolve, self.address,
-                                                          abandon_on_cancel=True)
-                    stream = FrameStream(await trio.open_tcp_stream(where.host,
-                                                                    self.address.port),
-                                         frame_timeout=self.timeout)
-                    try:
-                        await client_handshake(stream, self.secret)
-                    except BaseException:
-                        await trio.aclose_forcefully(stream.stream)
-                        raise
-            except Exception as e:  # whatever went wrong, the reader reads local storage
-                self._mark_down(f"cannot connect: {_describe(e)}")
-                raise PeerDown(self.stats.last_error) from None
-            if self.retired:  # it left while this connected
-                await trio.aclose_forcefully(stream.stream)
-                raise PeerDown(LEFT)
-            assert self.nursery is not None
-            self._stream = stream
-            self._features = None
-            self._first_frame = trio.Event()
-            self.nursery.start_soon(self._receive, stream)
-            log.info("peer %s: connected", self.address)
-            return stream
+                return await self._connect()
+            except BaseException:
+                if self._stream is None and self.budget is not None:
+                    self.budget.release(self)
+                raise
+
+    async def _room(self) -> None:
+        """A place in the node's budget of connections, waiting at most the timeout for
+        one to become idle; PeerDown (not a fault of this peer's) if none does."""
+        if self.budget is None:
+            return
+        with trio.move_on_after(self.timeout):
+            while not self.budget.room():
+                await self.budget.wait_for_room()
+            self.budget.add(self)
+            return
+        raise PeerDown(f"all {self.budget.limit} peer connections busy for "
+                       f"{self.timeout:g} s")
+
+    async def _connect(self) -> FrameStream:
+        """A new authenticated connection, the link's from now on."""
+        try:
+            with trio.fail_after(self.timeout):
+                stream = FrameStream(await self._open(), frame_timeout=self.timeout)
+                try:
+                    await client_handshake(stream, self.secret)
+                except BaseException:
+                    await trio.aclose_forcefully(stream.stream)
+                    raise
+        except TurnedAway as e:  # no room there now: this file only reads local storage
+            self.stats.turned_away += 1
+            log.debug("peer %s: %s", self.address, e)
+            raise PeerDown(str(e)) from None
+        except Exception as e:  # whatever went wrong, the reader reads local storage
+            self._where = None  # the name may point elsewhere now
+            self._mark_down(f"cannot connect: {_describe(e)}")
+            raise PeerDown(self.stats.last_error) from None
+        if self.retired:  # it left while this connected
+            await trio.aclose_forcefully(stream.stream)
+            raise PeerDown(LEFT)
+        assert self.nursery is not None
+        self._stream = stream
+        self._features = None
+        self._first_frame = trio.Event()
+        self.stats.connections += 1
+        self.nursery.start_soon(self._receive, stream)
+        log.log(logging.INFO if self.stats.connections == 1 else logging.DEBUG,
+                "peer %s: connected", self.address)
+        return stream
+
+    async def _open(self) -> trio.SocketStream:
+        """A TCP connection to the peer. Its name is resolved (in a worker thread: a DNS
+        server may be slow) at the first connection and after a failed one only: with a
+        budget of connections below the node count, links reconnect often, and a lookup
+        and a thread each time cost more than the connection itself."""
+        if self._where is None:
+            self._where = await trio.to_thread.run_sync(resolve, self.address,
+                                                        abandon_on_cancel=True)
+        sock = trio.socket.socket(self._where.family, socket.SOCK_STREAM)
+        try:
+            await sock.connect(self._where.sockaddr)
+        except BaseException:
+            sock.close()
+            raise
+        return trio.SocketStream(sock)
 
     async def _receive(self, stream: FrameStream) -> None:
         """Hand each reply to the request that waits for it, until the connection fails or
@@ -259,12 +337,17 @@ class PeerLink:
                     continue  # its reader gave up (timeout); the link is being closed anyway
                 pending.kind, pending.payload = frame.kind, frame.payload
                 pending.done.set()
-            if not self._pending:
+            if self._waiting():
+                await self._lose(stream, "connection closed by the peer")
+            else:
                 await self._close_idle(stream, "closed by the peer while idle")
-                return
-            reason = "connection closed by the peer"
+            return
+            return
         except IdleTimeout:
             await self._close_idle(stream, "idle")
+            return
+        except trio.BrokenResourceError as e:  # reset: the peer closed it with bytes unread
+            await self._lose(stream, _describe(e))
             return
         except Exception as e:  # whatever broke, the link goes down, never the mount
             reason = _describe(e)
@@ -283,22 +366,55 @@ class PeerLink:
     async def _close_idle(self, stream: FrameStream, why: str) -> None:
         """Close an idle connection: not a fault, the next request reconnects."""
         if self._stream is stream:
-            self._stream = None
+            self._detach()
             log.debug("peer %s: connection %s, closed", self.address, why)
         with trio.CancelScope(shield=True):
             await trio.aclose_forcefully(stream.stream)
 
+    async def _lose(self, stream: FrameStream, reason: str) -> None:
+        """The peer closed ``stream`` under requests: they go again on a new connection."""
+        await self._end(stream, reason, lost=True)
+
     async def _fail(self, stream: FrameStream, reason: str) -> None:
         """Close ``stream`` (if it is still the current one) and fail its requests."""
+        await self._end(stream, reason, lost=False)
+
+    async def _end(self, stream: FrameStream, reason: str, lost: bool) -> None:
         if self._stream is not stream:
             return
-        self._stream = None
-        self._mark_down(reason)
+        self._detach()
+        if not lost:
+            self._mark_down(reason)
         for pending in self._pending.values():
-            pending.error = reason
-            pending.done.set()
+            if not pending.done.is_set():  # one answered already keeps its answer
+                pending.error, pending.lost = reason, lost
+                pending.done.set()
         with trio.CancelScope(shield=True):
             await trio.aclose_forcefully(stream.stream)
+
+    def _waiting(self) -> bool:
+        """Whether a request in flight still waits for its reply (one whose reply came has
+        not always gone from ``_pending`` yet: its task runs after the receive task)."""
+        return any(not pending.done.is_set() for pending in self._pending.values())
+
+    def _detach(self) -> None:
+        """The connection is no longer the link's: its place in the budget is free."""
+        self._stream = None
+        if self.budget is not None:
+            self.budget.release(self)
+
+    @property
+    def idle(self) -> bool:
+        """Connected with nothing in flight (``Budget``)."""
+        return self._stream is not None and not self._pending
+
+    def evict(self) -> None:
+        """Close the idle connection now, for another link's room (``Budget``)."""
+        stream = self._stream
+        if stream is not None:
+            self._stream = None
+            log.debug("peer %s: idle connection closed for another peer's", self.address)
+            _close_now(stream)
 
     def _mark_down(self, reason: str) -> None:
         self._backoff = min(MAX_BACKOFF_S, self._backoff * 2 or FIRST_BACKOFF_S)
@@ -311,7 +427,8 @@ class PeerLink:
         """The node left the cluster: requests in flight get None at once (their readers
         read local storage) and the connection is closed; not a fault of the peer."""
         self.retired = True
-        stream, self._stream = self._stream, None
+        stream = self._stream
+        self._detach()
         for pending in self._pending.values():
             pending.error = LEFT
             pending.done.set()
@@ -322,6 +439,14 @@ class PeerLink:
         return {"state": self.state, "in_flight": len(self._pending),
                 "retry_in_s": round(max(0.0, self._down_until - time.monotonic()), 3),
                 **asdict(self.stats)}
+
+
+def _close_now(stream: FrameStream) -> None:
+    """Close the connection's socket without an await: its receive task wakes on the close
+    (and, finding the link on another stream, ends quietly)."""
+    socket = getattr(stream.stream, "socket", None)
+    if socket is not None:
+        socket.close()
 
 
 def _describe(e: BaseException) -> str:
@@ -340,7 +465,7 @@ class Peers:
 
     def __init__(self, nodes: tuple[Address, ...], me: Address | None, secret: bytes,
                  timeout: float, counters: ReadCounters, listen: Address | None = None,
-                 source: str = "--peers") -> None:
+                 source: str = "--peers", max_links: int = DEFAULT_LIMIT) -> None:
         self.nodes = nodes
         self.me = me
         self.counters = counters
@@ -352,7 +477,10 @@ class Peers:
         self.source = source
         self.changed_at = time.time()
         self.changes = 0
-        self.links = {node: PeerLink(node, secret, timeout) for node in nodes if node != me}
+        #: the connections this node's links keep open at most (``--peer-connections``)
+        self.budget = Budget(max_links)
+        self.links = {node: PeerLink(node, secret, timeout, self.budget)
+                      for node in nodes if node != me}
         #: files of a known order fetched ahead of the readers; set by the daemon
         self.hold: Hold | None = None
         self._nursery: trio.Nursery | None = None
@@ -374,7 +502,7 @@ class Peers:
             if self.hold is not None:
                 self.hold.forget_link(link)
         for node in joined:
-            link = self.links[node] = PeerLink(node, self.secret, self.timeout)
+            link = self.links[node] = PeerLink(node, self.secret, self.timeout, self.budget)
             link.nursery = self._nursery
         self.nodes, self.me = nodes, me
         self.changed_at = time.time()
@@ -405,9 +533,11 @@ class Peers:
                 [self.links[n] for n in order[mine + 1:]])
 
     async def read(self, link: PeerLink, path: bytes, st: os.stat_result, offset: int,
-                   size: int) -> bytes | None:
-        """``size`` bytes at ``offset`` from ``link``'s cache; None: it cannot serve them."""
-        chunks = []
+                   size: int) -> bytes | bytearray | None:
+        """``size`` bytes at ``offset`` from ``link``'s cache; None: it cannot serve them.
+        A range of one request (a small file whole, nearly always) is its reply's payload as
+        it was received, not a copy."""
+        chunks: list[bytes | bytearray] = []
         for start in range(offset, offset + size, MAX_CHUNK):
             request = Get(path, st.st_size, st.st_mtime_ns, start,
                           min(MAX_CHUNK, offset + size - start))
@@ -419,7 +549,7 @@ class Peers:
                 self._not_served(link, path, *decode_fail(payload))
                 return None
             chunks.append(payload)
-        data = b"".join(chunks)
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self._served(link, len(data))
         return data
 
@@ -499,6 +629,8 @@ class Peers:
     def status(self) -> dict[str, Any]:
         return {"self": str(self.me) if self.me else None,
                 "nodes": [str(n) for n in self.nodes],
+                "open_links": len(self.budget), "max_links": self.budget.limit,
+                "evicted_links": self.budget.evicted,
                 "source": self.source, "changes": self.changes,
                 "changed_at": round(self.changed_at, 3),
                 "links": {str(a): link.status() for a, link in self.links.items()},

@@ -107,8 +107,8 @@ class Resolved:
 
     @property
     def host(self) -> str:
-        """The address as a string ``getaddrinfo`` (and so ``trio.open_tcp_stream``) takes
-        back: a link-local IPv6 address keeps its scope as ``%N``."""
+        """The address as a string ``getaddrinfo`` takes back: a link-local IPv6 address
+        keeps its scope as ``%N``."""
         scope = self.sockaddr[3] if len(self.sockaddr) == 4 else 0
         return f"{self.sockaddr[0]}%{scope}" if scope else self.sockaddr[0]
 

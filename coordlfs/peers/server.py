@@ -11,10 +11,11 @@ handshake within the timeout, frames are bounded and checksummed (``peer_wire``)
 must name a regular file inside the dataset through no symlink. A bad request is refused
 alone; a broken frame or an unexpected kind closes the connection. Nothing a peer sends can
 stop the mount, or take the descriptors its local readers need: connections are capped
-(``connection_cap``; one more is told BUSY and closed), a frame that trickles in or out
-slower than the timeout closes its connection, and so does one idle for
-``peer_wire.idle_timeout``. Refusals are logged at most once per ``LOG_INTERVAL_S``, with the
-number of those not logged, so a stranger cannot grow the log.
+(``connection_cap``, a ``coordlfs.peers.budget.Budget``: one more closes the least recently
+used idle connection, or, when every one is busy or still authenticating, is told BUSY and
+closed), a frame that trickles in or out slower than the timeout closes its connection, and
+so does one idle for ``peer_wire.idle_timeout``. Refusals are logged at most once per
+``LOG_INTERVAL_S``, with the number of those not logged, so a stranger cannot grow the log.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import trio
 
 from coordlfs.cache.cache import Entry, WholeFileCache
 from coordlfs.errors import UserError
+from coordlfs.peers.budget import DEFAULT_LIMIT, Budget
 from coordlfs.peers.links import Peers
 from coordlfs.peers.placement import Address, resolve
 from coordlfs.peers.wire import (
@@ -50,6 +52,7 @@ from coordlfs.peers.wire import (
     ProtocolError,
     encode_fail,
     encode_files,
+    encode_frame,
     idle_timeout,
     send_features,
     server_handshake,
@@ -80,14 +83,42 @@ class _Later:
     parts: list[Answer | _Waiting]
     many: bool
 
+
+@dataclass(eq=False, slots=True)
+class _Served:
+    """One admitted connection, as the server's ``Budget`` sees it."""
+
+    stream: trio.SocketStream
+    scope: trio.CancelScope
+    frames: FrameStream | None = None
+    #: authenticated, and waiting for the next frame
+    waiting: bool = False
+    #: requests answered, and those in progress (waiting for fills, or their replies going
+    #: out)
+    answered: int = 0
+    busy: int = 0
+
+    @property
+    def idle(self) -> bool:
+        """Closing it loses no request: waiting, with nothing in progress and no byte of a
+        next request here. A connection that has not had its first request answered is never
+        idle: its peer opened it to ask one (and a request asked again after a close goes on
+        a new connection, which must not be closed under it in turn)."""
+        return (self.waiting and not self.busy and self.answered > 0
+                and self.frames is not None and not self.frames.unread)
+
+    def evict(self) -> None:
+        """Close it now: its handler wakes cancelled; the peer asks again elsewhere."""
+        self.scope.cancel()
+        self.stream.socket.close()
+
 #: Requests one connection may have in progress; more wait for one to finish (the peer's
 #: reads of a whole epoch must not become thousands of tasks here).
 MAX_IN_PROGRESS = 32
-#: Peer connections served at once, at least: a cluster needs one per other node (two for
-#: a moment while one reconnects), so the cap is ``max(MIN_CONNECTIONS, 2 * nodes)``...
-MIN_CONNECTIONS = 64
-#: ... but never more than this share of the descriptor limit: the rest is kept for what the
-#: mount's local readers open (source files, the cache), which must never meet EMFILE.
+#: Peer connections are served at most ``--peer-connections`` at once (a fixed number, not
+#: one per node: ``coordlfs.peers.budget``), and never more than this share of the
+#: descriptor limit: the rest is kept for what the mount's local readers open (source files,
+#: the cache), which must never meet EMFILE.
 DESCRIPTOR_SHARE = 4
 #: Seconds between two log lines about refused connections or requests.
 LOG_INTERVAL_S = 10.0
@@ -97,12 +128,13 @@ ACCEPT_RETRY_S = 0.1
 ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
-def connection_cap(nodes: int) -> int:
-    """Peer connections to serve at once, for a cluster of ``nodes`` under this process's
-    soft RLIMIT_NOFILE (which the daemon raised to the hard limit when it started)."""
+def connection_cap(wanted: int = DEFAULT_LIMIT) -> int:
+    """Peer connections to serve at once: ``wanted`` (``--peer-connections``) within this
+    process's soft RLIMIT_NOFILE (which the daemon raised to the hard limit when it
+    started)."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     share = (1 << 20 if soft == resource.RLIM_INFINITY else soft) // DESCRIPTOR_SHARE
-    return max(1, min(max(MIN_CONNECTIONS, 2 * nodes), share))
+    return max(1, min(wanted, share))
 
 
 class RateLimitedLog:
@@ -140,8 +172,10 @@ class ServedStats:
     #: connections that failed the handshake, broke the protocol or a frame timeout, and
     #: refused requests
     refused: int = 0
-    #: connections told BUSY and closed because ``max_connections`` were open
+    #: connections told BUSY and closed: ``max_connections`` were open, none of them idle
     turned_away: int = 0
+    #: idle connections closed to make room for a new one
+    evicted: int = 0
     #: authenticated connections closed after the idle timeout
     idle_closed: int = 0
     open_connections: int = 0
@@ -171,13 +205,14 @@ class PeerServer:
     ``max_connections`` are open at once."""
 
     def __init__(self, sock: socket.socket, secret: bytes, timeout: float, source: Source,
-                 cache: WholeFileCache, max_connections: int = MIN_CONNECTIONS) -> None:
+                 cache: WholeFileCache, max_connections: int = DEFAULT_LIMIT) -> None:
         self.sock = sock
         self.secret = secret
         self.timeout = timeout
         self.source = source
         self.cache = cache
         self.stats = ServedStats(max_connections=max_connections)
+        self.budget = Budget(max_connections)
         self.nursery: trio.Nursery | None = None
         #: answers a peer's WARM (``coordlfs.peers.warm.answer``); set by the daemon
         self.warm: Callable[[bytes | bytearray], Answer] | None = None
@@ -189,8 +224,17 @@ class PeerServer:
             self.nursery = nursery  # fills started for peers outlive their request
             async with trio.open_nursery() as connections:
                 while True:
-                    if (stream := await self._accept(listener)) is not None:
-                        connections.start_soon(self._connection, stream)
+                    if len(self.budget) >= self.budget.limit:  # room before a new descriptor
+                        await trio.lowlevel.wait_readable(listener.socket)
+                        self.budget.room()
+                    if (stream := await self._accept(listener)) is None:
+                        continue
+                    if self.budget.room():
+                        served = _Served(stream, trio.CancelScope())
+                        self.budget.add(served)
+                        connections.start_soon(self._connection, served)
+                    else:
+                        self._turn_away(stream)
 
     async def _accept(self, listener: trio.SocketListener) -> trio.SocketStream | None:
         """The next connection; None after a pause when the process is out of descriptors
@@ -205,37 +249,36 @@ class PeerServer:
             await trio.sleep(ACCEPT_RETRY_S)
             return None
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
+    async def _connection(self, served: _Served) -> None:
+        stream = served.stream
         peer = _name(stream)
-        if self.stats.open_connections >= self.stats.max_connections:
-            await self._turn_away(stream, peer)
-            return
-        self.stats.open_connections += 1
-        self.stats.connections += 1
-        frames = FrameStream(stream, frame_timeout=self.timeout)
-        try:
-            if await self._admit(frames, peer):
-                await send_features(frames)
-                async with trio.open_nursery() as requests:
-                    await self._serve_frames(frames, requests, peer)
-        except Exception:  # a bug here must cost one connection, never the mount
-            log.exception("peer connection from %s failed", peer)
-        finally:
-            self.stats.open_connections -= 1
-            await trio.aclose_forcefully(stream)
+        with served.scope:
+            self.stats.connections += 1
+            frames = served.frames = FrameStream(stream, frame_timeout=self.timeout)
+            try:
+                if await self._admit(frames, peer):
+                    await send_features(frames)
+                    async with trio.open_nursery() as requests:
+                        await self._serve_frames(frames, requests, peer, served)
+            except Exception:  # a bug here must cost one connection, never the mount
+                log.exception("peer connection from %s failed", peer)
+            finally:
+                self.budget.release(served)
+                await trio.aclose_forcefully(stream)
+        if served.scope.cancelled_caught:
+            log.debug("idle peer connection from %s closed for a new one", peer)
 
-    async def _turn_away(self, stream: trio.SocketStream, peer: str) -> None:
+    def _turn_away(self, stream: trio.SocketStream) -> None:
         """Tell a connection past the cap that this node is busy (the peer reads its own
-        storage and retries after its backoff) and close it at once."""
+        storage for this file) and close it at once: its one small frame goes into the new
+        socket's empty buffer, so nothing waits and no descriptor is held past the cap."""
         self.stats.turned_away += 1
-        self._refused("peer connection from %s turned away: %d connections open, the most "
-                      "served at once", peer, self.stats.open_connections)
-        with trio.move_on_after(self.timeout), contextlib.suppress(
-                trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            await FrameStream(stream).send(Kind.FAIL, 0, encode_fail(
-                Fail.BUSY, f"{self.stats.open_connections} peer connections open, the most "
-                           "served at once"))
-        await trio.aclose_forcefully(stream)
+        busy = f"{len(self.budget)} peer connections open, the most served at once, none idle"
+        self._refused("peer connection from %s turned away: %s", _name(stream), busy)
+        with contextlib.suppress(OSError):
+            os.write(stream.socket.fileno(), encode_frame(Kind.FAIL, 0,
+                                                         encode_fail(Fail.BUSY, busy)))
+        stream.socket.close()
 
     async def _admit(self, frames: FrameStream, peer: str) -> bool:
         """The handshake, within the timeout; any failure (not only a wrong proof: also
@@ -255,21 +298,29 @@ class PeerServer:
         return False
 
     async def _serve_frames(self, frames: FrameStream, requests: trio.Nursery,
-                            peer: str) -> None:
+                            peer: str, served: _Served) -> None:
         """Read requests until the peer hangs up or stays idle; a broken or too slow frame
         ends the connection (caught here, inside the nursery, so that its requests' tasks
         stop with it)."""
         limit = trio.CapacityLimiter(MAX_IN_PROGRESS)
         idle = idle_timeout(self.timeout)
         try:
-            while (frame := await frames.receive(idle)) is not None:
+            while True:
+                served.waiting = True
+                frame = await frames.receive(idle)
+                served.waiting = False
+                if frame is None:
+                    break
+                served.answered += 1
+                self.budget.used(served)
                 if frame.kind in (Kind.GET, Kind.GETMANY):
                     answer = self._answer_now(frame.kind, frame.payload)
                     if isinstance(answer, _Later):  # a fill in progress: answer in a task
                         token = object()
                         await limit.acquire_on_behalf_of(token)
+                        served.busy += 1
                         requests.start_soon(self._request, frames, frame.request_id, answer,
-                                            limit, token, peer)
+                                            limit, token, peer, served)
                     else:
                         await frames.send(answer[0], frame.request_id, answer[1])
                 elif frame.kind == Kind.WARM and self.warm is not None:
@@ -294,7 +345,8 @@ class PeerServer:
         self._refused("peer connection from %s closed: %s", peer, e)
 
     async def _request(self, frames: FrameStream, request_id: int, later: _Later,
-                       limit: trio.CapacityLimiter, token: object, peer: str) -> None:
+                       limit: trio.CapacityLimiter, token: object, peer: str,
+                       served: _Served) -> None:
         try:
             try:
                 for part in later.parts:  # every fill it waits for has come (or failed);
@@ -313,6 +365,7 @@ class PeerServer:
             self._broken(peer, e)
             await trio.aclose_forcefully(frames.stream)
         finally:
+            served.busy -= 1
             limit.release_on_behalf_of(token)
 
     def _answer_now(self, kind: Kind, payload: bytes | bytearray) -> Answer | _Later:
@@ -384,17 +437,25 @@ class PeerServer:
         return Kind.DATA, self.cache.data(entry, request.offset, request.length)
 
     def _regular_file(self, path: bytes) -> os.stat_result:
-        """The file's status, if every component is inside the dataset and no symlink."""
-        parts = path.split(b"/")
-        for depth in range(1, len(parts) + 1):
-            st = self.source.lstat(b"/".join(parts[:depth]))
-            if stat.S_ISLNK(st.st_mode):
-                raise ProtocolError(f"{os.fsdecode(path)!r} goes through a symlink")
+        """The file's status, if every component is inside the dataset and no symlink: the
+        source's walk follows no link on the way (ELOOP), and the file itself is looked at as
+        a link if it is one."""
+        try:
+            st = self.source.lstat(path)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            st = None
+        if st is None or stat.S_ISLNK(st.st_mode):
+            raise ProtocolError(f"{os.fsdecode(path)!r} goes through a symlink")
         if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EISDIR, "not a regular file")
         return st
 
     def status(self) -> dict[str, Any]:
+        self.stats.open_connections = len(self.budget)
+        self.stats.max_connections = self.budget.limit
+        self.stats.evicted = self.budget.evicted
         return asdict(self.stats)
 
 

@@ -38,11 +38,10 @@ import trio
 
 from coordlfs.errors import UserError
 from coordlfs.peers.placement import MAX_PEERS, Address, is_loopback, parse_address
-from coordlfs.peers.server import RateLimitedLog, connection_cap
+from coordlfs.peers.server import RateLimitedLog
 
 if TYPE_CHECKING:
     from coordlfs.peers.links import Peers
-    from coordlfs.peers.server import PeerServer
 
 log = logging.getLogger(__name__)
 
@@ -368,10 +367,9 @@ def peer_source(config: PeerSettings, listen: Address) -> PeerSource:
 class Membership:
     """Follows a source that changes and hands each new list of nodes to the peers."""
 
-    def __init__(self, source: PeerSource, peers: Peers, server: PeerServer | None) -> None:
+    def __init__(self, source: PeerSource, peers: Peers) -> None:
         self.source = source
         self.peers = peers
-        self.server = server
 
     async def run(self) -> None:
         """Poll the source until the mount ends; resolution and file reads run in worker
@@ -393,6 +391,3 @@ class Membership:
             await self.peers.replace(nodes)
         except UserError as e:  # e.g. this node named twice
             log.warning("%s: %s; the last good list stays", self.source.name, e)
-            return
-        if self.server is not None:  # one connection per other node, as at mount
-            self.server.stats.max_connections = connection_cap(len(nodes))

@@ -70,14 +70,18 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import fcntl
 import hashlib
 import hmac
 import math
+import os
 import secrets
 import struct
-from collections.abc import Sequence
+import sys
+import termios
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import trio
 import xxhash
@@ -111,15 +115,12 @@ WARM_CANCEL = 1
 WARM_REPLY = struct.Struct(f"!Q{len(WARM_COUNTS)}Q")
 #: What this side serves beyond GET, sent after WELCOME (see the module's docstring).
 FEATURES = (b"getmany", b"warm")
-#: Payloads up to this size are joined to their header (one send); larger ones are sent
-#: after it, which costs a second send but not a copy.
-_JOIN_BELOW = 64 << 10
 NONCE_SIZE = 32
-_READ_SIZE = 1 << 16
-#: Parts one ``sendmsg`` may take, well below any IOV_MAX; a frame in more is joined.
+#: Bytes a frame's header is read with: a request or a failure comes whole in one read, and
+#: no more than this of a large payload is copied on its way into the payload's own buffer.
+_BUFFER_SIZE = 4096
+#: Parts one ``writev`` may take, well below any IOV_MAX; a frame in more is joined.
 _MAX_PARTS = 256
-#: Payloads from this size are received into a buffer of their own (``FrameStream._payload``).
-_RECEIVE_INTO_FROM = 64 << 10
 #: A connection idle this many peer timeouts is closed by the server: long enough that a
 #: job's pauses between reads (an evaluation, a checkpoint) rarely cost a reconnection (one
 #: round trip), short enough that dead or idle peers do not hold descriptors for long.
@@ -159,6 +160,10 @@ class AuthError(ProtocolError):
     """The other side could not prove it holds the secret."""
 
 
+class TurnedAway(ProtocolError):
+    """The server has no room for another connection now (BUSY): not a fault of it."""
+
+
 class FrameTimeout(ProtocolError):
     """A frame took longer than the frame timeout to arrive or to go out: the peer trickles
     bytes or does not read. Part of a frame may have passed, so the stream is out of step."""
@@ -176,9 +181,24 @@ class Frame:
     payload: bytes | bytearray
 
 
+class _Late(Exception):
+    """Waiting for the socket outlasted the deadline; the caller says which one."""
+
+
 class FrameStream:
     """Frames over a trio stream: any number of tasks may send, but only one may receive
     at a time (the connection's reader task), since frames are cut from a shared buffer.
+
+    Over a socket (every connection between peers) the bytes are read and written with
+    plain non-blocking system calls, waiting for the socket (``trio.lowlevel``) only when one
+    would block: a frame that is there costs its system calls and no pass through trio's
+    scheduler, where every call of trio's socket methods cost one (measured in
+    ``docs/benchmarks/cluster.md``: they were most of a peer file's CPU). A receive that did
+    not have to wait yields once all the same, so a peer that sends frames back to back cannot
+    hold the loop. Headers and small frames come through a small buffer, a payload larger
+    than what is buffered straight into a buffer of its own, which becomes the frame's
+    payload: no other copy. Any other stream (tests' memory streams) goes through its own
+    ``receive_some`` and ``send_all``.
 
     After a ProtocolError (a FrameTimeout too) the stream is out of step with the peer:
     close it. ``frame_timeout`` bounds each frame once it has started, both ways.
@@ -187,16 +207,22 @@ class FrameStream:
     def __init__(self, stream: trio.abc.Stream, frame_timeout: float = math.inf) -> None:
         self.stream = stream
         self.frame_timeout = frame_timeout
-        self._buffer = bytearray()
+        #: the trio socket under ``stream``, if it is one (its descriptor is read directly)
+        self._socket = getattr(stream, "socket", None)
+        self._buffer = bytearray(_BUFFER_SIZE)
+        self._view = memoryview(self._buffer)
+        #: the buffered bytes not yet cut into frames: ``_buffer[_start:_end]``
+        self._start = self._end = 0
+        #: a receive waited for the socket (passed through the scheduler); one is cutting a frame
+        self._waited = self._in_frame = False
         self._send_lock = trio.Lock()
 
     async def send(self, kind: Kind, request_id: int,
                    payload: Buffer | Sequence[Buffer] = b"") -> None:
-        """Send one frame under a lock, so that concurrent requests on one connection never
-        interleave their bytes. The payload may come in parts (a batch's files, views of the
-        cache): the checksum is taken over them before the first await, and a large payload
-        goes out as it is, in one ``sendmsg`` of every part where the stream is a socket,
-        rather than copied behind its header."""
+        """Send one frame, never interleaved with another's bytes. The payload may come in
+        parts (a batch's files, views of the cache): the checksum is taken over them before
+        the first await, and they go out as they are, in one ``writev`` where the stream is
+        a socket, rather than copied behind its header."""
         parts = [payload] if isinstance(payload, Buffer) else list(payload)
         length = sum(map(len, parts))
         if length > MAX_PAYLOAD:
@@ -206,46 +232,81 @@ class FrameStream:
         digest = xxhash.xxh64()
         for part in parts:
             digest.update(part)
-        header = HEADER.pack(MAGIC, VERSION, kind, request_id, length, digest.intdigest())
-        async with self._send_lock:
-            with trio.move_on_after(self.frame_timeout) as scope:
-                await self._send_parts([header, *parts], HEADER.size + length)
-        if scope.cancelled_caught:
+        parts.insert(0, HEADER.pack(MAGIC, VERSION, kind, request_id, length,
+                                    digest.intdigest()))
+        if len(parts) > _MAX_PARTS:
+            parts = [b"".join(parts)]
+        try:  # taken at once unless another send waits for the socket: no await then
+            self._send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._send_lock.acquire()
+        try:
+            await self._send_parts(parts, trio.current_time() + self.frame_timeout)
+        except _Late:
             raise FrameTimeout(f"the peer took more than {self.frame_timeout:g} s to take a "
-                               f"{Kind(kind).name} frame of {length} bytes")
+                               f"{Kind(kind).name} frame of {length} bytes") from None
+        finally:
+            self._send_lock.release()
 
-    async def _send_parts(self, parts: list[Buffer], length: int) -> None:
-        socket = getattr(self.stream, "socket", None)
-        if length <= _JOIN_BELOW or len(parts) > _MAX_PARTS:
-            await self.stream.send_all(b"".join(parts))
-        elif socket is None or not hasattr(socket, "sendmsg"):
-            for part in parts:
-                await self.stream.send_all(part)
-        else:
+    async def _send_parts(self, parts: list[Buffer], deadline: float) -> None:
+        if self._socket is None:
+            with trio.move_on_at(deadline) as scope:
+                await self.stream.send_all(b"".join(parts))
+            if scope.cancelled_caught:
+                raise _Late
+            return
+        views = [memoryview(part) for part in parts if len(part)]
+        while views:
             try:
-                await _sendmsg_all(socket, [memoryview(part) for part in parts])
+                sent = os.writev(self._fd(), views)
+            except BlockingIOError:
+                await self._wait(trio.lowlevel.wait_writable, deadline)
+                continue
             except OSError as e:  # as SocketStream.send_all says it
                 raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
+            while sent:
+                if sent >= len(views[0]):
+                    sent -= len(views.pop(0))
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
 
     async def receive(self, idle_timeout: float = math.inf) -> Frame | None:
         """The next frame, or None when the peer closed the connection between frames.
         IdleTimeout if no byte of it comes within ``idle_timeout``; FrameTimeout if, once its
         first byte is here, the rest takes longer than the frame timeout."""
-        with trio.move_on_after(idle_timeout) as idle:
-            started = await self._fill(1)
-        if idle.cancelled_caught:
-            raise IdleTimeout(f"no frame for {idle_timeout:g} s")
-        if not started:
-            return None
-        with trio.move_on_after(self.frame_timeout):
-            return await self._frame()
-        raise FrameTimeout(f"a frame took more than {self.frame_timeout:g} s to arrive "
-                           f"({len(self._buffer)} bytes of it came)")
+        self._waited = False
+        if self._start == self._end:
+            self._start = self._end = 0
+            try:
+                self._end = await self._read(self._view, trio.current_time() + idle_timeout)
+            except _Late:
+                raise IdleTimeout(f"no frame for {idle_timeout:g} s") from None
+            if not self._end:
+                return None
+        self._in_frame = True
+        try:
+            if not self._waited:  # no pass through the scheduler yet: one now, for the others
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            return await self._frame(trio.current_time() + self.frame_timeout)
+        except _Late:
+            raise FrameTimeout(f"a frame took more than {self.frame_timeout:g} s to "
+                               "arrive") from None
+        finally:
+            self._in_frame = False
 
-    async def _frame(self) -> Frame:
+    async def _frame(self, deadline: float) -> Frame:
         """Cut one whole frame from the stream, its first byte already buffered."""
-        await self._fill(HEADER.size)
-        magic, version, kind, request_id, length, digest = HEADER.unpack_from(self._buffer)
+        while self._end - self._start < HEADER.size:
+            if self._end == len(self._buffer):  # the header's start is at the buffer's end
+                self._buffer[:self._end - self._start] = bytes(self._view[self._start:self._end])
+                self._start, self._end = 0, self._end - self._start
+            got = await self._read(self._view[self._end:], deadline)
+            if not got:
+                raise ProtocolError("connection closed mid-frame")
+            self._end += got
+        magic, version, kind, request_id, length, digest = HEADER.unpack_from(self._buffer,
+                                                                             self._start)
         if magic != MAGIC:
             raise ProtocolError(f"bad magic {magic!r}, not a coordlfs peer")
         if version != VERSION:
@@ -254,60 +315,90 @@ class FrameStream:
             raise ProtocolError(f"unknown frame kind {kind}")
         if length > MAX_PAYLOAD:  # before reading: never allocate what a peer announces
             raise ProtocolError(f"frame announces {length} bytes, more than {MAX_PAYLOAD}")
-        del self._buffer[:HEADER.size]
-        payload = await self._payload(length)
+        self._start += HEADER.size
+        payload = await self._payload(length, deadline)
         if xxhash.xxh64_intdigest(payload) != digest:
             raise ProtocolError(f"checksum mismatch in {Kind(kind).name} frame {request_id}")
         return Frame(Kind(kind), request_id, payload)
 
-    async def _payload(self, length: int) -> bytes | bytearray:
-        """The frame's payload, its header already cut. A large one (a batch of files) is
-        received straight into a buffer of its size, which becomes the payload: cutting it
-        from the shared buffer cost two more copies of every byte."""
-        receive_into = getattr(getattr(self.stream, "socket", None), "recv_into", None)
-        if length < _RECEIVE_INTO_FROM or receive_into is None or length <= len(self._buffer):
-            await self._fill(length)
-            with memoryview(self._buffer) as view:
-                payload = bytes(view[:length])
-            del self._buffer[:length]
+    async def _payload(self, length: int, deadline: float) -> bytes | bytearray:
+        """The frame's payload, its header already cut: a copy of the buffered bytes if it is
+        all there, else a buffer of its size that the rest is read straight into."""
+        have = self._end - self._start
+        if length <= have:
+            payload = bytes(self._view[self._start:self._start + length])
+            self._start += length
             return payload
         buffer = bytearray(length)
-        have = len(self._buffer)
-        buffer[:have] = self._buffer
-        self._buffer.clear()
         with memoryview(buffer) as view:
+            view[:have] = self._view[self._start:self._end]
+            self._start = self._end = 0
             while have < length:
-                got = await receive_into(view[have:])
+                got = await self._read(view[have:], deadline)
                 if not got:
                     raise ProtocolError("connection closed mid-frame")
                 have += got
         return buffer
 
-    async def _fill(self, size: int) -> bool:
-        """Buffer at least ``size`` bytes; False on EOF before the first byte of a frame."""
-        while len(self._buffer) < size:
-            chunk = await self.stream.receive_some(max(size - len(self._buffer), _READ_SIZE))
-            if not chunk:
-                if self._buffer:
-                    raise ProtocolError("connection closed mid-frame")
-                return False
-            self._buffer += chunk
-        return True
+    async def _read(self, view: memoryview, deadline: float) -> int:
+        """Bytes into ``view``: what is there, at least one (waiting until ``deadline``
+        for it); 0 at the end of the stream."""
+        if self._socket is None:
+            with trio.move_on_at(deadline) as scope:
+                data = await self.stream.receive_some(len(view))
+            if scope.cancelled_caught:
+                raise _Late
+            self._waited = True
+            view[:len(data)] = data
+            return len(data)
+        while True:
+            try:
+                return os.readv(self._fd(), [view])
+            except BlockingIOError:
+                await self._wait(trio.lowlevel.wait_readable, deadline)
+            except OSError as e:  # a reset
+                raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
+
+    @property
+    def unread(self) -> bool:
+        """Whether a frame is on its way in: being received, buffered, or waiting in the
+        socket."""
+        if self._in_frame or self._start != self._end:
+            return True
+        fd = -1 if self._socket is None else self._socket.fileno()
+        if fd < 0:
+            return False
+        return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, bytes(4)), sys.byteorder) > 0
+
+    def _fd(self) -> int:
+        """The socket's descriptor, taken right before each system call: a closed socket's
+        number may already name another file."""
+        fd = self._socket.fileno()
+        if fd < 0:
+            raise trio.ClosedResourceError("the connection was closed")
+        return fd
+
+    async def _wait(self, wait: Callable[[Any], Awaitable[None]], deadline: float) -> None:
+        """Until the socket is ready for what ``wait`` waits for, or ``_Late`` after
+        ``deadline``; a socket closed meanwhile raises ClosedResourceError."""
+        self._waited = True
+        if deadline == math.inf:
+            await wait(self._socket)
+            return
+        with trio.move_on_at(deadline):
+            await wait(self._socket)
+            return
+        raise _Late
 
     async def aclose(self) -> None:
         await self.stream.aclose()
 
 
-async def _sendmsg_all(socket: trio.socket.SocketType, views: list[memoryview]) -> None:
-    """Every byte of ``views``, in as few ``sendmsg`` calls as the socket takes them."""
-    while views:
-        sent = await socket.sendmsg(views)
-        while sent:
-            if sent >= len(views[0]):
-                sent -= len(views.pop(0))
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
+def encode_frame(kind: Kind, request_id: int, payload: bytes) -> bytes:
+    """One whole small frame, for a sender that must not wait (a server turning a connection
+    away writes it straight into the new socket)."""
+    return HEADER.pack(MAGIC, VERSION, kind, request_id, len(payload),
+                       xxhash.xxh64_intdigest(payload)) + payload
 
 
 def _proof(secret: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
@@ -346,7 +437,7 @@ async def client_handshake(fs: FrameStream, secret: bytes) -> None:
     wrap in ``trio.fail_after``, a silent server would otherwise hang us."""
     frame = await fs.receive()
     if frame is not None and frame.kind == Kind.FAIL:  # BUSY: it has no room for us now
-        raise ProtocolError(f"peer turned us away: {decode_fail(frame.payload)[1]}")
+        raise TurnedAway(f"peer turned us away: {decode_fail(frame.payload)[1]}")
     if frame is None or frame.kind != Kind.HELLO or len(frame.payload) != NONCE_SIZE:
         raise ProtocolError("peer did not start the handshake with HELLO")
     server_nonce, client_nonce = frame.payload, secrets.token_bytes(NONCE_SIZE)

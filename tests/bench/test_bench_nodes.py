@@ -40,6 +40,33 @@ def test_four_nodes_read_storage_once_in_all(tmp_path: Path, daemon_logs: list[P
                 if str(work) in line]
 
 
+def test_one_node_among_simulated_ones_keeps_its_sockets_within_the_bound(
+        tmp_path: Path, daemon_logs: list[Path]) -> None:
+    """One real mount among 7 simulated nodes: unbounded it holds a socket each way per node
+    it asked or was asked by; with --peer-connections 2, never more than 2 each way, closing
+    idle ones for room; every request is served either way (or, bounded, turned away while
+    every connection was busy)."""
+    work = tmp_path / "work"
+    daemon_logs.append(work)
+    report = small_run("nodes", work, tmp_path / "nodes.json", "--nodes", "none",
+                       "--simulated", "8", "--limits", "512,2", "--make", "50:16K",
+                       "--readers", "2", "--peer-timeout", "60")
+    unbounded, bounded = report["simulated"]
+    assert (unbounded["peer_connections"], bounded["peer_connections"]) == (512, 2)
+    assert unbounded["inbound_max"] <= 7 and unbounded["outbound_max"] <= 7
+    assert unbounded["links_evicted"] == unbounded["served_evicted"] == 0
+    assert bounded["inbound_max"] <= 2 + (bounded["turned_away"] > 0)
+    assert bounded["outbound_max"] <= 2 and bounded["links_evicted"] > 0
+    for row in (unbounded, bounded):
+        assert row["peer_failures"] == row["simulated_failures"] == 0
+        assert row["simulated_asked"] == row["simulated_served"] + \
+            row["simulated_turned_away"] > 0
+    assert report["summary"]["simulated_sockets_max_8_2"] <= 5
+    assert not [line for line in Path("/proc/mounts").read_text().splitlines()
+                if str(work) in line]
+
+
 def test_bad_options_are_one_line_errors(tmp_path: Path) -> None:
     assert_one_line_errors("nodes", tmp_path, ["--nodes", "1"], ["--nodes", "4,x"],
-                           ["--readers", "0"], ["--cache-share", "0"])
+                           ["--readers", "0"], ["--cache-share", "0"], ["--nodes", "none"],
+                           ["--simulated", "8", "--limits", "0"])

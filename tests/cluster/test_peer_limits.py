@@ -13,7 +13,9 @@ import os
 import re
 import resource
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ import xxhash
 from conftest import drop_caches
 from test_peers import cluster, copies, free_port, read_files, reads, source_digests
 
+from coordlfs.bench.nodes import connections, tcp_states
 from coordlfs.peers.server import LOG_INTERVAL_S
 from coordlfs.peers.wire import (
     HEADER,
@@ -122,6 +125,9 @@ async def crowd_then_read(port: int, mountpoint: Path, names: list[str]
 
 def test_peer_connections_are_capped_and_local_reads_still_work(mount, tmp_path: Path,
                                                                 many_descriptors) -> None:
+    """Past the cap a new connection is turned away: an idle connection would make room for
+    it, but none of these is idle, since none has asked anything yet (the budget's own test
+    is ``test_peer_connections_stay_within_their_budget_and_close_when_idle``)."""
     roots, sizes = copies(tmp_path, 1, files=300)
     port = free_port()
     (a,) = cluster(mount, [*roots, roots[0]], "--insecure", "--peer-timeout", "10",
@@ -137,8 +143,8 @@ def test_peer_connections_are_capped_and_local_reads_still_work(mount, tmp_path:
     assert seen == source_digests(roots[0], sizes)  # every local read, none EMFILE
     served = a.status()["served"]
     assert admitted == cap == served["connections"]
-    assert served["turned_away"] == CROWD - cap
-    # 400 connections were turned away: a few lines say so, not 400
+    assert served["turned_away"] == CROWD - cap and served["evicted"] == 0
+    # 936 connections were turned away: a few lines say so, not 936
     turned = log_lines(a.log, "turned away")
     assert 1 <= len(turned) <= 2 + (time.monotonic() - started) / LOG_INTERVAL_S, turned
     # once they are gone, new peers are admitted again
@@ -365,3 +371,72 @@ def test_idle_connections_closed_by_either_side_are_no_fault(mount, tmp_path: Pa
             time.sleep(0.2)
         assert [link["state"] for link in links()] == ["idle", "idle"]
     assert nodes[0].status()["served"]["idle_closed"] >= 1  # B's link, closed by A's server
+
+
+def test_peer_connections_stay_within_their_budget_and_close_when_idle(mount,
+                                                                       tmp_path: Path) -> None:
+    """Five nodes with --peer-connections 2: each asks four peers and is asked by four, so
+    both its budgets are full and idle connections are closed to make room (its links' and its
+    server's), yet no node ever holds more than 2 peer sockets each way (sampled from /proc
+    all along), no peer is marked down (a request whose connection its server closed goes
+    again) and every byte is right. Once reading stops every connection closes by itself
+    within the idle timeouts.
+
+    Before: 8 sockets per node (4 each way), none ever closed for room."""
+    cap, timeout = 2, 1.0
+    roots, sizes = copies(tmp_path, 5, files=200)
+    ports = [free_port() for _ in roots]
+    nodes = cluster(mount, roots, "--insecure", "--peer-connections", str(cap),
+                    "--peer-timeout", str(timeout), ports=ports)
+    names = sorted(sizes)
+    want = source_digests(roots[0], sizes)
+    most = [[0, 0] for _ in nodes]  # per node: most sockets seen inbound, outbound
+    reading = threading.Event()
+
+    def sample() -> None:
+        while reading.is_set():
+            states = tcp_states()
+            for seen, m, port in zip(most, nodes, ports, strict=True):
+                for i, count in enumerate(connections(m.pid, port, states)):
+                    seen[i] = max(seen[i], count)
+            time.sleep(0.005)
+
+    reading.set()
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        for m in nodes:  # the owners fill their caches, one node asking at a time
+            assert read_files(m.mountpoint, names) == want
+        drop_caches()
+        with ThreadPoolExecutor(len(nodes)) as pool:  # then all at once, from the caches
+            seen = list(pool.map(lambda m: read_files(m.mountpoint, names[::-1]), nodes))
+    finally:
+        reading.clear()
+        sampler.join()
+    assert seen == [want] * len(nodes)
+    statuses = [m.status() for m in nodes]
+    for status, (inbound, outbound) in zip(statuses, most, strict=True):
+        peers, served = status["peers"], status["served"]
+        assert peers["max_links"] == served["max_connections"] == cap
+        assert outbound <= cap, (outbound, peers)
+        # one more only for the instant a connection past a full cap is turned away
+        assert inbound <= cap + (served["turned_away"] > 0), (inbound, served)
+        assert all(link["failures"] == 0 for link in peers["links"].values()), \
+            [(link["failures"], link["last_error"]) for link in peers["links"].values()]
+    assert sum(s["peers"]["evicted_links"] for s in statuses) > 0
+    assert sum(s["served"]["evicted"] for s in statuses) > 0
+
+    deadline = time.monotonic() + idle_timeout(timeout) + 10
+    while time.monotonic() < deadline:
+        states = tcp_states()
+        if not any(sum(connections(m.pid, port, states))
+                   for m, port in zip(nodes, ports, strict=True)):
+            break
+        time.sleep(0.2)
+    states = tcp_states()
+    assert [connections(m.pid, port, states) for m, port in zip(nodes, ports, strict=True)] \
+        == [(0, 0)] * len(nodes)
+    for m in nodes:
+        status = m.status()
+        assert status["peers"]["open_links"] == status["served"]["open_connections"] == 0
+        assert {link["state"] for link in status["peers"]["links"].values()} == {"idle"}

@@ -29,6 +29,7 @@ from conftest import Mount, digests, drop_caches, force_unmount, make_dataset, r
 from coordlfs.control import Control
 from coordlfs.daemon.config import default_cache_dir
 from coordlfs.errors import UserError
+from coordlfs.peers.budget import DEFAULT_LIMIT
 from coordlfs.peers.placement import (
     Address,
     find_self,
@@ -233,10 +234,11 @@ def test_the_connection_cap_leaves_most_descriptors_to_readers() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
-        assert connection_cap(2) == 64 and connection_cap(100) == 200
-        assert connection_cap(256) == 256  # a quarter of 1024, however many nodes
+        assert connection_cap() == DEFAULT_LIMIT == 64  # a fixed number, whatever the nodes
+        assert connection_cap(100) == 100
+        assert connection_cap(4096) == 256  # at most a quarter of 1024
         resource.setrlimit(resource.RLIMIT_NOFILE, (100, hard))
-        assert connection_cap(2) == 25
+        assert connection_cap() == 25
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert LOG_INTERVAL_S >= 1
