@@ -246,6 +246,8 @@ class PeerLink:
         raise PeerDown(self.stats.last_error)
 
     async def _connected(self) -> FrameStream:
+        if self._stream is not None:  # as nearly always: no lock, so no pass through trio
+            return self._stream
         async with self._connecting:
             if self._stream is not None:
                 return self._stream

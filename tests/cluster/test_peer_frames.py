@@ -1,6 +1,8 @@
 """Frames over real sockets: a large payload is received straight into a buffer of its own
 (``FrameStream._payload``), and must come byte-exact whatever the segments, and a peer that
-corrupts one or hangs up inside one must never hand on its bytes."""
+corrupts one or hangs up inside one must never hand on its bytes. The socket is read and
+written with plain system calls: frames that are all there still yield to the loop, and a
+closed connection never reads the file that took its descriptor's number."""
 
 from __future__ import annotations
 
@@ -12,7 +14,16 @@ import trio
 import trio.testing
 import xxhash
 
-from coordlfs.peers.wire import HEADER, MAGIC, MAX_CHUNK, VERSION, FrameStream, Kind, ProtocolError
+from coordlfs.peers.wire import (
+    HEADER,
+    MAGIC,
+    MAX_CHUNK,
+    VERSION,
+    Frame,
+    FrameStream,
+    Kind,
+    ProtocolError,
+)
 
 
 async def _pair() -> tuple[trio.SocketStream, FrameStream]:
@@ -96,4 +107,74 @@ def test_a_payload_in_parts_goes_out_as_one_frame(over: str) -> None:
             frame = await frames.receive()
         assert frame is not None and frame.request_id == 9
         assert bytes(frame.payload) == b"".join(parts)
+    trio.run(main)
+
+
+def test_frames_sent_back_to_back_do_not_hold_the_loop() -> None:
+    """A peer that has sent many frames at once is read without waiting for the socket, yet
+    every frame received is a pass through the scheduler: another task runs between any two
+    (a receive that never yields would make a flood of requests stop the mount's readers)."""
+    count = 200
+
+    async def main() -> None:
+        sender, frames = await _pair()
+        await sender.send_all(b"".join(_frame(Kind.GET, i + 1, b"x" * 50) for i in range(count)))
+        ticks = 0
+
+        async def other() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other)
+            await trio.lowlevel.checkpoint()  # let it start
+            before = ticks
+            for i in range(count):
+                frame = await frames.receive()
+                assert frame is not None and frame.request_id == i + 1
+            assert ticks - before >= count - 1
+            nursery.cancel_scope.cancel()
+    trio.run(main)
+
+
+def test_a_closed_connection_never_reads_the_file_that_took_its_number() -> None:
+    """The socket is read by its descriptor's number: once the connection is closed (a budget
+    closing an idle link), a receive must fail, not read whatever file the number names now."""
+    async def main() -> None:
+        sender, frames = await _pair()
+        number = frames.stream.socket.fileno()
+        await frames.aclose()
+        other = os.open("/dev/zero", os.O_RDONLY)  # the lowest free number: the socket's
+        try:
+            assert other == number
+            with pytest.raises(trio.ClosedResourceError):
+                await frames.receive()
+            with pytest.raises(trio.ClosedResourceError):
+                await frames.send(Kind.GET, 1, b"x")
+        finally:
+            os.close(other)
+            await sender.aclose()
+    trio.run(main)
+
+
+def test_a_frame_on_its_way_in_keeps_its_connection_from_looking_idle() -> None:
+    """``unread`` (what a server's budget asks before closing an idle connection) is true
+    while a frame's bytes wait in the socket or the buffer, or one is being received."""
+    async def main() -> None:
+        sender, frames = await _pair()
+        assert not frames.unread
+        wire = _frame(Kind.GET, 1, b"y" * 100)
+        await sender.send_all(wire[:10])
+        await trio.testing.wait_all_tasks_blocked()
+        assert frames.unread  # in the socket
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(frames.receive)
+            await trio.testing.wait_all_tasks_blocked()
+            assert frames.unread  # being received: its first bytes are in the buffer
+            await sender.send_all(wire[10:] + wire)
+        assert frames.unread  # the next frame waits in the buffer
+        assert await frames.receive() == Frame(Kind.GET, 1, b"y" * 100)
+        assert not frames.unread
     trio.run(main)
