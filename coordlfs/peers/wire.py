@@ -192,8 +192,8 @@ class FrameStream:
     Over a socket (every connection between peers) the bytes are read and written with
     plain non-blocking system calls, waiting for the socket (``trio.lowlevel``) only when one
     would block: a frame that is there costs its system calls and no pass through trio's
-    scheduler, where every call of trio's socket methods cost one (measured in
-    ``docs/benchmarks/cluster.md``: they were most of a peer file's CPU). A receive that did
+    scheduler, where every call of trio's socket methods cost one (``docs/benchmarks/
+    cluster.md``: a quarter of the peer protocol's CPU on each side). A receive that did
     not have to wait yields once all the same, so a peer that sends frames back to back cannot
     hold the loop. Headers and small frames come through a small buffer, a payload larger
     than what is buffered straight into a buffer of its own, which becomes the frame's

@@ -18,11 +18,20 @@ that fills B's cache, each measured pass reads every file once:
 The pyfuse3 loop's own cost per request (about 25-30 us, BRIEF) comes on top of the mount
 pass's handlers, once per request. ``--profile a`` prints the cProfile of A's mount pass,
 ``--profile b`` that of B while it serves the measured passes.
+
+``--mounts`` measures the whole instead: two real mounts (``coordlfs mount``, each listening
+on loopback with both in ``--peers``); this process reads every file through A, after a
+pass through B that fills B's cache and one through A; per pass, the CPU per file of A's
+daemon, B's daemon and this reader (kernel included: a read through FUSE waits on the
+daemon).
+
+    .venv/bin/python tests/operations/perpeer.py --mounts --files 2000 --passes 4
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -49,6 +58,7 @@ from coordlfs.peers.placement import Address, owner
 from coordlfs.peers.server import PeerServer, listen_socket
 from coordlfs.sizes import parse_size
 from coordlfs.source.source import Source
+from coordlfs.testbed.mounts import mounted as real_mount
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -286,6 +296,43 @@ def measure(args: argparse.Namespace, source: Path, names: list[bytes], nodes: t
     return results
 
 
+def read_through(mountpoint: Path, names: list[bytes], buf: bytearray) -> None:
+    for name in names:
+        fd = os.open(mountpoint / os.fsdecode(name), os.O_RDONLY)
+        try:
+            while os.readv(fd, [buf]):
+                pass
+        finally:
+            os.close(fd)
+
+
+def measure_mounts(args: argparse.Namespace, source: Path, names: list[bytes],
+                   nodes: tuple[Address, ...]) -> list[dict[str, float]]:
+    """Real mounts A and B; per measured pass: CPU per file of each daemon and the reader."""
+    peers = ",".join(map(str, nodes))
+    buf = bytearray(1 << 20)
+    rows = []
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as work, contextlib.ExitStack() as stack:
+        a, b = (stack.enter_context(real_mount(
+            source, Path(work) / f"mnt{i}", Path(work) / f"node{i}.log", "--cache-size",
+            str(len(names) * parse_size(args.size) * 2), "--listen", str(node), "--peers",
+            peers, "--insecure")) for i, node in enumerate(nodes))
+        read_through(b.mountpoint, names, buf)  # B caches them
+        read_through(a.mountpoint, names, buf)
+        for _ in range(args.passes_each):
+            a_cpu, b_cpu = cpu_of(a.pid), cpu_of(b.pid)
+            start, cpu = time.perf_counter(), time.process_time()
+            read_through(a.mountpoint, names, buf)
+            n = len(names)
+            rows.append({"wall_us": round((time.perf_counter() - start) / n * 1e6, 1),
+                         "a_daemon_cpu_us": round((cpu_of(a.pid) - a_cpu) / n * 1e6, 1),
+                         "b_daemon_cpu_us": round((cpu_of(b.pid) - b_cpu) / n * 1e6, 1),
+                         "reader_cpu_us": round((time.process_time() - cpu) / n * 1e6, 1)})
+        if a.status()["reads"]["files_from_source"]:
+            raise SystemExit("A read files from storage: not a measure of peers")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--files", type=int, default=3000)
@@ -299,6 +346,8 @@ def main() -> int:
                              "to it), the rest the median")
     parser.add_argument("--profile", choices=("a", "b"))
     parser.add_argument("--profile-pass", default="mount", choices=("mount", "protocol"))
+    parser.add_argument("--mounts", action="store_true",
+                        help="two real mounts instead, the whole cost per file")
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--serve", nargs=4, metavar=("PORT", "SOURCE", "CACHE", "TCP_PORT"),
                         help=argparse.SUPPRESS)
@@ -324,6 +373,14 @@ def main() -> int:
             path.write_bytes(os.urandom(size))
         if owner(name, nodes) == nodes[1]:
             names.append(name)
+    if args.mounts:
+        rows = [row for _ in range(args.repeat)
+                for row in measure_mounts(args, source, names, nodes)]
+        summary = {name: min(row[name] for row in rows) for name in rows[0]}
+        print("mounts   " + "  ".join(f"{name} {value:g}" for name, value in summary.items()))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+        return 0
     runs = []
     for _ in range(args.repeat):
         with tempfile.TemporaryDirectory(dir="/dev/shm") as b_cache:
