@@ -494,24 +494,16 @@ class WholeFileCache:
                 batch, self._behind = self._behind[:BEHIND_BATCH], self._behind[BEHIND_BATCH:]
                 await in_thread(_copy_behind, batch, source, self.files_fd)
                 for item in batch:
-                    self._end_behind(item)
+                    if item.error is None:
+                        self.arrived(item.entry, item.entry.size, counted=False)
+                    self._ended(item.key, item.entry, item.final, item.error)
                 batch = []
         finally:
             self._filling_behind = False
             for item in batch + self._behind:  # cancelled at unmount
                 item.close()
-                self._end_behind(item, trio.Cancelled)
+                self.end_fill(item.key, item.entry, None, OSError(errno.ECANCELED, "unmounted"))
             self._behind = []
-
-    def _end_behind(self, item: _Behind, stopped: type[BaseException] | None = None) -> None:
-        entry, error = item.entry, item.error
-        if stopped is None and error is None:
-            self.arrived(entry, entry.size, counted=False)
-        error = self.end_fill(item.key, entry, item.final,
-                              OSError(errno.ECANCELED, "unmounted") if stopped else error)
-        if error is not None and not _no_room(error) and not stopped:
-            log.warning("caching %s failed: %s", os.fsdecode(entry.path), error,
-                        exc_info=not isinstance(error, OSError))
 
     async def fill_for_reader(self, key: Key, path: bytes, st: os.stat_result, source: Source,
                               nursery: trio.Nursery) -> Entry | None:
@@ -551,12 +543,17 @@ class WholeFileCache:
             finally:
                 copier.close()
         except Exception as e:  # a failed fill must never fail the mount: readers stream
-            error = self.end_fill(key, entry, None, e)
+            self._ended(key, entry, None, e)
         except BaseException as e:  # cancelled at unmount
             self.end_fill(key, entry, None, e)
             raise
         else:
-            error = self.end_fill(key, entry, copier.final)
+            self._ended(key, entry, copier.final, None)
+
+    def _ended(self, key: Key, entry: Entry, final: os.stat_result | None,
+               error: BaseException | None) -> None:
+        """``end_fill``, and the one line a failure other than a full cache is worth."""
+        error = self.end_fill(key, entry, final, error)
         if error is not None and not _no_room(error):
             log.warning("caching %s failed: %s", os.fsdecode(entry.path), error,
                         exc_info=not isinstance(error, OSError))

@@ -72,12 +72,12 @@ class Backings:
         return self._ids[number]
 
     def open_source(self, inode: int, path: bytes, st: os.stat_result,
-                    behind: Callable[[], None] | None) -> int:
+                    behind: Callable[[int], None] | None) -> int:
         """The backing id to answer an open of ``inode`` (the source file ``path``, seen as
         ``st``) with when the daemon is to read none of its bytes: the source file itself, 0
-        (for direct_io) if it is not that file any more. ``behind``: called when the last of
-        the inode's opens is released, to copy into the cache the pages their reads brought
-        in (``WholeFileCache.fill_behind``)."""
+        (for direct_io) if it is not that file any more. ``behind``: called with the source
+        file's descriptor when the last of the inode's opens is released, to copy into the
+        cache the pages their reads brought in (``WholeFileCache.fill_behind``)."""
         held = self._beside(inode, None)
         if held is not None:
             return held
@@ -158,7 +158,7 @@ class Backings:
             self._close(held.id, held.path)
             try:
                 if held.behind is not None:
-                    held.behind()  # copies the pages into the cache, then drops them
+                    held.behind(held.source_fd)  # copies the pages, then drops them
                 else:  # as the daemon's own reads of the source, nothing left cached
                     os.posix_fadvise(held.source_fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
@@ -198,5 +198,5 @@ class Held:
     #: the source file's descriptor (the backing is the source file itself), else -1
     source_fd: int = -1
     #: what copies a source file's pages into the cache at the last release
-    behind: Callable[[], None] | None = None
+    behind: Callable[[int], None] | None = None
     opens: int = 1
