@@ -125,6 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--json", metavar="FILE", help="also write the analysis as JSON")
     w.add_argument("--plot", metavar="FILE.png", help="plot epoch time and stall share")
 
+    r = sub.add_parser(
+        "run", help="run a command whose opens of cached files skip FUSE (preload library)",
+        description="Run CMD with coordlfs's preload library, so that its opens of files on "
+                    "coordlfs mounts (every one this user may read, or those named) are served "
+                    "from the cache's own files or the source without a FUSE round trip. "
+                    "Exits with CMD's status.")
+    r.add_argument("--mount", action="append", default=[], metavar="MNT",
+                   help="serve this mount only (repeatable; default: every coordlfs mount)")
+    r.add_argument("--print-env", nargs="?", const="sh", choices=("sh", "slurm"),
+                   help="print the variables instead of running a command: sh (for eval) "
+                        "or slurm (a TaskProlog's export lines)")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
+
     # Listed for --help only: `coordlfs bench ...` goes to coordlfs.bench's own parser (main),
     # so that no other command loads a benchmark.
     sub.add_parser("bench", help="benchmarks against the page cache and baselines "
@@ -382,6 +395,17 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from coordlfs.client import run
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if args.print_env:
+        if command:
+            raise UserError("--print-env runs no command")
+        return run.print_env(args.mount, args.print_env)
+    return run.run(args.mount, command)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -390,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench(argv[1:])
     args = build_parser().parse_args(argv)
     commands = {"mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats, "mark": cmd_mark,
-                "warm": cmd_warm, "stagger": cmd_stagger, "whatif": cmd_whatif}
+                "warm": cmd_warm, "stagger": cmd_stagger, "whatif": cmd_whatif,
+                "run": cmd_run}
     return exit_status("coordlfs", lambda: commands[args.command](args),
                        sigterm_interrupts=args.command == "warm")

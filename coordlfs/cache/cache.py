@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -53,7 +54,7 @@ from typing import NamedTuple
 
 import trio
 
-from coordlfs.cache import cache_tmpfs, journal
+from coordlfs.cache import cache_tmpfs, journal, preloaded
 from coordlfs.cache.compact import Key
 from coordlfs.cache.entries import SHARED, UNCHECKED, Entry, EntryTable
 from coordlfs.cache.journal import JOURNAL
@@ -238,6 +239,8 @@ class WholeFileCache:
         self.watch: PublishedWatch | None = None
         self._source: Source | None = None
         self._index_full_logged = False
+        #: what ``coordlfs run``'s preload library tells this daemon (``share``)
+        self.preloaded: preloaded.Preloaded | None = None
 
     # -- start and stop ---------------------------------------------------------------
 
@@ -273,7 +276,7 @@ class WholeFileCache:
         clean = columns is not None and not replay.lines
         self._replayed(replay)
         for name in os.listdir(self.dir_fd):  # a torn journal rewrite, or an older layout
-            if name not in (FILES, JOURNAL, INDEX):
+            if name not in (FILES, JOURNAL, INDEX, preloaded.COUNTS, preloaded.NOTICES):
                 os.unlink(name, dir_fd=self.dir_fd)
         files = set(os.listdir(self.files_fd))
         numbers, sizes = self.entries.offset, self.entries.size
@@ -386,6 +389,8 @@ class WholeFileCache:
 
     def close(self, keep: bool) -> None:
         """Remove the cached bytes unless ``keep``; then release the directory lock."""
+        if self.preloaded is not None:
+            self.preloaded.close()
         if self.index is not None:
             self.index.close()
         if self.watch is not None:
@@ -448,13 +453,14 @@ class WholeFileCache:
             nursery.start_soon(self.fill, key, entry, source)
         return entry
 
-    def reserve_behind(self, key: Key, path: bytes, st: os.stat_result
+    def reserve_behind(self, key: Key, path: bytes, st: os.stat_result, counted: bool = True
                        ) -> tuple[Entry | None, bool]:
         """The entry for this version of the file, and whether it was reserved just now, for
         an opener the kernel serves from the source file itself (FUSE passthrough): then it
         is ``behind`` that reader, filled when it closes (``fill_behind``). None when MinIO
-        has no room."""
-        entry, new = self._claim(key, path, st)
+        has no room. ``counted``: the file counted as read from the source here (else its
+        reader counted it)."""
+        entry, new = self._claim(key, path, st, counted)
         if new:
             entry.behind = True
         return entry, new
@@ -518,7 +524,8 @@ class WholeFileCache:
             await self.fill(key, entry, source)
         return entry
 
-    def _claim(self, key: Key, path: bytes, st: os.stat_result) -> tuple[Entry | None, bool]:
+    def _claim(self, key: Key, path: bytes, st: os.stat_result, counted: bool = True
+               ) -> tuple[Entry | None, bool]:
         """The entry for this version of the file, and whether it was reserved just now
         (its fill is then the caller's to start)."""
         entry = self.lookup(key, st)
@@ -527,7 +534,8 @@ class WholeFileCache:
         entry = self.reserve(key, path, st)
         if entry is None:
             return None, False
-        self.counters.files_from_source += 1
+        if counted:
+            self.counters.files_from_source += 1
         return entry, True
 
     async def fill(self, key: Key, entry: Entry, source: Source) -> None:
@@ -651,6 +659,11 @@ class WholeFileCache:
                         "read through the mount", self.directory, e.strerror or e)
             return
         self._source, self.watch = source, watch
+        try:
+            self.preloaded = preloaded.Preloaded(self.dir_fd)
+        except OSError as e:
+            log.warning("cannot serve `coordlfs run` jobs from %s (%s): they read through "
+                        "the mount", self.directory, e.strerror or e)
         self._room_changed()
 
     def _publish(self, key: Key, entry: Entry) -> None:
@@ -721,10 +734,29 @@ class WholeFileCache:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.watch.run)
             nursery.start_soon(self._beat)
+            if self.preloaded is not None:
+                nursery.start_soon(self.preloaded.notices.run,
+                                   functools.partial(self._noticed, nursery))
             while True:
                 await trio.sleep(1.0)
                 if self.full:  # clients send no misses to notice it: they read the source
                     self._room_is_back()
+
+    def _noticed(self, nursery: trio.Nursery, path: bytes) -> None:
+        """A job under ``coordlfs run`` read ``path`` from the source and closed it: the
+        pages it read are copied into the cache, as behind a passthrough reader. Its storage
+        read was counted by the job (``Preloaded.fold``)."""
+        assert self._source is not None
+        try:
+            st = self._source.lstat(path)
+        except (OSError, ValueError):
+            return  # gone, or not beneath the source: nothing to fill
+        if not stat.S_ISREG(st.st_mode):
+            return
+        key = (st.st_dev, st.st_ino)
+        entry, new = self.reserve_behind(key, path, st, counted=False)
+        if entry is not None and new:
+            self.fill_behind(key, entry, self._source, nursery)
 
     async def _beat(self) -> None:
         """In the loop that withdraws changed files: a loop that stops beats no more."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 from coordlfs.protocol.spec import Caller, RequestError, Served
@@ -41,6 +42,16 @@ class ReadCounters:
     #: mount never saw: added to ``files_from_source`` and ``bytes_from_source`` too
     client_direct: int = 0
     client_bytes_direct: int = 0
+    #: opens the preload library of ``coordlfs run`` answered itself (``cache.preloaded``):
+    #: hits from the cache's files, misses the cache fills behind, files it does not keep,
+    #: and opens it passed to the mount (counted above too, as any reader's); its hits are
+    #: added to ``files_from_cache`` and ``bytes_from_cache``, the rest to ``*_from_source``
+    preload_hits: int = 0
+    preload_misses: int = 0
+    preload_uncached: int = 0
+    preload_passed: int = 0
+    preload_bytes_from_cache: int = 0
+    preload_bytes_from_source: int = 0
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)
@@ -62,9 +73,17 @@ class Stats:
         self.reads = ReadCounters()
         self.started = time.time()
         self.marks: list[Mark] = []
+        #: brings ``reads`` up to date with counts kept elsewhere (the preload library's
+        #: page), before a mark or a window is taken
+        self.folds: list[Callable[[ReadCounters], None]] = []
+
+    def current(self) -> dict[str, int]:
+        for fold in self.folds:
+            fold(self.reads)
+        return self.reads.snapshot()
 
     def mark(self, name: str) -> Mark:
-        mark = Mark(name, time.time(), self.reads.snapshot())
+        mark = Mark(name, time.time(), self.current())
         self.marks.append(mark)
         return mark
 
@@ -80,7 +99,7 @@ class Stats:
         start = self.find(since) if since is not None else Mark("mount", self.started,
                                                                  ReadCounters().snapshot())
         end = self.find(until) if until is not None else Mark("now", time.time(),
-                                                              self.reads.snapshot())
+                                                              self.current())
         return {
             "since": start.name,
             "until": end.name,

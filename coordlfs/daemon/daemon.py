@@ -120,6 +120,8 @@ class Daemon:
                                     self.stats.reads, own_tmpfs=config.cache_tmpfs)
         try:
             self.cache.share(self.source)
+            if self.cache.preloaded is not None:
+                self.stats.folds.append(self.cache.preloaded.fold)
             self._assemble(config)
         except BaseException:  # e.g. the peer port is taken: no cache directory left behind
             self._close()
@@ -197,7 +199,7 @@ class Daemon:
                 "full": cache.full,
                 "table_bytes": cache.entries.nbytes(),
             },
-            "reads": self.stats.reads.snapshot(),
+            "reads": self.stats.current(),
             "passthrough": self.ops.passthrough_status(),
             "shared": cache.shared_status(),
             "peers": self.peers.status(),

@@ -1,0 +1,146 @@
+"""What the preload library (``coordlfs run``) tells the daemon: its counts and its misses.
+
+A job under ``coordlfs run`` opens cached files and misses itself, without a FUSE request
+(coordlfs/preload/preload.c), so the daemon hears of them only through two things in the
+cache directory, which is the daemon user's alone (0700) and so reachable only by the
+processes the library serves:
+
+- ``preload.counts``: a page of counters (hits, misses, files the cache does not keep,
+  opens passed on to the mount, and their bytes) that every served process adds to with
+  atomic adds: exact, no system call, nothing lost when a job is killed;
+- ``preload.sock``: a datagram socket on which a process names, at its close, a miss the
+  cache would keep (its path relative to the source; several, NUL-separated, where the
+  socket's queue was full at an earlier close): the daemon copies the pages the job
+  just read into the cache, as it does behind a passthrough reader. The job never waits for
+  it: a full socket buffer loses a fill, never a read.
+
+Both are made anew by each daemon (a former one's counts are not this mount's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import trio
+
+from coordlfs.cache.stats import ReadCounters
+
+log = logging.getLogger(__name__)
+
+COUNTS = "preload.counts"
+NOTICES = "preload.sock"
+MAGIC = b"CLFSPRE1"
+#: the most a datagram holds: names NUL-separated (the library's ``PENDING``)
+_DATAGRAM = 16384
+
+
+@dataclass(slots=True)
+class PreloadCounts:
+    """The preload library's counts, in the order of its counters page."""
+
+    #: opens served from a cache entry's file, and their files' bytes
+    hits: int = 0
+    hit_bytes: int = 0
+    #: misses opened on the source by the job, filled behind it at their close
+    misses: int = 0
+    miss_bytes: int = 0
+    #: files opened on the source that the cache does not keep (too large, no room)
+    uncached: int = 0
+    uncached_bytes: int = 0
+    #: opens under the mount the library passed on to it (through FUSE)
+    passed: int = 0
+
+
+_COUNTERS = struct.Struct(f"<8s{len(fields(PreloadCounts))}Q")
+
+
+class CountsPage:
+    """The counters page: made empty by the daemon, added to by the served processes."""
+
+    def __init__(self, dir_fd: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(COUNTS, dir_fd=dir_fd)
+        fd = os.open(COUNTS, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=dir_fd)
+        try:
+            # allocated now: a store into a page tmpfs has no room for would be a SIGBUS
+            os.posix_fallocate(fd, 0, mmap.PAGESIZE)
+            self._map = mmap.mmap(fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        _COUNTERS.pack_into(self._map, 0, MAGIC, *([0] * len(fields(PreloadCounts))))
+
+    def read(self) -> PreloadCounts:
+        return PreloadCounts(*_COUNTERS.unpack_from(self._map, 0)[1:])
+
+    def close(self) -> None:
+        self._map.close()
+
+
+class Notices:
+    """The datagram socket the library names its misses on."""
+
+    def __init__(self, dir_fd: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(NOTICES, dir_fd=dir_fd)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            # by the directory's descriptor: a cache directory's path may be longer than a
+            # socket address takes
+            sock.bind(f"/proc/self/fd/{dir_fd}/{NOTICES}")
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        self.sock = trio.socket.from_stdlib_socket(sock)
+
+    async def run(self, fill: Callable[[bytes], None]) -> None:
+        """Hand each path named to ``fill`` (for ever)."""
+        while True:
+            for path in (await self.sock.recv(_DATAGRAM)).split(b"\0"):
+                if path and not path.startswith(b"/"):
+                    fill(path)
+
+    def close(self) -> None:
+        self._sock.close()  # after the loop: trio's own close wants it running
+
+
+class Preloaded:
+    """The daemon's side of the preload library for one cache directory."""
+
+    def __init__(self, dir_fd: int) -> None:
+        self.counts = CountsPage(dir_fd)
+        try:
+            self.notices = Notices(dir_fd)
+        except OSError:
+            self.counts.close()
+            raise
+        self._folded = PreloadCounts()
+
+    def fold(self, reads: ReadCounters) -> None:
+        """Bring the mount's counters up to the page: the library's own (``preload_*``), and
+        the files and bytes it served added to those from the cache and from the source, so
+        that an epoch's totals say how it was served whoever served it."""
+        now, last = self.counts.read(), self._folded
+        self._folded = now
+        reads.preload_hits, reads.preload_misses = now.hits, now.misses
+        reads.preload_uncached, reads.preload_passed = now.uncached, now.passed
+        reads.preload_bytes_from_cache = now.hit_bytes
+        reads.preload_bytes_from_source = now.miss_bytes + now.uncached_bytes
+        reads.files_from_cache += now.hits - last.hits
+        reads.bytes_from_cache += now.hit_bytes - last.hit_bytes
+        reads.files_from_source += now.misses + now.uncached - last.misses - last.uncached
+        reads.bytes_from_source += (now.miss_bytes + now.uncached_bytes - last.miss_bytes
+                                    - last.uncached_bytes)
+
+    def close(self) -> None:
+        self.notices.close()
+        self.counts.close()

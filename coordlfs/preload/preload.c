@@ -1,0 +1,815 @@
+/* coordlfs preload library: the client's read path for unmodified programs.
+ *
+ * Why C, and why a preload: every open through a FUSE mount is a round trip to the daemon
+ * (84 us of Python per cached file; even a C daemon bounds small files at a third to a half
+ * of the kernel's rate). A process that opens the cache's own files reads at tmpfs speed,
+ * but only Python code that imports coordlfs.client could, and TensorFlow's and torch's C++
+ * readers never can. So, as DAOS's libpil4dfs and ORNL's HVAC do for HPC storage, this
+ * library is preloaded into a job (`coordlfs run`, LD_PRELOAD) and answers read-only opens
+ * of regular files under a coordlfs mount itself:
+ *
+ *   - a hit (published in the daemon's index, daemon beating, slot unchanged across the
+ *     open) opens the cache entry's own file;
+ *   - a miss the mount would serve from storage opens the source file, as the job's own
+ *     user, beneath the source's root and without following a link; one the cache would
+ *     keep is told to the daemon at its close (a datagram, never awaited), which copies the
+ *     pages the job just read into the cache, as it does for a passthrough miss;
+ *   - everything else (writes, O_PATH, directories, "..", a path not spelled under a mount,
+ *     a stale or retired index, a mount with peers on a miss, any failure) goes to the real
+ *     call, through the mount, which gives the same bytes or the same errno.
+ *
+ * Only a process that may open the cache directory (the daemon's user, or root) serves
+ * anything: the directory is the daemon user's alone (0700), so another user of an
+ * --allow-other mount reads through the mount, where the kernel checks its permissions.
+ * The library never widens access: before serving, it checks the modes the mount shows
+ * (the source's, as default_permissions does) of every directory on the way and of the
+ * file, unless the process may override them (CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH).
+ *
+ * The index layout and its rules are coordlfs/cache/published.py's (seqlock slots keyed by
+ * BLAKE2b-128 of the path relative to the mount; header words: retired, revalidate, slots,
+ * room, beat); the counters page is coordlfs/cache/preloaded.py's. Configuration comes from
+ * COORDLFS_MOUNTS, which `coordlfs run` writes: records separated by \x1e, fields by \x1f:
+ * mountpoint, cache directory, source, max file size, flags ("p": the mount has peers).
+ *
+ * Nothing here allocates or locks on the hot path; per-process state is inherited by fork
+ * (descriptors, maps) and rebuilt after exec (every descriptor is O_CLOEXEC).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <linux/openat2.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define EXPORT __attribute__((visibility("default")))
+#define MAX_MOUNTS 16
+#define MAX_GROUPS 256
+#define FD_SLOTS 65536
+#define PENDING 16384
+
+/* -- the index's layout (coordlfs/cache/published.py) ----------------------------------- */
+#define HEADER_SIZE 64
+#define SLOT_SIZE 64
+#define RETIRED_AT 8
+#define REVALIDATE_AT 16
+#define SLOTS_AT 24
+#define ROOM_AT 40
+#define BEAT_AT 48
+#define ROOM_SET (1ULL << 63)
+#define BEAT_SET 1ULL
+#define STALE_NS 2000000000ULL
+#define LIVE 1
+#define EMPTY 0
+static const char INDEX_MAGIC[8] = {'C', 'L', 'F', 'S', 'I', 'D', 'X', '1'};
+
+/* -- the counters page (coordlfs/cache/preloaded.py) ------------------------------------ */
+static const char COUNTS_MAGIC[8] = {'C', 'L', 'F', 'S', 'P', 'R', 'E', '1'};
+enum { HITS, HIT_BYTES, MISSES, MISS_BYTES, UNCACHED, UNCACHED_BYTES, PASSED, COUNTERS };
+#define COUNTS_NAME "preload.counts"
+#define NOTICE_NAME "preload.sock"
+
+struct table {
+    const unsigned char *map;
+    size_t length;
+    uint64_t mask;
+};
+
+struct mount {
+    char *point;
+    size_t point_len;
+    char *cache_dir;
+    char *source;
+    uint64_t max_file;
+    int peers;
+    _Atomic int state; /* 0 not tried, 2 being set up, 1 ready, -1 off */
+    int dir_fd, files_fd, source_fd, notice_fd;
+    char source_real[PATH_MAX];
+    size_t source_real_len;
+    struct sockaddr_un notice_addr;
+    socklen_t notice_addr_len;
+    _Atomic(struct table *) table;
+    _Atomic int reopening;
+    _Atomic uint64_t *counts;
+    _Atomic int pending_lock;
+    size_t pending_len;
+    char pending[PENDING];
+};
+
+static struct mount mounts[MAX_MOUNTS];
+static int mount_count;
+/* fd -> 1 + the mount whose source file it is, to be filled behind at its close */
+static _Atomic unsigned char behind[FD_SLOTS];
+
+/* who this process is, for the modes' check: refreshed when the euid or egid changes */
+static _Atomic int creds_state; /* 0 unknown, 1 known */
+static uid_t creds_uid;
+static gid_t creds_gid;
+static int creds_override;
+static int creds_ngroups;
+static gid_t creds_groups[MAX_GROUPS];
+
+/* -- the real calls --------------------------------------------------------------------- */
+typedef int (*open_fn)(const char *, int, ...);
+typedef int (*openat_fn)(int, const char *, int, ...);
+typedef FILE *(*fopen_fn)(const char *, const char *);
+typedef int (*close_fn)(int);
+typedef int (*fclose_fn)(FILE *);
+static open_fn real_open, real_open64;
+static openat_fn real_openat, real_openat64;
+static fopen_fn real_fopen, real_fopen64;
+static close_fn real_close;
+static fclose_fn real_fclose;
+
+static void find_real_calls(void)
+{
+    real_open = (open_fn)dlsym(RTLD_NEXT, "open");
+    real_open64 = (open_fn)dlsym(RTLD_NEXT, "open64");
+    real_openat = (openat_fn)dlsym(RTLD_NEXT, "openat");
+    real_openat64 = (openat_fn)dlsym(RTLD_NEXT, "openat64");
+    real_fopen = (fopen_fn)dlsym(RTLD_NEXT, "fopen");
+    real_fopen64 = (fopen_fn)dlsym(RTLD_NEXT, "fopen64");
+    real_close = (close_fn)dlsym(RTLD_NEXT, "close");
+    real_fclose = (fclose_fn)dlsym(RTLD_NEXT, "fclose");
+}
+
+/* -- BLAKE2b-128, unkeyed (RFC 7693): the index's key, as hashlib.blake2b(digest_size=16).
+ * Written here rather than linked: Debian's libb2 pulls libgomp into every process. */
+static const uint64_t B2_IV[8] = {
+    0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL,
+    0xa54ff53a5f1d36f1ULL, 0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL,
+    0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL};
+static const uint8_t B2_SIGMA[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
+    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
+    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
+    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3}};
+
+static inline uint64_t rotr64(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
+
+#define B2_G(a, b, c, d, x, y)                                                            \
+    do {                                                                                  \
+        v[a] = v[a] + v[b] + (x); v[d] = rotr64(v[d] ^ v[a], 32);                         \
+        v[c] = v[c] + v[d];       v[b] = rotr64(v[b] ^ v[c], 24);                         \
+        v[a] = v[a] + v[b] + (y); v[d] = rotr64(v[d] ^ v[a], 16);                         \
+        v[c] = v[c] + v[d];       v[b] = rotr64(v[b] ^ v[c], 63);                         \
+    } while (0)
+
+static void b2_compress(uint64_t h[8], const unsigned char block[128], uint64_t counted,
+                        int last)
+{
+    uint64_t m[16], v[16];
+    memcpy(m, block, 128); /* little-endian: x86-64 and aarch64 alike */
+    for (int i = 0; i < 8; i++) {
+        v[i] = h[i];
+        v[i + 8] = B2_IV[i];
+    }
+    v[12] ^= counted;
+    if (last)
+        v[14] = ~v[14];
+    for (int r = 0; r < 12; r++) {
+        const uint8_t *s = B2_SIGMA[r];
+        B2_G(0, 4, 8, 12, m[s[0]], m[s[1]]);
+        B2_G(1, 5, 9, 13, m[s[2]], m[s[3]]);
+        B2_G(2, 6, 10, 14, m[s[4]], m[s[5]]);
+        B2_G(3, 7, 11, 15, m[s[6]], m[s[7]]);
+        B2_G(0, 5, 10, 15, m[s[8]], m[s[9]]);
+        B2_G(1, 6, 11, 12, m[s[10]], m[s[11]]);
+        B2_G(2, 7, 8, 13, m[s[12]], m[s[13]]);
+        B2_G(3, 4, 9, 14, m[s[14]], m[s[15]]);
+    }
+    for (int i = 0; i < 8; i++)
+        h[i] ^= v[i] ^ v[i + 8];
+}
+
+static void path_hash(const char *path, size_t length, uint64_t out[2])
+{
+    uint64_t h[8];
+    unsigned char block[128];
+    memcpy(h, B2_IV, sizeof h);
+    h[0] ^= 0x01010000ULL ^ 16; /* no key, 16-byte digest */
+    size_t done = 0;
+    while (length - done > 128) {
+        memcpy(block, path + done, 128);
+        done += 128;
+        b2_compress(h, block, done, 0);
+    }
+    memset(block, 0, sizeof block);
+    memcpy(block, path + done, length - done);
+    b2_compress(h, block, length, 1);
+    out[0] = h[0];
+    out[1] = h[1];
+}
+
+/* -- the index -------------------------------------------------------------------------- */
+static inline uint64_t word_at(const unsigned char *map, size_t at)
+{
+    return atomic_load_explicit((_Atomic uint64_t *)(map + at), memory_order_acquire);
+}
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* The index in the cache directory, mapped read-only; NULL if it is not one. */
+static struct table *map_table(struct mount *m)
+{
+    int fd = real_openat(m->dir_fd, "published", O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0)
+        return NULL;
+    struct stat st;
+    struct table *t = NULL;
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size >= HEADER_SIZE) {
+        void *map = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+        if (map != MAP_FAILED) {
+            const unsigned char *p = map;
+            uint64_t slots = word_at(p, SLOTS_AT);
+            if (memcmp(p, INDEX_MAGIC, 8) == 0 && slots && (slots & (slots - 1)) == 0 &&
+                slots <= ((uint64_t)st.st_size - HEADER_SIZE) / SLOT_SIZE &&
+                (t = malloc(sizeof *t)) != NULL) {
+                t->map = p;
+                t->length = (size_t)st.st_size;
+                t->mask = slots - 1;
+            } else {
+                munmap(map, (size_t)st.st_size);
+            }
+        }
+    }
+    real_close(fd);
+    return t;
+}
+
+/* The table to read, NULL while the index may not be trusted: retired (a newer one is
+ * mapped in its place; the old map is kept, as another thread may be reading it) or a
+ * daemon that has not beaten for STALE_NS (dead or stopped: it withdraws nothing). */
+static struct table *live_table(struct mount *m)
+{
+    for (int attempt = 0; attempt < 2; attempt++) {
+        struct table *t = atomic_load_explicit(&m->table, memory_order_acquire);
+        if (!word_at(t->map, RETIRED_AT)) {
+            uint64_t beat = word_at(t->map, BEAT_AT);
+            if (!(beat & BEAT_SET) || now_ns() - beat >= STALE_NS)
+                return NULL; /* an index without a beat is an older daemon's: not ours */
+            return t;
+        }
+        int expected = 0;
+        if (!atomic_compare_exchange_strong(&m->reopening, &expected, 1))
+            return NULL; /* another thread is at it: this open goes through the mount */
+        struct table *fresh = map_table(m);
+        if (fresh != NULL)
+            atomic_store_explicit(&m->table, fresh, memory_order_release);
+        atomic_store(&m->reopening, 0);
+        if (fresh == NULL)
+            return NULL;
+    }
+    return NULL;
+}
+
+struct found {
+    uint64_t number, size, ino;
+    int64_t mtime_ns, ctime_ns;
+    size_t at;
+    uint64_t word;
+};
+
+static int probe(const struct table *t, const uint64_t h[2], struct found *f)
+{
+    uint64_t slot = h[0] & t->mask;
+    for (uint64_t n = 0; n <= t->mask; n++, slot = (slot + 1) & t->mask) {
+        size_t at = HEADER_SIZE + slot * SLOT_SIZE;
+        uint64_t word = word_at(t->map, at);
+        if ((word & 3) == EMPTY)
+            return 0;
+        const volatile uint64_t *s = (const volatile uint64_t *)(t->map + at);
+        if ((word & 3) != LIVE || s[1] != h[0] || s[2] != h[1])
+            continue;
+        f->number = s[3];
+        f->size = s[4];
+        f->ino = s[5];
+        f->mtime_ns = (int64_t)s[6];
+        f->ctime_ns = (int64_t)s[7];
+        f->at = at;
+        f->word = word;
+        return word_at(t->map, at) == word; /* rewritten while read: the mount answers */
+    }
+    return 0;
+}
+
+/* -- setting a mount up, once per process (lazily: most processes never touch one) ------- */
+static int mount_counts(struct mount *m)
+{
+    int fd = real_openat(m->dir_fd, COUNTS_NAME, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    struct stat st;
+    void *map = MAP_FAILED;
+    size_t length = 8 * (COUNTERS + 1);
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (size_t)st.st_size >= length)
+        map = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    real_close(fd);
+    if (map == MAP_FAILED)
+        return -1;
+    if (memcmp(map, COUNTS_MAGIC, 8) != 0) {
+        munmap(map, length);
+        return -1;
+    }
+    m->counts = (_Atomic uint64_t *)map + 1;
+    return 0;
+}
+
+static int set_up(struct mount *m)
+{
+    m->dir_fd = m->files_fd = m->source_fd = m->notice_fd = -1;
+    m->dir_fd = real_open(m->cache_dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (m->dir_fd < 0)
+        return -1; /* not this user's: every open goes through the mount */
+    m->files_fd = real_openat(m->dir_fd, "files", O_RDONLY | O_DIRECTORY | O_NOFOLLOW |
+                                                   O_CLOEXEC);
+    m->source_fd = real_open(m->source, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (m->files_fd < 0 || m->source_fd < 0 || mount_counts(m) < 0)
+        return -1;
+    char link[64];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", m->source_fd);
+    ssize_t n = readlink(link, m->source_real, sizeof m->source_real - 1);
+    if (n <= 0)
+        return -1;
+    m->source_real[n] = 0;
+    m->source_real_len = (size_t)n;
+    struct table *t = map_table(m);
+    if (t == NULL)
+        return -1;
+    if ((word_at(t->map, BEAT_AT) & ~BEAT_SET) > (now_ns() | BEAT_SET)) {
+        return -1; /* a clock ahead of ours (another time namespace): a dead daemon's beat
+                      would look fresh */
+    }
+    atomic_store(&m->table, t);
+    m->notice_fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    m->notice_addr.sun_family = AF_UNIX;
+    int length = snprintf(m->notice_addr.sun_path, sizeof m->notice_addr.sun_path,
+                          "/proc/self/fd/%d/" NOTICE_NAME, m->dir_fd);
+    m->notice_addr_len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + length + 1);
+    return 0;
+}
+
+static struct mount *ready(struct mount *m)
+{
+    int state = atomic_load_explicit(&m->state, memory_order_acquire);
+    if (state == 1)
+        return m;
+    if (state != 0)
+        return NULL;
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&m->state, &expected, 2))
+        return NULL;
+    atomic_store_explicit(&m->state, set_up(m) == 0 ? 1 : -1, memory_order_release);
+    return atomic_load(&m->state) == 1 ? m : NULL;
+}
+
+/* -- the modes' check, as the mount's kernel does it ------------------------------------ */
+static int overrides_modes(void)
+{
+    int fd = real_open("/proc/self/status", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    char buf[4096];
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    real_close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = 0;
+    char *line = strstr(buf, "\nCapEff:");
+    return line != NULL && (strtoull(line + 8, NULL, 16) & 0x6) != 0;
+}
+
+static void know_creds(void)
+{
+    uid_t uid = geteuid();
+    gid_t gid = getegid();
+    if (atomic_load_explicit(&creds_state, memory_order_acquire) && uid == creds_uid &&
+        gid == creds_gid)
+        return;
+    creds_override = overrides_modes();
+    int n = getgroups(MAX_GROUPS, creds_groups);
+    creds_ngroups = n < 0 ? 0 : n;
+    creds_uid = uid;
+    creds_gid = gid;
+    atomic_store_explicit(&creds_state, 1, memory_order_release);
+}
+
+static int grants(const struct stat *st, int bit)
+{
+    if (st->st_uid == creds_uid)
+        return (st->st_mode & (bit << 6)) != 0;
+    int member = st->st_gid == creds_gid;
+    for (int i = 0; !member && i < creds_ngroups; i++)
+        member = st->st_gid == creds_groups[i];
+    if (member)
+        return (st->st_mode & (bit << 3)) != 0;
+    return (st->st_mode & bit) != 0;
+}
+
+/* Whether the mount would let this process read `name` (relative to the source root,
+ * whose lstat is `st`): search on the root and on every directory on the way, read on the
+ * file. One fstatat per directory, none as root. */
+static int mount_allows(struct mount *m, char *name, size_t length, const struct stat *st)
+{
+    know_creds();
+    if (creds_override)
+        return 1;
+    struct stat dir;
+    if (!grants(st, 4) || fstat(m->source_fd, &dir) != 0 || !grants(&dir, 1))
+        return 0;
+    for (size_t i = 0; i < length; i++) {
+        if (name[i] != '/')
+            continue;
+        name[i] = 0;
+        int ok = fstatat(m->source_fd, name, &dir, AT_SYMLINK_NOFOLLOW) == 0 &&
+                 grants(&dir, 1);
+        name[i] = '/';
+        if (!ok)
+            return 0;
+    }
+    return 1;
+}
+
+/* -- deciding an open ------------------------------------------------------------------- */
+/* Flags an open may carry and still be ours: read-only, nothing the cache's file or the
+ * source file would answer differently from the mount. */
+#define OURS (O_CLOEXEC | O_LARGEFILE | O_NOCTTY | O_NONBLOCK | O_NOFOLLOW)
+
+/* `path` spelled under a mount: the mount and the name relative to its root (copied into
+ * `name`), or NULL. Only plain names: no ".", "..", "//" or trailing "/". */
+static struct mount *under_mount(const char *path, char name[PATH_MAX], size_t *length)
+{
+    char joined[PATH_MAX];
+    if (path[0] != '/') {
+        if (getcwd(joined, sizeof joined) == NULL)
+            return NULL;
+        size_t cwd = strlen(joined);
+        size_t rest = strlen(path);
+        if (cwd + 1 + rest >= sizeof joined)
+            return NULL;
+        joined[cwd] = '/';
+        memcpy(joined + cwd + 1, path, rest + 1);
+        path = joined;
+    }
+    for (int i = 0; i < mount_count; i++) {
+        struct mount *m = &mounts[i];
+        if (strncmp(path, m->point, m->point_len) != 0 || path[m->point_len] != '/')
+            continue;
+        const char *rel = path + m->point_len + 1;
+        size_t n = strlen(rel);
+        if (n == 0 || n >= PATH_MAX || rel[n - 1] == '/')
+            return NULL;
+        for (const char *c = rel; *c; c++) {
+            if (c[0] == '/' && c[1] == '/')
+                return NULL;
+            if ((c == rel || c[-1] == '/') && c[0] == '.' &&
+                (c[1] == '/' || c[1] == 0 || (c[1] == '.' && (c[2] == '/' || c[2] == 0))))
+                return NULL;
+        }
+        memcpy(name, rel, n + 1);
+        *length = n;
+        return m;
+    }
+    return NULL;
+}
+
+static void count(struct mount *m, int files, int bytes, uint64_t size)
+{
+    atomic_fetch_add_explicit(&m->counts[files], 1, memory_order_relaxed);
+    if (bytes >= 0)
+        atomic_fetch_add_explicit(&m->counts[bytes], size, memory_order_relaxed);
+}
+
+static void mark_behind(int fd, int mount)
+{
+    if (fd >= 0 && fd < FD_SLOTS)
+        atomic_store_explicit(&behind[fd], (unsigned char)mount, memory_order_relaxed);
+}
+
+/* A hit: the entry's own file, if the slot still says so once it is open. */
+static int open_hit(struct mount *m, const struct table *t, const struct found *f,
+                    char *name, size_t length, int flags)
+{
+    struct stat st;
+    if (word_at(t->map, REVALIDATE_AT) || !creds_override) {
+        /* the modes' check needs the source's lstat; so does a daemon that cannot watch */
+        if (fstatat(m->source_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0)
+            return -1;
+        if ((uint64_t)st.st_ino != f->ino || (uint64_t)st.st_size != f->size ||
+            (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec != f->mtime_ns ||
+            (int64_t)st.st_ctim.tv_sec * 1000000000 + st.st_ctim.tv_nsec != f->ctime_ns)
+            return -1;
+        if (!mount_allows(m, name, length, &st))
+            return -1;
+    }
+    char file[24];
+    snprintf(file, sizeof file, "%llx", (unsigned long long)f->number);
+    int fd = real_openat(m->files_fd, file, O_RDONLY | O_NOFOLLOW | (flags & OURS));
+    if (fd < 0)
+        return -1;
+    if (word_at(t->map, f->at) != f->word) { /* withdrawn meanwhile: not that file now */
+        real_close(fd);
+        return -1;
+    }
+    mark_behind(fd, 0);
+    count(m, HITS, HIT_BYTES, f->size);
+    return fd;
+}
+
+/* A miss the mount would read from storage: the source file, as this process. */
+static int open_miss(struct mount *m, const struct table *t, char *name, size_t length,
+                     int flags)
+{
+    uint64_t room = word_at(t->map, ROOM_AT);
+    if (m->peers || !(room & ROOM_SET))
+        return -1; /* a peer may hold it / a daemon that does not say: the mount decides */
+    struct open_how how = {
+        .flags = (uint64_t)(O_RDONLY | O_NOFOLLOW | (flags & OURS)),
+        .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS |
+                   RESOLVE_NO_XDEV,
+    };
+    int fd = (int)syscall(SYS_openat2, m->source_fd, name, &how, sizeof how);
+    if (fd < 0)
+        return -1;
+    struct stat st;
+    know_creds();
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || !mount_allows(m, name, length, &st)) {
+        real_close(fd);
+        return -1;
+    }
+    uint64_t size = (uint64_t)st.st_size;
+    if (size <= (room & ~ROOM_SET) && size <= m->max_file) {
+        mark_behind(fd, (int)(m - mounts) + 1);
+        count(m, MISSES, MISS_BYTES, size);
+    } else {
+        mark_behind(fd, 0);
+        count(m, UNCACHED, UNCACHED_BYTES, size);
+    }
+    return fd;
+}
+
+/* The descriptor this library answers an open with, or -1 for the real call. */
+static int served(const char *path, int flags)
+{
+    if (mount_count == 0 || path == NULL || (flags & ~OURS & ~O_ACCMODE) ||
+        (flags & O_ACCMODE) != O_RDONLY)
+        return -1;
+    char name[PATH_MAX];
+    size_t length;
+    struct mount *m = under_mount(path, name, &length);
+    if (m == NULL || (m = ready(m)) == NULL)
+        return -1;
+    struct table *t = live_table(m);
+    int fd = -1;
+    if (t != NULL) {
+        know_creds();
+        uint64_t h[2];
+        struct found f;
+        path_hash(name, length, h);
+        if (probe(t, h, &f))
+            fd = open_hit(m, t, &f, name, length, flags);
+        else
+            fd = open_miss(m, t, name, length, flags);
+    }
+    if (fd < 0)
+        count(m, PASSED, -1, 0);
+    return fd;
+}
+
+/* Names to be filled are sent NUL-separated: a Unix datagram socket queues only
+ * net.unix.max_dgram_qlen (10) datagrams, so a burst of closes that finds the queue full
+ * keeps its names in the mount's `pending`, and the next close sends them all at once. */
+static void send_pending(struct mount *m, const char *rel, size_t length)
+{
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&m->pending_lock, &expected, 1)) {
+        /* another thread is sending: this name alone, or lost if the queue is full */
+        sendto(m->notice_fd, rel, length, MSG_DONTWAIT | MSG_NOSIGNAL,
+               (struct sockaddr *)&m->notice_addr, m->notice_addr_len);
+        return;
+    }
+    if (m->pending_len + length + 1 <= PENDING) {
+        memcpy(m->pending + m->pending_len, rel, length);
+        m->pending_len += length + 1;
+        m->pending[m->pending_len - 1] = 0;
+    }
+    /* never waits: a fill lost costs a later epoch a miss, never a read */
+    if (sendto(m->notice_fd, m->pending, m->pending_len, MSG_DONTWAIT | MSG_NOSIGNAL,
+               (struct sockaddr *)&m->notice_addr, m->notice_addr_len) >= 0 ||
+        (errno != EAGAIN && errno != ENOBUFS))
+        m->pending_len = 0;
+    atomic_store(&m->pending_lock, 0);
+}
+
+/* At the close of a miss the cache would keep: the daemon copies the pages just read. */
+static void tell_behind(int fd)
+{
+    if (fd < 0 || fd >= FD_SLOTS)
+        return;
+    int mount = atomic_exchange_explicit(&behind[fd], 0, memory_order_relaxed);
+    if (mount == 0)
+        return;
+    struct mount *m = &mounts[mount - 1];
+    char link[64], target[PATH_MAX];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    int saved = errno;
+    ssize_t n = readlink(link, target, sizeof target);
+    if (n > (ssize_t)m->source_real_len + 1 && n < (ssize_t)sizeof target &&
+        memcmp(target, m->source_real, m->source_real_len) == 0 &&
+        target[m->source_real_len] == '/')
+        send_pending(m, target + m->source_real_len + 1, (size_t)n - m->source_real_len - 1);
+    errno = saved;
+}
+
+/* A forked child of a thread that was sending: the lock is nobody's now. */
+static void forked(void)
+{
+    for (int i = 0; i < mount_count; i++)
+        atomic_store(&mounts[i].pending_lock, 0);
+}
+
+/* -- configuration ---------------------------------------------------------------------- */
+__attribute__((constructor)) static void configure(void)
+{
+    find_real_calls();
+    pthread_atfork(NULL, NULL, forked);
+    const char *env = getenv("COORDLFS_MOUNTS");
+    if (env == NULL || real_open == NULL || real_openat == NULL || real_close == NULL)
+        return;
+    char *copy = strdup(env);
+    for (char *record = copy; record != NULL && mount_count < MAX_MOUNTS;) {
+        char *next = strchr(record, '\x1e');
+        if (next != NULL)
+            *next++ = 0;
+        char *field[5] = {0};
+        char *at = record;
+        for (int i = 0; i < 5 && at != NULL; i++) {
+            field[i] = at;
+            at = strchr(at, '\x1f');
+            if (at != NULL)
+                *at++ = 0;
+        }
+        if (field[4] != NULL && field[0][0] == '/' && field[1][0] == '/' &&
+            field[2][0] == '/') {
+            struct mount *m = &mounts[mount_count++];
+            m->point = field[0];
+            m->point_len = strlen(field[0]);
+            while (m->point_len > 1 && m->point[m->point_len - 1] == '/')
+                m->point[--m->point_len] = 0;
+            m->cache_dir = field[1];
+            m->source = field[2];
+            m->max_file = strtoull(field[3], NULL, 10);
+            m->peers = strchr(field[4], 'p') != NULL;
+        }
+        record = next;
+    }
+}
+
+/* -- the intercepted calls -------------------------------------------------------------- */
+static int mode_of(int flags, va_list ap)
+{
+    return (flags & (O_CREAT | O_TMPFILE)) ? va_arg(ap, int) : 0;
+}
+
+#define OPEN_BODY(real, ...)                                                              \
+    do {                                                                                  \
+        int fd = served(path, flags);                                                     \
+        if (fd >= 0)                                                                      \
+            return fd;                                                                    \
+        fd = real(__VA_ARGS__);                                                           \
+        mark_behind(fd, 0);                                                               \
+        return fd;                                                                        \
+    } while (0)
+
+EXPORT int open(const char *path, int flags, ...)
+{
+    va_list ap;
+    va_start(ap, flags);
+    int mode = mode_of(flags, ap);
+    va_end(ap);
+    OPEN_BODY(real_open, path, flags, mode);
+}
+
+EXPORT int open64(const char *path, int flags, ...)
+{
+    va_list ap;
+    va_start(ap, flags);
+    int mode = mode_of(flags, ap);
+    va_end(ap);
+    OPEN_BODY(real_open64, path, flags, mode);
+}
+
+/* openat: ours only for a path that does not depend on the directory descriptor */
+static int served_at(int dirfd, const char *path, int flags)
+{
+    return (path != NULL && (path[0] == '/' || dirfd == AT_FDCWD)) ? served(path, flags) : -1;
+}
+
+#define OPENAT_BODY(real)                                                                 \
+    do {                                                                                  \
+        int fd = served_at(dirfd, path, flags);                                           \
+        if (fd >= 0)                                                                      \
+            return fd;                                                                    \
+        fd = real(dirfd, path, flags, mode);                                              \
+        mark_behind(fd, 0);                                                               \
+        return fd;                                                                        \
+    } while (0)
+
+EXPORT int openat(int dirfd, const char *path, int flags, ...)
+{
+    va_list ap;
+    va_start(ap, flags);
+    int mode = mode_of(flags, ap);
+    va_end(ap);
+    OPENAT_BODY(real_openat);
+}
+
+EXPORT int openat64(int dirfd, const char *path, int flags, ...)
+{
+    va_list ap;
+    va_start(ap, flags);
+    int mode = mode_of(flags, ap);
+    va_end(ap);
+    OPENAT_BODY(real_openat64);
+}
+
+/* the fortified forms (_FORTIFY_SOURCE) glibc routes an open without a mode through */
+EXPORT int __open_2(const char *path, int flags) { return open(path, flags); }
+EXPORT int __open64_2(const char *path, int flags) { return open64(path, flags); }
+EXPORT int __openat_2(int dirfd, const char *path, int flags)
+{
+    return openat(dirfd, path, flags);
+}
+EXPORT int __openat64_2(int dirfd, const char *path, int flags)
+{
+    return openat64(dirfd, path, flags);
+}
+
+/* fopen's read-only modes ("r", "rb", "re", "rbe", ...): the open decided as above, the
+ * stream made by fdopen; anything else is the real fopen's. */
+static FILE *fopen_served(const char *path, const char *mode)
+{
+    if (mode == NULL || mode[0] != 'r' || strpbrk(mode, "+wax") != NULL)
+        return NULL;
+    int fd = served(path, O_RDONLY | (strchr(mode, 'e') ? O_CLOEXEC : 0));
+    if (fd < 0)
+        return NULL;
+    FILE *f = fdopen(fd, "r");
+    if (f == NULL) {
+        tell_behind(fd);
+        real_close(fd);
+    }
+    return f;
+}
+
+EXPORT FILE *fopen(const char *path, const char *mode)
+{
+    FILE *f = fopen_served(path, mode);
+    return f != NULL ? f : real_fopen(path, mode);
+}
+
+EXPORT FILE *fopen64(const char *path, const char *mode)
+{
+    FILE *f = fopen_served(path, mode);
+    return f != NULL ? f : real_fopen64(path, mode);
+}
+
+EXPORT int close(int fd)
+{
+    tell_behind(fd);
+    return real_close(fd);
+}
+
+EXPORT int fclose(FILE *f)
+{
+    if (f != NULL)
+        tell_behind(fileno(f));
+    return real_fclose(f);
+}
