@@ -58,6 +58,7 @@ from coordlfs.bench import bigfile, harness
 from coordlfs.bench.passthrough import DEFAULT_HP, Unavailable, passthrough_hp
 from coordlfs.bench.ratios import ratio
 from coordlfs.bench.reading import copy_files, read_files
+from coordlfs.client import run as run_command
 from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.daemon.daemon import READ_AHEAD_KB
 from coordlfs.daemon.mounting import set_read_ahead
@@ -116,6 +117,8 @@ CASES = (
          ("coordlfs",)),
     Case("hp", "passthrough_hp (libfuse, C++)", "hp", False, ("hp",)),
     Case("coordlfs_pt", "coordlfs passthrough", "coordlfs_pt", False, ("coordlfs_pt",)),
+    # readers under `coordlfs run`: the preload library opens the cache's files itself
+    Case("run", "coordlfs run (preload library)", "run", False),
     Case("bare_warm", "bare pyfuse3, page cache warm", "memfs", True),
     Case("coordlfs_warm", "coordlfs classic, page cache warm", "coordlfs", True),
     Case("hp_warm", "passthrough_hp, page cache warm", "hp", True),
@@ -129,6 +132,8 @@ BASELINE = {False: "bare", True: "bare_warm"}
 #: reader count (more than 4 readers: the goal of 4), and of passthrough_hp.
 PASSTHROUGH_GOALS = {1: 0.16, 4: 0.22}
 PASSTHROUGH_HP_GOAL = 0.9
+#: The goal for readers under ``coordlfs run``: hits at 0.9x tmpfs.
+RUN_GOAL = 0.9
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -387,16 +392,20 @@ def _reader(paths: list[Any], barrier: Any, conn: Connection, client: str | None
 
 
 def measure(paths: list[str], readers: int, client: str | None = None,
-            warm: bool = False, job: Job | None = None) -> Run:
+            warm: bool = False, job: Job | None = None,
+            preload: dict[str, str] | None = None) -> Run:
     """Read ``paths`` split round-robin among ``readers`` processes started together; with
     ``client`` (a mountpoint) the paths are relative to it and read through the client (with
     ``warm``, each process reads its share once before it is timed). With ``job``, this
     process is the job's: once the readers are ready it leads, then starts and follows them.
 
+    With ``preload`` (``coordlfs run``'s variables), the readers are new processes started
+    with them (a library is preloaded at exec, never into a fork).
+
     The time is from the first reader's start (or the job's lead) to the last one's end
     (perf_counter is system-wide on Linux), so process start-up is not counted.
     """
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn" if preload else "fork")
     barrier = context.Barrier(readers + (job is not None), timeout=START_TIMEOUT)
     done = context.RawArray("q", readers) if job else None
     encoded = paths if client else [os.fsencode(p) for p in paths]
@@ -406,7 +415,8 @@ def measure(paths: list[str], readers: int, client: str | None = None,
             receive, send = context.Pipe(duplex=False)
             worker = context.Process(target=_reader, args=(encoded[i::readers], barrier, send,
                                                            client, warm, done, i))
-            worker.start()
+            with _environment(preload or {}):
+                worker.start()
             send.close()
             workers.append(worker)
             pipes.append(receive)
@@ -424,6 +434,22 @@ def measure(paths: list[str], readers: int, client: str | None = None,
             worker.join()
     return Run(max(r[1] for r in reports) - min([r[0] for r in reports] + led), len(paths),
                sum(r[2] for r in reports))
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """``variables`` in this process's environment for as long as the block runs: what a
+    process spawned meanwhile inherits."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def _join(barrier: Any) -> None:
@@ -503,6 +529,8 @@ COMPARISONS = {
     "coordlfs_passthrough_warm_vs_tmpfs": ("coordlfs_pt_warm", "tmpfs"),
     "coordlfs_passthrough_warm_vs_passthrough_hp_warm": ("coordlfs_pt_warm", "hp_warm"),
     "passthrough_hp_vs_tmpfs": ("hp", "tmpfs"),
+    "run_vs_tmpfs": ("run", "tmpfs"),
+    "run_vs_coordlfs_passthrough": ("run", "coordlfs_pt"),
 }
 
 
@@ -539,7 +567,8 @@ def summarize(results: dict[tuple[str, int], Result], readers: tuple[int, ...],
     for name, case, base in (("coordlfs_cache_vs_bare_paired", "coordlfs_cache", "bare"),
                              ("client_vs_tmpfs_paired", "client", "tmpfs"),
                              ("coordlfs_passthrough_vs_passthrough_hp_paired", "coordlfs_pt",
-                              "hp")):
+                              "hp"),
+                             ("run_vs_tmpfs_paired", "run", "tmpfs")):
         summary[name] = {label: paired_ratio(results.get((case, key)), results.get((base, key)))
                          for label, key in cols}
     hits = [summary["coordlfs_cache_vs_bare"][str(n)] for n in readers]
@@ -552,6 +581,10 @@ def summarize(results: dict[tuple[str, int], Result], readers: tuple[int, ...],
     summary["passthrough_goals"] = {"vs_tmpfs": PASSTHROUGH_GOALS,
                                     "vs_passthrough_hp": PASSTHROUGH_HP_GOAL}
     summary["passthrough_goal_met"] = _passthrough_goal_met(summary, readers)
+    summary["run_goal"] = RUN_GOAL
+    preloaded = [summary["run_vs_tmpfs"][str(n)] for n in readers]
+    summary["run_goal_met"] = (None if any(r is None for r in preloaded)
+                               else all(r >= RUN_GOAL for r in preloaded))
     return summary
 
 
@@ -635,6 +668,8 @@ class Bench:
     big_runs: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     #: runs taken again because the kernel's caches were dropped while they ran
     disturbed: int = 0
+    #: ``coordlfs run``'s variables for the passthrough mount (``_preload``)
+    preload: dict[str, str] = field(default_factory=dict)
 
     def paths(self, system: str, rels: list[str]) -> list[str]:
         return [os.path.join(self.roots[system], rel) for rel in rels]
@@ -658,7 +693,8 @@ class Bench:
                 evict(self.paths(system, rels))
             pid = self.pids.get(case.system)
             cpu = cpu_seconds(pid) if pid else 0.0
-            run = measure(paths, readers, client, case.warm)
+            run = measure(paths, readers, client, case.warm,
+                          preload=self.preload if case.system == "run" else None)
             if pid:
                 run.daemon_cpu_s = cpu_seconds(pid) - cpu
             if harness.drop_count() == drops:
@@ -765,7 +801,18 @@ def _start_all(stack: contextlib.ExitStack, settings: Settings, dataset: Dataset
         set_read_ahead(mountpoint, settings.read_ahead_kb)
         roots[system] = mountpoint
     pids["client"] = pids["coordlfs"]  # what a client's hit costs the daemon: nothing
+    _preload(roots, pids, unavailable)
     return roots, pids, unavailable
+
+
+def _preload(roots: dict[str, str], pids: dict[str, int], unavailable: dict[str, str]) -> None:
+    """The ``run`` case reads the mount the default options make (passthrough where it can
+    run) under ``coordlfs run``; n/a without the library."""
+    mount = "coordlfs_pt" if "coordlfs_pt" in roots else "coordlfs"
+    if run_command.library() is None:
+        unavailable["run"] = "the preload library is not built (scripts/setup)"
+        return
+    roots["run"], pids["run"] = roots[mount], pids[mount]
 
 
 @contextlib.contextmanager
@@ -823,6 +870,11 @@ def _report(bench: Bench, reads: dict[str, dict[str, int]],
               f"{_percent(summary['client_vs_tmpfs_paired'][label])}; goal "
               f"{_percent(CLIENT_GOAL)}); mapping warm: "
               f"{_percent(summary['client_warm_vs_tmpfs'][label])}")
+        if key:
+            print(f"coordlfs run (preload library), {what}: "
+                  f"{_percent(summary['run_vs_tmpfs'][label])} of tmpfs (run by run: "
+                  f"{_percent(summary['run_vs_tmpfs_paired'][label])}; goal "
+                  f"{_percent(RUN_GOAL)})")
         print(f"coordlfs passthrough, {what}: "
               f"{_percent(summary['coordlfs_passthrough_vs_tmpfs'][label])} of tmpfs, "
               f"{_percent(summary['coordlfs_passthrough_vs_passthrough_hp'][label])} of "
@@ -863,6 +915,8 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         work = stack.enter_context(tempfile.TemporaryDirectory(prefix="coordlfs-bench-"))
         bench = Bench(settings, dataset, *_start_all(stack, settings, dataset, work))
+        if "run" not in bench.unavailable:
+            bench.preload = run_command.environment([bench.roots["run"]], {}) or {}
         print("filling the coordlfs caches", flush=True)
         mounts = [s for s in ("coordlfs", "coordlfs_pt") if s not in bench.unavailable]
         before = {system: bench.warm_coordlfs(system)["reads"] for system in mounts}

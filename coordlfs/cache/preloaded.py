@@ -8,9 +8,8 @@ processes the library serves:
 - ``preload.counts``: a page of counters (hits, misses, files the cache does not keep,
   opens passed on to the mount, and their bytes) that every served process adds to with
   atomic adds: exact, no system call, nothing lost when a job is killed;
-- ``preload.sock``: a datagram socket on which a process names, at its close, a miss the
-  cache would keep (its path relative to the source; several, NUL-separated, where the
-  socket's queue was full at an earlier close): the daemon copies the pages the job
+- ``preload.sock``: a socket on which a process names, at its close, each miss the cache
+  would keep (its path relative to the source, NUL-terminated): the daemon copies the pages the job
   just read into the cache, as it does behind a passthrough reader. The job never waits for
   it: a full socket buffer loses a fill, never a read.
 
@@ -37,8 +36,10 @@ log = logging.getLogger(__name__)
 COUNTS = "preload.counts"
 NOTICES = "preload.sock"
 MAGIC = b"CLFSPRE1"
-#: the most a datagram holds: names NUL-separated (the library's ``PENDING``)
-_DATAGRAM = 16384
+#: processes connected at once, at most (each a task and a descriptor)
+CONNECTIONS = 1024
+_CHUNK = 65536
+_NAME_MAX = 4096
 
 
 @dataclass(slots=True)
@@ -85,29 +86,54 @@ class CountsPage:
 
 
 class Notices:
-    """The datagram socket the library names its misses on."""
+    """The socket the library names its misses on: a stream connection per process, names
+    NUL-separated (a datagram socket queues only ten datagrams: a burst of closes lost
+    names)."""
 
     def __init__(self, dir_fd: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(NOTICES, dir_fd=dir_fd)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
             # by the directory's descriptor: a cache directory's path may be longer than a
             # socket address takes
             sock.bind(f"/proc/self/fd/{dir_fd}/{NOTICES}")
+            sock.listen(CONNECTIONS)
         except OSError:
             sock.close()
             raise
         self._sock = sock
-        self.sock = trio.socket.from_stdlib_socket(sock)
+        self.listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+        self.connections = 0
 
     async def run(self, fill: Callable[[bytes], None]) -> None:
-        """Hand each path named to ``fill`` (for ever)."""
-        while True:
-            for path in (await self.sock.recv(_DATAGRAM)).split(b"\0"):
-                if path and not path.startswith(b"/"):
-                    fill(path)
+        """Hand each path named to ``fill`` (for ever), a task per connected process; past
+        ``CONNECTIONS`` at once, a new one is closed (its names are lost, not its reads)."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                stream = await self.listener.accept()
+                if self.connections >= CONNECTIONS:
+                    await stream.aclose()
+                    continue
+                self.connections += 1
+                nursery.start_soon(self._serve, stream, fill)
+
+    async def _serve(self, stream: trio.SocketStream, fill: Callable[[bytes], None]) -> None:
+        tail = b""
+        try:
+            while chunk := await stream.receive_some(_CHUNK):
+                *names, tail = (tail + chunk).split(b"\0")
+                if len(tail) > _NAME_MAX:
+                    return  # no name is that long: not the library
+                for name in names:
+                    if name and not name.startswith(b"/"):
+                        fill(name)
+        except trio.BrokenResourceError:
+            pass
+        finally:
+            self.connections -= 1
+            with contextlib.suppress(trio.BrokenResourceError):
+                await stream.aclose()
 
     def close(self) -> None:
         self._sock.close()  # after the loop: trio's own close wants it running

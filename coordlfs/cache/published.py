@@ -80,6 +80,8 @@ HEADER_SIZE = 64
 #: word (sequence << 2 | state), hash (2 words), entry number, size, inode, mtime, ctime
 SLOT = struct.Struct("<QQQQQQqq")
 _WORD = struct.Struct("<Q")
+#: a slot past its word: what a writer packs while the word says busy
+_FIELDS = struct.Struct("<QQQQQqq")
 #: a slot's word and hash: what finding a path's slot reads
 _PROBE = struct.Struct("<QQQ")
 SLOT_SIZE = SLOT.size
@@ -92,6 +94,14 @@ MAPPED_FILES = 16384
 _SEEN_FILES = 1 << 20
 #: The smallest table, slots: 256 KiB of index, 2,048 files before it grows.
 MIN_SLOTS = 1 << 12
+
+
+def _store(table: mmap.mmap, at: int, value: int) -> None:
+    """One aligned 8-byte store of a word readers in other processes watch: they see the old
+    value or the new, never a half. ``struct.pack_into`` zeroes its bytes before it writes
+    them, so a reader could see 0 (an empty slot, no beat, no room) in between."""
+    with memoryview(table) as view, view.cast("Q") as words:
+        words[at >> 3] = value
 
 
 def path_hash(path: bytes) -> tuple[int, int]:
@@ -182,13 +192,13 @@ class IndexWriter:
     def set_revalidate(self) -> None:
         """From now on clients compare every hit's version with the source."""
         self.revalidate = True
-        _WORD.pack_into(self._map, _FLAGS_AT + 8, 1)
+        _store(self._map, _FLAGS_AT + 8, 1)
 
     def set_room(self, room: int) -> None:
         """Clients read a file larger than ``room`` from the source, not through the mount."""
         if room != self.room:
             self.room = room
-            _WORD.pack_into(self._map, _ROOM_AT, room | _ROOM_SET)
+            _store(self._map, _ROOM_AT, room | _ROOM_SET)
 
     def publish(self, path: bytes, found: Published) -> None:
         """Publish (or republish) a path; OSError if the index cannot grow (no room)."""
@@ -204,7 +214,7 @@ class IndexWriter:
     def beat(self) -> None:
         """Tell clients the daemon is alive and withdrawing: they trust the index for
         ``STALE_AFTER_S`` from now."""
-        _WORD.pack_into(self._map, _BEAT_AT, monotonic_ns() | _BEAT_SET)
+        _store(self._map, _BEAT_AT, monotonic_ns() | _BEAT_SET)
 
     def withdraw(self, path: bytes) -> bool:
         """Make a path's slot a tombstone; whether it was published."""
@@ -217,7 +227,7 @@ class IndexWriter:
         self._live -= 1
         at = HEADER_SIZE + slot * SLOT_SIZE
         word = _WORD.unpack_from(self._map, at)[0]
-        _WORD.pack_into(self._map, at, ((word >> 2) + 1) << 2 | DEAD)
+        _store(self._map, at, ((word >> 2) + 1) << 2 | DEAD)
         self._dead += 1
         self.withdrawn += 1
         return True
@@ -234,10 +244,10 @@ class IndexWriter:
     def _write(table: mmap.mmap, slot: int, h1: int, h2: int, found: Published) -> None:
         at = HEADER_SIZE + slot * SLOT_SIZE
         sequence = (_WORD.unpack_from(table, at)[0] >> 2) + 1
-        _WORD.pack_into(table, at, sequence << 2 | BUSY)
-        SLOT.pack_into(table, at, sequence << 2 | BUSY, h1, h2, found.offset, found.size,
-                       found.ino, found.mtime_ns, found.ctime_ns)
-        _WORD.pack_into(table, at, sequence << 2 | LIVE)  # last: the slot is complete
+        _store(table, at, sequence << 2 | BUSY)
+        _FIELDS.pack_into(table, at + 8, h1, h2, found.offset, found.size, found.ino,
+                          found.mtime_ns, found.ctime_ns)
+        _store(table, at, sequence << 2 | LIVE)  # last: the slot is complete
 
     def _grow(self, files: int) -> None:
         """Rebuild into a table with room for three times ``files``, without tombstones."""
@@ -253,12 +263,12 @@ class IndexWriter:
             h1, h2 = fields[1], fields[2]
             self._write(self._map, self._free_slot(h1), h1, h2, Published(*fields[3:]))
         self._install()
-        _WORD.pack_into(old, _FLAGS_AT, 1)  # after the rename: readers reopen the new table
+        _store(old, _FLAGS_AT, 1)  # after the rename: readers reopen the new table
         old.close()
 
     def close(self) -> None:
         """Retire the index: clients stop trusting it (the files may go with the mount)."""
-        _WORD.pack_into(self._map, _FLAGS_AT, 1)
+        _store(self._map, _FLAGS_AT, 1)
         self._map.close()
 
 
@@ -271,7 +281,7 @@ def retire(dir_fd: int) -> None:
                 return  # no index of ours
             with mmap.mmap(fd, HEADER_SIZE, flags=mmap.MAP_SHARED) as header:
                 if header[:8] == MAGIC:
-                    _WORD.pack_into(header, _FLAGS_AT, 1)
+                    _store(header, _FLAGS_AT, 1)
         finally:
             os.close(fd)
 

@@ -14,8 +14,11 @@ its own, with nothing in between.
 from __future__ import annotations
 
 import os
+import queue
 import shlex
 import sys
+import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -29,6 +32,8 @@ LIBRARY = Path(__file__).resolve().parent.parent / "preload" / "libcoordlfs-prel
 #: Separators of ``COORDLFS_MOUNTS``: records, fields (ASCII RS and US, never in a path we
 #: take)
 _RECORD, _FIELD = "\x1e", "\x1f"
+#: Seconds the mounts have to say where their caches are.
+STATUS_WAIT_S = 2.0
 FSTYPE = "fuse.coordlfs"
 
 
@@ -39,14 +44,10 @@ def library() -> Path | None:
     return path if path.is_file() else None
 
 
-def mount_record(mountpoint: str) -> str | None:
+def mount_record(mountpoint: str, status: dict) -> str | None:
     """The library's record of one mount: mountpoint, cache directory, source, largest
     file the cache keeps, flags ("p": peers, whose misses only the mount may ask for); None
     where the mount publishes no index (nothing for the library to serve)."""
-    try:
-        status = Control(mountpoint).status()
-    except (ControlError, OSError, ValueError):
-        return None
     shared = status.get("shared") or {}
     index, source = shared.get("index"), status.get("source")
     if not index or not source:
@@ -57,6 +58,35 @@ def mount_record(mountpoint: str) -> str | None:
     if any(_RECORD in f or _FIELD in f for f in fields):
         return None
     return _FIELD.join(fields)
+
+
+def statuses(mountpoints: list[str]) -> dict[str, dict]:
+    """Each mount's status, asked of all at once in threads of their own: a mount whose
+    daemon is stopped or waiting on another would hang the command; one that has not
+    answered within ``STATUS_WAIT_S`` is left out, and said so."""
+    answers: queue.Queue[tuple[str, dict]] = queue.Queue()
+
+    def ask(mountpoint: str) -> None:
+        try:
+            answers.put((mountpoint, Control(mountpoint).status()))
+        except (ControlError, OSError, ValueError):  # not this user's: nothing to serve
+            answers.put((mountpoint, {}))
+
+    for mountpoint in mountpoints:
+        threading.Thread(target=ask, args=(mountpoint,), daemon=True).start()
+    found: dict[str, dict] = {}
+    deadline = time.monotonic() + STATUS_WAIT_S
+    for _ in mountpoints:
+        try:
+            mountpoint, status = answers.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        found[mountpoint] = status
+    for mountpoint in mountpoints:
+        if mountpoint not in found:
+            print(f"coordlfs run: {mountpoint} did not answer; its files are read through "
+                  "the mount", file=sys.stderr)
+    return {mountpoint: status for mountpoint, status in found.items() if status}
 
 
 def coordlfs_mounts(named: Iterable[str]) -> list[str]:
@@ -79,7 +109,8 @@ def environment(named: Iterable[str], base: dict[str, str]) -> dict[str, str] | 
     lib = library()
     if lib is None:
         return None
-    records = [r for r in map(mount_record, coordlfs_mounts(named)) if r is not None]
+    found = statuses(coordlfs_mounts(named))
+    records = [r for r in (mount_record(m, s) for m, s in found.items()) if r is not None]
     env = dict(base)
     preload = [str(lib), *(p for p in base.get("LD_PRELOAD", "").split(":")
                            if p and p != str(lib))]

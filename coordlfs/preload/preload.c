@@ -105,7 +105,7 @@ struct mount {
     _Atomic(struct table *) table;
     _Atomic int reopening;
     _Atomic uint64_t *counts;
-    _Atomic int pending_lock;
+    pthread_mutex_t pending_lock;
     size_t pending_len;
     char pending[PENDING];
 };
@@ -273,8 +273,10 @@ static struct table *live_table(struct mount *m)
         struct table *t = atomic_load_explicit(&m->table, memory_order_acquire);
         if (!word_at(t->map, RETIRED_AT)) {
             uint64_t beat = word_at(t->map, BEAT_AT);
-            if (!(beat & BEAT_SET) || now_ns() - beat >= STALE_NS)
+            /* signed: a beat a nanosecond ahead (its flag bit) is fresh, not 584 years old */
+            if (!(beat & BEAT_SET) || (int64_t)(now_ns() - beat) >= (int64_t)STALE_NS) {
                 return NULL; /* an index without a beat is an older daemon's: not ours */
+            }
             return t;
         }
         int expected = 0;
@@ -368,7 +370,6 @@ static int set_up(struct mount *m)
                       would look fresh */
     }
     atomic_store(&m->table, t);
-    m->notice_fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     m->notice_addr.sun_family = AF_UNIX;
     int length = snprintf(m->notice_addr.sun_path, sizeof m->notice_addr.sun_path,
                           "/proc/self/fd/%d/" NOTICE_NAME, m->dir_fd);
@@ -603,29 +604,52 @@ static int served(const char *path, int flags)
     return fd;
 }
 
-/* Names to be filled are sent NUL-separated: a Unix datagram socket queues only
- * net.unix.max_dgram_qlen (10) datagrams, so a burst of closes that finds the queue full
- * keeps its names in the mount's `pending`, and the next close sends them all at once. */
+/* Names to be filled go NUL-separated over a stream connection of this process's own
+ * (made at its first name; a forked child makes its own): the kernel buffers a few hundred
+ * KiB of them, where a datagram socket would queue only net.unix.max_dgram_qlen (10)
+ * datagrams. Nothing waits: a name the connection cannot take now stays in the mount's
+ * `pending` for the next close, and one that finds no room there is lost (a later epoch
+ * misses it again: never a read lost). */
+static int connect_notices(struct mount *m)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&m->notice_addr, m->notice_addr_len) != 0 &&
+        errno != EINPROGRESS) {
+        real_close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
 static void send_pending(struct mount *m, const char *rel, size_t length)
 {
-    int expected = 0;
-    if (!atomic_compare_exchange_strong(&m->pending_lock, &expected, 1)) {
-        /* another thread is sending: this name alone, or lost if the queue is full */
-        sendto(m->notice_fd, rel, length, MSG_DONTWAIT | MSG_NOSIGNAL,
-               (struct sockaddr *)&m->notice_addr, m->notice_addr_len);
+    /* another thread's turn is a copy and a send that never blocks: waited for; the same
+     * thread again (a close in a signal handler that interrupted this) loses its name */
+    static __thread int sending;
+    if (sending)
         return;
-    }
+    sending = 1;
+    pthread_mutex_lock(&m->pending_lock);
     if (m->pending_len + length + 1 <= PENDING) {
         memcpy(m->pending + m->pending_len, rel, length);
         m->pending_len += length + 1;
         m->pending[m->pending_len - 1] = 0;
     }
-    /* never waits: a fill lost costs a later epoch a miss, never a read */
-    if (sendto(m->notice_fd, m->pending, m->pending_len, MSG_DONTWAIT | MSG_NOSIGNAL,
-               (struct sockaddr *)&m->notice_addr, m->notice_addr_len) >= 0 ||
-        (errno != EAGAIN && errno != ENOBUFS))
-        m->pending_len = 0;
-    atomic_store(&m->pending_lock, 0);
+    if (m->notice_fd < 0)
+        m->notice_fd = connect_notices(m);
+    if (m->notice_fd >= 0) {
+        ssize_t sent = send(m->notice_fd, m->pending, m->pending_len,
+                            MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (sent > 0) {
+            memmove(m->pending, m->pending + sent, m->pending_len - (size_t)sent);
+            m->pending_len -= (size_t)sent;
+        } else if (sent < 0 && errno != EAGAIN) { /* the daemon went: a new one next time */
+            real_close(m->notice_fd);
+            m->notice_fd = -1;
+        }
+    }
+    pthread_mutex_unlock(&m->pending_lock);
+    sending = 0;
 }
 
 /* At the close of a miss the cache would keep: the daemon copies the pages just read. */
@@ -648,11 +672,19 @@ static void tell_behind(int fd)
     errno = saved;
 }
 
-/* A forked child of a thread that was sending: the lock is nobody's now. */
+/* In a forked child: the parent's connection and names are the parent's (two writers on
+ * one stream could interleave), and a lock a thread of the parent held is nobody's (the
+ * child has one thread: made anew). */
 static void forked(void)
 {
-    for (int i = 0; i < mount_count; i++)
-        atomic_store(&mounts[i].pending_lock, 0);
+    for (int i = 0; i < mount_count; i++) {
+        struct mount *m = &mounts[i];
+        if (m->notice_fd >= 0)
+            real_close(m->notice_fd);
+        m->notice_fd = -1;
+        m->pending_len = 0;
+        pthread_mutex_init(&m->pending_lock, NULL);
+    }
 }
 
 /* -- configuration ---------------------------------------------------------------------- */
@@ -679,6 +711,7 @@ __attribute__((constructor)) static void configure(void)
         if (field[4] != NULL && field[0][0] == '/' && field[1][0] == '/' &&
             field[2][0] == '/') {
             struct mount *m = &mounts[mount_count++];
+            pthread_mutex_init(&m->pending_lock, NULL);
             m->point = field[0];
             m->point_len = strlen(field[0]);
             while (m->point_len > 1 && m->point[m->point_len - 1] == '/')

@@ -224,3 +224,30 @@ def test_an_index_without_the_beat_is_trusted_as_before(directory) -> None:
     assert reader.find(b"a") == _version(1)
     reader.close()
     writer.close()
+
+
+def test_a_reader_never_sees_a_word_half_written(directory) -> None:
+    """The room, the beat and a slot's word change while clients in other processes read
+    them: each store is whole (struct's pack_into zeroed a word before writing it, and a
+    reader saw no room or no beat: a hit sent through the mount)."""
+    root, fd = directory
+    writer = IndexWriter(fd)
+    writer.publish(b"a", _version(1))
+    writer.set_room(1)
+    reader = IndexReader(str(root / INDEX), str(root / "files"))
+    pid = os.fork()
+    if pid == 0:  # the writer in a process of its own, as the daemon is
+        status = 1
+        try:
+            for n in range(200_000):
+                writer.set_room(n % 7 + 1)
+                writer.beat()
+            status = 0
+        finally:
+            os._exit(status)
+    torn = 0
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        torn += reader.room in (0, None) or reader.find(b"a") is None
+    reader.close()
+    writer.close()
+    assert torn == 0

@@ -1,0 +1,265 @@
+"""``coordlfs run`` and its preload library on a real mount: every byte a preloaded job reads
+equals the source, whichever way it opens files (Python, os, fopen, mmap, numpy, threads,
+fork, exec, a DataLoader's workers); hits come from the cache's files and misses from the
+source with no FUSE request, and both are counted; a change in the source is seen as through
+the mount; a user who may not open the cache, a static binary, a dead daemon and a missing
+library all get what the mount gives."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import xxhash
+from conftest import (
+    COORDLFS,
+    digests,
+    force_unmount,
+    make_dataset,
+    reachable_by_anyone,
+    run_as_other_user,
+    run_cli,
+    wait_for,
+)
+
+from coordlfs.client.run import LIBRARY, environment, library
+
+READER = Path(__file__).with_name("preload_reader.py")
+
+pytestmark = pytest.mark.skipif(library() is None,
+                                reason="the preload library is not built (scripts/setup)")
+
+
+def preloaded(mode: str, root: Path, names: list[str], *run_args: str,
+              env: dict[str, str] | None = None) -> dict[str, str]:
+    """The digests (or errnos) a job under ``coordlfs run`` read, by name; the library was
+    loaded in it."""
+    done = subprocess.run([*COORDLFS, "run", "--mount", str(root), *run_args, "--",
+                           sys.executable, str(READER),
+                           mode, str(root), *names], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["preloaded"], "the library was not loaded"
+    return out["digests"]
+
+
+def reads(m) -> dict[str, int]:
+    return m.settled()["reads"]
+
+
+@pytest.fixture
+def served(mount, tmp_path):
+    """A mount of 60 image-sized files, and their digests."""
+    source = tmp_path / "data"
+    source.mkdir()
+    make_dataset(source, 60)
+    return mount(source), digests(source)
+
+
+def test_misses_then_hits_byte_for_byte_with_no_fuse_request(served) -> None:
+    m, expected = served
+    names = sorted(expected)
+    assert preloaded("open", m.mountpoint, names) == expected
+    first = reads(m)
+    assert first["preload_misses"] == len(names)
+    assert first["preload_hits"] == 0
+    assert first["passthrough_opens"] == 0 and first["source_opens"] == 0  # no FUSE open
+    # the fills behind the job's reads, told at its closes
+    wait_for(lambda: m.status()["shared"]["published"] == len(names), "every file published")
+    assert m.status()["cache"]["files"] == len(names)
+    assert preloaded("os", m.mountpoint, names) == expected
+    second = reads(m)
+    assert second["preload_hits"] == len(names)
+    assert second["preload_bytes_from_cache"] == sum(
+        (m.source / n).stat().st_size for n in names)
+    assert second["passthrough_opens"] == 0 and second["cache_hits"] == 0
+    assert second["files_from_cache"] == len(names)  # the epoch's totals say it too
+
+
+@pytest.mark.parametrize("mode", ["fopen", "mmap", "numpy", "threads", "fork", "exec"])
+def test_every_way_of_opening_reads_the_source_bytes(served, mode) -> None:
+    m, expected = served
+    names = sorted(expected)
+    assert preloaded(mode, m.mountpoint, names) == expected  # misses
+    wait_for(lambda: m.status()["shared"]["published"] == len(names), "every file published")
+    assert preloaded(mode, m.mountpoint, names) == expected  # hits
+    counted = reads(m)
+    assert (counted["preload_hits"], counted["preload_misses"]) == (len(names), len(names)), \
+        {k: v for k, v in counted.items() if v}
+
+
+def test_a_dataloader_with_workers_decodes_images_from_the_cache(mount, tmp_path) -> None:
+    pytest.importorskip("torch")
+    image = pytest.importorskip("PIL.Image")
+    source = tmp_path / "images"
+    (source / "cat").mkdir(parents=True)
+    for i in range(12):
+        pixels = bytes((i * 7 + j) % 256 for j in range(32 * 32 * 3))
+        image.frombytes("RGB", (32, 32), pixels).save(source / "cat" / f"{i}.png")
+    m = mount(source)
+    names = [f"cat/{i}.png" for i in range(12)]
+    want = {n: xxhash.xxh64_hexdigest(image.open(source / n).convert("RGB").tobytes())
+            for n in names}
+    assert preloaded("pil", m.mountpoint, names) == want
+    wait_for(lambda: m.status()["shared"]["published"] == len(names), "every file published")
+    assert preloaded("pil", m.mountpoint, names) == want
+    assert reads(m)["preload_hits"] >= len(names)  # PIL may open a file more than once
+
+
+def test_a_held_hit_keeps_its_bytes_and_the_next_open_sees_the_change(served) -> None:
+    m, expected = served
+    name = sorted(expected)[0]
+    preloaded("open", m.mountpoint, [name])
+    wait_for(lambda: m.status()["shared"]["published"] == 1, "published")
+    old = (m.source / name).read_bytes()
+    script = (
+        "import os, sys, mmap, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+        "sys.stdout.write('opened\\n'); sys.stdout.flush(); sys.stdin.readline()\n"
+        "size = os.fstat(fd).st_size\n"
+        "with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm: mapped = mm[:]\n"
+        "data = os.pread(fd, size + 1, 0)\n"
+        "sys.stdout.buffer.write(data if data == mapped else b'MISMATCH')\n")
+    job = subprocess.Popen([*COORDLFS, "run", "--", sys.executable, "-c", script,
+                            str(m.mountpoint / name)], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE)
+    assert job.stdout is not None and job.stdin is not None
+    assert job.stdout.readline() == b"opened\n"
+    new = os.urandom(len(old) * 2)  # longer: a size the old file cannot give
+    (m.source / "replacement").write_bytes(new)
+    os.rename(m.source / "replacement", m.source / name)
+    out, _ = job.communicate(b"go\n", timeout=60)
+    assert out == old  # the version it opened, whole, by read and by mmap
+    wait_for(lambda: preloaded("open", m.mountpoint, [name])[name]
+             == xxhash.xxh64_hexdigest(new), "the new version read by the next open")
+
+
+def test_a_rewrite_in_place_between_opens_is_seen(served) -> None:
+    m, expected = served
+    name = sorted(expected)[1]
+    preloaded("open", m.mountpoint, [name])
+    wait_for(lambda: m.status()["shared"]["published"] == 1, "published")
+    new = os.urandom(4096)
+    with open(m.source / name, "r+b") as f:  # same inode
+        f.truncate(0)
+        f.write(new)
+    wait_for(lambda: preloaded("os", m.mountpoint, [name])[name]
+             == xxhash.xxh64_hexdigest(new), "the rewrite read by the next open")
+
+
+def test_a_static_binary_reads_through_the_mount(served, tmp_path) -> None:
+    m, expected = served
+    if shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    program = tmp_path / "cat.c"
+    program.write_text(
+        "#include <fcntl.h>\n#include <unistd.h>\n"
+        "int main(int c, char **v) { char b[65536]; int fd = open(v[1], O_RDONLY);"
+        " if (fd < 0) return 2; ssize_t n; while ((n = read(fd, b, sizeof b)) > 0)"
+        " write(1, b, n); return n < 0; }\n")
+    binary = tmp_path / "static-cat"
+    subprocess.run(["gcc", "-static", "-O2", "-o", str(binary), str(program)], check=True)
+    name = sorted(expected)[2]
+    done = subprocess.run([*COORDLFS, "run", "--", str(binary), str(m.mountpoint / name)],
+                          capture_output=True, timeout=60)
+    assert done.returncode == 0
+    assert xxhash.xxh64_hexdigest(done.stdout) == expected[name]
+    counted = reads(m)
+    assert counted["preload_misses"] == 0 and counted["preload_hits"] == 0  # no library
+
+
+def test_another_user_reads_through_the_mount_and_reaches_no_cache_file(mount, tmp_path) -> None:
+    source = tmp_path / "data"
+    source.mkdir()
+    for name, mode in (("open.bin", 0o644), ("closed.bin", 0o600)):
+        (source / name).write_text(os.urandom(2500).hex())  # text: `cat`'s output is decoded
+        (source / name).chmod(mode)
+    names = ["open.bin", "closed.bin"]
+    # the mountpoint, the library and `cat` where the other user can reach them, whatever
+    # the modes of the checkout and of pytest's directories
+    with reachable_by_anyone(Path(str(library()))) as (lib,):
+        m = mount(source, "--allow-other", mountpoint=lib.parent / "mnt")
+        try:
+            preloaded("open", m.mountpoint, names)  # root fills both
+            wait_for(lambda: m.status()["shared"]["published"] == 2, "published")
+            before = reads(m)["preload_hits"]
+            env = environment([str(m.mountpoint)], {})
+            assert env is not None
+            variables = [f"LD_PRELOAD={lib}", f"COORDLFS_MOUNTS={env['COORDLFS_MOUNTS']}"]
+            got = {name: run_as_other_user(["env", *variables, "cat", m.mountpoint / name])
+                   for name in names}
+            assert reads(m)["preload_hits"] == before  # nobody's opens went to the mount
+        finally:
+            force_unmount(m.mountpoint, m.pid)
+    assert got["open.bin"].returncode == 0, got["open.bin"].stderr
+    assert got["open.bin"].stdout == (source / "open.bin").read_text()
+    assert got["closed.bin"].returncode != 0
+    assert "Permission denied" in got["closed.bin"].stderr  # what the mount says
+
+
+def test_a_killed_daemon_serves_no_hit_after_its_beat_goes_stale(served) -> None:
+    m, expected = served
+    names = sorted(expected)[:5]
+    preloaded("open", m.mountpoint, names)
+    wait_for(lambda: m.status()["shared"]["published"] == len(names), "published")
+    script = (
+        "import os, sys, time, errno\n"
+        "path = sys.argv[1]\n"
+        "open(path, 'rb').read()\n"  # a hit while the daemon lives
+        "sys.stdout.write('ready\\n'); sys.stdout.flush(); sys.stdin.readline()\n"
+        "try:\n    open(path, 'rb').read(); print('read')\n"
+        "except OSError as e:\n    print(errno.errorcode[e.errno])\n")
+    job = subprocess.Popen([*COORDLFS, "run", "--", sys.executable, "-c", script,
+                            str(m.mountpoint / names[0])], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+    assert job.stdout is not None
+    assert job.stdout.readline() == "ready\n"
+    os.kill(m.pid, signal.SIGKILL)
+    time.sleep(2.2)  # the beat's bound: 2 s after the daemon's last moment of life
+    out, _ = job.communicate("go\n", timeout=60)
+    assert out.strip() == "ENOTCONN"  # what the dead mount gives, not the cache's file
+    force_unmount(m.mountpoint, None)
+
+
+def test_the_exit_status_and_signals_are_the_commands(served) -> None:
+    assert run_cli("run", "--", "sh", "-c", "exit 7").returncode == 7
+    job = subprocess.Popen([*COORDLFS, "run", "--", "sleep", "30"])
+    time.sleep(0.5)
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=30) == -signal.SIGTERM  # the command itself took the signal
+    missing = run_cli("run", "--", "no-such-command-here")
+    assert missing.returncode == 127
+    assert missing.stderr.count("\n") == 1 and "no-such-command-here" in missing.stderr
+
+
+def test_without_the_library_the_command_runs_plainly(served) -> None:
+    m, expected = served
+    name = sorted(expected)[0]
+    env = {**os.environ, "COORDLFS_PRELOAD_LIBRARY": "/nonexistent/lib.so"}
+    done = subprocess.run([*COORDLFS, "run", "--", "cat", str(m.mountpoint / name)],
+                          capture_output=True, timeout=60, env=env)
+    assert done.returncode == 0
+    assert xxhash.xxh64_hexdigest(done.stdout) == expected[name]
+    assert done.stderr.decode().count("\n") == 1
+    assert b"not built" in done.stderr
+
+
+def test_print_env_names_the_library_and_the_mount(served) -> None:
+    m, _expected = served
+    out = run_cli("run", "--print-env", "--mount", str(m.mountpoint))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"export LD_PRELOAD={LIBRARY}"
+    assert lines[1].startswith("export COORDLFS_MOUNTS=") and str(m.mountpoint) in lines[1]
+    slurm = run_cli("run", "--print-env", "slurm", "--mount", str(m.mountpoint))
+    assert "'" not in slurm.stdout
+    bad = run_cli("run", "--mount", str(m.source), "--", "true")
+    assert bad.returncode != 0 and bad.stderr.count("\n") == 1
