@@ -16,7 +16,9 @@ for at most ``--revalidate`` seconds: changes are then visible after that long.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pyfuse3
@@ -34,9 +36,13 @@ WATCHED_TIMEOUT = 3600.0
 class Freshness(Watcher[int]):
     batch_s = BATCH_S
 
-    def __init__(self, source: Source, inodes: InodeTable, revalidate_s: float) -> None:
+    def __init__(self, source: Source, inodes: InodeTable, revalidate_s: float,
+                 changed: Callable[[bytes], None]) -> None:
         self.inodes = inodes
         self.revalidate_s = revalidate_s
+        #: told the source path of every name invalidated: an open file there may show the
+        #: change (``Operations.changed_open``)
+        self.changed = changed
         self.invalidated = 0
         super().__init__(source)
         self.watch(ROOT_INODE, b"")
@@ -84,6 +90,9 @@ class Freshness(Watcher[int]):
             names |= self._every_known_name()
         for parent, name in names:
             pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+            with contextlib.suppress(KeyError):  # the directory forgotten meanwhile
+                base = self.inodes.path(parent)
+                self.changed(base + b"/" + name if base else name)
         self.invalidated += len(names)
 
     def _every_known_name(self) -> set[tuple[int, bytes]]:

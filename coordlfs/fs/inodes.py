@@ -12,9 +12,9 @@ shown before and no map from numbers to rows is needed. ``table[inode]`` is a ``
 view of the row for the moment it is used.
 
 A key has one inode at a time, and mostly an inode is its key's for life. The exception is a
-file changed while passthrough opens of its old version are held (``detach``): the kernel
-gives an inode one backing file, so the new version needs a new inode, and the old one lives
-on, found by its number only, until the kernel forgets it.
+file changed while open files read a fixed version of it (``detach``): the kernel gives an
+inode one backing file and one size, so the new version needs a new inode, and the old one
+lives on, found by its number only, until the kernel forgets it.
 """
 
 from __future__ import annotations

@@ -74,6 +74,9 @@ class FileHandle:
     member: Member | None = None
     #: the backing id its open was answered with (``coordlfs.fs.backing``); 0: none
     backing: int = 0
+    #: the version its bytes are fixed to (a cache entry's file, by passthrough or kept by
+    #: its reader), as stat showed it; None for bytes read from the source as they are now
+    pinned: os.stat_result | None = None
 
     @property
     def key(self) -> Key:
@@ -108,8 +111,10 @@ class Operations(pyfuse3.Operations):
         self.readers = Readers(source, cache, counters, peers, aligned)
         root = source.lstat(b"")
         self.inodes = InodeTable((root.st_dev, root.st_ino))
-        self.freshness = Freshness(source, self.inodes, revalidate_s)
+        self.freshness = Freshness(source, self.inodes, revalidate_s, self.changed_open)
         self._handles: dict[int, FileHandle | DirHandle | ControlHandle] = {}
+        #: inode -> its open files: what they read decides its attributes (``getattr``)
+        self._opens: dict[int, list[FileHandle]] = {}
         self._next_fh = 1
         #: who answers opens with backing ids while passthrough is on (``serve_by``)
         self.backings: Backings | None = None
@@ -170,10 +175,41 @@ class Operations(pyfuse3.Operations):
         return attr
 
     def _known(self, st: os.stat_result, path: bytes) -> int:
-        """The inode for a source stat result, noting the version the kernel now sees."""
-        inode = self.inodes.inode_for((st.st_dev, st.st_ino), path, stat.S_ISDIR(st.st_mode))
+        """The inode for a source stat result, noting the version the kernel now sees.
+
+        An inode whose open files read a fixed version (``FileHandle.pinned``) must never be
+        shown another: the kernel would take the new size over the old bytes (a mapping of
+        it dies of SIGBUS). So a changed file gets a new inode, and the old one stays the
+        old version's for its open files (``InodeTable.detach``)."""
+        key, is_dir = (st.st_dev, st.st_ino), stat.S_ISDIR(st.st_mode)
+        inode = self.inodes.inode_for(key, path, is_dir)
+        if inode in self._opens:
+            pinned = self._pinned(inode)
+            if pinned is not None and Version.of(pinned) != Version.of(st):
+                self._detach(inode, Version.of(pinned), path)
+                inode = self.inodes.inode_for(key, path, is_dir)
         self.inodes.seen(inode, st)
         return inode
+
+    def changed_open(self, path: bytes) -> None:
+        """The source file at ``path`` changed (the watch says): open files of it that read
+        its bytes as they are now (no version pinned) show its new attributes, so that what
+        they read and what fstat says agree. The kernel asks ``getattr`` again."""
+        for inode, handles in self._opens.items():
+            if handles[0].path == path and self._pinned(inode) is None:
+                pyfuse3.invalidate_inode(inode, attr_only=True)
+
+    def _pinned(self, inode: int) -> os.stat_result | None:
+        """The version the open files of ``inode`` read, if one is fixed."""
+        for handle in self._opens.get(inode, ()):
+            if handle.pinned is not None:
+                return handle.pinned
+        return None
+
+    def _detach(self, inode: int, version: Version, path: bytes) -> None:
+        log.info("source file %s changed while open: new opens get a new inode",
+                 os.fsdecode(path))
+        self.inodes.detach(inode, version)
 
     def _node_path(self, inode: int) -> bytes:
         try:
@@ -208,16 +244,37 @@ class Operations(pyfuse3.Operations):
     async def getattr(self, inode: int, ctx: Any = None) -> Any:
         if inode == CONTROL_INODE:
             return self._control_attr()
+        handles = self._opens.get(inode)
+        if handles:
+            return self._attr(inode, self._opened_stat(inode, handles))
         path = self._node_path(inode)
         st = self.source.lstat(path)
         old = self.inodes.detached(inode)
         if old is None:
+            if (st.st_dev, st.st_ino) != self.inodes[inode].key:
+                # another file at its path now: the kernel's walk looks the name up again
+                raise pyfuse3.FUSEError(errno.ESTALE)
             return self._attr(self._known(st, path), st)
-        # The old version of a changed file, open by passthrough (``_renumbered``): its
-        # open files read that version, so it shows that version's size and times.
+        # The old version of a changed file (``_renumbered``), its opens closed since: it
+        # shows that version's size and times.
         attr = self._attr(inode, st)
         attr.st_size, attr.st_mtime_ns, attr.st_ctime_ns = old.size, old.mtime_ns, old.ctime_ns
         return attr
+
+    def _opened_stat(self, inode: int, handles: list[FileHandle]) -> os.stat_result:
+        """The attributes of the file the open files of ``inode`` read, whatever its path
+        names now (another file, a link, nothing): the version they are fixed to, else the
+        source file they hold, as it is now (a rewrite in place shows at once, as it reads)."""
+        pinned = self._pinned(inode)
+        if pinned is not None:
+            return pinned
+        held = self.backings.held(inode) if self.backings is not None else None
+        if held is not None and held.source_fd >= 0:
+            return os.fstat(held.source_fd)
+        for handle in handles:
+            if handle.reader.source_fd >= 0:
+                return os.fstat(handle.reader.source_fd)
+        return handles[0].st  # a peer's bytes, the window's: the version opened
 
     @guarded
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any) -> Any:
@@ -332,7 +389,7 @@ class Operations(pyfuse3.Operations):
         st = self.source.lstat(path)
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
-        if self._renumbered(inode, st):
+        if self._renumbered(inode, st, path):
             raise pyfuse3.FUSEError(errno.ESTALE)
         changed = not self.inodes.shown(inode, st)
         if changed:
@@ -343,14 +400,36 @@ class Operations(pyfuse3.Operations):
             pyfuse3.invalidate_inode(inode, attr_only=True)
         handle = FileHandle(inode, path, st)
         handle.reader = await self.readers.opened(handle, ctx.pid)
+        if self.backings is not None:
+            handle.backing = self._backing(handle)
+        try:
+            self._hold(handle)
+        except BaseException:
+            self._release_file(handle)
+            raise
+        fh = self._new_handle(handle)
+        self._opens.setdefault(inode, []).append(handle)
         if self.backings is None:
-            return pyfuse3.FileInfo(fh=self._new_handle(handle), keep_cache=not changed)
-        handle.backing = self._backing(handle)
+            return pyfuse3.FileInfo(fh=fh, keep_cache=not changed)
         if handle.backing:
-            return pyfuse3.FileInfo(fh=self._new_handle(handle), backing_id=handle.backing,
-                                    keep_cache=False, noflush=True)
+            return pyfuse3.FileInfo(fh=fh, backing_id=handle.backing, keep_cache=False,
+                                    noflush=True)
         # Page-cached and passthrough opens of one inode cannot coexist (EIO): none cached.
-        return pyfuse3.FileInfo(fh=self._new_handle(handle), direct_io=True, keep_cache=False)
+        return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+
+    def _hold(self, handle: FileHandle) -> None:
+        """Make the open hold the file it opened, as a descriptor of the source does: the
+        cache entry's file of a fixed version (``FileHandle.pinned``: its backing, or kept
+        by the reader), or the source file itself, opened now for the daemon's reads."""
+        held = self.backings.held(handle.inode) if handle.backing else None
+        if held is not None:  # read by the kernel
+            if held.entry is not None:
+                handle.pinned = self._pinned(handle.inode) or handle.st
+            return
+        handle.reader.serving()
+        entry = handle.reader.entry
+        if entry is not None and entry.complete:
+            handle.pinned = handle.st
 
     def _backing(self, handle: FileHandle) -> int:
         """The backing id to answer ``handle``'s open with, 0 for direct_io. The kernel reads
@@ -377,24 +456,29 @@ class Operations(pyfuse3.Operations):
                 counters.bytes_from_cache += st.st_size
         return backing
 
-    def _renumbered(self, inode: int, st: os.stat_result) -> bool:
-        """Whether ``inode``'s file changed since the version its held passthrough opens read,
-        and its key got a new inode for that (``InodeTable.detach``).
+    def _renumbered(self, inode: int, st: os.stat_result, path: bytes) -> bool:
+        """Whether ``inode`` is not the file at its path any more: another file is there
+        (a lookup finds that one's inode), or the file changed since the version its open
+        files read, and its key got a new inode for that (``InodeTable.detach``).
 
-        The kernel gives an inode one backing at a time: a new open of it must read the old
-        version (another backing id or direct_io is EIO). An ESTALE answer makes the kernel
-        walk the path again with LOOKUP_REVAL (``do_filp_open``); FUSE's revalidation then
-        looks the name up, meets the new inode, and opens that. The old inode lives on for
-        its open files, shown as their version (``getattr``), until the kernel forgets it.
+        An ESTALE answer makes the kernel walk the path again with LOOKUP_REVAL
+        (``do_filp_open``); FUSE's revalidation then looks the name up, meets the right
+        inode, and opens that. The kernel gives an inode one backing at a time (a new open
+        of an inode held by passthrough must read the old version: another backing id or
+        direct_io is EIO), and an inode shows one size: so the old inode lives on for its
+        open files, shown as their version (``getattr``), until the kernel forgets it.
         """
+        if self.inodes.detached(inode) is not None:
+            return False  # a reopen of that very inode (/proc/self/fd): it reads theirs
+        if (st.st_dev, st.st_ino) != self.inodes[inode].key:
+            return True
+        pinned = self._pinned(inode)
         held = self.backings.held(inode) if self.backings is not None else None
-        if held is None or self.inodes.detached(inode) is not None:
+        version = (Version.of(pinned) if pinned is not None
+                   else held.version if held is not None else None)
+        if version is None or version == Version.of(st):
             return False
-        if held.version == Version.of(st) and self.inodes[inode].key == (st.st_dev, st.st_ino):
-            return False
-        log.info("source file %s changed while open by passthrough: new opens get a new "
-                 "inode", os.fsdecode(held.path))
-        self.inodes.detach(inode, held.version)
+        self._detach(inode, version, path)
         return True
 
     @guarded
@@ -403,10 +487,12 @@ class Operations(pyfuse3.Operations):
         if isinstance(handle, ControlHandle):
             return await handle.read(size)
         assert isinstance(handle, FileHandle)
-        size = max(0, min(size, handle.st.st_size - off))
+        reader = handle.reader
+        # the size at open, or the source file's now (it may have grown or shrunk in place)
+        end = reader.size() if reader.live else handle.st.st_size
+        size = max(0, min(size, end - off))
         if size == 0:
             return b""
-        reader = handle.reader
         entry = reader.entry
         if entry is not None and entry.complete and reader.hit:  # inline: no coroutine
             data = self.cache.data(entry, off, size)
@@ -430,13 +516,21 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         handle = self._handles.pop(fh)
         if isinstance(handle, FileHandle):
+            opens = self._opens[handle.inode]
+            opens.remove(handle)
+            if not opens:
+                del self._opens[handle.inode]
             if handle.member is not None and not handle.reader.holds_bytes:
                 self.readers.aligned.closed(handle.member, handle.key)
-            handle.reader.close()
-            if self.backings is not None:
-                self.backings.close(handle.inode, handle.backing)
+            self._release_file(handle)
         elif isinstance(handle, ControlHandle):
             handle.close()  # gives back the bytes it held to the control file's bound
+
+    def _release_file(self, handle: FileHandle) -> None:
+        """What an open of a file holds goes: its reader's, its backing's."""
+        handle.reader.close()
+        if self.backings is not None:
+            self.backings.close(handle.inode, handle.backing)
 
 
 async def _read_only(self: Operations, *args: Any) -> None:

@@ -20,6 +20,7 @@ member of an aligned group adds to opening, streaming and closing a file.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -74,6 +75,9 @@ class Reader:
     #: for a source file the kernel reads itself: what fills the cache behind those reads,
     #: given the file's descriptor at the last release (``Backings.open_source``)
     behind: Callable[[int], None] | None = None
+    #: its bytes are the source file's as they are now, read from the descriptor its open
+    #: kept: a read is cut at the file's size now (``size``), not at its size at open
+    live: bool = False
 
     @property
     def holds_bytes(self) -> bool:
@@ -84,6 +88,20 @@ class Reader:
 
     async def read(self, off: int, size: int) -> bytes | memoryview:
         raise NotImplementedError
+
+    def serving(self) -> None:
+        """The open is answered without a backing file: the daemon serves its reads. Hold
+        now what they are to read, so that whatever the source's names do meanwhile, the
+        handle reads the file it opened (blocking, but no more than the open's lstat)."""
+
+    @property
+    def source_fd(self) -> int:
+        """The source file's descriptor this handle reads from, -1 if none."""
+        return -1
+
+    def size(self) -> int:
+        """The size of the file a ``live`` reader reads, now."""
+        return os.fstat(self.source_fd).st_size
 
     def close(self) -> None:
         """The handle is released."""
@@ -99,21 +117,47 @@ class CacheReader(Reader):
         self.entry = entry
         self._stream = stream
         self._instead: Reader | None = None
+        #: the complete entry's file, kept by an open the daemon serves (``serving``)
+        self._kept: KeptReader | None = None
 
     @property
     def holds_bytes(self) -> bool:
         return self._instead is not None and self._instead.holds_bytes
 
+    def serving(self) -> None:
+        """A complete entry's file is kept open: should the cache drop the entry (its
+        source changed), this handle still reads the version it opened, whole."""
+        if self.entry.complete:
+            self._kept = KeptReader(self.cache.entry_fd(self.entry), self.entry.size)
+
     async def read(self, off: int, size: int) -> bytes | memoryview:
         if self._instead is None:
             if await self.cache.wait_for(self.entry, off + size):
                 return self.cache.data(self.entry, off, size)
-            self._instead = self._stream()
+            self._instead = self._kept if self._kept is not None else self._stream()
         return await self._instead.read(off, size)
 
     def close(self) -> None:
-        if self._instead is not None:
+        if self._kept is not None:
+            self._kept.close()
+        if self._instead is not None and self._instead is not self._kept:
             self._instead.close()
+
+
+class KeptReader(Reader):
+    """A complete entry's file, kept open by its handle after the cache dropped the entry
+    (unlinked, the kernel keeps it for the descriptor): the version the handle opened."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = size
+
+    async def read(self, off: int, size: int) -> bytes | memoryview:
+        # the cache's own memory (tmpfs): no storage behind it, so read inline
+        return os.pread(self.fd, max(0, min(size, self.size - off)), off)
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 class BehindReader(CacheReader):
@@ -187,6 +231,27 @@ class StreamReader(Held):
         self.source_file = (not data and handle.member is None
                             and handle.st.st_size <= STREAM_WHOLE)
 
+    def serving(self) -> None:
+        """Open the source file now, at the open: later names (a rename over it, an unlink,
+        a symlink in its place) no longer reach it, but this descriptor does."""
+        self._file = self._open()
+        self.readers.counters.files_from_source += 1
+        self.live = True
+
+    @property
+    def source_fd(self) -> int:
+        return -1 if self._file is None else self._file.fd
+
+    def _open(self) -> SourceReader:
+        """The source file at the handle's path, if it is still the file opened (its key):
+        else ESTALE, and the kernel looks the name up again."""
+        opened = self.readers.source.open_reader(self.handle.path)
+        st = opened.fstat()
+        if key_of(st) != key_of(self.handle.st):
+            opened.close()
+            raise OSError(errno.ESTALE, "the source file was replaced")
+        return opened
+
     async def read(self, off: int, size: int) -> bytes | memoryview:
         held = self.held(off, size)
         if held is not None:
@@ -206,8 +271,8 @@ class StreamReader(Held):
         return await self.readers.aligned.whole(member, key_of(st), Version.of(st), fetch)
 
     async def pread(self, off: int, size: int) -> bytes:
-        """``size`` bytes at ``off`` from local storage; the first call opens the file, in
-        the same hand-off to a thread as its read (a small file costs one)."""
+        """``size`` bytes at ``off`` from local storage; unless the open kept the file
+        (``serving``), the first call opens it, in the same hand-off to a thread as its read."""
         counters = self.readers.counters
         opening = self._file is None
         try:
@@ -219,8 +284,8 @@ class StreamReader(Held):
         return data
 
     def _pread(self, off: int, size: int) -> bytes:
-        if self._file is None:
-            self._file = self.readers.source.open_reader(self.handle.path)
+        if self._file is None:  # a reader that turned to the source after its open
+            self._file = self._open()
         return self._file.pread(off, size)
 
     def close(self) -> None:
@@ -231,6 +296,9 @@ class StreamReader(Held):
 class WindowReader(StreamReader):
     """The whole file, which the group's read window held for this member at open (only a
     file that shrank since would leave a range to stream)."""
+
+    def serving(self) -> None:
+        """Nothing to open: the window handed over the bytes."""
 
 
 class PeerReader(Held):
