@@ -21,7 +21,7 @@ from coordlfs.daemon.mounting import (
     unmount,
     warn_if_not_empty,
 )
-from coordlfs.errors import Parser, UserError, exit_status
+from coordlfs.errors import Parser, UserError, exit_status, quiet_on_closed_pipe
 from coordlfs.jobs.stagger import (
     JobProfile,
     catalog_job,
@@ -33,7 +33,7 @@ from coordlfs.jobs.stagger import (
     report,
     save_profile,
 )
-from coordlfs.sizes import format_size
+from coordlfs.sizes import format_size, plural
 from coordlfs.system.mounts import mount_at
 
 
@@ -175,7 +175,9 @@ def cmd_umount(args: argparse.Namespace) -> int:
         pid = control.status()["pid"]
     except (ControlError, OSError, ValueError, KeyError):
         pid = None  # a dead daemon: unmount anyway
-    unmount(os.path.realpath(args.mountpoint), pid, args.lazy)
+    mountpoint = os.path.realpath(args.mountpoint)
+    unmount(mountpoint, pid, args.lazy)
+    print(f"coordlfs: unmounted {mountpoint}")
     return 0
 
 
@@ -185,9 +187,9 @@ def _passthrough_line(state: dict[str, Any] | None, reads: dict[str, int]) -> st
         return "passthrough off: the daemon predates it"
     if not state["on"]:
         return f"passthrough off: {state['why_off']}"
-    return (f"passthrough on: {reads.get('passthrough_opens', 0)} opens read by the kernel "
-            f"from the cache, {reads.get('source_opens', 0)} from the source, "
-            f"{reads['cache_hits'] + reads['misses']} reads served by the daemon")
+    return (f"passthrough on: {plural(reads.get('passthrough_opens', 0), 'open')} read by the "
+            f"kernel from the cache, {reads.get('source_opens', 0)} from the source, "
+            f"{plural(reads['cache_hits'] + reads['misses'], 'read')} served by the daemon")
 
 
 def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
@@ -200,21 +202,21 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
         f"coordlfs {status['version']} on {status['mountpoint']} "
         f"(source {status['source']}, pid {status['pid']})",
         f"cache    {format_size(cache['used_bytes'])} of {format_size(cache['capacity_bytes'])} "
-        f"used, {cache['files']} files ({cache['filling']} filling)",
+        f"used, {plural(cache['files'], 'file')} ({cache['filling']} filling)",
         f"memory   {cache['table_bytes'] / max(1, cache['files'] + cache['filling']):.0f} B "
         f"per cached file, {status['inode_table_bytes'] / max(1, status['inodes']):.0f} B per "
         "inode (the daemon's tables); the kernel's "
         f"{cache['kernel_bytes_per_file']} B per cached file, pages "
         f"{format_size(cache['used_bytes'] - cache['bytes'])} beyond the bytes",
         f"window   {format_size(held['used_bytes'])} of {format_size(held['capacity_bytes'])} "
-        f"held for aligned groups, {held['items']} items, {held['hits']} taken",
+        f"held for aligned groups, {plural(held['items'], 'item')}, {held['hits']} taken",
     ]
     if interval:
         lines.append(f"between  {interval['since']} .. {interval['until']} "
                      f"({interval['seconds']:.1f} s)")
     lines += [
-        f"reads    {reads['cache_hits']} hits, {reads['misses']} misses, {rate} of bytes "
-        "from cache",
+        f"reads    {plural(reads['cache_hits'], 'hit')}, {plural(reads['misses'], 'miss')}, "
+        f"{rate} of bytes from cache",
         f"bytes    {format_size(reads['bytes_from_cache'])} from cache, "
         f"{format_size(reads['bytes_from_source'])} from source, "
         f"{format_size(reads['bytes_from_peers'])} from peers",
@@ -224,9 +226,9 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
     ]
     direct = reads.get("client_direct", 0)  # a daemon older than direct reads: none
     if reads["client_hits"] or reads["client_misses"] or direct:
-        lines.append(f"clients  {reads['client_hits']} hits "
+        lines.append(f"clients  {plural(reads['client_hits'], 'hit')} "
                      f"({format_size(reads['client_bytes_from_cache'])}) from shared memory, "
-                     f"{reads['client_misses']} reads "
+                     f"{plural(reads['client_misses'], 'read')} "
                      f"({format_size(reads['client_bytes_from_mount'])}) through the mount, "
                      f"{direct} ({format_size(reads.get('client_bytes_direct', 0))}) "
                      "from the source directly")
@@ -240,7 +242,7 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
             total = p["wait_s"] + p["step_s"]
             stall = f"{100 * p['wait_s'] / total:.1f}%" if total else "-"
             lines.append(f"profile  {profile['job']} (pid {profile['pid']}) epoch {epoch}: "
-                         f"{p['steps']} steps, waited {p['wait_s']:.2f} s, stepped "
+                         f"{plural(p['steps'], 'step')}, waited {p['wait_s']:.2f} s, stepped "
                          f"{p['step_s']:.2f} s, stall {stall}")
     return "\n".join(lines)
 
@@ -251,9 +253,10 @@ def _prep_lines(prep: dict[str, Any]) -> list[str]:
         return []
     lines = [f"staging  {format_size(staging['used_bytes'])} of "
              f"{format_size(staging['capacity_bytes'])} (peak "
-             f"{format_size(staging['peak_bytes'])}), {staging['published']} batches "
-             f"published, {staging['released']} released, {staging['taken_over']} taken over, "
-             f"{staging['expelled']} members expelled"]
+             f"{format_size(staging['peak_bytes'])}), "
+             f"{plural(staging['published'], 'batch')} published, "
+             f"{staging['released']} released, {staging['taken_over']} taken over, "
+             f"{plural(staging['expelled'], 'member')} expelled"]
     for name, group in prep["groups"].items():
         epoch = group["epoch"]
         state = ("between epochs" if epoch is None else
@@ -272,16 +275,18 @@ def _peer_lines(status: dict[str, Any]) -> list[str]:
         return []
     since = time.strftime("%H:%M:%S", time.localtime(peers["changed_at"]))
     lines = [f"cluster  this node {peers['self'] or '(not among the nodes)'}, "
-             f"{len(peers['nodes'])} nodes from {peers['source']} "
-             f"({peers['changes']} changes, as of {since})"]
+             f"{plural(len(peers['nodes']), 'node')} from {peers['source']} "
+             f"({plural(peers['changes'], 'change')}, as of {since})"]
     for address, link in peers["links"].items():
         error = f", last error: {link['last_error']}" if link["last_error"] else ""
         retry = f", retry in {link['retry_in_s']:.0f} s" if link["state"] == "down" else ""
-        lines.append(f"peer     {address} {link['state']}{retry}: {link['files']} files, "
-                     f"{format_size(link['bytes'])}, {link['misses']} misses, "
-                     f"{link['stale']} stale, {link['failures']} failures{error}")
+        lines.append(f"peer     {address} {link['state']}{retry}: "
+                     f"{plural(link['files'], 'file')}, {format_size(link['bytes'])}, "
+                     f"{plural(link['misses'], 'miss')}, {link['stale']} stale, "
+                     f"{plural(link['failures'], 'failure')}{error}")
     if served is not None:
-        lines.append(f"served   {served['requests']} requests, {format_size(served['bytes'])} "
+        lines.append(f"served   {plural(served['requests'], 'request')}, "
+                     f"{format_size(served['bytes'])} "
                      f"to peers, {served['refused']} refused")
     return lines
 
@@ -383,7 +388,11 @@ def cmd_whatif(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """``coordlfs ARGV``: its exit status; a closed pipe on stdout ends it quietly."""
+    return quiet_on_closed_pipe(lambda: _main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["bench"]:
         from coordlfs.bench import main as bench
 

@@ -26,7 +26,7 @@ from coordlfs.client.warm_progress import Display, Progress
 from coordlfs.control import BACKOFF_S, Control, ControlError
 from coordlfs.errors import UserError
 from coordlfs.protocol import spec
-from coordlfs.sizes import pages
+from coordlfs.sizes import pages, plural
 
 #: Files queued at the mount at a time, at most.
 AHEAD = 1 << 14
@@ -86,10 +86,11 @@ class WarmRun:
             self.display.close()
             dropped = self.control.call(spec.WARM_CANCEL)["dropped"]
             here = self.control.call(spec.WARM_STATUS, timeout_s=0)["here"] or ZERO
-            raise Interrupted(f"interrupted: {self._done(here)} of {self._total_files()} "
-                              f"files done; the mount dropped the {dropped} still queued "
+            raise Interrupted(f"interrupted: {self._done(here)} of "
+                              f"{plural(self._total_files(), 'file')} done; the mount "
+                              f"dropped the {dropped} still queued "
                               "(run it again to resume)") from None
-        except UserError:  # a path of the list: what was queued goes
+        except (UserError, BrokenPipeError):  # a bad path, or no one reads us: the rest goes
             self.display.close()
             self.control.call(spec.WARM_CANCEL)
             raise

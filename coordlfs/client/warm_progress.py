@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
-from coordlfs.sizes import format_size
+from coordlfs.sizes import format_size, plural
 
 #: Seconds between two plain progress lines.
 LINE_S = 1.0
@@ -56,7 +56,7 @@ class Bar:
                                "{postfix} [{elapsed}<{remaining}, {rate_fmt}]")
 
     def show(self, progress: Progress) -> None:
-        files = f"{progress.files}/{progress.total_files} files"
+        files = f"{progress.files}/{plural(progress.total_files, 'file')}"
         if self._bar is None:
             self._bar = self._start(progress.total_bytes, files)
         self._bar.total = progress.total_bytes
@@ -83,7 +83,7 @@ class Lines:
         self._next = now + LINE_S
         rate = progress.bytes / max(now - self.start, 1e-9)
         left = ((progress.total_bytes - progress.bytes) / rate if rate else None)
-        print(f"warm: {progress.files}/{progress.total_files} files, "
+        print(f"warm: {progress.files}/{plural(progress.total_files, 'file')}, "
               f"{format_size(progress.bytes)}/{format_size(progress.total_bytes)}, "
               f"{format_size(int(rate))}/s, "
               f"{'?' if left is None else f'{left:.0f}'} s left", file=self.stream,
@@ -114,13 +114,13 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     lines = [_node_line("warmed", summary)]
     fit = summary["did_not_fit"]
     if fit["files"]:
-        lines.append(f"cache full: {fit['files']} files ({format_size(fit['bytes'])}) did not "
-                     "fit")
+        lines.append(f"cache full: {plural(fit['files'], 'file')} ({format_size(fit['bytes'])}) "
+                     "did not fit")
     if summary["too_large"]:
-        lines.append(f"{summary['too_large']} files over the mount's --max-file-size, not "
-                     "cached")
+        lines.append(f"{plural(summary['too_large'], 'file')} over the mount's "
+                     "--max-file-size, not cached")
     if summary["failed"]:
-        lines.append(f"{summary['failed']} files failed (the mount's log says why)")
+        lines.append(f"{plural(summary['failed'], 'file')} failed (the mount's log says why)")
     for address, node in summary["nodes"].items():
         lines.append(f"node {address}: {node['error']}" if "error" in node
                      else _node_line(f"node {address}:", node))
@@ -132,8 +132,9 @@ def _node_line(what: str, counts: dict[str, Any]) -> str:
     timing = (f" in {seconds:.1f} s ({format_size(int(counts['bytes_per_s']))}/s)"
               if seconds is not None else "")
     cached = counts["already_cached"]
-    line = (f"{what} {counts['files']} files ({format_size(counts['bytes'])}) read into the "
-            f"cache{timing}, {cached['files']} ({format_size(cached['bytes'])}) already there")
+    line = (f"{what} {plural(counts['files'], 'file')} ({format_size(counts['bytes'])}) read "
+            f"into the cache{timing}, {cached['files']} ({format_size(cached['bytes'])}) "
+            "already there")
     fit = counts["did_not_fit"]
     if fit["files"] and what != "warmed":
         line += f", {fit['files']} ({format_size(fit['bytes'])}) did not fit"

@@ -1,0 +1,99 @@
+"""What the command line says on real mounts (issue 35): no traceback when whoever reads its
+output stops (it ends by SIGPIPE, as ``cat`` does), one line for a successful unmount, the
+processes that hold a busy one, and counts with their nouns in the right number."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from conftest import COORDLFS, run_cli
+
+from coordlfs.system.processes import wait_exit
+
+
+def closed_pipe(*args: str) -> subprocess.CompletedProcess:
+    """``coordlfs ARGS`` writing to a pipe nobody reads any more (``| head -1`` once head
+    has its line)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([*COORDLFS, *args], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write_end)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+
+
+def _map(path: Path) -> int:
+    """``path`` mapped, its descriptor closed: held by the mapping alone (Python's own
+    ``mmap.mmap`` keeps a descriptor open beside its mapping)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = _libc.mmap(None, path.stat().st_size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    return address
+
+
+def test_a_closed_pipe_ends_every_command_quietly(mount, dataset) -> None:
+    source, _sizes = dataset
+    m = mount(source)
+    for args in (["stats", str(m.mountpoint), "--json"], ["stats", str(m.mountpoint)],
+                 ["warm", str(m.mountpoint / "class0")], ["--help"], ["bench", "--help"]):
+        result = closed_pipe(*args)
+        assert result.returncode in (-signal.SIGPIPE, 0), (args, result.stderr)
+        assert result.stderr == "", (args, result.stderr)
+    assert closed_pipe("stats", str(m.mountpoint)).returncode == -signal.SIGPIPE
+
+
+def test_umount_says_one_line_and_names_who_holds_a_busy_mount(mount, dataset) -> None:
+    source, sizes = dataset
+    m = mount(source)
+    first, second = (m.mountpoint / name for name in sorted(sizes)[:2])
+    opened = open(first, "rb")  # held open across the unmount
+    mapped = _map(second)
+    sleeper = subprocess.Popen(["sleep", "600"], cwd=first.parent)
+    try:
+        result = run_cli("umount", str(m.mountpoint))
+        assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+        assert f"{m.mountpoint} is busy: held by " in result.stderr
+        me = Path(f"/proc/{os.getpid()}/comm").read_text().strip()
+        assert f"pid {os.getpid()} ({me}, an open file)" in result.stderr, result.stderr
+        assert f"pid {sleeper.pid} (sleep, its working directory)" in result.stderr
+        opened.close()
+        result = run_cli("umount", str(m.mountpoint))
+        assert f"pid {os.getpid()} ({me}, a mapped file)" in result.stderr, result.stderr
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        _libc.munmap(mapped, second.stat().st_size)
+        opened.close()
+    result = run_cli("umount", str(m.mountpoint))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"coordlfs: unmounted {m.mountpoint}\n" and result.stderr == ""
+    assert wait_exit(m.pid, 0)
+
+
+def test_counts_take_the_number_of_their_noun(mount, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "only").write_bytes(b"x" * 1000)
+    m = mount(src)
+    (m.mountpoint / "only").read_bytes()
+    m.settled()
+    table = run_cli("stats", str(m.mountpoint)).stdout
+    assert "1 file (0 filling)" in table and "1 files" not in table, table
+    warm = run_cli("warm", str(m.mountpoint)).stdout
+    assert warm.startswith("warmed 0 files"), warm
