@@ -143,15 +143,29 @@ def cmd_mount(args: argparse.Namespace) -> int:
     check_mountpoint_outside(mountpoint, source)
     warn_if_not_empty(mountpoint, source)
     config = options.resolve(values, source, mountpoint)
-    default = options.BY_NAME["cache_size"].default_text
-    summary = (f"{config.source} on {config.mountpoint}, cache {format_size(config.cache_size)}"
-               f"{'' if 'cache_size' in given else f' (default: {default})'} in "
-               f"{config.cache_dir}")
+    summary = _mount_summary(config, given)
     if not values.get("foreground"):
         freshness = spawn_daemon(config)
         print(f"coordlfs: mounted {summary}; {freshness}; log {config.log_file}")
         return 0
     return _run_foreground(config, summary)
+
+
+def _mount_summary(config: MountConfig, given: dict[str, Any]) -> str:
+    """What the mount's first line says of it: where, the cache, and the largest file it
+    caches (larger ones are read from the source every time, which a user otherwise finds
+    out only from an epoch that never gets faster); a default is said to be one."""
+    summary = (f"{config.source} on {config.mountpoint}, cache {format_size(config.cache_size)}"
+               f"{_defaulted('cache_size', given, ' (default: {})')} in {config.cache_dir}")
+    if not config.cache_size:  # no cache: nothing is cached, whatever the size
+        return summary
+    return (f"{summary}; files over {format_size(config.max_file_size)} are not cached "
+            f"(--max-file-size{_defaulted('max_file_size', given, ', default: {}')})")
+
+
+def _defaulted(option: str, given: dict[str, Any], note: str) -> str:
+    """``note`` naming an option's default, where the user did not give the option."""
+    return "" if option in given else note.format(options.BY_NAME[option].default_text)
 
 
 def _run_foreground(config: MountConfig, summary: str) -> int:

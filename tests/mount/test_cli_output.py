@@ -11,8 +11,9 @@ import signal
 import subprocess
 from pathlib import Path
 
-from conftest import COORDLFS, run_cli
+from conftest import COORDLFS, force_unmount, random_source, run_cli
 
+from coordlfs.control import Control
 from coordlfs.system.processes import wait_exit
 
 
@@ -97,3 +98,35 @@ def test_counts_take_the_number_of_their_noun(mount, tmp_path: Path) -> None:
     assert "1 file (0 filling)" in table and "1 files" not in table, table
     warm = run_cli("warm", str(m.mountpoint)).stdout
     assert warm.startswith("warmed 0 files"), warm
+
+
+def test_the_mount_says_its_max_file_size_and_logs_the_first_file_over_it_once(
+        tmp_path: Path, daemon_logs: list[Path]) -> None:
+    """The first line states the limit (a default said to be one); of two files over it,
+    each read twice, the log says once that such files are not cached, naming the option."""
+    src = random_source(tmp_path, small=10_000, big=300_000, bigger=400_000)
+    mp, log = tmp_path / "mp", tmp_path / "mount.log"
+    mp.mkdir()
+    daemon_logs.append(log)
+    result = run_cli("mount", str(src), str(mp), "--cache-size", "1M", "--max-file-size",
+                     "100K", "--cache-dir", str(tmp_path / "cache"), "--log", str(log))
+    try:
+        assert result.returncode == 0, result.stderr
+        assert ", cache 1.0 MiB in " in result.stdout
+        assert "; files over 100.0 KiB are not cached (--max-file-size);" in result.stdout
+        for name in ("small", "big", "bigger", "big", "bigger"):
+            assert (mp / name).read_bytes() == (src / name).read_bytes()
+        said = [line for line in log.read_text().splitlines() if "--max-file-size" in line]
+        assert len(said) == 1 and " WARNING " in said[0], said
+        assert "big (293.0 KiB) is larger than --max-file-size (100.0 KiB)" in said[0]
+        assert "remount with a larger --max-file-size" in said[0]
+    finally:
+        force_unmount(mp, Control(mp).status()["pid"] if result.returncode == 0 else None)
+    again = run_cli("mount", str(src), str(mp), "--cache-size", "1M", "--cache-dir",
+                    str(tmp_path / "cache"), "--log", str(log))
+    try:
+        assert again.returncode == 0, again.stderr
+        assert ("files over 256.0 KiB are not cached (--max-file-size, default: a quarter of "
+                "the cache)") in again.stdout
+    finally:
+        force_unmount(mp, Control(mp).status()["pid"] if again.returncode == 0 else None)
