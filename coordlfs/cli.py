@@ -70,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="cache and read statistics of a mount")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true", help="print the status as JSON")
-    s.add_argument("--since", metavar="MARK", help="only reads after this mark")
+    s.add_argument("--since", metavar="MARK", help="only reads after this mark (with --json the "
+                                                   "top level is this window; the counts since "
+                                                   "mount are under \"total\")")
+    s.add_argument("--until", metavar="MARK", help="only reads before this mark: a window that "
+                                                   "closed, such as one epoch between two marks")
 
     a = sub.add_parser(
         "warm", help="fill a mount's cache with files ahead of a job, in its order",
@@ -308,12 +312,29 @@ def _peer_lines(status: dict[str, Any]) -> list[str]:
 def cmd_stats(args: argparse.Namespace) -> int:
     control = _control(args.mountpoint)
     status = control.status()
-    interval = control.stats(since=args.since) if args.since else None
+    interval = (control.stats(since=args.since, until=args.until)
+                if args.since or args.until else None)
     if args.json:
-        print(json.dumps({**status, "window": interval} if interval else status, indent=2))
+        print(json.dumps(_windowed(status, interval), indent=2))
     else:
         print(_table(status, interval))
     return 0
+
+
+#: What the ``stats`` command says of its window itself, beside the counters it windows.
+_WINDOW = ("since", "until", "seconds")
+
+
+def _windowed(status: dict[str, Any], interval: dict[str, Any] | None) -> dict[str, Any]:
+    """The status as ``--json`` prints it: with a window (``--since``/``--until``), each
+    counter the window has (``reads``) is the window's at the top level, where a script
+    looks first, and the cumulative one is under ``total``; ``window`` says which."""
+    if interval is None:
+        return status
+    counted = [key for key in interval if key not in _WINDOW]
+    return {**status, **{key: interval[key] for key in counted},
+            "window": {key: interval[key] for key in _WINDOW},
+            "total": {key: status[key] for key in counted}}
 
 
 def cmd_mark(args: argparse.Namespace) -> int:

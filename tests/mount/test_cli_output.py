@@ -5,6 +5,7 @@ processes that hold a busy one, and counts with their nouns in the right number.
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
 import signal
@@ -130,3 +131,45 @@ def test_the_mount_says_its_max_file_size_and_logs_the_first_file_over_it_once(
                 "the cache)") in again.stdout
     finally:
         force_unmount(mp, Control(mp).status()["pid"] if again.returncode == 0 else None)
+
+
+def test_stats_json_between_marks_is_the_window_at_the_top(mount, dataset) -> None:
+    """``--since`` puts the window's counters at the top level and the cumulative ones under
+    "total"; ``--until`` closes a window, so an epoch between two marks reads the same later."""
+    source, sizes = dataset
+    names = sorted(sizes)
+    m = mount(source, "--cache-size", "64M")
+
+    def read(part: list[str]) -> None:
+        for name in part:
+            (m.mountpoint / name).read_bytes()
+        m.settled()
+
+    def stats(*args: str) -> dict:
+        result = run_cli("stats", str(m.mountpoint), "--json", *args)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    read(names[:10])
+    assert run_cli("mark", str(m.mountpoint), "e1").returncode == 0
+    read(names[10:30])
+    assert run_cli("mark", str(m.mountpoint), "e2").returncode == 0
+    read(names[30:35])
+    since = stats("--since", "e1")
+    assert since["reads"]["files_from_source"] == 25
+    assert since["total"]["reads"]["files_from_source"] == 35
+    assert since["window"]["since"] == "e1" and since["window"]["until"] == "now"
+    epoch = stats("--since", "e1", "--until", "e2")
+    assert epoch["reads"]["files_from_source"] == 20
+    assert epoch["reads"]["bytes_from_source"] == sum(sizes[n] for n in names[10:30])
+    assert epoch["window"]["until"] == "e2" and epoch["window"]["seconds"] > 0
+    read(names[35:40])
+    assert stats("--since", "e1", "--until", "e2")["reads"] == epoch["reads"]  # closed
+    assert stats("--until", "e1")["reads"]["files_from_source"] == 10  # from the mount on
+    assert "window" not in stats() and "total" not in stats()  # no window: as before
+    table = run_cli("stats", str(m.mountpoint), "--since", "e1", "--until", "e2").stdout
+    assert "between  e1 .. e2" in table and "files    0 from cache, 20 from source" in table
+    wrong = run_cli("stats", str(m.mountpoint), "--since", "e2", "--until", "e1")
+    assert wrong.returncode == 1 and wrong.stderr == ("coordlfs: mark 'e1' comes before 'e2': "
+                                                      "a window runs from its since to its "
+                                                      "until\n")

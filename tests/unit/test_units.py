@@ -123,6 +123,9 @@ def test_stats_between_marks() -> None:
     assert stats.between(None, None)["reads"]["bytes_from_source"] == 137
     with pytest.raises(KeyError):
         stats.between("nope", None)
+    with pytest.raises(ValueError, match="mark 'epoch1' comes before 'epoch2'"):
+        stats.between("epoch2", "epoch1")
+    assert stats.between(None, "epoch1")["reads"]["bytes_from_source"] == 100
 
 
 OWNER = 1000  # the mount's owner in these tests; root is privileged too
