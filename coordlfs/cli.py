@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "ImageFolder indexes them), in this order, up to the cache's capacity. "
                     "On a cluster each node caches its own share; files already cached are "
                     "not read again, so a run stopped by Ctrl-C resumes where it was. Exits "
-                    "1 if files failed, 130 when interrupted.")
+                    "1 if files failed or none could be cached (it says why), 130 when "
+                    "interrupted.")
     a.add_argument("paths", nargs="*", metavar="PATH", help="files or directories on a "
                                                             "coordlfs mount")
     a.add_argument("--from-file", metavar="LIST", help="also the paths in LIST, one per line "
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "warm its share of the same files too")
     a.add_argument("--json", action="store_true", help="print a JSON summary at the end "
                                                        "instead of lines")
+    a.add_argument("--check", action="store_true", help="only say how much of PATHs the "
+                   "cache holds now (files, bytes, percent); fill nothing")
 
     k = sub.add_parser("mark", help="record a named point (an epoch boundary) in the statistics")
     k.add_argument("mountpoint")
@@ -344,8 +347,8 @@ def cmd_mark(args: argparse.Namespace) -> int:
 
 def cmd_warm(args: argparse.Namespace) -> int:
     from coordlfs.client import warm_files
-    from coordlfs.client.warm import Interrupted, WarmRun
-    from coordlfs.client.warm_progress import display, summary_lines
+    from coordlfs.client.warm import Interrupted, WarmRun, check, nothing_cached, walk
+    from coordlfs.client.warm_progress import check_line, display, summary_lines
 
     try:
         order = warm_files.parse_order(args.order) if args.order else None
@@ -354,20 +357,26 @@ def cmd_warm(args: argparse.Namespace) -> int:
         return 2
     listing = warm_files.Listing(args.paths, warm_files.listed(args.from_file)
                                  if args.from_file else ())
-    if order is not None:  # a shuffle of the whole list: found first
-        listing.wait().reorder(*order)
-    run = WarmRun(Control(listing.files.mount), listing, display(args.json), args.all_nodes)
+    shown = display(args.json)
     try:
-        summary = run.run()
+        files = walk(listing, shown)
+        if args.check:
+            shown.close()
+            held = check(Control(files.mount), files)
+            print(json.dumps(held, indent=2) if args.json else check_line(held))
+            return 0
+        if order is not None:
+            files.reorder(*order)
+        summary = WarmRun(Control(files.mount), files, shown, args.all_nodes).run()
     except Interrupted as e:
         print(f"coordlfs warm: {e}", file=sys.stderr)
         return 130
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        print("\n".join(summary_lines(summary)))
+    print(json.dumps(summary, indent=2) if args.json else "\n".join(summary_lines(summary)))
     failed = summary["failed"] or any("error" in node for node in summary["nodes"].values())
-    return 1 if failed else 0
+    why = nothing_cached(summary)
+    if why is not None:
+        print(f"coordlfs warm: nothing was cached: {why}", file=sys.stderr)
+    return 1 if failed or why is not None else 0
 
 
 def _stagger_jobs(args: argparse.Namespace) -> list[JobProfile]:

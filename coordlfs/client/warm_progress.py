@@ -27,18 +27,36 @@ class Progress:
 
 
 class Display(Protocol):
+    #: the progress last put before the user's eyes (None: none yet), which a message about
+    #: the warm's end repeats, so that the two never disagree
+    shown: Progress | None
+
+    def found(self, files: int, size: int) -> None:
+        """The walk found ``files`` so far, of ``size`` bytes in all."""
+
     def show(self, progress: Progress) -> None: ...
 
     def close(self) -> None: ...
 
 
+def _found(files: int, size: int) -> str:
+    return f"warm: walking, {plural(files, 'file')} ({format_size(size)}) found"
+
+
 class Bar:
-    """A tqdm bar of bytes, with the files done beside it; drawn from the first progress on,
-    once the total is known."""
+    """A count while walking, on one line rewritten; then a tqdm bar of bytes, with the files
+    done beside it, drawn from the first progress on, once the total is known."""
 
     def __init__(self, stream: IO[str]) -> None:
         self.stream = stream
         self._bar: Any = None
+        self._counted = False
+        self.shown: Progress | None = None
+
+    def found(self, files: int, size: int) -> None:
+        self._counted = True
+        self.stream.write(f"\r\x1b[K{_found(files, size)}")
+        self.stream.flush()
 
     def _start(self, total: int, files: str) -> Any:
         from tqdm import tqdm  # only a terminal needs it
@@ -58,14 +76,20 @@ class Bar:
     def show(self, progress: Progress) -> None:
         files = f"{progress.files}/{plural(progress.total_files, 'file')}"
         if self._bar is None:
+            if self._counted:  # the count's line stays, the bar comes below it
+                self.stream.write("\n")
             self._bar = self._start(progress.total_bytes, files)
         self._bar.total = progress.total_bytes
         self._bar.set_postfix_str(files, refresh=False)
         self._bar.update(progress.bytes - self._bar.n)
+        self.shown = progress
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+        elif self._counted:  # stopped while walking: what follows starts a line of its own
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 class Lines:
@@ -75,12 +99,26 @@ class Lines:
         self.stream = stream
         self.start = time.monotonic()
         self._next = self.start + LINE_S
+        self.shown: Progress | None = None
 
-    def show(self, progress: Progress) -> None:
+    def _due(self) -> bool:
+        """Whether a line is due (one every ``LINE_S``)."""
         now = time.monotonic()
         if now < self._next:
-            return
+            return False
         self._next = now + LINE_S
+        return True
+
+    def found(self, files: int, size: int) -> None:
+        self.start = time.monotonic()  # the rate is of the reading, which starts after
+        if self._due():
+            print(_found(files, size), file=self.stream, flush=True)
+
+    def show(self, progress: Progress) -> None:
+        if not self._due():
+            return
+        self.shown = progress
+        now = time.monotonic()
         rate = progress.bytes / max(now - self.start, 1e-9)
         left = ((progress.total_bytes - progress.bytes) / rate if rate else None)
         print(f"warm: {progress.files}/{plural(progress.total_files, 'file')}, "
@@ -94,8 +132,16 @@ class Lines:
 
 
 class Quiet:
-    def show(self, progress: Progress) -> None:
+    """Nothing while it runs; what it came to is the message's alone."""
+
+    def __init__(self) -> None:
+        self.shown: Progress | None = None
+
+    def found(self, files: int, size: int) -> None:
         pass
+
+    def show(self, progress: Progress) -> None:
+        self.shown = progress
 
     def close(self) -> None:
         pass
@@ -141,3 +187,11 @@ def _node_line(what: str, counts: dict[str, Any]) -> str:
     if counts.get("elsewhere"):
         line += f"; {counts['elsewhere']} left to the nodes that cache them"
     return line
+
+
+def check_line(held: dict[str, Any]) -> str:
+    """``warm --check``'s answer for a person: how much of what was named the cache holds."""
+    percent = "-" if held["percent"] is None else f"{held['percent']:.1f}%"
+    return (f"cached: {held['cached_files']} of {plural(held['files'], 'file')}, "
+            f"{format_size(held['cached_bytes'])} of {format_size(held['bytes'])} ({percent} "
+            f"of the bytes) in the cache of {held['mount']}")
