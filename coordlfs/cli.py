@@ -21,7 +21,7 @@ from coordlfs.daemon.mounting import (
     unmount,
     warn_if_not_empty,
 )
-from coordlfs.errors import Parser, UserError, exit_status
+from coordlfs.errors import Parser, UserError, exit_status, quiet_on_closed_pipe
 from coordlfs.jobs.stagger import (
     JobProfile,
     catalog_job,
@@ -33,7 +33,7 @@ from coordlfs.jobs.stagger import (
     report,
     save_profile,
 )
-from coordlfs.sizes import format_size
+from coordlfs.sizes import format_size, plural
 from coordlfs.system.mounts import mount_at
 
 
@@ -70,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="cache and read statistics of a mount")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true", help="print the status as JSON")
-    s.add_argument("--since", metavar="MARK", help="only reads after this mark")
+    s.add_argument("--since", metavar="MARK", help="only reads after this mark (with --json the "
+                                                   "top level is this window; the counts since "
+                                                   "mount are under \"total\")")
+    s.add_argument("--until", metavar="MARK", help="only reads before this mark: a window that "
+                                                   "closed, such as one epoch between two marks")
 
     a = sub.add_parser(
         "warm", help="fill a mount's cache with files ahead of a job, in its order",
@@ -79,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "ImageFolder indexes them), in this order, up to the cache's capacity. "
                     "On a cluster each node caches its own share; files already cached are "
                     "not read again, so a run stopped by Ctrl-C resumes where it was. Exits "
-                    "1 if files failed, 130 when interrupted.")
+                    "1 if files failed or none could be cached (it says why), 130 when "
+                    "interrupted.")
     a.add_argument("paths", nargs="*", metavar="PATH", help="files or directories on a "
                                                             "coordlfs mount")
     a.add_argument("--from-file", metavar="LIST", help="also the paths in LIST, one per line "
@@ -91,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "warm its share of the same files too")
     a.add_argument("--json", action="store_true", help="print a JSON summary at the end "
                                                        "instead of lines")
+    a.add_argument("--check", action="store_true", help="only say how much of PATHs the "
+                   "cache holds now (files, bytes, percent); fill nothing")
 
     k = sub.add_parser("mark", help="record a named point (an epoch boundary) in the statistics")
     k.add_argument("mountpoint")
@@ -156,15 +163,29 @@ def cmd_mount(args: argparse.Namespace) -> int:
     check_mountpoint_outside(mountpoint, source)
     warn_if_not_empty(mountpoint, source)
     config = options.resolve(values, source, mountpoint)
-    default = options.BY_NAME["cache_size"].default_text
-    summary = (f"{config.source} on {config.mountpoint}, cache {format_size(config.cache_size)}"
-               f"{'' if 'cache_size' in given else f' (default: {default})'} in "
-               f"{config.cache_dir}")
+    summary = _mount_summary(config, given)
     if not values.get("foreground"):
         freshness = spawn_daemon(config)
         print(f"coordlfs: mounted {summary}; {freshness}; log {config.log_file}")
         return 0
     return _run_foreground(config, summary)
+
+
+def _mount_summary(config: MountConfig, given: dict[str, Any]) -> str:
+    """What the mount's first line says of it: where, the cache, and the largest file it
+    caches (larger ones are read from the source every time, which a user otherwise finds
+    out only from an epoch that never gets faster); a default is said to be one."""
+    summary = (f"{config.source} on {config.mountpoint}, cache {format_size(config.cache_size)}"
+               f"{_defaulted('cache_size', given, ' (default: {})')} in {config.cache_dir}")
+    if not config.cache_size:  # no cache: nothing is cached, whatever the size
+        return summary
+    return (f"{summary}; files over {format_size(config.max_file_size)} are not cached "
+            f"(--max-file-size{_defaulted('max_file_size', given, ', default: {}')})")
+
+
+def _defaulted(option: str, given: dict[str, Any], note: str) -> str:
+    """``note`` naming an option's default, where the user did not give the option."""
+    return "" if option in given else note.format(options.BY_NAME[option].default_text)
 
 
 def _run_foreground(config: MountConfig, summary: str) -> int:
@@ -188,7 +209,9 @@ def cmd_umount(args: argparse.Namespace) -> int:
         pid = control.status()["pid"]
     except (ControlError, OSError, ValueError, KeyError):
         pid = None  # a dead daemon: unmount anyway
-    unmount(os.path.realpath(args.mountpoint), pid, args.lazy)
+    mountpoint = os.path.realpath(args.mountpoint)
+    unmount(mountpoint, pid, args.lazy)
+    print(f"coordlfs: unmounted {mountpoint}")
     return 0
 
 
@@ -198,9 +221,9 @@ def _passthrough_line(state: dict[str, Any] | None, reads: dict[str, int]) -> st
         return "passthrough off: the daemon predates it"
     if not state["on"]:
         return f"passthrough off: {state['why_off']}"
-    return (f"passthrough on: {reads.get('passthrough_opens', 0)} opens read by the kernel "
-            f"from the cache, {reads.get('source_opens', 0)} from the source, "
-            f"{reads['cache_hits'] + reads['misses']} reads served by the daemon")
+    return (f"passthrough on: {plural(reads.get('passthrough_opens', 0), 'open')} read by the "
+            f"kernel from the cache, {reads.get('source_opens', 0)} from the source, "
+            f"{plural(reads['cache_hits'] + reads['misses'], 'read')} served by the daemon")
 
 
 def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
@@ -213,21 +236,21 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
         f"coordlfs {status['version']} on {status['mountpoint']} "
         f"(source {status['source']}, pid {status['pid']})",
         f"cache    {format_size(cache['used_bytes'])} of {format_size(cache['capacity_bytes'])} "
-        f"used, {cache['files']} files ({cache['filling']} filling)",
+        f"used, {plural(cache['files'], 'file')} ({cache['filling']} filling)",
         f"memory   {cache['table_bytes'] / max(1, cache['files'] + cache['filling']):.0f} B "
         f"per cached file, {status['inode_table_bytes'] / max(1, status['inodes']):.0f} B per "
         "inode (the daemon's tables); the kernel's "
         f"{cache['kernel_bytes_per_file']} B per cached file, pages "
         f"{format_size(cache['used_bytes'] - cache['bytes'])} beyond the bytes",
         f"window   {format_size(held['used_bytes'])} of {format_size(held['capacity_bytes'])} "
-        f"held for aligned groups, {held['items']} items, {held['hits']} taken",
+        f"held for aligned groups, {plural(held['items'], 'item')}, {held['hits']} taken",
     ]
     if interval:
         lines.append(f"between  {interval['since']} .. {interval['until']} "
                      f"({interval['seconds']:.1f} s)")
     lines += [
-        f"reads    {reads['cache_hits']} hits, {reads['misses']} misses, {rate} of bytes "
-        "from cache",
+        f"reads    {plural(reads['cache_hits'], 'hit')}, {plural(reads['misses'], 'miss')}, "
+        f"{rate} of bytes from cache",
         f"bytes    {format_size(reads['bytes_from_cache'])} from cache, "
         f"{format_size(reads['bytes_from_source'])} from source, "
         f"{format_size(reads['bytes_from_peers'])} from peers",
@@ -237,9 +260,9 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
     ]
     direct = reads.get("client_direct", 0)  # a daemon older than direct reads: none
     if reads["client_hits"] or reads["client_misses"] or direct:
-        lines.append(f"clients  {reads['client_hits']} hits "
+        lines.append(f"clients  {plural(reads['client_hits'], 'hit')} "
                      f"({format_size(reads['client_bytes_from_cache'])}) from shared memory, "
-                     f"{reads['client_misses']} reads "
+                     f"{plural(reads['client_misses'], 'read')} "
                      f"({format_size(reads['client_bytes_from_mount'])}) through the mount, "
                      f"{direct} ({format_size(reads.get('client_bytes_direct', 0))}) "
                      "from the source directly")
@@ -253,7 +276,7 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
             total = p["wait_s"] + p["step_s"]
             stall = f"{100 * p['wait_s'] / total:.1f}%" if total else "-"
             lines.append(f"profile  {profile['job']} (pid {profile['pid']}) epoch {epoch}: "
-                         f"{p['steps']} steps, waited {p['wait_s']:.2f} s, stepped "
+                         f"{plural(p['steps'], 'step')}, waited {p['wait_s']:.2f} s, stepped "
                          f"{p['step_s']:.2f} s, stall {stall}")
     return "\n".join(lines)
 
@@ -264,9 +287,10 @@ def _prep_lines(prep: dict[str, Any]) -> list[str]:
         return []
     lines = [f"staging  {format_size(staging['used_bytes'])} of "
              f"{format_size(staging['capacity_bytes'])} (peak "
-             f"{format_size(staging['peak_bytes'])}), {staging['published']} batches "
-             f"published, {staging['released']} released, {staging['taken_over']} taken over, "
-             f"{staging['expelled']} members expelled"]
+             f"{format_size(staging['peak_bytes'])}), "
+             f"{plural(staging['published'], 'batch')} published, "
+             f"{staging['released']} released, {staging['taken_over']} taken over, "
+             f"{plural(staging['expelled'], 'member')} expelled"]
     for name, group in prep["groups"].items():
         epoch = group["epoch"]
         state = ("between epochs" if epoch is None else
@@ -285,16 +309,18 @@ def _peer_lines(status: dict[str, Any]) -> list[str]:
         return []
     since = time.strftime("%H:%M:%S", time.localtime(peers["changed_at"]))
     lines = [f"cluster  this node {peers['self'] or '(not among the nodes)'}, "
-             f"{len(peers['nodes'])} nodes from {peers['source']} "
-             f"({peers['changes']} changes, as of {since})"]
+             f"{plural(len(peers['nodes']), 'node')} from {peers['source']} "
+             f"({plural(peers['changes'], 'change')}, as of {since})"]
     for address, link in peers["links"].items():
         error = f", last error: {link['last_error']}" if link["last_error"] else ""
         retry = f", retry in {link['retry_in_s']:.0f} s" if link["state"] == "down" else ""
-        lines.append(f"peer     {address} {link['state']}{retry}: {link['files']} files, "
-                     f"{format_size(link['bytes'])}, {link['misses']} misses, "
-                     f"{link['stale']} stale, {link['failures']} failures{error}")
+        lines.append(f"peer     {address} {link['state']}{retry}: "
+                     f"{plural(link['files'], 'file')}, {format_size(link['bytes'])}, "
+                     f"{plural(link['misses'], 'miss')}, {link['stale']} stale, "
+                     f"{plural(link['failures'], 'failure')}{error}")
     if served is not None:
-        lines.append(f"served   {served['requests']} requests, {format_size(served['bytes'])} "
+        lines.append(f"served   {plural(served['requests'], 'request')}, "
+                     f"{format_size(served['bytes'])} "
                      f"to peers, {served['refused']} refused")
     return lines
 
@@ -302,12 +328,29 @@ def _peer_lines(status: dict[str, Any]) -> list[str]:
 def cmd_stats(args: argparse.Namespace) -> int:
     control = _control(args.mountpoint)
     status = control.status()
-    interval = control.stats(since=args.since) if args.since else None
+    interval = (control.stats(since=args.since, until=args.until)
+                if args.since or args.until else None)
     if args.json:
-        print(json.dumps({**status, "window": interval} if interval else status, indent=2))
+        print(json.dumps(_windowed(status, interval), indent=2))
     else:
         print(_table(status, interval))
     return 0
+
+
+#: What the ``stats`` command says of its window itself, beside the counters it windows.
+_WINDOW = ("since", "until", "seconds")
+
+
+def _windowed(status: dict[str, Any], interval: dict[str, Any] | None) -> dict[str, Any]:
+    """The status as ``--json`` prints it: with a window (``--since``/``--until``), each
+    counter the window has (``reads``) is the window's at the top level, where a script
+    looks first, and the cumulative one is under ``total``; ``window`` says which."""
+    if interval is None:
+        return status
+    counted = [key for key in interval if key not in _WINDOW]
+    return {**status, **{key: interval[key] for key in counted},
+            "window": {key: interval[key] for key in _WINDOW},
+            "total": {key: status[key] for key in counted}}
 
 
 def cmd_mark(args: argparse.Namespace) -> int:
@@ -317,8 +360,8 @@ def cmd_mark(args: argparse.Namespace) -> int:
 
 def cmd_warm(args: argparse.Namespace) -> int:
     from coordlfs.client import warm_files
-    from coordlfs.client.warm import Interrupted, WarmRun
-    from coordlfs.client.warm_progress import display, summary_lines
+    from coordlfs.client.warm import Interrupted, WarmRun, check, nothing_cached, walk
+    from coordlfs.client.warm_progress import check_line, display, summary_lines
 
     try:
         order = warm_files.parse_order(args.order) if args.order else None
@@ -327,20 +370,26 @@ def cmd_warm(args: argparse.Namespace) -> int:
         return 2
     listing = warm_files.Listing(args.paths, warm_files.listed(args.from_file)
                                  if args.from_file else ())
-    if order is not None:  # a shuffle of the whole list: found first
-        listing.wait().reorder(*order)
-    run = WarmRun(Control(listing.files.mount), listing, display(args.json), args.all_nodes)
+    shown = display(args.json)
     try:
-        summary = run.run()
+        files = walk(listing, shown)
+        if args.check:
+            shown.close()
+            held = check(Control(files.mount), files)
+            print(json.dumps(held, indent=2) if args.json else check_line(held))
+            return 0
+        if order is not None:
+            files.reorder(*order)
+        summary = WarmRun(Control(files.mount), files, shown, args.all_nodes).run()
     except Interrupted as e:
         print(f"coordlfs warm: {e}", file=sys.stderr)
         return 130
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        print("\n".join(summary_lines(summary)))
+    print(json.dumps(summary, indent=2) if args.json else "\n".join(summary_lines(summary)))
     failed = summary["failed"] or any("error" in node for node in summary["nodes"].values())
-    return 1 if failed else 0
+    why = nothing_cached(summary)
+    if why is not None:
+        print(f"coordlfs warm: nothing was cached: {why}", file=sys.stderr)
+    return 1 if failed or why is not None else 0
 
 
 def _stagger_jobs(args: argparse.Namespace) -> list[JobProfile]:
@@ -407,7 +456,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """``coordlfs ARGV``: its exit status; a closed pipe on stdout ends it quietly."""
+    return quiet_on_closed_pipe(lambda: _main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["bench"]:
         from coordlfs.bench import main as bench
 

@@ -1,6 +1,7 @@
 """Errors that reach a user as one line, never as a traceback."""
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -46,3 +47,30 @@ def exit_status(prog: str, action: Callable[[], int], interrupted: str = "interr
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def quiet_on_closed_pipe(action: Callable[[], int]) -> int:
+    """Run a whole command, ending as ``cat`` and ``ls`` do when whoever reads its output
+    stops reading (``coordlfs stats --json | head -1``): by SIGPIPE, silently, after the
+    command's own clean-up ran (Python ignores SIGPIPE, so a write raises BrokenPipeError
+    instead, which would end in a traceback). Output still buffered is flushed here, inside,
+    so that a closed pipe found only at exit is caught too."""
+    try:
+        try:
+            return action()
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return _die_of_sigpipe()
+
+
+def _die_of_sigpipe() -> int:
+    """End by SIGPIPE (a shell reports 141); 141 should the signal not end us at once (it
+    may reach another of our threads a moment later). stdout is pointed at /dev/null first:
+    the interpreter's last flush must find nothing to write to the closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGPIPE)
+    return 128 + signal.SIGPIPE

@@ -1,4 +1,6 @@
-"""Byte sizes as users write them: ``40G``, ``512M``, ``1073741824`` or ``50%`` of RAM."""
+"""Byte sizes as users write them (``40G``, ``512M``, ``1073741824`` or ``50%`` of RAM), and
+sizes and counts as users read them (``format_size``, ``plural``): every command's output
+writes a number with its unit or noun through here, so "1 file" and "2 files" never drift."""
 
 import os
 import re
@@ -49,3 +51,15 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def plural(n: int, noun: str) -> str:
+    """``n`` with ``noun`` in the number it takes: "1 file", "0 files", "2 batches", "3
+    misses", "2 entries" (the regular English plurals: every noun our output counts has one)."""
+    if n == 1:
+        return f"{n} {noun}"
+    if noun.endswith(("s", "sh", "ch", "x", "z")):
+        return f"{n} {noun}es"
+    if noun.endswith("y") and noun[-2:-1] not in ("a", "e", "i", "o", "u"):
+        return f"{n} {noun[:-1]}ies"
+    return f"{n} {noun}s"

@@ -61,7 +61,7 @@ from coordlfs.cache.journal import JOURNAL
 from coordlfs.cache.published import BEAT_EVERY_S, INDEX, IndexWriter, Published, retire
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.errors import UserError
-from coordlfs.sizes import pages
+from coordlfs.sizes import format_size, pages
 from coordlfs.source.source import Source, SourceReader
 from coordlfs.source.threads import in_thread
 from coordlfs.source.watch import PublishedWatch
@@ -231,6 +231,8 @@ class WholeFileCache:
         #: bytes of files handed over for filling and not reserved yet (``promise``)
         self.promised = 0
         self._no_room_warned = False
+        #: a file over ``max_file_size`` was turned away: said once (``_too_large``)
+        self._too_large_said = False
         self.journal = journal.Journal(self.dir_fd, directory)
         #: changes the watch reported: a check that saw one meanwhile re-checks to publish
         self._changes = 0
@@ -430,7 +432,10 @@ class WholeFileCache:
 
     def reserve(self, key: Key, path: bytes, st: os.stat_result) -> Entry | None:
         """Claim room for a new entry, or None when MinIO's capacity (or the file limit) says no."""
-        if key in self.entries or st.st_size > self.max_file_size:
+        if key in self.entries:
+            return None
+        if st.st_size > self.max_file_size:
+            self._too_large(path, st.st_size)
             return None
         if (self.used + pages(st.st_size) > self.capacity
                 or (self.full and not self._room_is_back())):
@@ -443,6 +448,17 @@ class WholeFileCache:
         self.next_number += 1
         self._room_changed()
         return entry
+
+    def _too_large(self, path: bytes, size: int) -> None:
+        """Say, once per mount, that files over ``--max-file-size`` are read from the source
+        and never cached, naming the first and the option: an epoch over such files reads
+        storage every time, and only the log can say why (per file it would flood it)."""
+        if not self._too_large_said:
+            self._too_large_said = True
+            log.warning("%s (%s) is larger than --max-file-size (%s): it is read from the "
+                        "source, not cached, as is every file over that size (said once); "
+                        "remount with a larger --max-file-size to cache them",
+                        os.fsdecode(path), format_size(size), format_size(self.max_file_size))
 
     def start_fill(self, key: Key, path: bytes, st: os.stat_result, source: Source,
                    nursery: trio.Nursery) -> Entry | None:

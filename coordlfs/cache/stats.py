@@ -95,11 +95,15 @@ class Stats:
         raise KeyError(name)
 
     def between(self, since: str | None, until: str | None) -> dict:
-        """Counters between two marks (None: mount time / now)."""
+        """Counters between two marks (None: mount time / now); KeyError for a mark that
+        does not exist, ValueError for a window that ends before it starts."""
         start = self.find(since) if since is not None else Mark("mount", self.started,
                                                                  ReadCounters().snapshot())
         end = self.find(until) if until is not None else Mark("now", time.time(),
                                                               self.current())
+        if end.time < start.time:
+            raise ValueError(f"mark {end.name!r} comes before {start.name!r}: a window "
+                             "runs from its since to its until")
         return {
             "since": start.name,
             "until": end.name,
@@ -118,6 +122,8 @@ def register_commands(server: Served, stats: Stats) -> None:
             return {"stats": stats.between(args["since"], args["until"])}
         except KeyError as e:
             raise RequestError(f"no mark named {e.args[0]!r}") from None
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
     def mark_cmd(args: dict, _caller: Caller) -> dict:
         mark = stats.mark(args["name"])

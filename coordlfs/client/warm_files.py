@@ -26,13 +26,11 @@ from coordlfs.protocol.order import SEED_LIMIT, epoch_order
 @dataclass(slots=True)
 class Files:
     """The files to warm: paths relative to ``mount`` and their sizes, in order. While a
-    ``Listing`` runs, the lists only grow (appended to by its thread); ``complete`` once it
-    has ended."""
+    ``Listing`` runs, the lists only grow (appended to by its thread)."""
 
     mount: str
     names: list[str] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
-    complete: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -76,10 +74,10 @@ def listed(list_file: str) -> Iterator[str]:
 
 class Listing:
     """The files that ``paths``, then ``more`` (a list file's), name, each once (where first
-    named), all on one mount, found in a thread of its own: a warm sends the first files
-    while the rest are found (a large tree takes seconds to walk through a mount). ``paths``
-    are checked before it starts (a bad one is an error before any file is warmed); what
-    stops the thread later is raised by ``check``."""
+    named), all on one mount, found in a thread of its own, so that the caller shows the
+    count while they are found (a large tree takes seconds to walk through a mount) and
+    Ctrl-C stops it at once. ``paths`` are checked before it starts (a bad one is an error
+    before any file is warmed); what stops the thread later is raised by ``check``."""
 
     def __init__(self, paths: list[str], more: Iterable[str] = ()) -> None:
         more = iter(more)
@@ -115,8 +113,6 @@ class Listing:
                 self._add(given, real, st)
         except BaseException as e:  # a UserError, mostly: raised in the warm's own thread
             self.error = e
-        finally:
-            self.files.complete = True
 
     def _check_mount(self, given: str, real: str) -> None:
         directory = os.path.dirname(real)
@@ -142,6 +138,11 @@ class Listing:
         """Raise what stopped the listing, if anything did."""
         if self.error is not None:
             raise self.error
+
+    def running(self, seconds: float) -> bool:
+        """Whether the walk still runs, after waiting up to ``seconds`` for it to end."""
+        self._thread.join(seconds)
+        return self._thread.is_alive()
 
     def wait(self) -> Files:
         """All the files, once found."""

@@ -20,6 +20,7 @@ from coordlfs import PROTOCOL_VERSION, __version__
 from coordlfs.cache.cache import WholeFileCache
 from coordlfs.cache.fills import FillQueue
 from coordlfs.cache.fills import register_commands as register_fill_commands
+from coordlfs.cache.held import register_commands as register_held_commands
 from coordlfs.cache.stats import Stats, register_commands
 from coordlfs.daemon.config import MountConfig
 from coordlfs.daemon.metrics import MetricsServer
@@ -149,6 +150,7 @@ class Daemon:
         self.fills = FillQueue(self.cache, self.source, config.fill_depth,
                                self.peers.caches_here)
         register_fill_commands(self.control, self.fills, self.source, self.peers.prefetch)
+        register_held_commands(self.control, self.cache, self.source)
         self.warms = WarmRelays(self.peers)
         register_warm_commands(self.control, self.fills, self.warms)
         if self.server is not None:

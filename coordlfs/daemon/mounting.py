@@ -15,7 +15,7 @@ from typing import TextIO
 from coordlfs.daemon.config import MountConfig
 from coordlfs.errors import UserError
 from coordlfs.system.mounts import mount_at, within
-from coordlfs.system.processes import wait_exit
+from coordlfs.system.processes import holders, wait_exit
 
 #: Seconds ``umount`` waits for the daemon to exit after the kernel let go of the mount.
 EXIT_WAIT = 30.0
@@ -183,9 +183,19 @@ def unmount(mountpoint: str, pid: int | None, lazy: bool) -> None:
     if result.returncode != 0:
         reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"
         if "busy" in reason.lower():
-            raise UserError(f"{mountpoint} is busy (files or directories on it are open); "
-                            "close them, or use --lazy")
+            raise UserError(f"{mountpoint} is busy: {_held_by(mountpoint, pid)}; close them, "
+                            "or use --lazy")
         raise UserError(f"cannot unmount {mountpoint}: {reason}")
     if pid is not None and not wait_exit(pid, EXIT_WAIT):
         raise UserError(f"unmounted {mountpoint}, but daemon {pid} has not exited after "
                         f"{EXIT_WAIT:.0f}s")
+
+
+def _held_by(mountpoint: str, daemon: int | None) -> str:
+    """Who keeps a mount busy, for its refused unmount: each process with how it holds it,
+    or, where /proc shows none (another user's, seen by root only), what holds it."""
+    found = holders(mountpoint, exclude=(os.getpid(), *(() if daemon is None else (daemon,))))
+    if not found:
+        return "files or directories on it are open"
+    return "held by " + ", ".join(f"pid {pid} ({command}, {how})"
+                                  for pid, command, how in found)

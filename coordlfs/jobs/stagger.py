@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from coordlfs.errors import UserError
+from coordlfs.sizes import plural
 
 #: Makespans within this relative distance are equal (rounding: the same end time summed over
 #: different segments). Ties go to the longer delay, because the paper prefers the staggered
@@ -413,8 +414,8 @@ def measured_values(name: str, epochs: dict[str, Any]) -> dict[str, int | float]
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"job {name!r}: malformed profile from the mount ({e})") from None
     if len(ordered) < 2 or steps[0] == 0 or sum(steps[1:]) == 0:
-        raise UserError(f"job {name!r}: the mount has {len(ordered)} profiled epoch(s); the "
-                        "model needs a cold first epoch and at least one warm one")
+        raise UserError(f"job {name!r}: the mount has {plural(len(ordered), 'profiled epoch')}; "
+                        "the model needs a cold first epoch and at least one warm one")
     return {"iterations": steps[0], "epochs": len(ordered), "I": sum(busy) / sum(steps),
             "W_cold": waits[0] / steps[0], "W_warm": sum(waits[1:]) / sum(steps[1:])}
 

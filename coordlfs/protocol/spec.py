@@ -383,6 +383,11 @@ WARM_PEERS = Command(
     "earlier ones (up to a bound: send the rest once they took these)", Access.MOUNT,
     (Arg("paths", FilePaths()),), '"queued" (how many were taken)')
 
+CACHED = Command(
+    "cached", "which of these files the cache holds whole, in the version the source has now; "
+    "fills nothing", Access.FILES, (Arg("paths", FilePaths()),),
+    '"cached" (the places in "paths" of those it holds)')
+
 PREP_JOIN = Command(
     "prep.join", "join (or create) a prep group for a live process of the caller's",
     Access.OWN,
@@ -423,7 +428,7 @@ PREP_LIST = Command("prep.list", "prep groups, their members and the staging are
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     STATUS, HELP, STATS, MARK, MARKS, CLIENT_REPORT,
     GROUP_JOIN, GROUP_LEAVE, GROUP_FILES, GROUP_EPOCH, GROUP_LIST, PROFILE,
-    PEER_LIST, PEER_OWNER, PREFETCH, WARM_STATUS, WARM_CANCEL, WARM_PEERS,
+    PEER_LIST, PEER_OWNER, PREFETCH, WARM_STATUS, WARM_CANCEL, WARM_PEERS, CACHED,
     PREP_JOIN, PREP_EPOCH, PREP_CLAIM, PREP_RESERVE, PREP_PUBLISH, PREP_NEXT, PREP_LEAVE,
     PREP_LIST)}
 

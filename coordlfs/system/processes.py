@@ -1,4 +1,4 @@
-"""Other processes, known by pid: alive or gone, and their parents.
+"""Other processes, known by pid: alive or gone, their parents, and those holding a directory.
 
 Below the CLI, the daemon's memberships and the tests alike, which all outlive or watch
 processes that are not their children.
@@ -6,7 +6,11 @@ processes that are not their children.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+
+from coordlfs.system.mounts import within
 
 
 def wait_exit(pid: int, timeout: float) -> bool:
@@ -55,3 +59,60 @@ def process_uids(pid: int) -> tuple[int, int] | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+#: What a process may hold a directory by, as ``/proc/PID`` shows it, and the words for it.
+_HOLDS = (("cwd", "its working directory"), ("root", "its root directory"),
+          ("exe", "its program"))
+
+
+def holders(directory: str, exclude: tuple[int, ...] = ()) -> list[tuple[int, str, str]]:
+    """Processes that keep ``directory`` (a real path) busy, as ``fuser -m`` finds them: by
+    their working or root directory, their program, an open descriptor or a mapped file
+    beneath it; (pid, command name, how), by pid. Only what ``/proc`` lets this user see:
+    another user's processes are found by root alone. Paths are read, never followed, so a
+    look does not wait on the mount."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) not in exclude:
+            how = _holds(int(name), directory)
+            if how is not None:
+                found.append((int(name), _command(int(name)), how))
+    return sorted(found)
+
+
+def _holds(pid: int, directory: str) -> str | None:
+    """How ``pid`` holds ``directory``, or None."""
+    for link, words in _HOLDS:
+        if _beneath(_link(f"/proc/{pid}/{link}"), directory):
+            return words
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            if _beneath(_link(f"/proc/{pid}/fd/{fd}"), directory):
+                return "an open file"
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and _beneath(fields[5].rstrip("\n"), directory):
+                return "a mapped file"
+    return None
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # gone, or not ours to see
+        return ""
+
+
+def _beneath(path: str, directory: str) -> bool:
+    """``/proc`` marks a path removed since it was opened; it still names where it was."""
+    return within(path.removesuffix(" (deleted)"), directory)
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"

@@ -214,9 +214,11 @@ def test_ctrl_c_drops_the_rest_and_a_second_run_resumes(mount, source, tmp_path:
         try:
             assert proc.stdout is not None
             line = proc.stdout.readline()  # a progress line: the warm is under way
+            while line.startswith("warm: walking, "):  # the count while walking comes first
+                line = proc.stdout.readline()
             assert line.startswith("warm: ") and " s left" in line, line
             proc.send_signal(signal.SIGINT)
-            _out, err = proc.communicate(timeout=WARM_S)
+            out, err = proc.communicate(timeout=WARM_S)
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -224,6 +226,12 @@ def test_ctrl_c_drops_the_rest_and_a_second_run_resumes(mount, source, tmp_path:
         assert proc.returncode == 130, err
         assert len(err.splitlines()) == 1 and "interrupted" in err and "Traceback" not in err
         assert "run it again to resume" in err
+        last = [line, *out.splitlines()][-1]  # the numbers at Ctrl-C are the last shown
+        shown = re.match(r"warm: (\d+)/(\d+ files), ([^/]+)/([^,]+),", last)
+        assert shown is not None, last
+        done, total, done_bytes, total_bytes = shown.groups()
+        assert f"interrupted: {done} of {total} done ({done_bytes} of {total_bytes});" in err
+        assert total == f"{len(sizes)} files"  # the total never grew: walked first
         fills = m.status()["fills"]
         assert fills["queued"] == 0  # the rest was dropped, only files in flight go on
         deadline = time.monotonic() + WARM_S
@@ -272,13 +280,13 @@ def test_bad_paths_and_arguments_are_one_line_errors(mount, source, tmp_path: Pa
     assert result.returncode == 1 and "missing: No such file or directory" in result.stderr
 
 
-def _cli(args: list[str]) -> tuple[int, str]:
+def _cli(args: list[str]) -> tuple[int, str, str]:
     """``coordlfs ARGS`` in this process (its modules loaded already: a child that dropped
-    root may not read the checkout), its status and what it said on stderr."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    root may not read the checkout), its status and what it said on stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         code = cli.main(args)
-    return code, err.getvalue()
+    return code, out.getvalue(), err.getvalue()
 
 
 def test_files_another_user_may_not_read_are_refused_in_one_line(mount, source) -> None:
@@ -295,10 +303,101 @@ def test_files_another_user_may_not_read_are_refused_in_one_line(mount, source) 
         m = mount(root, "--allow-other", mountpoint=reachable / "mnt")
         for path, message in ((m.mountpoint / "class1" / "secret", "secret: permission denied"),
                               (m.mountpoint / "class1", "permission denied")):
-            code, err = as_user(OTHER_UID, lambda p=path: _cli(["warm", str(p)]))
+            code, _out, err = as_user(OTHER_UID, lambda p=path: _cli(["warm", str(p)]))
             assert code == 1 and message in err and len(err.splitlines()) == 1, err
         assert m.status()["fills"]["files"] == 0
         force_unmount(m.mountpoint, m.pid)  # before the directory goes (the fixture's is later)
     finally:
         force_unmount(reachable / "mnt", None)
         shutil.rmtree(reachable, ignore_errors=True)
+
+
+def test_a_warm_that_caches_nothing_says_why_and_fails(mount, tmp_path: Path) -> None:
+    """The only file asked for is over --max-file-size: status 1 and the reason in one line,
+    naming the option; with --json too (the summary on stdout all the same)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big").write_bytes(os.urandom(300_000))
+    m = mount(src, "--cache-size", "1M", "--max-file-size", "100K")
+    result = run_cli("warm", str(m.mountpoint / "big"), timeout=WARM_S)
+    assert result.returncode == 1, result
+    assert result.stderr == ("coordlfs warm: nothing was cached: 1 file over the mount's "
+                             "--max-file-size (100.0 KiB); remount with a larger "
+                             "--max-file-size to cache them\n")
+    assert "1 file over the mount's --max-file-size, not cached" in result.stdout
+    result = run_cli("warm", "--json", str(m.mountpoint), timeout=WARM_S)
+    assert result.returncode == 1 and "nothing was cached" in result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["too_large"] == 1 and summary["max_file_bytes"] == 100 << 10
+    assert m.status()["fills"]["files"] == 0  # not even sent: the mount read nothing
+    (src / "small").write_bytes(b"s" * 1000)
+    assert run_cli("warm", str(m.mountpoint), timeout=WARM_S).returncode == 0  # one of two
+    empty = src / "empty"
+    empty.mkdir()
+    result = run_cli("warm", str(m.mountpoint / "empty"), timeout=WARM_S)
+    assert result.returncode == 1
+    assert result.stderr == "coordlfs warm: nothing was cached: no files under the paths given\n"
+
+
+def test_check_says_how_much_is_cached_and_fills_nothing(mount, source) -> None:
+    """Half a class warmed: --check gives files, bytes and percent of what was named, for the
+    mount's owner and, through the control file, for any user who may read the files (who
+    may not read the cache's own directory); it reads nothing into the cache."""
+    root, sizes = source
+    reachable = Path(tempfile.mkdtemp(prefix="coordlfs-check-", dir="/tmp"))
+    reachable.chmod(0o755)
+    try:
+        m = mount(root, "--allow-other", mountpoint=reachable / "mnt")
+        names = [n for n in walked(root) if n.startswith("class1/")]
+        warmed = names[: len(names) // 2]
+        listing = reachable / "list"
+        listing.write_text("".join(f"{m.mountpoint / n}\n" for n in warmed))
+        warm_json("--from-file", str(listing))
+        m.settled()
+        before = m.status()
+        held = sum(sizes[n] for n in warmed)
+        total = sum(sizes[n] for n in names)
+        want = {"mount": str(m.mountpoint), "files": len(names), "bytes": total,
+                "cached_files": len(warmed), "cached_bytes": held,
+                "percent": round(100 * held / total, 1)}
+        result = run_cli("warm", "--check", "--json", str(m.mountpoint / "class1"))
+        assert result.returncode == 0 and json.loads(result.stdout) == want, result
+        text = run_cli("warm", "--check", str(m.mountpoint / "class1")).stdout
+        assert text == (f"cached: {len(warmed)} of {len(names)} files, {format_size(held)} of "
+                        f"{format_size(total)} ({want['percent']:.1f}% of the bytes) in the "
+                        f"cache of {m.mountpoint}\n")
+        code, out, err = as_user(OTHER_UID, lambda: _cli(
+            ["warm", "--check", "--json", str(m.mountpoint / "class1")]))
+        assert code == 0 and json.loads(out) == want, err
+        after = m.status()
+        assert after["fills"]["files"] == before["fills"]["files"]  # it filled nothing
+        assert after["cache"]["files"] == len(warmed)
+        assert after["reads"]["files_from_source"] == before["reads"]["files_from_source"]
+        force_unmount(m.mountpoint, m.pid)  # before the directory goes (the fixture's is later)
+    finally:
+        force_unmount(reachable / "mnt", None)
+        shutil.rmtree(reachable, ignore_errors=True)
+
+
+def test_the_bar_counts_while_walking_and_its_total_is_what_it_reads(mount, source) -> None:
+    """On a terminal: the count of files found comes first; then the bar, whose total leaves
+    out the file over --max-file-size it never reads, ends at 100% with every file it read."""
+    root, sizes = source
+    (root / "zz-big").write_bytes(os.urandom(3 << 20))
+    m = mount(root, "--cache-size", "64M", "--max-file-size", "1M")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the command on the terminal, never back into pytest
+        try:
+            os.execv(sys.executable, [*COORDLFS, "warm", str(m.mountpoint)])
+        finally:
+            os._exit(127)
+    output = _read_terminal(fd)
+    _pid, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, output
+    lines = [line.removeprefix("\x1b[K") for line in re.split(r"[\r\n]+", output)]
+    found = [line for line in lines if line.startswith("warm: walking, ")]
+    assert found and found[-1].startswith(f"warm: walking, {len(sizes) + 1} files ("), output
+    bar = [line for line in lines if line.startswith("warm:") and "%|" in line][-1]
+    n = len(sizes)
+    assert bar.startswith("warm: 100%|") and f"{n}/{n} files" in bar, bar
+    assert "1 file over the mount's --max-file-size, not cached" in output

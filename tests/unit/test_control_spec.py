@@ -10,6 +10,7 @@ import pytest
 
 from coordlfs.cache.fills import FillQueue
 from coordlfs.cache.fills import register_commands as register_fill_commands
+from coordlfs.cache.held import register_commands as register_held_commands
 from coordlfs.cache.stats import Stats
 from coordlfs.cache.stats import register_commands as register_stats_commands
 from coordlfs.control import Control
@@ -39,6 +40,7 @@ def _daemon_server(tmp_path: Path) -> ControlServer:
     fills = FillQueue(None, source, 0)  # type: ignore[arg-type]
     register_fill_commands(server, fills, source)
     register_warm_commands(server, fills, WarmRelays(None))  # type: ignore[arg-type]
+    register_held_commands(server, None, source)  # type: ignore[arg-type]
     return server
 
 

@@ -33,7 +33,7 @@ from coordlfs.jobs.prep import Prep
 from coordlfs.jobs.prep import register_commands as register_prep_commands
 from coordlfs.protocol import spec as control_spec
 from coordlfs.protocol.spec import Access, Command
-from coordlfs.sizes import parse_size, physical_memory
+from coordlfs.sizes import parse_size, physical_memory, plural
 from coordlfs.source.source import Version
 
 
@@ -54,6 +54,15 @@ def test_parse_size_percent_of_memory() -> None:
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(UserError, match="bad --cache-size"):
         parse_size(text, "--cache-size")
+
+
+@pytest.mark.parametrize(("n", "noun", "said"), [
+    (1, "file", "1 file"), (0, "file", "0 files"), (2, "file", "2 files"),
+    (1, "miss", "1 miss"), (3, "miss", "3 misses"), (2, "batch", "2 batches"),
+    (2, "entry", "2 entries"), (2, "day", "2 days"), (1, "profiled epoch", "1 profiled epoch"),
+])
+def test_plural(n: int, noun: str, said: str) -> None:
+    assert plural(n, noun) == said
 
 
 def test_inode_table_counts_and_forgets() -> None:
@@ -114,6 +123,9 @@ def test_stats_between_marks() -> None:
     assert stats.between(None, None)["reads"]["bytes_from_source"] == 137
     with pytest.raises(KeyError):
         stats.between("nope", None)
+    with pytest.raises(ValueError, match="mark 'epoch1' comes before 'epoch2'"):
+        stats.between("epoch2", "epoch1")
+    assert stats.between(None, "epoch1")["reads"]["bytes_from_source"] == 100
 
 
 OWNER = 1000  # the mount's owner in these tests; root is privileged too
