@@ -132,6 +132,27 @@ def test_what_the_daemon_opens_by_path_while_mounted_is_refused_in_the_mountpoin
         unmount_if_mounted(mountpoint)
 
 
+def test_a_cache_dir_inside_the_source_is_refused_in_one_line(dataset, tmp_path: Path,
+                                                             daemon_logs: list[Path]) -> None:
+    """The mount would show jobs its own cache as part of the dataset (and a fill would
+    change the source it reads)."""
+    source, _ = dataset
+    mountpoint, cache = tmp_path / "mnt", source / "cache"
+    mountpoint.mkdir()
+    daemon_logs.append(tmp_path / "mount.log")
+    result = run_cli("mount", str(source), str(mountpoint), "--cache-dir", str(cache),
+                     "--log", str(tmp_path / "mount.log"))
+    try:
+        assert result.returncode == 1, result
+        assert result.stderr == (f"coordlfs: --cache-dir {cache} is inside the source "
+                                 f"{source}, which the mount serves: jobs would read the "
+                                 "cache as part of the dataset; give a path outside it\n")
+        assert mount_at(str(mountpoint)) is None
+        assert not cache.exists()
+    finally:
+        unmount_if_mounted(mountpoint)
+
+
 @needs_root
 def test_the_mount_bound_beneath_its_source_is_a_loop_answered_eloop(
         reachable: Path, mount, dataset) -> None:
