@@ -283,8 +283,7 @@ class Daemon:
                 raise UserError(f"cannot mount on {self.config.mountpoint}: {e}") from None
             log.info("mounted on %s", self.config.mountpoint)
             # no walk of the source enters the mount just made (coordlfs.source.walk)
-            self.source.own_device = device_mounted_at(self.config.mountpoint)
-            if self.source.own_device is None:
+            if device_mounted_at(self.config.mountpoint) is None:
                 log.warning("%s is not in the mount table: a loop through the mount beneath "
                             "its source would not be told", self.config.mountpoint)
             try:

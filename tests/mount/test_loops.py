@@ -56,9 +56,11 @@ def reachable() -> Iterator[Path]:
     shutil.rmtree(directory)
 
 
-def answer(m: Mount, *argv: str | Path) -> subprocess.CompletedProcess[str] | None:
-    """``argv`` run as ``OTHER_UID``, a reader of the mount; None if it had no answer in
-    ``ANSWER_S``, after which the mount's connection is aborted so that the reader ends."""
+def answer(m: Mount | tuple[Mount, ...], *argv: str | Path
+           ) -> subprocess.CompletedProcess[str] | None:
+    """``argv`` run as ``OTHER_UID``, a reader of the mount (or mounts); None if it had no
+    answer in ``ANSWER_S``, after which their connections are aborted so that the reader
+    ends."""
     command = ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups",
                *map(str, argv)]
     reader = subprocess.Popen(command, cwd="/", stdout=subprocess.PIPE,
@@ -66,14 +68,15 @@ def answer(m: Mount, *argv: str | Path) -> subprocess.CompletedProcess[str] | No
     try:
         out, err = reader.communicate(timeout=ANSWER_S)
     except subprocess.TimeoutExpired:
-        subprocess.run(["umount", "-f", str(m.mountpoint)], check=False)
+        for each in m if isinstance(m, tuple) else (m,):
+            subprocess.run(["umount", "-f", str(each.mountpoint)], check=False)
         reader.kill()
         reader.communicate(timeout=60)
         return None
     return subprocess.CompletedProcess(command, reader.returncode, out, err)
 
 
-def assert_loop(m: Mount, *argv: str | Path) -> None:
+def assert_loop(m: Mount | tuple[Mount, ...], *argv: str | Path) -> None:
     answered = answer(m, *argv)
     assert answered is not None, f"{argv}: no answer in {ANSWER_S} s (the mount hangs)"
     assert answered.returncode != 0 and LOOP in answered.stderr, answered
@@ -198,3 +201,25 @@ def test_a_nested_mount_in_the_source_reads_through_and_a_loop_beneath_it_is_tol
             assert_loop(m, "ls", m.mountpoint / "nested" / "loop")
             assert_loop(m, "stat", m.mountpoint / "nested" / "loop" / "nested" / "loop" / "top")
             assert same_bytes(m, names)
+
+
+@needs_root
+def test_two_mounts_in_a_cycle_answer_eloop_and_serve_on(reachable: Path, mount) -> None:
+    """A serves SRC on MA, B serves MA on SRC/mut: a lookup in B asks A, whose walk of SRC/mut
+    would ask B, and so on, each daemon waiting on the other (``ls SRC/mut/mut/mut/mut`` hung
+    both for good). A walk enters no coordlfs mount: the cycle is ELOOP at its first turn, and
+    both mounts serve on."""
+    src, ma = reachable / "src", reachable / "ma"
+    (src / "mut").mkdir(parents=True)
+    (src / "file").write_bytes(os.urandom(5000))
+    a = mount(src, "--allow-other", mountpoint=ma)
+    b = mount(ma, "--allow-other", mountpoint=src / "mut")
+    both = (a, b)
+    assert_loop(both, "ls", "-la", ma / "mut" / "mut" / "mut")  # hung both daemons
+    assert_loop(both, "ls", src / "mut" / "mut" / "mut" / "mut")
+    assert_loop(both, "stat", ma / "mut" / "file")
+    listed = answer(both, "ls", src / "mut")
+    assert listed is not None and listed.returncode == 0, listed
+    assert sorted(listed.stdout.split()) == ["file", "mut"]
+    assert (src / "mut" / "file").read_bytes() == (ma / "file").read_bytes()
+    assert [m.status()["pid"] for m in both] == [a.pid, b.pid]
