@@ -12,9 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,18 +40,6 @@ def mounted_on(at: Path, *how: str) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["umount", "-l", str(at)], check=False)
-
-
-@pytest.fixture
-def reachable() -> Iterator[Path]:
-    """A directory every user can enter, for a mountpoint ``OTHER_UID`` reads through (pytest's
-    ``tmp_path`` is closed to it); removed once the mounts in it are down (set up before the
-    ``mount`` fixture, so torn down after it)."""
-    directory = Path(tempfile.mkdtemp(prefix="coordlfs-test-", dir="/tmp"))
-    directory.chmod(0o755)
-    yield directory
-    unmount_if_mounted(directory / "mnt")  # should a test have failed before its fixture ran
-    shutil.rmtree(directory)
 
 
 def answer(m: Mount | tuple[Mount, ...], *argv: str | Path
