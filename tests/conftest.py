@@ -22,7 +22,7 @@ import xxhash
 from coordlfs.errors import UserError
 from coordlfs.testbed.dataset import DatasetSpec, ensure_dataset
 from coordlfs.testbed.logs import logged_errors
-from coordlfs.testbed.mounts import Mount, mounted
+from coordlfs.testbed.mounts import Mount, mounted, unmount_if_mounted
 from coordlfs.testbed.mounts import stop_daemon as force_unmount
 from coordlfs.testbed.storage import drop_caches
 
@@ -105,6 +105,18 @@ def reachable_by_anyone(*files: Path) -> Iterator[list[Path]]:
         yield copies
     finally:
         shutil.rmtree(directory)
+
+
+@pytest.fixture
+def reachable() -> Iterator[Path]:
+    """A directory every user can enter, for a mountpoint ``OTHER_UID`` reads through (pytest's
+    ``tmp_path`` is closed to it); removed once the mounts in it are down (set up before the
+    ``mount`` fixture, so torn down after it)."""
+    directory = Path(tempfile.mkdtemp(prefix="coordlfs-test-", dir="/tmp"))
+    directory.chmod(0o755)
+    yield directory
+    unmount_if_mounted(directory / "mnt")  # should a test have failed before its fixture ran
+    shutil.rmtree(directory)
 
 
 def run_as_other_user(argv: Sequence[str | os.PathLike[str]],

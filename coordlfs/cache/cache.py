@@ -91,9 +91,10 @@ _CHECK_SHARE = 0.25
 _CHECK_PAUSE_S = 0.0005
 #: errnos that mean the cache's filesystem has no room (a full tmpfs, a quota)
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
-#: Free room on a full cache filesystem that counts as room again: enough that fills do not
-#: fail again at once. Each new file asks (one statfs, next to a miss's storage read).
-ROOM_BACK = 8 << 20
+#: Free room a full cache filesystem keeps beside the pages of a new file: the journal's lines
+#: and the filesystem's own. While full, each new file asks (one statfs, next to a miss's
+#: storage read).
+ROOM_SLACK = 1 << 20
 #: Complete entries the daemon keeps mapped for its own reads (``data``, without passthrough):
 #: a hit is then a slice of a mapping, no system call and no copy in the daemon (a pread of
 #: the file cost a 112 KB hit 30% of the ceiling's files/s). Least recently read unmapped.
@@ -226,7 +227,8 @@ class WholeFileCache:
         self.released: list[Callable[[Key, Entry], None]] = []
         #: kernel bytes per entry file beside its pages (``file_overhead``)
         self.file_overhead = file_overhead()
-        #: the cache's filesystem ran out of room: no new entries until it has room again
+        #: the cache's filesystem ran out of room: a new entry only where it still has room
+        #: for it, until it has room for all the capacity left again
         self.full = False
         #: bytes of files handed over for filling and not reserved yet (``promise``)
         self.promised = 0
@@ -437,8 +439,7 @@ class WholeFileCache:
         if st.st_size > self.max_file_size:
             self._too_large(path, st.st_size)
             return None
-        if (self.used + pages(st.st_size) > self.capacity
-                or (self.full and not self._room_is_back())):
+        if self.used + pages(st.st_size) > self.capacity or not self._fits(st.st_size):
             return None
         entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, self.next_number,
                       progress=trio.Event())
@@ -755,8 +756,7 @@ class WholeFileCache:
                                    functools.partial(self._noticed, nursery))
             while True:
                 await trio.sleep(1.0)
-                if self.full:  # clients send no misses to notice it: they read the source
-                    self._room_is_back()
+                self._check_room()  # clients send no misses to notice it
 
     def _noticed(self, nursery: trio.Nursery, path: bytes) -> None:
         """A job under ``coordlfs run`` read ``path`` from the source and closed it: the
@@ -801,17 +801,36 @@ class WholeFileCache:
             return
         self.full = True
         self._room_changed()
-        message = ("cache directory %s is full (%s): new files are read from the source "
-                   "until it has room again")
+        message = ("cache directory %s is full (%s): a new file is cached only where it has "
+                   "room for it, until it has room for the whole cache again")
         if self._no_room_warned:
             log.info(message, self.directory, error.strerror)
         else:
             log.warning(message, self.directory, error.strerror)
             self._no_room_warned = True
 
-    def _room_is_back(self) -> bool:
+    def _free(self) -> int:
         st = os.fstatvfs(self.dir_fd)
-        if st.f_bavail * st.f_frsize < ROOM_BACK:
+        return st.f_bavail * st.f_frsize
+
+    def _fits(self, size: int) -> bool:
+        """Whether the cache's filesystem takes a new file of ``size``: always, unless it was
+        full; then the room it has is asked for each file, since other users (or a quota) may
+        give back any part of it, less than the capacity left (6 MiB of 40, say)."""
+        if not self.full:
+            return True
+        free = self._free()
+        return self._room_is_back(free) or pages(size) + ROOM_SLACK <= free
+
+    def _check_room(self) -> None:
+        """While full, the room published to clients follows the filesystem's."""
+        if self.full and not self._room_is_back(self._free()):
+            self._room_changed()
+
+    def _room_is_back(self, free: int) -> bool:
+        """The cache is full no more once its filesystem has room for all of the capacity
+        left: then no new file needs a check of its own."""
+        if free < self.capacity - self.used + ROOM_SLACK:
             return False
         log.info("cache directory %s has room again: caching new files", self.directory)
         self.full = False
@@ -832,8 +851,10 @@ class WholeFileCache:
         promised to files handed over for filling is not theirs (the mount's own readers
         still take what comes first, as MinIO does)."""
         if self.index is not None:
-            self.index.set_room(0 if self.full else max(
-                0, self.capacity - self.used - self.promised))
+            room = self.capacity - self.used - self.promised
+            if self.full:
+                room = min(room, self._free() - ROOM_SLACK)
+            self.index.set_room(max(0, room))
 
     @staticmethod
     def _wake(entry: Entry) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import logging
@@ -59,6 +60,11 @@ DRAIN_S = 10.0
 READ_AHEAD_KB = 1024
 #: Seconds between checks that group members are still alive.
 REAP_INTERVAL_S = 1.0
+#: Seconds during which a repeated log line (same logger, level and text) is held back after
+#: it was written once: a file rewritten all the time refused its fill ~270 times a second.
+REPEAT_INTERVAL_S = 30.0
+#: Repeated lines remembered; past it those whose interval is over are forgotten.
+_REPEATS_KEPT = 4096
 
 
 class DroppedReplies(logging.Filter):
@@ -76,10 +82,52 @@ class DroppedReplies(logging.Filter):
         return True
 
 
+@dataclasses.dataclass(slots=True)
+class _Written:
+    """When a repeated line was last written, and how many like it were held back since."""
+
+    at: float
+    held: int = 0
+
+
+class RepeatedRecords(logging.Filter):
+    """One line per ``interval`` for each repeated INFO or WARNING message (its logger, level
+    and text: a cause and a file), the next one after it carrying the count held back
+    meanwhile. An ERROR is never held back, and neither is DEBUG: whoever asked for it
+    wants every line. A handler's filter, so it sees what every logger propagates."""
+
+    def __init__(self, interval: float = REPEAT_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.interval, self.clock = interval, clock
+        #: (logger, level, text) -> when its line was last written
+        self._written: dict[tuple[str, int, str], _Written] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not logging.INFO <= record.levelno < logging.ERROR:
+            return True
+        now, text = self.clock(), record.getMessage()
+        key = (record.name, record.levelno, text)
+        written = self._written.get(key)
+        if written is not None and now - written.at < self.interval:
+            written.held += 1
+            return False
+        if written is not None and written.held:
+            record.msg = (f"{text} ({written.held} more like it held back over "
+                          f"{now - written.at:.0f} s)")
+            record.args = None
+        if len(self._written) >= _REPEATS_KEPT:
+            self._written = {k: v for k, v in self._written.items()
+                             if now - v.at < self.interval}
+        self._written[key] = _Written(now)
+        return True
+
+
 def setup_logging(log_file: str | None, debug: bool) -> None:
     handler = logging.StreamHandler(open_log(os.path.abspath(log_file)) if log_file
                                     else sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(RepeatedRecords())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if debug else logging.INFO)
@@ -239,8 +287,7 @@ class Daemon:
                 raise UserError(f"cannot mount on {self.config.mountpoint}: {e}") from None
             log.info("mounted on %s", self.config.mountpoint)
             # no walk of the source enters the mount just made (coordlfs.source.walk)
-            self.source.own_device = device_mounted_at(self.config.mountpoint)
-            if self.source.own_device is None:
+            if device_mounted_at(self.config.mountpoint) is None:
                 log.warning("%s is not in the mount table: a loop through the mount beneath "
                             "its source would not be told", self.config.mountpoint)
             try:

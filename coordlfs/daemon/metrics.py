@@ -18,7 +18,9 @@ server's threads are daemon threads, and ``close`` stops it when the daemon exit
 
 Whoever reaches the port can connect, and nothing they do may take what the mount's readers
 need (each connection holds a thread and a descriptor): at most ``MAX_CONNECTIONS`` are served
-at once, and one more is answered 503 at once and closed; a connection lasts at most
+at once; one more closes the oldest of them that has not sent its whole request yet (idle
+connections held open had every scrape answered 503), or, when every one is being answered,
+is answered 503 at once and closed; a connection lasts at most
 ``CONNECTION_TIMEOUT_S`` from its accept to the last byte of its answer, so one that sends
 nothing, trickles its request or does not read the answer is closed; a request holds at most
 ``MAX_REQUEST_BYTES``. One request per connection (HTTP/1.0, prometheus_client's), so no idle
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import http.server
 import logging
 import math
@@ -132,6 +135,8 @@ FLAT: tuple[tuple[str, str, str, str, str], ...] = (
      "peer connections and requests refused (handshake, protocol, timeout)"),
     ("served", "turned_away", "served_turned_away", COUNTER,
      "peer connections turned away BUSY: the cap reached and none idle"),
+    ("served", "handshakes_closed", "served_handshakes_closed", COUNTER,
+     "peer connections closed in their handshake (told BUSY) to make room for a newer one"),
     ("served", "idle_closed", "served_idle_closed", COUNTER, "idle peer connections closed"),
     ("served", "evicted", "served_evicted", COUNTER,
      "idle peer connections closed to make room for a new one (--peer-connections)"),
@@ -416,6 +421,13 @@ class _BoundedLines:
 class _Handler(MetricsHandler):
     server: _Server
 
+    def parse_request(self) -> bool:
+        """The request read whole: from now on its connection is not closed for another."""
+        parsed = super().parse_request()
+        if parsed:
+            self.server.answering(self.request)
+        return parsed
+
     def setup(self) -> None:
         super().setup()
         self.rfile = _BoundedLines(self.rfile, MAX_REQUEST_BYTES)  # type: ignore[assignment]
@@ -440,6 +452,16 @@ class _Handler(MetricsHandler):
             self.send_error(HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
+@dataclasses.dataclass(slots=True)
+class _Open:
+    """A connection served: its scraper's address, when it must be done by, and whether its
+    request was read whole (it is being answered, not closed for room)."""
+
+    who: str
+    until: float
+    answering: bool = False
+
+
 class _Server(http.server.ThreadingHTTPServer):
     """prometheus_client's handler on a socket bound beforehand (``bind``); a thread per
     connection, daemon threads, at most ``MAX_CONNECTIONS``, each closed after
@@ -457,8 +479,8 @@ class _Server(http.server.ThreadingHTTPServer):
         self.refused = RateLimitedLog(log, logging.WARNING, LOG_INTERVAL_S)
         self._ended = RateLimitedLog(log, logging.INFO, LOG_INTERVAL_S)
         self._lock = threading.Lock()
-        #: each connection served: its scraper's address and when it must be done by
-        self._open: dict[socket.socket, tuple[str, float]] = {}
+        #: each connection served, oldest first
+        self._open: dict[socket.socket, _Open] = {}
 
     def get_request(self) -> tuple[socket.socket, Any]:
         """The next connection. Out of descriptors or memory (the readers hold them; the
@@ -473,26 +495,50 @@ class _Server(http.server.ThreadingHTTPServer):
             raise
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
-        """Admit a connection under the cap; past it, answer 503 and close it at once."""
+        """Admit a connection under the cap, closing the oldest idle one (its request not
+        read whole) to make room if need be; with none idle, answer 503 and close it at
+        once."""
         with self._lock:
-            if len(self._open) < MAX_CONNECTIONS:
-                self._open[request] = (client_address[0],
-                                       time.monotonic() + CONNECTION_TIMEOUT_S)
-                return True
+            closed = self._close_oldest_idle() if len(self._open) >= MAX_CONNECTIONS else None
+            admitted = len(self._open) < MAX_CONNECTIONS
+            if admitted:
+                self._open[request] = _Open(client_address[0],
+                                            time.monotonic() + CONNECTION_TIMEOUT_S)
+        if closed is not None:
+            self.refused("metrics connection from %s closed for a newer one: idle with %d "
+                         "connections open", closed, MAX_CONNECTIONS)
+        if admitted:
+            return True
         self.refused("metrics connection from %s turned away: %d connections open, the most "
                      "served at once", client_address[0], MAX_CONNECTIONS)
         with contextlib.suppress(OSError):  # a new socket's buffer takes it, or nothing
             request.send(BUSY, socket.MSG_DONTWAIT)
         return False
 
+    def _close_oldest_idle(self) -> str | None:
+        """With the lock held: forget the oldest connection whose request is not read whole
+        and shut it (its thread wakes and ends); who it was, or None if every one is being
+        answered."""
+        oldest = next((sock for sock, each in self._open.items() if not each.answering), None)
+        if oldest is None:
+            return None
+        with contextlib.suppress(OSError):
+            oldest.shutdown(socket.SHUT_RDWR)
+        return self._open.pop(oldest).who
+
+    def answering(self, request: Any) -> None:
+        with self._lock:
+            if (each := self._open.get(request)) is not None:
+                each.answering = True
+
     def service_actions(self) -> None:
         """Close the connections past their time (serve_forever calls this between accepts
         and every half second): ``shutdown`` wakes their threads, which end."""
         now = time.monotonic()
         with self._lock:
-            late = [(sock, who) for sock, (who, until) in self._open.items() if until <= now]
-            for sock, who in late:
-                self._open[sock] = (who, math.inf)
+            late = [(sock, each.who) for sock, each in self._open.items() if each.until <= now]
+            for sock, _who in late:
+                self._open[sock].until = math.inf
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
         for _sock, who in late:

@@ -401,6 +401,7 @@ def resolve(values: Values, source: str, mountpoint: str) -> MountConfig:
     resolved = _Resolution(values, {"source": source, "mountpoint": mountpoint})
     _check_cluster(resolved)
     _check_outside_mount(resolved)
+    _check_cache_outside_source(resolved)
     names = {option.field or option.name: option.name for option in OPTIONS
              if option.in_mount_options}
     return MountConfig(**{field.name: resolved[names.get(field.name, field.name)]
@@ -454,3 +455,14 @@ def _check_outside_mount(values: Values) -> None:
             raise UserError(f"{BY_NAME[name].flag} {path} is inside the mountpoint "
                             f"{mountpoint}, which the mount hides while it is up; give a "
                             "path outside it")
+
+
+def _check_cache_outside_source(values: Values) -> None:
+    """Inside the source, the cache's files would show through the mount as part of the
+    dataset (a job scanning it would read the cache, and each fill would change what it
+    lists). Checked after the mountpoint rule, which covers a mount over the source."""
+    cache_dir, source = values["cache_dir"], values["source"]
+    if within(os.path.realpath(cache_dir), source):
+        raise UserError(f"--cache-dir {cache_dir} is inside the source {source}, which the "
+                        "mount serves: jobs would read the cache as part of the dataset; give "
+                        "a path outside it")

@@ -17,6 +17,7 @@ for at most ``--revalidate`` seconds: changes are then visible after that long.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,7 @@ import pyfuse3
 
 from coordlfs.fs.inodes import ROOT_INODE, InodeTable
 from coordlfs.source.source import Source
-from coordlfs.source.watch import BATCH_S, IN_IGNORED, IN_Q_OVERFLOW, Watcher
+from coordlfs.source.watch import BATCH_S, IN_ATTRIB, IN_IGNORED, IN_Q_OVERFLOW, Event, Watcher
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,42 @@ class Freshness(Watcher[int]):
         """The kernel forgot the directory: nothing it caches depends on it any more."""
         self._unwatch(inode)
 
-    def _handle(self, data: bytes) -> None:
+    def _at_once(self, events: list[Event]) -> None:
+        """A permission change (chmod, chown: IN_ATTRIB) of a name the kernel holds, or of a
+        watched directory itself, drops the kernel's attributes of its inode at once, not
+        after the batch: until then its old mode is what the kernel checks another user's
+        open against, and a process inside a directory (its working directory, a descriptor)
+        never walks its name again, so dropping the name alone left it the old mode for the
+        attribute timeout (an hour). The name itself goes with the batch."""
+        for wd, mask, name in events:
+            directory = self._key_of.get(wd)
+            if mask & IN_ATTRIB and directory is not None:
+                inode = self._inode_named(directory, name) if name else directory
+                if inode is not None:
+                    self._invalidate_attributes(inode)
+
+    def _inode_named(self, parent: int, name: bytes) -> int | None:
+        """The inode the kernel holds for ``name`` in directory ``parent``, if any: found by
+        its source file's key (an lstat of a file just changed, in the kernel's caches)."""
+        try:
+            base = self.inodes.path(parent)
+            st = self.source.lstat(base + b"/" + name if base else name)
+        except (KeyError, OSError):  # the directory forgotten, the name gone
+            return None
+        return self.inodes.find((st.st_dev, st.st_ino))
+
+    def _invalidate_attributes(self, inode: int) -> None:
+        try:
+            pyfuse3.invalidate_inode(inode, attr_only=True)
+        except OSError as e:  # the kernel forgot it meanwhile: nothing to drop
+            if e.errno != errno.ENOENT:
+                raise
+        self.invalidated += 1
+
+    def _handle(self, events: list[Event]) -> None:
         names: set[tuple[int, bytes]] = set()
         overflow = False
-        for wd, mask, name in self._events(data):
+        for wd, mask, name in events:
             if mask & IN_Q_OVERFLOW:
                 overflow = True
             elif mask & IN_IGNORED:

@@ -23,11 +23,12 @@ the daemon an inode each, stream as names.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import stat
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import pyfuse3
 import trio
@@ -82,13 +83,14 @@ class Listing:
     """One open directory of the source. Its ``fill`` blocks: run it in a worker thread.
     Hold ``lock`` from ``continues_at`` to ``reply``: a handle has one buffer."""
 
-    def __init__(self, fd: int, own_device: int | None = None) -> None:
+    def __init__(self, fd: int, barred: Container[int] = ()) -> None:
         self.fd = fd
-        #: the mount's own device: an entry on it is the mount itself, mounted beneath its
-        #: source (``coordlfs.source.walk``), listed by name only, so that the kernel's LOOKUP of it
-        #: meets the ELOOP every walk into it meets (its stat here went into the mount from
-        #: a worker thread, which the event loop answered: no loop yet)
-        self.own_device = own_device
+        #: the devices of the coordlfs mounts: an entry on one (this mount, mounted beneath
+        #: its source, or another) is listed by name only, so that the kernel's LOOKUP of it
+        #: meets the ELOOP every walk into it meets (``coordlfs.source.walk``); asked only of
+        #: an entry on a device other than its directory's, a mountpoint
+        self.barred = barred
+        self.device = os.fstat(fd).st_dev
         self.lock = trio.Lock()
         #: the buffered entries; ``entries[index]`` is the next one to reply with
         self.entries: list[Entry] = []
@@ -123,7 +125,7 @@ class Listing:
         data = _getdents(self.fd)
         attributed = not NAMES_ONLY.works or self._read < ATTRIBUTED
         got, pos, record, near_last = len(data), 0, _RECORD.unpack_from, _LAST - _SHIFT
-        own = self.own_device
+        barred, device = self.barred, self.device
         cookie, after = at, max(offset, len(DOTS))  # where it stands if no record follows
         while pos < got:
             ino, cookie, length, kind = record(data, pos)
@@ -138,7 +140,10 @@ class Listing:
                     st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # removed since getdents read it: as if removed before
-                if st.st_dev == own:
+                except OSError as e:  # a source that is itself a coordlfs mount said so
+                    if e.errno != errno.ELOOP:
+                        raise
+                if st is None or (st.st_dev != device and st.st_dev in barred):
                     if not NAMES_ONLY.works:
                         continue
                     st = None

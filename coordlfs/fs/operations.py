@@ -332,7 +332,7 @@ class Operations(pyfuse3.Operations):
         path = self._node_path(inode)
         self.freshness.watch(inode, path)
         listing = await in_thread(lambda: Listing(self.source.open_dir(path),
-                                                       self.source.own_device))
+                                                       self.source.barred))
         return self._new_handle(DirHandle(path, listing))
 
     @guarded

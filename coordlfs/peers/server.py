@@ -11,10 +11,12 @@ handshake within the timeout, frames are bounded and checksummed (``peer_wire``)
 must name a regular file inside the dataset through no symlink. A bad request is refused
 alone; a broken frame or an unexpected kind closes the connection. Nothing a peer sends can
 stop the mount, or take the descriptors its local readers need: connections are capped
-(``connection_cap``, a ``coordlfs.peers.budget.Budget``: one more closes the least recently
-used idle connection, or, when every one is busy or still authenticating, is told BUSY and
-closed), a frame that trickles in or out slower than the timeout closes its connection, and
-so does one idle for ``peer_wire.idle_timeout``. Refusals are logged at most once per
+(``connection_cap``, a ``coordlfs.peers.budget.Budget``: one more closes the oldest connection
+still in its handshake, else the least recently used idle one, or, when every one is busy, is
+told BUSY and closed), a handshake lasts the timeout at most, a frame that trickles in or out
+slower than it closes its connection, and so does one idle for ``peer_wire.idle_timeout``.
+Strangers who never authenticate thus hold places only until anyone else connects: 500 of
+them had filled the cap, and a legitimate peer was told BUSY. Refusals are logged at most once per
 ``LOG_INTERVAL_S``, with the number of those not logged, so a stranger cannot grow the log.
 """
 
@@ -29,6 +31,7 @@ import resource
 import socket
 import stat
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
@@ -128,6 +131,13 @@ ACCEPT_RETRY_S = 0.1
 ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
+def _say_busy(stream: trio.SocketStream, why: str) -> None:
+    """A FAIL BUSY written straight into the socket's buffer, which has room for it: the
+    peer reads its own storage for this file (``TurnedAway``), and nothing waits here."""
+    with contextlib.suppress(OSError):
+        os.write(stream.socket.fileno(), encode_frame(Kind.FAIL, 0, encode_fail(Fail.BUSY, why)))
+
+
 def connection_cap(wanted: int = DEFAULT_LIMIT) -> int:
     """Peer connections to serve at once: ``wanted`` (``--peer-connections``) within this
     process's soft RLIMIT_NOFILE (which the daemon raised to the hard limit when it
@@ -174,6 +184,8 @@ class ServedStats:
     refused: int = 0
     #: connections told BUSY and closed: ``max_connections`` were open, none of them idle
     turned_away: int = 0
+    #: connections closed in their handshake (told BUSY) to make room for a newer one
+    handshakes_closed: int = 0
     #: idle connections closed to make room for a new one
     evicted: int = 0
     #: authenticated connections closed after the idle timeout
@@ -213,6 +225,8 @@ class PeerServer:
         self.cache = cache
         self.stats = ServedStats(max_connections=max_connections)
         self.budget = Budget(max_connections)
+        #: the budget's connections still in their handshake, oldest first
+        self._handshaking: OrderedDict[_Served, None] = OrderedDict()
         self.nursery: trio.Nursery | None = None
         #: answers a peer's WARM (``coordlfs.peers.warm.answer``); set by the daemon
         self.warm: Callable[[bytes | bytearray], Answer] | None = None
@@ -226,15 +240,31 @@ class PeerServer:
                 while True:
                     if len(self.budget) >= self.budget.limit:  # room before a new descriptor
                         await trio.lowlevel.wait_readable(listener.socket)
-                        self.budget.room()
+                        self._room()
                     if (stream := await self._accept(listener)) is None:
                         continue
-                    if self.budget.room():
+                    if self._room():
                         served = _Served(stream, trio.CancelScope())
                         self.budget.add(served)
+                        self._handshaking[served] = None
                         connections.start_soon(self._connection, served)
                     else:
                         self._turn_away(stream)
+
+    def _room(self) -> bool:
+        """The budget's ``room``, but first by closing the oldest connection still in its
+        handshake: a stranger's place is the first to go, an authenticated peer's idle
+        connection only after."""
+        if len(self.budget) >= self.budget.limit and self._handshaking:
+            oldest, _ = self._handshaking.popitem(last=False)
+            self.budget.release(oldest)
+            self.stats.handshakes_closed += 1
+            why = (f"{self.budget.limit} peer connections open, the most served at once; "
+                   "closed in its handshake for a newer one")
+            self._refused("peer connection from %s turned away: %s", _name(oldest.stream), why)
+            _say_busy(oldest.stream, why)
+            oldest.evict()
+        return self.budget.room()
 
     async def _accept(self, listener: trio.SocketListener) -> trio.SocketStream | None:
         """The next connection; None after a pause when the process is out of descriptors
@@ -256,17 +286,20 @@ class PeerServer:
             self.stats.connections += 1
             frames = served.frames = FrameStream(stream, frame_timeout=self.timeout)
             try:
-                if await self._admit(frames, peer):
+                admitted = await self._admit(frames, peer)
+                self._handshaking.pop(served, None)
+                if admitted:
                     await send_features(frames)
                     async with trio.open_nursery() as requests:
                         await self._serve_frames(frames, requests, peer, served)
             except Exception:  # a bug here must cost one connection, never the mount
                 log.exception("peer connection from %s failed", peer)
             finally:
+                self._handshaking.pop(served, None)
                 self.budget.release(served)
                 await trio.aclose_forcefully(stream)
         if served.scope.cancelled_caught:
-            log.debug("idle peer connection from %s closed for a new one", peer)
+            log.debug("peer connection from %s closed for a new one", peer)
 
     def _turn_away(self, stream: trio.SocketStream) -> None:
         """Tell a connection past the cap that this node is busy (the peer reads its own
@@ -275,9 +308,7 @@ class PeerServer:
         self.stats.turned_away += 1
         busy = f"{len(self.budget)} peer connections open, the most served at once, none idle"
         self._refused("peer connection from %s turned away: %s", _name(stream), busy)
-        with contextlib.suppress(OSError):
-            os.write(stream.socket.fileno(), encode_frame(Kind.FAIL, 0,
-                                                         encode_fail(Fail.BUSY, busy)))
+        _say_busy(stream, busy)
         stream.socket.close()
 
     async def _admit(self, frames: FrameStream, peer: str) -> bool:

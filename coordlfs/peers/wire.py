@@ -57,7 +57,9 @@ the shared secret without ever sending it; ``|`` is concatenation, HMAC is HMAC-
 Fresh nonces on both sides defeat replay, and the distinct labels stop one side's proof
 from being reflected as the other's. An insecure pair simply uses ``secret=b""`` on both
 sides; a side with a secret and one without fail each other's handshake. A server that has
-no room for another connection sends FAIL BUSY instead of HELLO and hangs up.
+no room for another connection sends FAIL BUSY instead of HELLO and hangs up; one that closes
+a connection still in its handshake for a newer one sends FAIL BUSY in place of WELCOME. Either
+is ``TurnedAway``: not a fault of the peer's.
 
 Time limits: a frame, once its first byte has come (or, sending, once it starts to go out),
 must be complete within the stream's ``frame_timeout`` (the mount's ``--peer-timeout``), so a
@@ -445,7 +447,10 @@ async def client_handshake(fs: FrameStream, secret: bytes) -> None:
                                                       server_nonce, client_nonce))
     frame = await fs.receive()
     if frame is not None and frame.kind == Kind.FAIL:
-        raise AuthError(f"peer refused us: {decode_fail(frame.payload)[1]}")
+        code, message = decode_fail(frame.payload)
+        if code == Fail.BUSY:  # closed in its handshake to make room for a newer one
+            raise TurnedAway(f"peer turned us away: {message}")
+        raise AuthError(f"peer refused us: {message}")
     expected = _proof(secret, b"coordlfs-server\0", client_nonce, server_nonce)
     if frame is None or frame.kind != Kind.WELCOME or not hmac.compare_digest(
             frame.payload, expected):

@@ -3,8 +3,9 @@
 The root is opened with O_PATH before the mount exists, so mounting over the source itself
 (``coordlfs mount /data /data``) still reaches the real files underneath. Paths handed to
 this module are relative byte strings (``b""`` is the root) and are never followed through
-symlinks: the FUSE layer shows links as links. No walk enters the mount itself, should it
-come to lie beneath the source (``coordlfs.source.walk``).
+symlinks: the FUSE layer shows links as links. No walk enters a coordlfs mount (this one,
+should it come to lie beneath the source, or another, whose daemon may wait on this one:
+``coordlfs.source.walk``).
 
 Data reads avoid double caching: the cache already holds what we keep, so reading the source
 must not also fill the source's page cache. We use O_DIRECT where the filesystem allows it
@@ -24,11 +25,12 @@ import operator
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import Any, NamedTuple
 
 from coordlfs.errors import UserError
 from coordlfs.source.walk import DIRECTORY, open_outside
+from coordlfs.system.mounts import coordlfs_devices
 
 #: O_DIRECT needs offsets, lengths and buffers aligned to the logical block size; 4 KiB
 #: covers every block device we meet.
@@ -97,8 +99,8 @@ class Source:
 
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)
-        #: the device of the mount serving this source, once mounted: no walk enters it
-        self.own_device: int | None = None
+        #: the devices no walk enters: the coordlfs mounts, this one's among them
+        self.barred: Container[int] = coordlfs_devices
         try:
             self.root_fd = os.open(self.path, os.O_PATH | os.O_DIRECTORY)
         except FileNotFoundError:
@@ -113,15 +115,15 @@ class Source:
 
     def open(self, path: bytes, flags: int) -> int:
         """A descriptor of ``path`` opened with ``flags``, never through a symlink and never
-        into the mount itself (``coordlfs.source.walk``: ELOOP there).
+        into a coordlfs mount (``coordlfs.source.walk``: ELOOP there).
 
         Short paths (nearly all, and the hot ones: lookup, getattr, open) go straight from
         the root descriptor. A longer one is walked a piece of at most ``_WALK_AT`` bytes at
         a time, so a tree nested past PATH_MAX reads as it does in the source.
         """
-        own = self.own_device
+        barred = self.barred
         if len(path) < _WALK_AT:
-            return open_outside(self.root_fd, path or b".", flags, own)
+            return open_outside(self.root_fd, path or b".", flags, barred)
         opened: list[int] = []
         try:
             fd, rest = self.root_fd, path
@@ -129,10 +131,10 @@ class Source:
                 cut = rest.rfind(b"/", 0, _WALK_AT)
                 if cut <= 0:
                     raise OSError(errno.ENAMETOOLONG, "file name too long")
-                fd = open_outside(fd, rest[:cut], DIRECTORY, own)
+                fd = open_outside(fd, rest[:cut], DIRECTORY, barred)
                 opened.append(fd)
                 rest = rest[cut + 1 :]
-            return open_outside(fd, rest, flags, own)
+            return open_outside(fd, rest, flags, barred)
         finally:
             for fd in opened:
                 os.close(fd)

@@ -28,19 +28,22 @@ log = logging.getLogger(__name__)
 _K = TypeVar("_K")
 
 # <sys/inotify.h>
-_IN_MODIFY, _IN_ATTRIB, _IN_CLOSE_WRITE = 0x2, 0x4, 0x8
+_IN_MODIFY, IN_ATTRIB, _IN_CLOSE_WRITE = 0x2, 0x4, 0x8
 _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x40, 0x80, 0x100, 0x200
 IN_Q_OVERFLOW, IN_IGNORED = 0x4000, 0x8000
 _IN_ONLYDIR, _IN_EXCL_UNLINK = 0x01000000, 0x04000000
-_EVENTS = (_IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO
+_EVENTS = (_IN_MODIFY | IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO
            | _IN_CREATE | _IN_DELETE)
 #: (the directory is opened first, with O_NOFOLLOW, and watched by its /proc path, followed)
 _WATCH_MASK = _EVENTS | _IN_ONLYDIR | _IN_EXCL_UNLINK
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of NUL-padded name
 _READ_SIZE = 1 << 16
 #: After a batch of events, wait this long for more before invalidating: a writer makes
-#: many events per file, and each name is invalidated once per batch.
+#: many events per file, and each name is invalidated once per batch. What cannot wait
+#: (``Watcher._at_once``: a permission change) is handled as soon as it is read.
 BATCH_S = 0.05
+#: One event: its watch descriptor, mask and name (empty: the watched directory itself).
+Event = tuple[int, int, bytes]
 
 #: Filesystems whose changes may come from elsewhere (other hosts, a FUSE daemon), which
 #: inotify does not see.
@@ -143,18 +146,33 @@ class Watcher(Generic[_K]):
     async def run(self) -> None:
         while self.fd >= 0:
             await trio.lowlevel.wait_readable(self.fd)
-            if self.batch_s:
+            events = self._read()
+            if events and self.batch_s:
+                self._guarded(self._at_once, events)
                 await trio.sleep(self.batch_s)
-            try:
-                data = os.read(self.fd, _READ_SIZE)
-            except BlockingIOError:
-                continue
-            try:
-                self._handle(data)
-            except Exception:  # an uncaught error here would take the mount down
-                log.exception("handling changes of the source failed")
+                events += self._read()
+            if events:
+                self._guarded(self._handle, events)
 
-    def _events(self, data: bytes) -> Iterator[tuple[int, int, bytes]]:
+    def _read(self) -> list[Event]:
+        """The events queued now (none if another read took them)."""
+        try:
+            return list(self._events(os.read(self.fd, _READ_SIZE)))
+        except BlockingIOError:
+            return []
+
+    @staticmethod
+    def _guarded(handler: Callable[[list[Event]], None], events: list[Event]) -> None:
+        try:
+            handler(events)
+        except Exception:  # an uncaught error here would take the mount down
+            log.exception("handling changes of the source failed")
+
+    def _at_once(self, events: list[Event]) -> None:
+        """What a batching watcher does with the first events of a batch before waiting for
+        the rest (all of them go to ``_handle`` after): nothing unless it says."""
+
+    def _events(self, data: bytes) -> Iterator[Event]:
         """(watch descriptor, mask, name) of each event in what one read returned."""
         at = 0
         while at < len(data):
@@ -164,7 +182,7 @@ class Watcher(Generic[_K]):
             self.events += 1
             yield wd, mask, name
 
-    def _handle(self, data: bytes) -> None:
+    def _handle(self, events: list[Event]) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -224,8 +242,8 @@ class PublishedWatch(Watcher[bytes]):
         for path in [p for p in self._wd_of if p == directory or p.startswith(inside)]:
             self._unwatch(path)
 
-    def _handle(self, data: bytes) -> None:
-        for wd, mask, name in self._events(data):
+    def _handle(self, events: list[Event]) -> None:
+        for wd, mask, name in events:
             if mask & IN_Q_OVERFLOW:
                 log.warning("the source changed faster than inotify could report; "
                             "withdrawing every published file")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import re
+import select
+import threading
 from dataclasses import dataclass
 
 
@@ -69,7 +71,47 @@ def device_mounted_at(mountpoint: str) -> int | None:
     found = _topmost(mountpoint)
     if found is None or found.fstype != "fuse.coordlfs":
         return None
-    major, _, minor = found.device.partition(":")
+    return _device(found)
+
+
+class DevicesOfType:
+    """The devices of the mounts of one type in this mount namespace, as a container:
+    ``device in devices``. For ``fuse.coordlfs``: such a mount's daemon may be waiting on the
+    one that asks (``coordlfs.source.walk``), so no walk of a source enters one.
+
+    The table is read again only when the kernel says it changed (POLLPRI on an open
+    mountinfo), so a check costs one poll; checks from several threads take turns, so that
+    none answers from a table older than the mount it met.
+    """
+
+    def __init__(self, fstype: str) -> None:
+        self.fstype = fstype
+        self._lock = threading.Lock()
+        self._poll: select.poll | None = None
+        self._devices: frozenset[int] = frozenset()
+
+    def __contains__(self, device: object) -> bool:
+        with self._lock:
+            if self._poll is None:  # opened first: a change after it is reported
+                fd = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+                self._poll = select.poll()
+                self._poll.register(fd, select.POLLPRI)
+                self._read()
+            elif self._poll.poll(0):  # reported once per change, by the poll itself
+                self._read()
+            return device in self._devices
+
+    def _read(self) -> None:
+        self._devices = frozenset(_device(entry) for entry in mounts()
+                                  if entry.fstype == self.fstype)
+
+
+#: The process's one view of the coordlfs mounts (a descriptor on its mount table).
+coordlfs_devices = DevicesOfType("fuse.coordlfs")
+
+
+def _device(entry: MountEntry) -> int:
+    major, _, minor = entry.device.partition(":")
     return os.makedev(int(major), int(minor))
 
 

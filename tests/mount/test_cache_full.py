@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
@@ -17,9 +18,15 @@ from coordlfs.testbed.dataset import DatasetSpec, ensure_dataset
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 64 MiB tmpfs of its own, so that the test can fill it without touching /dev/shm."""
-    where = tmp_path / "small"
+    with tmpfs_of(tmp_path / "small", "64M") as where:
+        yield where
+
+
+@contextlib.contextmanager
+def tmpfs_of(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted on ``where`` (made), detached after."""
     where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64M", "coordlfs-test", str(where)],
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "coordlfs-test", str(where)],
                    check=True)
     try:
         yield where
@@ -87,3 +94,33 @@ def test_the_cache_size_is_clamped_below_the_free_space(tmp_path: Path, mount,
     capacity = m.status()["cache"]["capacity_bytes"]
     free = os.statvfs(small_tmpfs)
     assert capacity < free.f_blocks * free.f_frsize  # a margin for the journal and more
+
+
+def test_a_full_cache_fills_again_into_room_that_returns(tmp_path: Path, mount) -> None:
+    """After one ENOSPC, room smaller than the cache's capacity (6 MiB of a 40 MiB
+    filesystem) is used again: each new file is checked against the room there is."""
+    src = tmp_path / "data"
+    spec = DatasetSpec(400, mean_bytes=50_000, classes=4)
+    files = [path for path, _size in ensure_dataset(src, spec).files]
+    want = digests(src)
+    with tmpfs_of(tmp_path / "small", "40M") as small:
+        m = mount(src, "--cache-size", "1G", cache_dir=small / "c")
+        for name in files[:100]:
+            (m.mountpoint / name).read_bytes()
+        filler = small / "filler"
+        fill_up(filler)
+        drop_caches()
+        assert read_all(m.mountpoint) == want
+        assert m.status()["cache"]["full"] is True
+        cached_while_full = m.status()["cache"]["files"]
+
+        os.truncate(filler, filler.stat().st_size - (6 << 20))
+        drop_caches()
+        assert read_all(m.mountpoint) == want
+        drop_caches()
+        assert read_all(m.mountpoint) == want
+        status = m.status()["cache"]
+        assert status["files"] >= cached_while_full + 60, (cached_while_full, status)
+        assert os.statvfs(small).f_bavail * os.statvfs(small).f_frsize < 2 << 20
+        log = m.log.read_text()
+        assert log.count("is full") == 1, log

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+import os
+import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -116,3 +120,26 @@ def test_the_suite_fails_a_test_whose_daemon_logged_an_unexpected_error(tmp_path
     reports = out.split("short test summary info")[0]
     assert reports.count("a daemon logged 1 unexpected ERROR record(s)") == 3, out
     assert "ERROR coordlfs.fs.operations: read of a failed" in out
+
+
+def test_a_file_changing_again_and_again_is_warned_about_once_an_interval(
+        tmp_path: Path, mount) -> None:
+    """Each fill of a file rewritten all the time is refused (the source changed under it):
+    said once, not once a refused fill (which came to ~270 lines a second); so is each
+    line about its changes (INFO, ~1,100 a second)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    busy = src / "busy"
+    busy.write_bytes(os.urandom(1 << 20))
+    m = mount(src)
+    deadline = time.monotonic() + 3
+    writer = os.open(busy, os.O_WRONLY)
+    try:
+        while time.monotonic() < deadline:
+            os.pwrite(writer, os.urandom(4096), random.randrange(0, 1 << 20, 4096))
+            (m.mountpoint / "busy").read_bytes()
+    finally:
+        os.close(writer)
+    said = collections.Counter(line.split(" ", 2)[2] for line in m.log.read_text().splitlines()
+                               if "busy" in line)
+    assert said and all(n == 1 for n in said.values()), said  # (the WARNING with passthrough)

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import digests, run_cli
+from conftest import OTHER_UID, digests, run_cli
 
 #: How long a change may take to show before the test fails (the target is 1 s).
 DEADLINE = 10.0
+#: How long after a chmod in the source another user may still open the file: the watcher's
+#: latency (a few ms, measured in docs/design/security.md), with room for a loaded machine.
+PERMISSION_WINDOW_S = 0.5
 
 
 def eventually(check: Callable[[], bool], what: str) -> float:
@@ -143,3 +147,68 @@ def test_an_open_descriptor_keeps_its_view_and_reads_never_fail(src: Path, mount
     with pytest.raises(OSError) as e:
         os.open(m.mountpoint / "a.bin", os.O_WRONLY)
     assert e.value.errno == errno.EROFS
+
+
+#: A reader as ``OTHER_UID`` (the system's python: a checkout's virtualenv may be closed to
+#: it): reads FILE in DIRECTORY (by its path, or by name from DIRECTORY as its working
+#: directory) in a loop for SECONDS, says "reading" after its first read, and prints the
+#: CLOCK_MONOTONIC start of its last read that succeeded and of its first one refused.
+PERMISSION_READER = """
+import os, sys, time
+directory, name, how, seconds = sys.argv[1:]
+if how == "cwd":
+    os.chdir(directory)
+path = name if how == "cwd" else os.path.join(directory, name)
+until, last_read, first_refused = time.monotonic() + float(seconds), None, None
+while time.monotonic() < until:
+    started = time.monotonic()
+    try:
+        with open(path, "rb") as f:
+            f.read()
+    except PermissionError:
+        first_refused = first_refused or started
+        continue
+    if last_read is None:
+        print("reading", flush=True)
+    last_read = started
+print(last_read, first_refused, flush=True)
+"""
+
+
+def refused_after(directory: Path, name: str, how: str, change: Callable[[], None]) -> float:
+    """Seconds from the end of ``change()`` (made while ``OTHER_UID`` reads) until the reader
+    was refused for good: the start of its last read that still succeeded, after it."""
+    reader = subprocess.Popen(
+        ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups",
+         "/usr/bin/python3", "-c", PERMISSION_READER, str(directory), name, how, "3"],
+        cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert reader.stdout is not None and reader.stdout.readline() == "reading\n", \
+        reader.communicate()
+    time.sleep(0.3)
+    change()
+    changed = time.monotonic()
+    out, err = reader.communicate(timeout=30)
+    last_read, first_refused = (None if v == "None" else float(v) for v in out.split())
+    assert first_refused is not None, f"never refused ({how}): {err}"
+    assert last_read is None or last_read < first_refused  # refused for good once refused
+    return max(0.0, (last_read or 0.0) - changed)
+
+
+@pytest.mark.parametrize(("what", "how", "mode"), [
+    ("d/x.bin", "path", 0o600),  # a file closed to others
+    ("d", "path", 0o700),  # a directory closed to others, walked into by path
+    ("d", "cwd", 0o700),  # the same, walked from inside it (the kernel holds the directory)
+])
+def test_a_permission_change_reaches_other_users_at_once(
+        src: Path, reachable: Path, mount, what: str, how: str, mode: int) -> None:
+    """``chmod`` in the source while another user reads through an ``--allow-other`` mount:
+    the kernel's cached attributes of the inode are dropped when the watcher sees the change,
+    so the next open is checked against the new mode. Before, the kernel kept the old mode
+    until the watcher's batch (50 ms) invalidated the name, and a reader that held the
+    directory (its working directory) read on for the attribute timeout (an hour)."""
+    (src / "d").chmod(0o755)
+    (src / "d" / "x.bin").chmod(0o644)
+    m = mount(src, "--allow-other", mountpoint=reachable / "mnt")
+    window = refused_after(m.mountpoint / "d", "x.bin", how, lambda: (src / what).chmod(mode))
+    print(f"{what} chmod {mode:o} ({how}): refused {window * 1000:.1f} ms after")
+    assert window < PERMISSION_WINDOW_S, window

@@ -12,9 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,21 +42,11 @@ def mounted_on(at: Path, *how: str) -> Iterator[None]:
         subprocess.run(["umount", "-l", str(at)], check=False)
 
 
-@pytest.fixture
-def reachable() -> Iterator[Path]:
-    """A directory every user can enter, for a mountpoint ``OTHER_UID`` reads through (pytest's
-    ``tmp_path`` is closed to it); removed once the mounts in it are down (set up before the
-    ``mount`` fixture, so torn down after it)."""
-    directory = Path(tempfile.mkdtemp(prefix="coordlfs-test-", dir="/tmp"))
-    directory.chmod(0o755)
-    yield directory
-    unmount_if_mounted(directory / "mnt")  # should a test have failed before its fixture ran
-    shutil.rmtree(directory)
-
-
-def answer(m: Mount, *argv: str | Path) -> subprocess.CompletedProcess[str] | None:
-    """``argv`` run as ``OTHER_UID``, a reader of the mount; None if it had no answer in
-    ``ANSWER_S``, after which the mount's connection is aborted so that the reader ends."""
+def answer(m: Mount | tuple[Mount, ...], *argv: str | Path
+           ) -> subprocess.CompletedProcess[str] | None:
+    """``argv`` run as ``OTHER_UID``, a reader of the mount (or mounts); None if it had no
+    answer in ``ANSWER_S``, after which their connections are aborted so that the reader
+    ends."""
     command = ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups",
                *map(str, argv)]
     reader = subprocess.Popen(command, cwd="/", stdout=subprocess.PIPE,
@@ -66,14 +54,15 @@ def answer(m: Mount, *argv: str | Path) -> subprocess.CompletedProcess[str] | No
     try:
         out, err = reader.communicate(timeout=ANSWER_S)
     except subprocess.TimeoutExpired:
-        subprocess.run(["umount", "-f", str(m.mountpoint)], check=False)
+        for each in m if isinstance(m, tuple) else (m,):
+            subprocess.run(["umount", "-f", str(each.mountpoint)], check=False)
         reader.kill()
         reader.communicate(timeout=60)
         return None
     return subprocess.CompletedProcess(command, reader.returncode, out, err)
 
 
-def assert_loop(m: Mount, *argv: str | Path) -> None:
+def assert_loop(m: Mount | tuple[Mount, ...], *argv: str | Path) -> None:
     answered = answer(m, *argv)
     assert answered is not None, f"{argv}: no answer in {ANSWER_S} s (the mount hangs)"
     assert answered.returncode != 0 and LOOP in answered.stderr, answered
@@ -132,6 +121,27 @@ def test_what_the_daemon_opens_by_path_while_mounted_is_refused_in_the_mountpoin
         unmount_if_mounted(mountpoint)
 
 
+def test_a_cache_dir_inside_the_source_is_refused_in_one_line(dataset, tmp_path: Path,
+                                                             daemon_logs: list[Path]) -> None:
+    """The mount would show jobs its own cache as part of the dataset (and a fill would
+    change the source it reads)."""
+    source, _ = dataset
+    mountpoint, cache = tmp_path / "mnt", source / "cache"
+    mountpoint.mkdir()
+    daemon_logs.append(tmp_path / "mount.log")
+    result = run_cli("mount", str(source), str(mountpoint), "--cache-dir", str(cache),
+                     "--log", str(tmp_path / "mount.log"))
+    try:
+        assert result.returncode == 1, result
+        assert result.stderr == (f"coordlfs: --cache-dir {cache} is inside the source "
+                                 f"{source}, which the mount serves: jobs would read the "
+                                 "cache as part of the dataset; give a path outside it\n")
+        assert mount_at(str(mountpoint)) is None
+        assert not cache.exists()
+    finally:
+        unmount_if_mounted(mountpoint)
+
+
 @needs_root
 def test_the_mount_bound_beneath_its_source_is_a_loop_answered_eloop(
         reachable: Path, mount, dataset) -> None:
@@ -177,3 +187,25 @@ def test_a_nested_mount_in_the_source_reads_through_and_a_loop_beneath_it_is_tol
             assert_loop(m, "ls", m.mountpoint / "nested" / "loop")
             assert_loop(m, "stat", m.mountpoint / "nested" / "loop" / "nested" / "loop" / "top")
             assert same_bytes(m, names)
+
+
+@needs_root
+def test_two_mounts_in_a_cycle_answer_eloop_and_serve_on(reachable: Path, mount) -> None:
+    """A serves SRC on MA, B serves MA on SRC/mut: a lookup in B asks A, whose walk of SRC/mut
+    would ask B, and so on, each daemon waiting on the other (``ls SRC/mut/mut/mut/mut`` hung
+    both for good). A walk enters no coordlfs mount: the cycle is ELOOP at its first turn, and
+    both mounts serve on."""
+    src, ma = reachable / "src", reachable / "ma"
+    (src / "mut").mkdir(parents=True)
+    (src / "file").write_bytes(os.urandom(5000))
+    a = mount(src, "--allow-other", mountpoint=ma)
+    b = mount(ma, "--allow-other", mountpoint=src / "mut")
+    both = (a, b)
+    assert_loop(both, "ls", "-la", ma / "mut" / "mut" / "mut")  # hung both daemons
+    assert_loop(both, "ls", src / "mut" / "mut" / "mut" / "mut")
+    assert_loop(both, "stat", ma / "mut" / "file")
+    listed = answer(both, "ls", src / "mut")
+    assert listed is not None and listed.returncode == 0, listed
+    assert sorted(listed.stdout.split()) == ["file", "mut"]
+    assert (src / "mut" / "file").read_bytes() == (ma / "file").read_bytes()
+    assert [m.status()["pid"] for m in both] == [a.pid, b.pid]

@@ -1,12 +1,13 @@
 """``--metrics`` under connections nobody should hold, on real mounts over real TCP: a crowd of
 idle connections from another user cannot take the descriptors the mount's readers need, a
-connection past the cap is answered 503 at once, one that sends nothing or trickles its
-request is closed after the timeout, an oversized request is refused, and scrapes work again
-once the crowd is gone.
+scrape past the cap is answered (the oldest idle connection closed for it), one that sends
+nothing or trickles its request is closed after the timeout, an oversized request is
+refused, and scrapes work again once the crowd is gone.
 
 Each of these failed before: 300 idle connections from uid 65534 took every descriptor of a
-daemon limited to 256 and uncached reads through the mount failed with EMFILE, and an idle or
-trickling connection was held for as long as its sender liked.
+daemon limited to 256 and uncached reads through the mount failed with EMFILE, an idle or
+trickling connection was held for as long as its sender liked, and while 16 idle connections
+were held every scrape was answered 503.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def test_a_crowd_of_idle_connections_from_another_user_leaves_reads_working(moun
     finally:
         crowd.communicate(timeout=30)  # stdin closed: it exits, closing every connection
     assert crowd.returncode == 0
-    # every connection past the cap was turned away: a few lines say so, not 284
-    turned = metrics_lines(m.log, "turned away")
+    # every connection past the cap made room or was turned away: a few lines say so, not 284
+    turned = metrics_lines(m.log, "turned away") + metrics_lines(m.log, "for a newer one")
     assert 1 <= len(turned) <= 2 + (time.monotonic() - started) / LOG_INTERVAL_S, turned
     samples = scrape_when_free(port)
     assert value(samples, "coordlfs_read_files_total", **{"from": "storage"}) == len(names)
@@ -133,20 +134,18 @@ def test_connections_are_capped_timed_out_and_bounded(mount, dataset) -> None:
     for watcher in watchers:
         watcher.start()
     try:
-        # one more is answered at once, and closed
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as extra:
-            reply = b""
-            while chunk := extra.recv(1 << 16):
-                reply += chunk
-        assert reply.startswith(b"HTTP/1.0 503 "), reply
-        assert f"{MAX_CONNECTIONS} metrics connections open".encode() in reply
+        # a scrape past the cap is answered: the oldest connection not answered yet (the
+        # trickling one) is closed to make room for it
+        time.sleep(1)  # every one accepted
+        assert value(scrape(port), "coordlfs_inodes") >= 1
+        scraped = time.monotonic() - started
     finally:
         for watcher in watchers:
             watcher.join()
         for sock in held:
             sock.close()
     (slow_s, sent), *idle = results
-    assert sent < len(request) and slow_s < CONNECTION_TIMEOUT_S + SLACK_S, (slow_s, sent)
+    assert sent < len(request) and slow_s < scraped + SLACK_S, (slow_s, sent, scraped)
     # each accepted after ``started``: none closed before its time, each soon after it
     assert all(CONNECTION_TIMEOUT_S <= s < CONNECTION_TIMEOUT_S + SLACK_S for s, _ in idle), idle
 

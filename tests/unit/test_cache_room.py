@@ -1,6 +1,6 @@
 """The room the cache publishes for clients follows what MinIO would still take: it shrinks
-with each reservation, grows back when an entry is dropped, is 0 while the cache's
-filesystem is full, and a restart publishes what its adopted entries leave."""
+with each reservation, grows back when an entry is dropped, is at most what the cache's
+filesystem has free while it is full, and a restart publishes what its adopted entries leave."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import errno
 import os
 from pathlib import Path
 
+import pytest
 import trio
 
-from coordlfs.cache.cache import WholeFileCache
+from coordlfs.cache.cache import ROOM_SLACK, WholeFileCache
 from coordlfs.cache.published import INDEX, IndexReader
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.sizes import pages
@@ -38,7 +39,8 @@ def _fill(cache: WholeFileCache, source: Source, name: bytes) -> None:
     trio.run(go)
 
 
-def test_the_room_follows_reservations_drops_and_a_full_filesystem(tmp_path: Path) -> None:
+def test_the_room_follows_reservations_drops_and_a_full_filesystem(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "src"
     src.mkdir()
     (src / "a").write_bytes(os.urandom(3000))
@@ -54,10 +56,14 @@ def test_the_room_follows_reservations_drops_and_a_full_filesystem(tmp_path: Pat
     st = source.lstat(b"a")
     assert cache.lookup((st.st_dev, st.st_ino), st) is None  # dropped: its room is back
     assert _room(tmp_path) == CAPACITY - pages(5000)
+    free = ROOM_SLACK + 4096
+    monkeypatch.setattr(cache, "_free", lambda: free)  # what statfs would say
     cache._note_full(OSError(errno.ENOSPC, "No space left on device"))
-    assert _room(tmp_path) == 0
-    assert cache._room_is_back()  # the cache's filesystem has room: noticed
-    assert _room(tmp_path) == CAPACITY - pages(5000)
+    assert cache.full and _room(tmp_path) == 4096
+    assert cache._fits(4096) and not cache._fits(4097)  # each new file checked
+    free = ROOM_SLACK + CAPACITY
+    cache._check_room()  # the cache's filesystem has room: noticed
+    assert not cache.full and _room(tmp_path) == CAPACITY - pages(5000)
     cache.close(keep=True)
     again = WholeFileCache(str(tmp_path / "cache"), CAPACITY, 1 << 20, ReadCounters())
     again.share(source)

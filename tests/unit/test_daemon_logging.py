@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coordlfs.daemon.daemon import setup_logging
+from coordlfs.daemon.daemon import RepeatedRecords, setup_logging
 from coordlfs.errors import UserError
 
 
@@ -66,3 +66,32 @@ def test_a_log_file_not_ours_alone_is_refused_and_untouched(tmp_path: Path,
                                         r"by uid 65534|has 2 names)"):
         setup_logging(str(log_file), debug=False)
     assert victim.read_bytes() == b"keep\n"
+
+
+def _record(level: int, message: str, *args: object) -> logging.LogRecord:
+    return logging.LogRecord("coordlfs.cache.cache", level, __file__, 1, message, args, None)
+
+
+def test_a_repeated_line_is_written_once_an_interval_with_the_count_held_back() -> None:
+    now = [0.0]
+    repeated = RepeatedRecords(interval=30.0, clock=lambda: now[0])
+    refused = ("caching %s failed: %s", "busy", "source file changed while being cached")
+
+    def written(level: int, message: str, *args: object) -> str | None:
+        record = _record(level, message, *args)
+        return record.getMessage() if repeated.filter(record) else None
+
+    assert written(logging.WARNING, *refused) == (
+        "caching busy failed: source file changed while being cached")
+    for _ in range(269):
+        now[0] += 0.1
+        assert written(logging.WARNING, *refused) is None
+    assert written(logging.WARNING, "caching %s failed: %s", "other", "changed") is not None
+    assert written(logging.INFO, "source file %s changed", "busy") is not None  # a cause apart
+    now[0] = 31.0
+    assert written(logging.WARNING, *refused) == (
+        "caching busy failed: source file changed while being cached (269 more like it held "
+        "back over 31 s)")
+    assert written(logging.WARNING, *refused) is None
+    assert all(written(logging.ERROR, "fill of %s failed", "busy") for _ in range(3))
+    assert all(written(logging.DEBUG, "looked up %s", "busy") for _ in range(3))

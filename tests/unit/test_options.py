@@ -114,7 +114,7 @@ def test_no_cache_and_a_file_limit_above_the_cache_are_warned_about(
     --max-file-size above the cache is lowered to it, with a warning that names both."""
     def config(*argv: str) -> tuple[MountConfig, str]:
         settled = resolve(options_of("-f", "--cache-dir", str(tmp_path / "cache"), *argv),
-                          str(tmp_path), str(tmp_path / "mnt"))
+                          str(tmp_path / "src"), str(tmp_path / "mnt"))
         return settled, capsys.readouterr().err
     off, said = config("--cache-size", "0", "--max-file-size", "1G")
     assert (off.cache_size, off.max_file_size) == (0, 0)
@@ -157,7 +157,7 @@ def test_the_cache_gets_a_tmpfs_of_its_own_as_root_in_its_default_directory(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def tmpfs(*argv: str, root: bool = True) -> bool:
         monkeypatch.setattr(os, "geteuid", lambda: 0 if root else 1000)
-        return resolve(options_of("-o", "cache_size=8M", *argv), str(tmp_path),
+        return resolve(options_of("-o", "cache_size=8M", *argv), str(tmp_path / "src"),
                        str(tmp_path / "mnt")).cache_tmpfs
     assert tmpfs() and not tmpfs(root=False)
     assert not tmpfs("--cache-dir", str(tmp_path / "mine"))  # a directory named is used as is

@@ -1,6 +1,6 @@
 """Walks that cross mounts (``coordlfs.source.walk``): through a dataset's nested mounts, never into
-the mount's own device, with no link followed. Nested tmpfs mounts stand in for both: the
-"own" device is a tmpfs's, so no FUSE mount is needed to see where a walk stops."""
+a barred device (a coordlfs mount's), with no link followed. Nested tmpfs mounts stand in for
+both: the barred device is a tmpfs's, so no FUSE mount is needed to see where a walk stops."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 from coordlfs.source.source import Source
 from coordlfs.source.walk import open_outside
+from coordlfs.system.mounts import DevicesOfType
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
@@ -42,8 +43,8 @@ def tree(tmp_path: Path) -> Iterator[Path]:
         yield src
 
 
-def read(root: int, path: bytes, own: int | None = None) -> bytes:
-    fd = open_outside(root, path, os.O_RDONLY, own)
+def read(root: int, path: bytes, barred: frozenset[int] = frozenset()) -> bytes:
+    fd = open_outside(root, path, os.O_RDONLY, barred)
     try:
         return os.read(fd, 100)
     finally:
@@ -62,17 +63,17 @@ def test_nested_mounts_are_walked_through(tree: Path) -> None:
         source.close()
 
 
-@pytest.mark.parametrize(("own_at", "path"), [
-    ("a/m1", b"a/m1/b/m2/f"),  # the first mount on the way is ours
+@pytest.mark.parametrize(("barred_at", "path"), [
+    ("a/m1", b"a/m1/b/m2/f"),  # the first mount on the way is barred
     ("a/m1/b/m2", b"a/m1/b/m2/f"),  # a mount further on
     ("a/m1/b/m2", b"a/m1/b/m2"),  # the last name
 ])
-def test_a_walk_into_the_own_device_is_eloop(tree: Path, own_at: str, path: bytes) -> None:
+def test_a_walk_into_a_barred_device_is_eloop(tree: Path, barred_at: str, path: bytes) -> None:
     source = Source(str(tree))
     try:
-        source.own_device = os.stat(tree / own_at).st_dev
-        for call in (source.lstat, source.open_dir, lambda p: read(source.root_fd, p,
-                                                                    source.own_device)):
+        barred = frozenset({os.stat(tree / barred_at).st_dev})
+        source.barred = barred
+        for call in (source.lstat, source.open_dir, lambda p: read(source.root_fd, p, barred)):
             with pytest.raises(OSError) as error:
                 call(path)
             assert error.value.errno == errno.ELOOP, call
@@ -93,3 +94,21 @@ def test_no_link_is_followed_on_the_way(tree: Path) -> None:
         assert error.value.errno == errno.EINVAL  # not a link, as readlink(2) says
     finally:
         source.close()
+
+
+
+def test_the_devices_of_a_type_follow_the_mount_table(tmp_path: Path) -> None:
+    """Read again when the table changes (a mount made or gone after a check), so a walk
+    meets a coordlfs mount made at any time; a tmpfs stands in for one."""
+    devices = DevicesOfType("tmpfs")
+    where = tmp_path / "m"
+    where.mkdir()
+    assert os.stat("/proc").st_dev not in devices  # the table read before the mount
+    subprocess.run(["mount", "-t", "tmpfs", "coordlfs-test", str(where)], check=True)
+    try:
+        mounted = os.stat(where).st_dev
+        assert mounted in devices
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+    assert mounted not in devices
+    assert os.stat(tmp_path).st_dev not in DevicesOfType("fuse.coordlfs")
