@@ -1,5 +1,9 @@
 """Cold-miss throughput: files read once through a fresh mount, beside the page cache.
 
+The ``run`` case reads the small files through the fresh mount under ``coordlfs run`` (the
+preload library opens each miss on the source itself and names it to the daemon at its
+close, which fills the cache behind it): the page cache's own speed is the goal there.
+
 The first epoch of a job, and every file MinIO has no room for, is a miss: the daemon looks
 the file up, opens it, reads it from storage (filling its cache) and answers. This benchmark
 reads every small file of ``bench hits``'s dataset once, shuffled, split among 1 and 4 reader
@@ -44,6 +48,7 @@ from coordlfs.bench.hits import (
     settings_from,
     small_files,
 )
+from coordlfs.client import run as run_command
 from coordlfs.daemon.mounting import set_read_ahead
 from coordlfs.errors import UserError
 from coordlfs.testbed.mounts import Mount, mounted
@@ -106,9 +111,12 @@ def _one(case: str, source: Path, rels: list[str], readers: int, room: int,
     if case == "source":
         return _cold(paths, lambda: measure(paths, readers), None)
     with _fresh_mount(source, room, read_ahead_kb) as mount:
+        mine = [str(mount.mountpoint / rel) for rel in rels]
         if case == "coordlfs":
-            mine = [str(mount.mountpoint / rel) for rel in rels]
             return _cold(paths, lambda: measure(mine, readers), mount.pid)
+        if case == "run":  # readers under `coordlfs run`: the library opens the source
+            env = run_command.environment([str(mount.mountpoint)], {})
+            return _cold(paths, lambda: measure(mine, readers, preload=env), mount.pid)
         way = case.removeprefix("ordered_")
         return _cold(paths, lambda: ordered.epoch(mount, rels, readers, way), mount.pid)
 
@@ -116,6 +124,7 @@ def _one(case: str, source: Path, rels: list[str], readers: int, room: int,
 def _names(cases: tuple[str, ...], key: int) -> list[str]:
     """The runs of one column, the page cache's first: the ordered ones for small files only."""
     return ["source", *(["coordlfs"] if "cold" in cases else []),
+            *(["run"] if "cold" in cases and key and run_command.library() else []),
             *([f"ordered_{way}" for way in ordered.WAYS] if "ordered" in cases and key else [])]
 
 
@@ -184,7 +193,8 @@ def _summary(runs: dict[str, dict[int, list[Run]]],
             if key else ("gb_per_s", "gb_per_s", _gb_per_s, "cpu_s_per_gb", _cpu_s_per_gb))
         summary[f"page_cache_{source_unit}_{label}"] = round(
             statistics.median(map(rate, theirs)), 3)
-        names = {"coordlfs": (unit, "misses_vs_page_cache", f"daemon_{cpu_name}")}
+        names = {"coordlfs": (unit, "misses_vs_page_cache", f"daemon_{cpu_name}"),
+                 "run": (f"run_{unit}", "run_misses_vs_page_cache", f"run_daemon_{cpu_name}")}
         names.update({f"ordered_{way}": (f"ordered_{way}_files_per_s",
                                          f"ordered_{way}_vs_page_cache",
                                          f"ordered_{way}_daemon_cpu_us_per_file")

@@ -263,3 +263,13 @@ def test_print_env_names_the_library_and_the_mount(served) -> None:
     assert "'" not in slurm.stdout
     bad = run_cli("run", "--mount", str(m.source), "--", "true")
     assert bad.returncode != 0 and bad.stderr.count("\n") == 1
+
+
+def test_the_slurm_task_prolog_prints_export_lines(served) -> None:
+    m, _expected = served
+    script = Path(__file__).parents[2] / "mount" / "slurm" / "coordlfs-taskprolog"
+    done = subprocess.run([str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"export LD_PRELOAD={LIBRARY}"
+    assert lines[1].startswith("export COORDLFS_MOUNTS=") and str(m.mountpoint) in lines[1]
