@@ -47,6 +47,7 @@ from typing import Any
 from coordlfs.bench import harness
 from coordlfs.bench.counters import measure_reads
 from coordlfs.bench.reading import copy_files, read_files
+from coordlfs.client import run as run_command
 from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.control import Control
 from coordlfs.daemon.mounting import free_space
@@ -114,10 +115,10 @@ class Reader:
     lines on its stdin and stdout rather than a multiprocessing pipe.
     """
 
-    def __init__(self, client: str | None = None) -> None:
+    def __init__(self, client: str | None = None, env: dict[str, str] | None = None) -> None:
         code = f"from coordlfs.bench.demo import serve_reader; serve_reader({client!r})"
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, text=True, env=env)
         try:
             self._receive()
         except BaseException:
@@ -168,16 +169,16 @@ class Reader:
 
 @contextlib.contextmanager
 def budgeted_reader(name: str, budget: int, sample: list[str], storage: Path | None = None,
-                    read_bps: int | None = None, client: str | None = None
-                    ) -> Iterator[tuple[Reader, int, Cgroup]]:
+                    read_bps: int | None = None, client: str | None = None,
+                    env: dict[str, str] | None = None) -> Iterator[tuple[Reader, int, Cgroup]]:
     """A reader in a memory cgroup of ``budget`` bytes plus its own footprint, measured.
 
     Yields (reader, footprint in bytes, its cgroup). ``sample`` is an epoch's path list:
     handling one is part of the footprint. With ``storage`` the group counts its reads from
     the disk holding it, throttled to ``read_bps``; with ``client`` it reads through the
-    client.
+    client; ``env``: its environment (``coordlfs run``'s).
     """
-    with Reader(client) as reader, memory_cgroup(name, None, reader.pid, storage=storage,
+    with Reader(client, env) as reader, memory_cgroup(name, None, reader.pid, storage=storage,
                                                  read_bps=read_bps) as group:
         reader.read(sample, dry=True)
         footprint = group.memory_usage()
@@ -272,11 +273,18 @@ def run_page_cache(dataset: Dataset, orders: list[list[str]], budget: int,
                            Storage(device, group)), footprint
 
 
+#: How a coordlfs side reads the mount: (label, what the progress line says).
+WAYS = {"mount": ("coordlfs", "same reader and "),
+        "client": ("client", "reading through coordlfs.client, each epoch's order prefetched; "),
+        "run": ("coordlfs run", "same reader under `coordlfs run` (the preload library); ")}
+
+
 def run_coordlfs(dataset: Dataset, orders: list[list[str]], budget: int, device: BlockDevice,
                  read_bps: int | None, workdir: Path,
-                 client: bool = False) -> tuple[list[Epoch], int, dict[str, Any]]:
-    """coordlfs with ``--cache-size budget``; the same reader, limit and orders; with
-    ``client``, a fresh mount read through the client.
+                 way: str = "mount") -> tuple[list[Epoch], int, dict[str, Any]]:
+    """coordlfs with ``--cache-size budget``; the same reader, limit and orders, each ``way``
+    through a fresh mount: ``mount`` (open/read/close through FUSE), ``client`` (through
+    the client) or ``run`` (the reader under ``coordlfs run``).
 
     The kernel's page cache is dropped before each epoch, so that only coordlfs's cache can
     save reads (the data alone: the names and inodes the kernel knows stay, of the mount as
@@ -286,9 +294,7 @@ def run_coordlfs(dataset: Dataset, orders: list[list[str]], budget: int, device:
     cache the daemon's. Returns the epochs, the reader's footprint and the mount's status
     at the end.
     """
-    label = "client" if client else "coordlfs"
-    how = "reading through coordlfs.client, each epoch's order prefetched; " if client \
-        else "same reader and "
+    label, how = WAYS[way]
     print(f"{label} ({how}limit, page cache dropped before each epoch):", flush=True)
     mountpoint = workdir / "mnt"
     with contextlib.ExitStack() as stack:
@@ -298,10 +304,13 @@ def run_coordlfs(dataset: Dataset, orders: list[list[str]], budget: int, device:
         storage = stack.enter_context(storage_cgroup(f"{CGROUP_PREFIX}-{os.getpid()}-storage",
                                                      dataset.root, read_bps))
         storage.add(mount.pid)
+        client = way == "client"
         base = "" if client else mountpoint  # the client's paths are relative to the mount
+        env = (run_command.environment([str(mountpoint)], dict(os.environ)) if way == "run"
+               else None)
         reader, footprint, _budget = stack.enter_context(budgeted_reader(
             f"{CGROUP_PREFIX}-{os.getpid()}", budget, dataset.paths(base),
-            client=str(mountpoint) if client else None))
+            client=str(mountpoint) if client else None, env=env))
         storage.add(reader.pid)
         epochs = read_epochs(label, reader, dataset, orders, base, Storage(device, storage),
                              before_epoch=drop_page_cache, control=control)
@@ -339,7 +348,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ours, cl_footprint, status = run_coordlfs(dataset, orders, budget, device,
                                                   args.read_bps, workdir)
         client, client_footprint, client_status = run_coordlfs(
-            dataset, orders, budget, device, args.read_bps, workdir, client=True)
+            dataset, orders, budget, device, args.read_bps, workdir, way="client")
+        preloaded = (run_coordlfs(dataset, orders, budget, device, args.read_bps, workdir,
+                                  way="run") if run_command.library() else None)
     return {
         "dataset": {"root": str(dataset.root), "files": len(dataset.files),
                     "bytes": dataset.total_bytes, "reused": dataset.reused,
@@ -362,7 +373,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "client_later_epochs_ratio": _later_ratio(page_cache, client),
         "client_time_ratios": [round(c.seconds / p.seconds, 3)
                                for p, c in zip(page_cache, client, strict=True)],
+        **_run_side(page_cache, preloaded),
     }
+
+
+def _run_side(page_cache: list[Epoch], preloaded: tuple[list[Epoch], int, dict[str, Any]] | None
+              ) -> dict[str, Any]:
+    """The report's part for readers under ``coordlfs run``: empty without the library."""
+    if preloaded is None:
+        return {}
+    epochs, footprint, status = preloaded
+    return {"run": {"cache_capacity_bytes": status["cache"]["capacity_bytes"],
+                    "cache_used_bytes": epochs[-1].cache_used_bytes,
+                    "reader_footprint_bytes": footprint,
+                    "epochs": [asdict(e) for e in epochs]},
+            "run_later_epochs_ratio": _later_ratio(page_cache, epochs),
+            "run_time_ratios": [round(r.seconds / p.seconds, 3)
+                                for p, r in zip(page_cache, epochs, strict=True)]}
 
 
 def _passthrough(status: dict[str, Any]) -> str:
@@ -423,15 +450,17 @@ def format_report(report: dict[str, Any]) -> str:
         return f"{format_size(e['storage_bytes']):>10} ({e['storage_bytes'] / total:.2f})" \
                f" {e['seconds']:6.2f} s"
 
-    lines = ["epoch | page cache: from storage, time | coordlfs mount: ditto     "
-             "| coordlfs client: ditto     | mount served by",
-             "------+--------------------------------+---------------------------"
-             "+---------------------------+----------------"]
-    for theirs, mine, client in zip(report["page_cache"]["epochs"],
-                                    report["coordlfs"]["epochs"], report["client"]["epochs"],
-                                    strict=True):
-        lines.append(f"{theirs['epoch']:5d} |     {cell(theirs)} | {cell(mine)} | "
-                     f"{cell(client)} | {_served_by(mine)}")
+    sides = [side for side in ("coordlfs", "client", "run") if side in report]
+    titles = {"coordlfs": "coordlfs mount: ditto     ", "client": "coordlfs client: ditto    ",
+              "run": "coordlfs run: ditto       "}
+    lines = ["epoch | page cache: from storage, time | "
+             + " | ".join(titles[side] for side in sides) + " | mount served by",
+             "------+--------------------------------+" + "+".join(["-" * 27] * len(sides))
+             + "+----------------"]
+    for number, theirs in enumerate(report["page_cache"]["epochs"]):
+        cells = " | ".join(cell(report[side]["epochs"][number]) for side in sides)
+        lines.append(f"{theirs['epoch']:5d} |     {cell(theirs)} | {cells} | "
+                     f"{_served_by(report['coordlfs']['epochs'][number])}")
     lines.append(f"mount: FUSE passthrough {report['coordlfs']['passthrough']}")
     ratio = report["later_epochs_ratio"]
     epochs = len(report["coordlfs"]["epochs"])
@@ -442,10 +471,12 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{later}: coordlfs read {ratio:.2f}x the bytes the page cache read from "
                      f"storage ({sum(cl) / len(cl):.2f} vs {sum(pc) / len(pc):.2f} of the "
                      "dataset per epoch)")
-    for name, side in (("mount", "coordlfs"), ("client", "client")):
-        lines.append(verdict(name, report[side]["epochs"], report["page_cache"]["epochs"]))
-    epochs_all = (report["page_cache"]["epochs"] + report["coordlfs"]["epochs"]
-                  + report["client"]["epochs"])
+    names = {"coordlfs": "mount", "client": "client", "run": "mount under `coordlfs run`"}
+    for side in sides:
+        lines.append(verdict(names[side], report[side]["epochs"],
+                             report["page_cache"]["epochs"]))
+    epochs_all = report["page_cache"]["epochs"] + [
+        e for side in sides for e in report[side]["epochs"]]
     others = sum(e["device_bytes"] - e["storage_bytes"] for e in epochs_all)
     if others > 0.05 * total * len(epochs_all):
         lines.append(f"note: {report['device']} served {format_size(others)} more to other "

@@ -430,6 +430,14 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert isinstance(report["client_later_epochs_ratio"], float)
     assert "The mount beats the page cache on time in" in stdout
     assert "The client beats the page cache on time in" in stdout
+    # readers under `coordlfs run`: the job reads every miss itself, the cache fills behind
+    run = report["run"]
+    assert [e["epoch"] for e in run["epochs"]] == [1, 2, 3]
+    assert run["epochs"][0]["source_bytes"] == total
+    assert 0 < run["cache_used_bytes"] <= total // 2
+    assert all(e["source_bytes"] < total for e in run["epochs"][1:])
+    assert len(report["run_time_ratios"]) == 3
+    assert "The mount under `coordlfs run` beats the page cache on time in" in stdout
 
 
 @needs_demo
