@@ -33,7 +33,7 @@ LIBRARY = Path(__file__).resolve().parent.parent / "preload" / "libcoordlfs-prel
 #: take)
 _RECORD, _FIELD = "\x1e", "\x1f"
 #: Seconds the mounts have to say where their caches are.
-STATUS_WAIT_S = 2.0
+STATUS_WAIT_S = 5.0
 FSTYPE = "fuse.coordlfs"
 
 
