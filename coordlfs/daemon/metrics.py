@@ -212,6 +212,13 @@ READS: tuple[tuple[str, str, dict[str, str], str], ...] = (
                                    "source": "client_bytes_direct"},
      "coordlfs.client bytes from shared memory (cache), through the mount or from the source "
      "directly"),
+    ("preload_opens", "result", {"hit": "preload_hits", "miss": "preload_misses",
+                                 "uncached": "preload_uncached", "passed": "preload_passed"},
+     "opens the preload library of `coordlfs run` answered: a cache entry's file (hit), the "
+     "source file filled behind the job (miss) or not kept (uncached), or the mount's (passed)"),
+    ("preload_open_bytes", "from", {"cache": "preload_bytes_from_cache",
+                                    "storage": "preload_bytes_from_source"},
+     "bytes of the files the preload library opened, by where they came from"),
 )
 
 #: A peer link's counters: (key, name, help), labelled by peer.

@@ -28,6 +28,7 @@ from conftest import (
     run_cli,
     wait_for,
 )
+from test_metrics import free_port, scrape, value
 
 from coordlfs.client.run import LIBRARY, environment, library
 
@@ -273,3 +274,27 @@ def test_the_slurm_task_prolog_prints_export_lines(served) -> None:
     lines = done.stdout.splitlines()
     assert lines[0] == f"export LD_PRELOAD={LIBRARY}"
     assert lines[1].startswith("export COORDLFS_MOUNTS=") and str(m.mountpoint) in lines[1]
+
+
+def test_the_metrics_count_what_the_library_served(mount, tmp_path) -> None:
+    source = tmp_path / "data"
+    source.mkdir()
+    make_dataset(source, 20)
+    port = free_port()
+    m = mount(source, "--metrics", f"127.0.0.1:{port}")
+    names = sorted(digests(source))
+    preloaded("open", m.mountpoint, names)
+    wait_for(lambda: m.status()["shared"]["published"] == len(names), "every file published")
+    preloaded("open", m.mountpoint, names)
+    samples = scrape(port)
+    reads = m.status()["reads"]
+    assert reads["preload_hits"] == reads["preload_misses"] == len(names)
+    expected = {
+        ("coordlfs_preload_opens_total", "result", "hit"): reads["preload_hits"],
+        ("coordlfs_preload_opens_total", "result", "miss"): reads["preload_misses"],
+        ("coordlfs_preload_open_bytes_total", "from", "cache"):
+            reads["preload_bytes_from_cache"],
+        ("coordlfs_preload_open_bytes_total", "from", "storage"):
+            reads["preload_bytes_from_source"],
+    }
+    assert {key: value(samples, key[0], **{key[1]: key[2]}) for key in expected} == expected
