@@ -28,9 +28,10 @@ from conftest import (
     run_cli,
     wait_for,
 )
-from test_metrics import free_port, scrape, value
+from test_metrics import free_port
 
 from coordlfs.client.run import LIBRARY, environment, library
+from coordlfs.testbed.scrape import scrape, value
 
 READER = Path(__file__).with_name("preload_reader.py")
 
