@@ -135,6 +135,8 @@ static fopen_fn real_fopen, real_fopen64;
 static close_fn real_close;
 static fclose_fn real_fclose;
 
+/* Resolved again by whichever call comes first: a library's constructor may open a file
+ * before ours runs (libselinux's, loaded by fio, calls fopen). */
 static void find_real_calls(void)
 {
     real_open = (open_fn)dlsym(RTLD_NEXT, "open");
@@ -733,6 +735,8 @@ static int mode_of(int flags, va_list ap)
 
 #define OPEN_BODY(real, ...)                                                              \
     do {                                                                                  \
+        if (real == NULL)                                                                 \
+            find_real_calls();                                                            \
         int fd = served(path, flags);                                                     \
         if (fd >= 0)                                                                      \
             return fd;                                                                    \
@@ -767,6 +771,8 @@ static int served_at(int dirfd, const char *path, int flags)
 
 #define OPENAT_BODY(real)                                                                 \
     do {                                                                                  \
+        if (real == NULL)                                                                 \
+            find_real_calls();                                                            \
         int fd = served_at(dirfd, path, flags);                                           \
         if (fd >= 0)                                                                      \
             return fd;                                                                    \
@@ -824,24 +830,32 @@ static FILE *fopen_served(const char *path, const char *mode)
 
 EXPORT FILE *fopen(const char *path, const char *mode)
 {
+    if (real_fopen == NULL)
+        find_real_calls();
     FILE *f = fopen_served(path, mode);
     return f != NULL ? f : real_fopen(path, mode);
 }
 
 EXPORT FILE *fopen64(const char *path, const char *mode)
 {
+    if (real_fopen64 == NULL)
+        find_real_calls();
     FILE *f = fopen_served(path, mode);
     return f != NULL ? f : real_fopen64(path, mode);
 }
 
 EXPORT int close(int fd)
 {
+    if (real_close == NULL)
+        find_real_calls();
     tell_behind(fd);
     return real_close(fd);
 }
 
 EXPORT int fclose(FILE *f)
 {
+    if (real_fclose == NULL)
+        find_real_calls();
     if (f != NULL)
         tell_behind(fileno(f));
     return real_fclose(f);

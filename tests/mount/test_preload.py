@@ -299,3 +299,19 @@ def test_the_metrics_count_what_the_library_served(mount, tmp_path) -> None:
             reads["preload_bytes_from_source"],
     }
     assert {key: value(samples, key[0], **{key[1]: key[2]}) for key in expected} == expected
+
+
+def test_fio_reads_under_the_library_whose_constructors_open_files_first(served) -> None:
+    """fio loads libselinux, whose constructor calls fopen before the library's own runs."""
+    m, expected = served
+    if shutil.which("fio") is None:
+        pytest.skip("no fio")
+    names = sorted(expected)[1:4]
+    files = ":".join(str(m.mountpoint / name) for name in names)
+    done = subprocess.run([*COORDLFS, "run", "--mount", str(m.mountpoint), "--", "fio",
+                           "--name=epoch", "--ioengine=psync", "--rw=read", "--bs=4k",
+                           "--readonly", f"--filename={files}", "--verify=0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "READ:" in done.stdout
+    assert reads(m)["preload_misses"] == len(names)
