@@ -129,11 +129,17 @@ typedef int (*openat_fn)(int, const char *, int, ...);
 typedef FILE *(*fopen_fn)(const char *, const char *);
 typedef int (*close_fn)(int);
 typedef int (*fclose_fn)(FILE *);
+typedef int (*stat_fn)(const char *, struct stat *);
+typedef int (*fstat_fn)(int, struct stat *);
+typedef int (*fstatat_fn)(int, const char *, struct stat *, int);
 static open_fn real_open, real_open64;
 static openat_fn real_openat, real_openat64;
 static fopen_fn real_fopen, real_fopen64;
 static close_fn real_close;
 static fclose_fn real_fclose;
+static stat_fn real_stat, real_stat64, real_lstat, real_lstat64;
+static fstat_fn real_fstat, real_fstat64;
+static fstatat_fn real_fstatat, real_fstatat64;
 
 /* Resolved again by whichever call comes first: a library's constructor may open a file
  * before ours runs (libselinux's, loaded by fio, calls fopen). */
@@ -147,6 +153,14 @@ static void find_real_calls(void)
     real_fopen64 = (fopen_fn)dlsym(RTLD_NEXT, "fopen64");
     real_close = (close_fn)dlsym(RTLD_NEXT, "close");
     real_fclose = (fclose_fn)dlsym(RTLD_NEXT, "fclose");
+    real_stat = (stat_fn)dlsym(RTLD_NEXT, "stat");
+    real_stat64 = (stat_fn)dlsym(RTLD_NEXT, "stat64");
+    real_lstat = (stat_fn)dlsym(RTLD_NEXT, "lstat");
+    real_lstat64 = (stat_fn)dlsym(RTLD_NEXT, "lstat64");
+    real_fstat = (fstat_fn)dlsym(RTLD_NEXT, "fstat");
+    real_fstat64 = (fstat_fn)dlsym(RTLD_NEXT, "fstat64");
+    real_fstatat = (fstatat_fn)dlsym(RTLD_NEXT, "fstatat");
+    real_fstatat64 = (fstatat_fn)dlsym(RTLD_NEXT, "fstatat64");
 }
 
 /* -- BLAKE2b-128, unkeyed (RFC 7693): the index's key, as hashlib.blake2b(digest_size=16).
@@ -516,9 +530,78 @@ static void mark_behind(int fd, int mount)
         atomic_store_explicit(&behind[fd], (unsigned char)mount, memory_order_relaxed);
 }
 
+/* -- what a served descriptor says it is ------------------------------------------------ */
+/* fstat of a served descriptor shows the cache's file or the source's, not the mount's
+ * inode. A program that stats a path, opens it and compares the two (cp: "replaced while
+ * being copied") is told what its stat saw: the last stat of a file under a mount in each
+ * thread is remembered, and an open of the same path and version takes it over, so fstat of
+ * that descriptor answers the mount's device, inode, mode, owner and times. */
+struct seen {
+    uint64_t h[2];
+    int mount; /* 1 + the mount; 0: none */
+    struct stat st;
+};
+static __thread struct seen last_seen;
+static struct stat shown[FD_SLOTS];
+static _Atomic unsigned char shown_set[FD_SLOTS];
+
+static int64_t ns_of(struct timespec t) { return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec; }
+
+static void remember(int dirfd, const char *path, const struct stat *st)
+{
+    if (mount_count == 0 || !S_ISREG(st->st_mode) || !(path[0] == '/' || dirfd == AT_FDCWD))
+        return;
+    char name[PATH_MAX];
+    size_t length;
+    struct mount *m = under_mount(path, name, &length);
+    if (m == NULL)
+        return;
+    path_hash(name, length, last_seen.h);
+    last_seen.st = *st;
+    last_seen.mount = (int)(m - mounts) + 1;
+}
+
+/* The descriptor `fd` just opened for `h` of `m`, whose file is of this version. */
+static void show(int fd, struct mount *m, const uint64_t h[2], uint64_t size, int64_t mtime_ns,
+                 int64_t ctime_ns)
+{
+    if (fd >= FD_SLOTS)
+        return;
+    const struct seen *seen = &last_seen;
+    int same = seen->mount == (int)(m - mounts) + 1 && seen->h[0] == h[0] &&
+               seen->h[1] == h[1] && (uint64_t)seen->st.st_size == size &&
+               ns_of(seen->st.st_mtim) == mtime_ns && ns_of(seen->st.st_ctim) == ctime_ns;
+    if (same)
+        shown[fd] = seen->st;
+    atomic_store_explicit(&shown_set[fd], (unsigned char)same, memory_order_release);
+}
+
+static void forget_shown(int fd)
+{
+    if (fd >= 0 && fd < FD_SLOTS)
+        atomic_store_explicit(&shown_set[fd], 0, memory_order_relaxed);
+}
+
+/* fstat's answer for a served descriptor: its size and blocks, the rest the mount's. */
+static void as_shown(int fd, struct stat *st)
+{
+    if (fd < 0 || fd >= FD_SLOTS || !atomic_load_explicit(&shown_set[fd], memory_order_acquire))
+        return;
+    const struct stat *seen = &shown[fd];
+    st->st_dev = seen->st_dev;
+    st->st_ino = seen->st_ino;
+    st->st_mode = seen->st_mode;
+    st->st_nlink = seen->st_nlink;
+    st->st_uid = seen->st_uid;
+    st->st_gid = seen->st_gid;
+    st->st_atim = seen->st_atim;
+    st->st_mtim = seen->st_mtim;
+    st->st_ctim = seen->st_ctim;
+}
+
 /* A hit: the entry's own file, if the slot still says so once it is open. */
 static int open_hit(struct mount *m, const struct table *t, const struct found *f,
-                    char *name, size_t length, int flags)
+                    const uint64_t h[2], char *name, size_t length, int flags)
 {
     struct stat st;
     if (word_at(t->map, REVALIDATE_AT) || !creds_override) {
@@ -542,13 +625,14 @@ static int open_hit(struct mount *m, const struct table *t, const struct found *
         return -1;
     }
     mark_behind(fd, 0);
+    show(fd, m, h, f->size, f->mtime_ns, f->ctime_ns);
     count(m, HITS, HIT_BYTES, f->size);
     return fd;
 }
 
 /* A miss the mount would read from storage: the source file, as this process. */
-static int open_miss(struct mount *m, const struct table *t, char *name, size_t length,
-                     int flags)
+static int open_miss(struct mount *m, const struct table *t, const uint64_t h[2], char *name,
+                     size_t length, int flags)
 {
     uint64_t room = word_at(t->map, ROOM_AT);
     if (m->peers || !(room & ROOM_SET))
@@ -568,6 +652,7 @@ static int open_miss(struct mount *m, const struct table *t, char *name, size_t 
         return -1;
     }
     uint64_t size = (uint64_t)st.st_size;
+    show(fd, m, h, size, ns_of(st.st_mtim), ns_of(st.st_ctim));
     if (size <= (room & ~ROOM_SET) && size <= m->max_file) {
         mark_behind(fd, (int)(m - mounts) + 1);
         count(m, MISSES, MISS_BYTES, size);
@@ -597,9 +682,9 @@ static int served(const char *path, int flags)
         struct found f;
         path_hash(name, length, h);
         if (probe(t, h, &f))
-            fd = open_hit(m, t, &f, name, length, flags);
+            fd = open_hit(m, t, &f, h, name, length, flags);
         else
-            fd = open_miss(m, t, name, length, flags);
+            fd = open_miss(m, t, h, name, length, flags);
     }
     if (fd < 0)
         count(m, PASSED, -1, 0);
@@ -742,6 +827,7 @@ static int mode_of(int flags, va_list ap)
             return fd;                                                                    \
         fd = real(__VA_ARGS__);                                                           \
         mark_behind(fd, 0);                                                               \
+        forget_shown(fd);                                                                 \
         return fd;                                                                        \
     } while (0)
 
@@ -778,6 +864,7 @@ static int served_at(int dirfd, const char *path, int flags)
             return fd;                                                                    \
         fd = real(dirfd, path, flags, mode);                                              \
         mark_behind(fd, 0);                                                               \
+        forget_shown(fd);                                                                 \
         return fd;                                                                        \
     } while (0)
 
@@ -849,6 +936,7 @@ EXPORT int close(int fd)
     if (real_close == NULL)
         find_real_calls();
     tell_behind(fd);
+    forget_shown(fd);
     return real_close(fd);
 }
 
@@ -856,7 +944,58 @@ EXPORT int fclose(FILE *f)
 {
     if (real_fclose == NULL)
         find_real_calls();
-    if (f != NULL)
+    if (f != NULL) {
         tell_behind(fileno(f));
+        forget_shown(fileno(f));
+    }
     return real_fclose(f);
 }
+
+/* The stat family: a file's stat under a mount is remembered (`remember`), a served
+ * descriptor's is the mount's where its open took one over (`as_shown`). */
+/* struct stat64 is struct stat on the 64-bit ABIs this is built for (checked below) */
+_Static_assert(sizeof(struct stat64) == sizeof(struct stat), "stat64 is not stat");
+#define STAT_PATH(name, type, real)                                                       \
+    EXPORT int name(const char *path, struct type *st)                                    \
+    {                                                                                     \
+        if (real == NULL)                                                                 \
+            find_real_calls();                                                            \
+        int done = real(path, (struct stat *)st);                                         \
+        if (done == 0)                                                                    \
+            remember(AT_FDCWD, path, (struct stat *)st);                                  \
+        return done;                                                                      \
+    }
+STAT_PATH(stat, stat, real_stat)
+STAT_PATH(stat64, stat64, real_stat64)
+STAT_PATH(lstat, stat, real_lstat)
+STAT_PATH(lstat64, stat64, real_lstat64)
+
+#define STAT_FD(name, type, real)                                                         \
+    EXPORT int name(int fd, struct type *st)                                              \
+    {                                                                                     \
+        if (real == NULL)                                                                 \
+            find_real_calls();                                                            \
+        int done = real(fd, (struct stat *)st);                                           \
+        if (done == 0)                                                                    \
+            as_shown(fd, (struct stat *)st);                                              \
+        return done;                                                                      \
+    }
+STAT_FD(fstat, stat, real_fstat)
+STAT_FD(fstat64, stat64, real_fstat64)
+
+#define STAT_AT(name, type, real)                                                         \
+    EXPORT int name(int dirfd, const char *path, struct type *st, int flags)              \
+    {                                                                                     \
+        if (real == NULL)                                                                 \
+            find_real_calls();                                                            \
+        int done = real(dirfd, path, (struct stat *)st, flags);                           \
+        if (done != 0)                                                                    \
+            return done;                                                                  \
+        if ((flags & AT_EMPTY_PATH) && path[0] == 0)                                      \
+            as_shown(dirfd, (struct stat *)st);                                           \
+        else                                                                              \
+            remember(dirfd, path, (struct stat *)st);                                     \
+        return done;                                                                      \
+    }
+STAT_AT(fstatat, stat, real_fstatat)
+STAT_AT(fstatat64, stat64, real_fstatat64)

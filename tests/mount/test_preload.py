@@ -315,3 +315,22 @@ def test_fio_reads_under_the_library_whose_constructors_open_files_first(served)
     assert done.returncode == 0, done.stderr
     assert "READ:" in done.stdout
     assert reads(m)["preload_misses"] == len(names)
+
+
+def test_cp_copies_a_hit_and_a_miss(served, tmp_path) -> None:
+    """cp stats the path, opens it and compares the descriptor's device and inode with its
+    stat ("replaced while being copied"): a served descriptor answers what the stat saw."""
+    m, expected = served
+    names = sorted(expected)[:2]
+    preloaded("open", m.mountpoint, names[:1])  # the first a hit, the second a miss
+    wait_for(lambda: m.status()["shared"]["published"] == 1, "published")
+    out = tmp_path / "copies"
+    out.mkdir()
+    done = subprocess.run([*COORDLFS, "run", "--mount", str(m.mountpoint), "--", "cp",
+                           *(str(m.mountpoint / name) for name in names), str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for name in names:
+        assert xxhash.xxh64_hexdigest((out / Path(name).name).read_bytes()) == expected[name]
+    counted = reads(m)
+    assert (counted["preload_hits"], counted["preload_misses"]) == (1, 2)
