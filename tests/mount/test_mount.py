@@ -144,7 +144,9 @@ def test_control_entry_is_hidden_but_reachable(mount, dataset) -> None:
                                     "bytes_from_peers", "files_from_peers", "client_hits",
                                     "client_misses", "client_bytes_from_cache",
                                     "client_bytes_from_mount", "client_direct",
-                                    "client_bytes_direct"}
+                                    "client_bytes_direct", "preload_hits", "preload_misses",
+                                    "preload_uncached", "preload_passed",
+                                    "preload_bytes_from_cache", "preload_bytes_from_source"}
     assert status["cache"]["capacity_bytes"] == 4 << 20
 
 
