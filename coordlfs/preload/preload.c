@@ -775,14 +775,10 @@ static void forked(void)
 }
 
 /* -- configuration ---------------------------------------------------------------------- */
-__attribute__((constructor)) static void configure(void)
+/* Adds the mounts of `records` (COORDLFS_MOUNTS's format); how many there are now. */
+static int add_mounts(const char *records)
 {
-    find_real_calls();
-    pthread_atfork(NULL, NULL, forked);
-    const char *env = getenv("COORDLFS_MOUNTS");
-    if (env == NULL || real_open == NULL || real_openat == NULL || real_close == NULL)
-        return;
-    char *copy = strdup(env);
+    char *copy = strdup(records);
     for (char *record = copy; record != NULL && mount_count < MAX_MOUNTS;) {
         char *next = strchr(record, '\x1e');
         if (next != NULL)
@@ -797,7 +793,7 @@ __attribute__((constructor)) static void configure(void)
         }
         if (field[4] != NULL && field[0][0] == '/' && field[1][0] == '/' &&
             field[2][0] == '/') {
-            struct mount *m = &mounts[mount_count++];
+            struct mount *m = &mounts[mount_count];
             pthread_mutex_init(&m->pending_lock, NULL);
             m->point = field[0];
             m->point_len = strlen(field[0]);
@@ -807,9 +803,28 @@ __attribute__((constructor)) static void configure(void)
             m->source = field[2];
             m->max_file = strtoull(field[3], NULL, 10);
             m->peers = strchr(field[4], 'p') != NULL;
+            mount_count++;
         }
         record = next;
     }
+    return mount_count;
+}
+
+__attribute__((constructor)) static void configure(void)
+{
+    find_real_calls();
+    pthread_atfork(NULL, NULL, forked);
+    const char *env = getenv("COORDLFS_MOUNTS");
+    if (env != NULL && real_open != NULL && real_openat != NULL && real_close != NULL)
+        add_mounts(env);
+}
+
+/* For the tests that hold the library's rules against coordlfs.cache.published's (loaded
+ * with ctypes, not preloaded): mounts added by hand, before any open. */
+EXPORT int coordlfs_configure(const char *records)
+{
+    find_real_calls();
+    return add_mounts(records);
 }
 
 /* -- the intercepted calls -------------------------------------------------------------- */
