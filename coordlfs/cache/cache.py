@@ -58,7 +58,8 @@ from coordlfs.cache import cache_tmpfs, journal, preloaded
 from coordlfs.cache.compact import Key
 from coordlfs.cache.entries import SHARED, UNCHECKED, Entry, EntryTable
 from coordlfs.cache.journal import JOURNAL
-from coordlfs.cache.published import BEAT_EVERY_S, INDEX, IndexWriter, Published, retire
+from coordlfs.cache.public import Indexes
+from coordlfs.cache.published import BEAT_EVERY_S, INDEX, PUBLIC_INDEX, Published, retire
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.errors import UserError
 from coordlfs.sizes import format_size, pages
@@ -208,7 +209,8 @@ class WholeFileCache:
             os.close(self.dir_fd)
             raise UserError(f"cache directory {directory} is in use by another coordlfs mount "
                             "(give this mount its own --cache-dir)") from None
-        retire(self.dir_fd)  # a killed daemon's clients: before its files may go
+        for index in (INDEX, PUBLIC_INDEX):  # a killed daemon's clients: before its files go
+            retire(self.dir_fd, index)
         try:
             self.files_fd = _open_files(self.dir_fd, directory)
         except (OSError, UserError) as e:
@@ -239,7 +241,7 @@ class WholeFileCache:
         #: changes the watch reported: a check that saw one meanwhile re-checks to publish
         self._changes = 0
         #: the index for clients and the watch that withdraws from it (``share``)
-        self.index: IndexWriter | None = None
+        self.index: Indexes | None = None
         self.watch: PublishedWatch | None = None
         self._source: Source | None = None
         self._index_full_logged = False
@@ -280,7 +282,8 @@ class WholeFileCache:
         clean = columns is not None and not replay.lines
         self._replayed(replay)
         for name in os.listdir(self.dir_fd):  # a torn journal rewrite, or an older layout
-            if name not in (FILES, JOURNAL, INDEX, preloaded.COUNTS, preloaded.NOTICES):
+            if name not in (FILES, JOURNAL, INDEX, PUBLIC_INDEX, preloaded.COUNTS,
+                            preloaded.NOTICES):
                 os.unlink(name, dir_fd=self.dir_fd)
         files = set(os.listdir(self.files_fd))
         numbers, sizes = self.entries.offset, self.entries.size
@@ -388,7 +391,7 @@ class WholeFileCache:
             elif changes != self._changes:
                 self._publish(key, entries.entry(row))
             else:
-                self._index(key, path, entries.published(row, st.st_ino))
+                self._index(key, path, entries.published(row, st.st_ino), st.st_mode)
         return dropped
 
     def close(self, keep: bool) -> None:
@@ -664,12 +667,15 @@ class WholeFileCache:
 
     # -- published to clients ----------------------------------------------------------
 
-    def share(self, source: Source) -> None:
+    def share(self, source: Source, public: bool = False) -> None:
         """Publish complete entries for ``coordlfs.client`` from now on, and watch ``source``
-        to withdraw them when their files change (``run_shared`` reads the watch)."""
+        to withdraw them when their files change (``run_shared`` reads the watch); with
+        ``public`` (an ``--allow-other`` mount), those every user may read to every user
+        (``coordlfs.cache.public``)."""
         watch = PublishedWatch(source, self._changed)
         try:
-            self.index = IndexWriter(self.dir_fd, revalidate=not watch.watching)
+            self.index = Indexes(self.dir_fd, self.files_fd, not watch.watching,
+                                 source.lstat if public else None)
         except OSError as e:
             watch.close()
             log.warning("cannot publish cached files for coordlfs.client in %s (%s): clients "
@@ -677,7 +683,7 @@ class WholeFileCache:
             return
         self._source, self.watch = source, watch
         try:
-            self.preloaded = preloaded.Preloaded(self.dir_fd)
+            self.preloaded = preloaded.Preloaded(self.dir_fd, public)
         except OSError as e:
             log.warning("cannot serve `coordlfs run` jobs from %s (%s): they read through "
                         "the mount", self.directory, e.strerror or e)
@@ -701,7 +707,8 @@ class WholeFileCache:
             return
         if (st.st_dev, st.st_ino) == key and entry.matches(st):
             self._index(key, entry.path, Published(entry.offset, entry.size, st.st_ino,
-                                                   entry.mtime_ns, entry.ctime_ns))
+                                                   entry.mtime_ns, entry.ctime_ns),
+                        st.st_mode)
 
     def _cover(self, path: bytes) -> bool:
         """Watch the directories leading to ``path``, before its version is checked; whether
@@ -715,12 +722,12 @@ class WholeFileCache:
             return True
         return covered
 
-    def _index(self, key: Key, path: bytes, found: Published) -> None:
-        """Publish an entry whose version was just seen in the source, after its
-        directories were watched."""
+    def _index(self, key: Key, path: bytes, found: Published, mode: int) -> None:
+        """Publish an entry whose version (and ``mode``) was just seen in the source, after
+        its directories were watched."""
         assert self.index is not None
         try:
-            self.index.publish(path, found)
+            self.index.publish(path, found, mode)
         except OSError as e:  # no room to grow the index: clients read this one through us
             if not self._index_full_logged:
                 log.warning("the index for coordlfs.client cannot grow (%s): files cached "
@@ -738,6 +745,8 @@ class WholeFileCache:
         """The watch saw a change to ``path`` (a file, or a directory and all beneath it)."""
         self._changes += 1
         self._withdraw(path)
+        if directory and self.index is not None:
+            self.index.changed_directory()
         if directory:
             inside = path + b"/" if path else b""
             for published in [p for p in self.entries.shared_paths() if p.startswith(inside)]:
@@ -758,16 +767,19 @@ class WholeFileCache:
                 await trio.sleep(1.0)
                 self._check_room()  # clients send no misses to notice it
 
-    def _noticed(self, nursery: trio.Nursery, path: bytes) -> None:
+    def _noticed(self, nursery: trio.Nursery, path: bytes, owner: bool) -> None:
         """A job under ``coordlfs run`` read ``path`` from the source and closed it: the
         pages it read are copied into the cache, as behind a passthrough reader. Its storage
-        read was counted by the job (``Preloaded.fold``)."""
-        assert self._source is not None
+        read was counted by the job (``Preloaded.fold``). Another user than the mount's
+        (``owner`` False) has only files every user may read filled: naming others would
+        fill the cache with what it may not read."""
+        assert self._source is not None and self.index is not None
         try:
             st = self._source.lstat(path)
         except (OSError, ValueError):
             return  # gone, or not beneath the source: nothing to fill
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(st.st_mode) or not (owner or self.index.open_to_all(path,
+                                                                                 st.st_mode)):
             return
         key = (st.st_dev, st.st_ino)
         entry, new = self.reserve_behind(key, path, st, counted=False)
@@ -791,6 +803,10 @@ class WholeFileCache:
             "mode": "revalidate" if self.index.revalidate else "watch",
             "published": len(self.index),
             "withdrawn": self.index.withdrawn,
+            # other users' (``--allow-other``): the entries every user may read
+            "public_index": (os.path.join(self.directory, PUBLIC_INDEX)
+                             if self.index.public is not None else None),
+            "published_to_all": 0 if self.index.public is None else len(self.index.public),
             "watched_directories": self.watch.directories,
         }
 

@@ -38,7 +38,14 @@ NOTICES = "preload.sock"
 MAGIC = b"CLFSPRE1"
 #: processes connected at once, at most (each a task and a descriptor)
 CONNECTIONS = 1024
+#: of which other users' processes together, at most
+OTHERS = CONNECTIONS // 4
 _CHUNK = 65536
+#: the counters page's and the socket's modes: the daemon user's, or every user's
+#: (``public``: an ``--allow-other`` mount whose other users the library serves)
+_MODE = {False: 0o600, True: 0o666}
+#: SO_PEERCRED: pid, uid, gid of the process at the other end
+_CREDENTIALS = struct.Struct("3i")
 _NAME_MAX = 4096
 
 
@@ -63,14 +70,16 @@ _COUNTERS = struct.Struct(f"<8s{len(fields(PreloadCounts))}Q")
 
 
 class CountsPage:
-    """The counters page: made empty by the daemon, added to by the served processes."""
+    """The counters page: made empty by the daemon, added to by the served processes
+    (``public``: other users' too, on an ``--allow-other`` mount: 0666)."""
 
-    def __init__(self, dir_fd: int) -> None:
+    def __init__(self, dir_fd: int, public: bool = False) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(COUNTS, dir_fd=dir_fd)
         fd = os.open(COUNTS, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600, dir_fd=dir_fd)
         try:
+            os.fchmod(fd, _MODE[public])
             # allocated now: a store into a page tmpfs has no room for would be a SIGBUS
             os.posix_fallocate(fd, 0, mmap.PAGESIZE)
             self._map = mmap.mmap(fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
@@ -90,7 +99,7 @@ class Notices:
     NUL-separated (a datagram socket queues only ten datagrams: a burst of closes lost
     names)."""
 
-    def __init__(self, dir_fd: int) -> None:
+    def __init__(self, dir_fd: int, public: bool = False) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(NOTICES, dir_fd=dir_fd)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -98,6 +107,7 @@ class Notices:
             # by the directory's descriptor: a cache directory's path may be longer than a
             # socket address takes
             sock.bind(f"/proc/self/fd/{dir_fd}/{NOTICES}")
+            os.chmod(NOTICES, _MODE[public], dir_fd=dir_fd, follow_symlinks=False)
             sock.listen(CONNECTIONS)
         except OSError:
             sock.close()
@@ -105,20 +115,29 @@ class Notices:
         self._sock = sock
         self.listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
         self.connections = 0
+        #: of which other users' (``public``)
+        self.others = 0
 
-    async def run(self, fill: Callable[[bytes], None]) -> None:
-        """Hand each path named to ``fill`` (for ever), a task per connected process; past
-        ``CONNECTIONS`` at once, a new one is closed (its names are lost, not its reads)."""
+    async def run(self, fill: Callable[[bytes, bool], None]) -> None:
+        """Hand each path named to ``fill`` (for ever), with whether the process naming it
+        is the mount owner's (or root's), a task per connected process. Past ``CONNECTIONS``
+        at once a new one is closed (its names are lost, not its reads), and other users'
+        together hold ``OTHERS`` at most, so that they cannot crowd the owner's out."""
         async with trio.open_nursery() as nursery:
             while True:
                 stream = await self.listener.accept()
-                if self.connections >= CONNECTIONS:
+                _pid, uid, _gid = _CREDENTIALS.unpack(stream.socket.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
+                owner = uid in (0, os.geteuid())
+                if self.connections >= CONNECTIONS or (not owner and self.others >= OTHERS):
                     await stream.aclose()
                     continue
                 self.connections += 1
-                nursery.start_soon(self._serve, stream, fill)
+                self.others += not owner
+                nursery.start_soon(self._serve, stream, fill, owner)
 
-    async def _serve(self, stream: trio.SocketStream, fill: Callable[[bytes], None]) -> None:
+    async def _serve(self, stream: trio.SocketStream, fill: Callable[[bytes, bool], None],
+                     owner: bool) -> None:
         tail = b""
         try:
             while chunk := await stream.receive_some(_CHUNK):
@@ -127,11 +146,12 @@ class Notices:
                     return  # no name is that long: not the library
                 for name in names:
                     if name and not name.startswith(b"/"):
-                        fill(name)
+                        fill(name, owner)
         except trio.BrokenResourceError:
             pass
         finally:
             self.connections -= 1
+            self.others -= not owner
             with contextlib.suppress(trio.BrokenResourceError):
                 await stream.aclose()
 
@@ -142,10 +162,10 @@ class Notices:
 class Preloaded:
     """The daemon's side of the preload library for one cache directory."""
 
-    def __init__(self, dir_fd: int) -> None:
-        self.counts = CountsPage(dir_fd)
+    def __init__(self, dir_fd: int, public: bool = False) -> None:
+        self.counts = CountsPage(dir_fd, public)
         try:
-            self.notices = Notices(dir_fd)
+            self.notices = Notices(dir_fd, public)
         except OSError:
             self.counts.close()
             raise

@@ -55,7 +55,8 @@ from typing import NamedTuple
 
 #: The index's file name in the cache directory.
 INDEX = "published"
-_PART = INDEX + ".part"
+#: The index of the entries every user may open (``coordlfs.cache.public``), beside it.
+PUBLIC_INDEX = "published.public"
 MAGIC = b"CLFSIDX1"
 #: magic, retired, revalidate, slot count, generation, room; slots start at HEADER_SIZE
 _HEADER = struct.Struct("<8sQQQQQ")
@@ -127,9 +128,13 @@ class Published(NamedTuple):
 class IndexWriter:
     """The daemon's side: publish and withdraw complete cache entries."""
 
-    def __init__(self, dir_fd: int, revalidate: bool = False) -> None:
+    def __init__(self, dir_fd: int, revalidate: bool = False, name: str = INDEX,
+                 mode: int = 0o600) -> None:
         self.dir_fd = dir_fd
         self.revalidate = revalidate
+        #: the index's file name in the cache directory, and its mode (0644 for the public
+        #: index, which other users read)
+        self.name, self.mode = name, mode
         #: how large a new file MinIO would still take, bytes (``set_room``)
         self.room = 0
         #: live slots; a path's slot is found by probing the table, as a client does, so
@@ -138,7 +143,7 @@ class IndexWriter:
         self._dead = 0
         self.generation = 0
         self.withdrawn = 0
-        retire(dir_fd)  # a former daemon's index: its clients must not trust it any more
+        retire(dir_fd, name)  # a former daemon's index: its clients must not trust it any more
         self._map = self._create(MIN_SLOTS)
         self._mask = MIN_SLOTS - 1
         self._install()
@@ -169,11 +174,13 @@ class IndexWriter:
     def _create(self, slots: int) -> mmap.mmap:
         """A new, empty table, not yet where clients look (``_install``)."""
         self.generation += 1
+        part = self.name + ".part"
         with contextlib.suppress(FileNotFoundError):  # a torn one: made anew, never reused
-            os.unlink(_PART, dir_fd=self.dir_fd)
-        fd = os.open(_PART, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600, dir_fd=self.dir_fd)
+            os.unlink(part, dir_fd=self.dir_fd)
+        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     self.mode, dir_fd=self.dir_fd)
         try:
+            os.fchmod(fd, self.mode)  # whatever the umask
             # Every page allocated now: a store into a page tmpfs has no room for would
             # kill the daemon with SIGBUS; this raises ENOSPC instead.
             os.posix_fallocate(fd, 0, HEADER_SIZE + slots * SLOT_SIZE)
@@ -187,7 +194,8 @@ class IndexWriter:
     def _install(self) -> None:
         """Clients open the table just created from now on."""
         self.beat()
-        os.rename(_PART, INDEX, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        os.rename(self.name + ".part", self.name, src_dir_fd=self.dir_fd,
+                  dst_dir_fd=self.dir_fd)
 
     def set_revalidate(self) -> None:
         """From now on clients compare every hit's version with the source."""
@@ -219,6 +227,12 @@ class IndexWriter:
     def withdraw(self, path: bytes) -> bool:
         """Make a path's slot a tombstone; whether it was published."""
         return self._withdraw(*path_hash(path))
+
+    def number(self, path: bytes) -> int | None:
+        """The entry number a path is published with, if it is."""
+        slot = self._slot(*path_hash(path))
+        return None if slot < 0 else SLOT.unpack_from(
+            self._map, HEADER_SIZE + slot * SLOT_SIZE)[3]
 
     def _withdraw(self, h1: int, h2: int) -> bool:
         slot = self._slot(h1, h2)
@@ -272,10 +286,10 @@ class IndexWriter:
         self._map.close()
 
 
-def retire(dir_fd: int) -> None:
+def retire(dir_fd: int, name: str = INDEX) -> None:
     """Mark the index in a cache directory retired, if there is one."""
     with contextlib.suppress(OSError, ValueError):
-        fd = os.open(INDEX, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
             if os.fstat(fd).st_size < HEADER_SIZE:
                 return  # no index of ours

@@ -18,12 +18,13 @@ import pyfuse3
 import trio
 
 from coordlfs import PROTOCOL_VERSION, __version__
+from coordlfs.cache import public
 from coordlfs.cache.cache import WholeFileCache
 from coordlfs.cache.fills import FillQueue
 from coordlfs.cache.fills import register_commands as register_fill_commands
 from coordlfs.cache.held import register_commands as register_held_commands
 from coordlfs.cache.stats import Stats, register_commands
-from coordlfs.daemon.config import MountConfig
+from coordlfs.daemon.config import SHM_ROOT, MountConfig
 from coordlfs.daemon.metrics import MetricsServer
 from coordlfs.daemon.mounting import open_log, set_read_ahead
 from coordlfs.errors import UserError
@@ -168,7 +169,9 @@ class Daemon:
         self.cache = WholeFileCache(config.cache_dir, config.cache_size, config.max_file_size,
                                     self.stats.reads, own_tmpfs=config.cache_tmpfs)
         try:
-            self.cache.share(self.source)
+            self.cache.share(self.source, public=config.allow_other)
+            if config.allow_other:  # the other users the preload library serves
+                public.open_parent(self.cache.dir_fd, SHM_ROOT.format(uid=os.geteuid()))
             if self.cache.preloaded is not None:
                 self.stats.folds.append(self.cache.preloaded.fold)
             self._assemble(config)

@@ -18,9 +18,10 @@
  *     a stale or retired index, a mount with peers on a miss, any failure) goes to the real
  *     call, through the mount, which gives the same bytes or the same errno.
  *
- * Only a process that may open the cache directory (the daemon's user, or root) serves
- * anything: the directory is the daemon user's alone (0700), so another user of an
- * --allow-other mount reads through the mount, where the kernel checks its permissions.
+ * The daemon user (and root) is served every cached file; another user of an --allow-other
+ * mount only those every user may read (a second index, files of mode 0444:
+ * coordlfs/cache/public.py), and of any other mount nothing: the cache directory is the
+ * daemon user's, and their opens go through the mount, where the kernel checks them.
  * The library never widens access: before serving, it checks the modes the mount shows
  * (the source's, as default_permissions does) of every directory on the way and of the
  * file, unless the process may override them (CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH).
@@ -40,6 +41,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
+#include <sched.h>
 #include <linux/openat2.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -87,6 +89,7 @@ struct table {
     const unsigned char *map;
     size_t length;
     uint64_t mask;
+    int public; /* the public index: only files every user may read */
 };
 
 struct mount {
@@ -252,10 +255,17 @@ static uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
-/* The index in the cache directory, mapped read-only; NULL if it is not one. */
+/* The index in the cache directory, mapped read-only; NULL if it is not one. The daemon
+ * user's own index, else (another user of an --allow-other mount) the public one, which
+ * holds only the files every user may read. */
 static struct table *map_table(struct mount *m)
 {
+    int public = 0;
     int fd = real_openat(m->dir_fd, "published", O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0 && errno == EACCES) {
+        public = 1;
+        fd = real_openat(m->dir_fd, "published.public", O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    }
     if (fd < 0)
         return NULL;
     struct stat st;
@@ -271,6 +281,7 @@ static struct table *map_table(struct mount *m)
                 t->map = p;
                 t->length = (size_t)st.st_size;
                 t->mask = slots - 1;
+                t->public = public;
             } else {
                 munmap(map, (size_t)st.st_size);
             }
@@ -363,21 +374,26 @@ static int mount_counts(struct mount *m)
 static int set_up(struct mount *m)
 {
     m->dir_fd = m->files_fd = m->source_fd = m->notice_fd = -1;
-    m->dir_fd = real_open(m->cache_dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    /* O_PATH: another user of an --allow-other mount may search these, not list them */
+    m->dir_fd = real_open(m->cache_dir, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (m->dir_fd < 0)
         return -1; /* not this user's: every open goes through the mount */
-    m->files_fd = real_openat(m->dir_fd, "files", O_RDONLY | O_DIRECTORY | O_NOFOLLOW |
+    m->files_fd = real_openat(m->dir_fd, "files", O_PATH | O_DIRECTORY | O_NOFOLLOW |
                                                    O_CLOEXEC);
+    if (m->files_fd < 0 || mount_counts(m) < 0)
+        return -1;
+    /* a user who may not reach the source (another user's, behind a closed directory) is
+     * served the public hits only; its misses go through the mount */
     m->source_fd = real_open(m->source, O_PATH | O_DIRECTORY | O_CLOEXEC);
-    if (m->files_fd < 0 || m->source_fd < 0 || mount_counts(m) < 0)
-        return -1;
-    char link[64];
-    snprintf(link, sizeof link, "/proc/self/fd/%d", m->source_fd);
-    ssize_t n = readlink(link, m->source_real, sizeof m->source_real - 1);
-    if (n <= 0)
-        return -1;
-    m->source_real[n] = 0;
-    m->source_real_len = (size_t)n;
+    if (m->source_fd >= 0) {
+        char link[64];
+        snprintf(link, sizeof link, "/proc/self/fd/%d", m->source_fd);
+        ssize_t n = readlink(link, m->source_real, sizeof m->source_real - 1);
+        if (n <= 0)
+            return -1;
+        m->source_real[n] = 0;
+        m->source_real_len = (size_t)n;
+    }
     struct table *t = map_table(m);
     if (t == NULL)
         return -1;
@@ -393,18 +409,25 @@ static int set_up(struct mount *m)
     return 0;
 }
 
+/* The mount, set up in this process at its first open (other threads wait for that: it is
+ * a few system calls); NULL where it cannot be served. */
 static struct mount *ready(struct mount *m)
 {
+    static __thread int setting_up; /* an open from a signal handler during the set-up */
     int state = atomic_load_explicit(&m->state, memory_order_acquire);
     if (state == 1)
         return m;
-    if (state != 0)
+    if (state == -1 || setting_up)
         return NULL;
     int expected = 0;
-    if (!atomic_compare_exchange_strong(&m->state, &expected, 2))
-        return NULL;
-    atomic_store_explicit(&m->state, set_up(m) == 0 ? 1 : -1, memory_order_release);
-    return atomic_load(&m->state) == 1 ? m : NULL;
+    if (atomic_compare_exchange_strong(&m->state, &expected, 2)) {
+        setting_up = 1;
+        atomic_store_explicit(&m->state, set_up(m) == 0 ? 1 : -1, memory_order_release);
+        setting_up = 0;
+    }
+    while ((state = atomic_load_explicit(&m->state, memory_order_acquire)) == 2)
+        sched_yield();
+    return state == 1 ? m : NULL;
 }
 
 /* -- the modes' check, as the mount's kernel does it ------------------------------------ */
@@ -604,9 +627,11 @@ static int open_hit(struct mount *m, const struct table *t, const struct found *
                     const uint64_t h[2], char *name, size_t length, int flags)
 {
     struct stat st;
-    if (word_at(t->map, REVALIDATE_AT) || !creds_override) {
-        /* the modes' check needs the source's lstat; so does a daemon that cannot watch */
-        if (fstatat(m->source_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0)
+    /* The modes' check needs the source's lstat (but for a file of the public index, which
+     * the daemon publishes there only when every user may read it); so does a daemon that
+     * cannot watch the source. */
+    if (word_at(t->map, REVALIDATE_AT) || !(creds_override || t->public)) {
+        if (m->source_fd < 0 || fstatat(m->source_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0)
             return -1;
         if ((uint64_t)st.st_ino != f->ino || (uint64_t)st.st_size != f->size ||
             (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec != f->mtime_ns ||
@@ -635,7 +660,7 @@ static int open_miss(struct mount *m, const struct table *t, const uint64_t h[2]
                      size_t length, int flags)
 {
     uint64_t room = word_at(t->map, ROOM_AT);
-    if (m->peers || !(room & ROOM_SET))
+    if (m->peers || !(room & ROOM_SET) || m->source_fd < 0)
         return -1; /* a peer may hold it / a daemon that does not say: the mount decides */
     struct open_how how = {
         .flags = (uint64_t)(O_RDONLY | O_NOFOLLOW | (flags & OURS)),

@@ -178,33 +178,56 @@ def test_a_static_binary_reads_through_the_mount(served, tmp_path) -> None:
     assert counted["preload_misses"] == 0 and counted["preload_hits"] == 0  # no library
 
 
-def test_another_user_reads_through_the_mount_and_reaches_no_cache_file(mount, tmp_path) -> None:
+def test_another_user_is_served_what_every_user_may_read_and_nothing_else(mount,
+                                                                           tmp_path) -> None:
+    """On an --allow-other mount another user's opens of files every user may read are hits
+    from the cache's files (the public index); a file closed to others, or one in a closed
+    directory, is the mount's answer (EACCES), and no such cache file opens for them, even
+    by its number; a chmod in the source closes a public one at once."""
     source = tmp_path / "data"
-    source.mkdir()
-    for name, mode in (("open.bin", 0o644), ("closed.bin", 0o600)):
+    (source / "closed").mkdir(parents=True)
+    source.chmod(0o755)
+    (source / "closed").chmod(0o700)
+    modes = {"open.bin": 0o644, "private.bin": 0o600, "closed/inside.bin": 0o644}
+    for name, mode in modes.items():
         (source / name).write_text(os.urandom(2500).hex())  # text: `cat`'s output is decoded
         (source / name).chmod(mode)
-    names = ["open.bin", "closed.bin"]
+    names = sorted(modes)
     # the mountpoint, the library and `cat` where the other user can reach them, whatever
     # the modes of the checkout and of pytest's directories
     with reachable_by_anyone(Path(str(library()))) as (lib,):
         m = mount(source, "--allow-other", mountpoint=lib.parent / "mnt")
         try:
-            preloaded("open", m.mountpoint, names)  # root fills both
-            wait_for(lambda: m.status()["shared"]["published"] == 2, "published")
-            before = reads(m)["preload_hits"]
+            preloaded("open", m.mountpoint, names)  # the owner's reads fill all three
+            wait_for(lambda: m.status()["shared"]["published"] == 3, "published")
+            assert m.status()["shared"]["published_to_all"] == 1
             env = environment([str(m.mountpoint)], {})
             assert env is not None
             variables = [f"LD_PRELOAD={lib}", f"COORDLFS_MOUNTS={env['COORDLFS_MOUNTS']}"]
-            got = {name: run_as_other_user(["env", *variables, "cat", m.mountpoint / name])
-                   for name in names}
-            assert reads(m)["preload_hits"] == before  # nobody's opens went to the mount
+
+            def cat(name: str) -> subprocess.CompletedProcess:
+                return run_as_other_user(["env", *variables, "cat", m.mountpoint / name])
+
+            before = reads(m)["preload_hits"]
+            got = {name: cat(name) for name in names}
+            assert reads(m)["preload_hits"] == before + 1  # open.bin, from the cache
+            files = Path(m.status()["shared"]["files"])
+            numbers = sorted(files.iterdir())
+            assert [oct(p.stat().st_mode & 0o777) for p in numbers].count("0o444") == 1
+            for entry in numbers:  # no file but the public one opens for them by its number
+                direct = run_as_other_user(["cat", entry])
+                assert (direct.returncode == 0) == (entry.stat().st_mode & 0o004 != 0)
+            (source / "open.bin").chmod(0o600)  # closed in the source: closed in the cache
+            wait_for(lambda: all(p.stat().st_mode & 0o777 == 0o600 for p in numbers),
+                     "the public file closed")
+            again = cat("open.bin")
         finally:
             force_unmount(m.mountpoint, m.pid)
     assert got["open.bin"].returncode == 0, got["open.bin"].stderr
     assert got["open.bin"].stdout == (source / "open.bin").read_text()
-    assert got["closed.bin"].returncode != 0
-    assert "Permission denied" in got["closed.bin"].stderr  # what the mount says
+    for name in ("private.bin", "closed/inside.bin"):  # what the mount says
+        assert got[name].returncode != 0 and "Permission denied" in got[name].stderr
+    assert again.returncode != 0 and "Permission denied" in again.stderr
 
 
 def test_a_killed_daemon_serves_no_hit_after_its_beat_goes_stale(served) -> None:
@@ -258,7 +281,7 @@ def test_print_env_names_the_library_and_the_mount(served) -> None:
     m, _expected = served
     out = run_cli("run", "--print-env", "--mount", str(m.mountpoint))
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    lines = out.stdout.split("\n")  # not splitlines: it splits at \x1e too
     assert lines[0] == f"export LD_PRELOAD={LIBRARY}"
     assert lines[1].startswith("export COORDLFS_MOUNTS=") and str(m.mountpoint) in lines[1]
     slurm = run_cli("run", "--print-env", "slurm", "--mount", str(m.mountpoint))
@@ -272,7 +295,7 @@ def test_the_slurm_task_prolog_prints_export_lines(served) -> None:
     script = Path(__file__).parents[2] / "mount" / "slurm" / "coordlfs-taskprolog"
     done = subprocess.run([str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
-    lines = done.stdout.splitlines()
+    lines = done.stdout.split("\n")  # not splitlines: it splits at \x1e too
     assert lines[0] == f"export LD_PRELOAD={LIBRARY}"
     assert lines[1].startswith("export COORDLFS_MOUNTS=") and str(m.mountpoint) in lines[1]
 
