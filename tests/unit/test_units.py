@@ -113,12 +113,12 @@ def test_stats_between_marks() -> None:
     stats.reads.bytes_from_source += 100
     stats.mark("epoch1")
     stats.reads.bytes_from_source += 30
-    stats.reads.cache_hits += 2
+    stats.reads.read_hits += 2
     stats.mark("epoch2")
     stats.reads.bytes_from_source += 7
     window = stats.between("epoch1", "epoch2")
     assert window["reads"]["bytes_from_source"] == 30
-    assert window["reads"]["cache_hits"] == 2
+    assert window["reads"]["read_hits"] == 2
     assert stats.between("epoch2", None)["reads"]["bytes_from_source"] == 7
     assert stats.between(None, None)["reads"]["bytes_from_source"] == 137
     with pytest.raises(KeyError):
