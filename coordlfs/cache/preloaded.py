@@ -161,8 +161,10 @@ class Preloaded:
         reads.preload_uncached, reads.preload_passed = now.uncached, now.passed
         reads.preload_bytes_from_cache = now.hit_bytes
         reads.preload_bytes_from_source = now.miss_bytes + now.uncached_bytes
-        reads.opened(Outcome.HIT, now.hits - last.hits)  # its passed opens: by the mount
-        reads.opened(Outcome.MISS, now.misses + now.uncached - last.misses - last.uncached)
+        # its passed opens: counted by the mount
+        reads.opened(Outcome.HIT, now.hits - last.hits, now.hit_bytes - last.hit_bytes)
+        reads.opened(Outcome.MISS, now.misses + now.uncached - last.misses - last.uncached,
+                     now.miss_bytes + now.uncached_bytes - last.miss_bytes - last.uncached_bytes)
         reads.bytes_from_cache += now.hit_bytes - last.hit_bytes
         reads.bytes_from_source += (now.miss_bytes + now.uncached_bytes - last.miss_bytes
                                     - last.uncached_bytes)

@@ -33,6 +33,9 @@ class ReadCounters:
     file_hits: int = 0
     file_misses: int = 0
     file_peer_hits: int = 0
+    #: the source's sizes of the files opened, one per open: an epoch that opens each file
+    #: once opened its dataset's size (what-if's dataset), whatever it read of them
+    opened_bytes: int = 0
     #: read requests the daemon answered from a complete cache entry
     read_hits: int = 0
     #: read requests the daemon answered from anything else (a fill, the source, a peer)
@@ -69,12 +72,13 @@ class ReadCounters:
     preload_bytes_from_cache: int = 0
     preload_bytes_from_source: int = 0
 
-    def opened(self, outcome: Outcome, files: int = 1) -> None:
-        """Count ``files`` opened, served as ``outcome`` says. The one place files are counted:
-        every path that serves an open calls it once per open, so that no file is counted
-        twice (a fill behind a reader, a client's miss through the mount) or never (a
-        passthrough open the daemon never reads)."""
+    def opened(self, outcome: Outcome, files: int, size: int) -> None:
+        """Count ``files`` opened, of ``size`` bytes together, served as ``outcome`` says.
+        The one place files are counted: every path that serves an open calls it once per
+        open, so that no file is counted twice (a fill behind a reader, a client's miss
+        through the mount) or never (a passthrough open the daemon never reads)."""
         setattr(self, outcome.value, getattr(self, outcome.value) + files)
+        self.opened_bytes += size
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)
@@ -157,8 +161,9 @@ def register_commands(server: Served, stats: Stats) -> None:
         for name, value in args.items():
             field = "client_" + name
             setattr(reads, field, getattr(reads, field) + value)
-        reads.opened(Outcome.HIT, args["hits"])  # its misses opened through the mount
-        reads.opened(Outcome.MISS, args["direct"])
+        # its misses opened through the mount, which counted them; a read is of a whole file
+        reads.opened(Outcome.HIT, args["hits"], args["bytes_from_cache"])
+        reads.opened(Outcome.MISS, args["direct"], args["bytes_direct"])
         reads.bytes_from_source += args["bytes_direct"]
         return {}
 

@@ -361,7 +361,7 @@ class Readers:
         """The reader for a handle just opened by ``pid``; sets the handle's member. Every
         open of a file the daemon answers passes here once: counted here, by what serves it."""
         reader = await self._reader(handle, pid)
-        self.counters.opened(reader.served)
+        self.counters.opened(reader.served, 1, handle.st.st_size)
         return reader
 
     async def _reader(self, handle: Handle, pid: int) -> Reader:

@@ -144,7 +144,7 @@ def test_control_entry_is_hidden_but_reachable(mount, dataset) -> None:
     assert status["source"] == str(source) and status["mountpoint"] == str(m.mountpoint)
     assert set(status["cache"]) >= {"capacity_bytes", "used_bytes", "files"}
     assert set(status["reads"]) == {
-        "file_hits", "file_misses", "file_peer_hits", "read_hits", "read_misses",
+        "file_hits", "file_misses", "file_peer_hits", "opened_bytes", "read_hits", "read_misses",
         "bytes_from_cache", "bytes_from_source", "bytes_from_peers", "passthrough_opens",
         "source_opens", "client_hits", "client_misses", "client_bytes_from_cache",
         "client_bytes_from_mount", "client_direct", "client_bytes_direct", "preload_hits",

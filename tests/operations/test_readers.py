@@ -51,7 +51,7 @@ def test_a_miss_fills_the_cache_and_the_next_open_hits(tmp_path: Path,
             await m.ops.release(fh)
             await m.filled()
             assert counted(m) == {"read_misses": requests(len(data)), "file_misses": 1,
-                                  "bytes_from_source": len(data)}
+                                  "bytes_from_source": len(data), "opened_bytes": len(data)}
             fh = await m.open("a.bin")
             reader = m.reader(fh)
             assert isinstance(reader, CacheReader) and reader.entry is not None
@@ -61,7 +61,8 @@ def test_a_miss_fills_the_cache_and_the_next_open_hits(tmp_path: Path,
             assert counted(m) == {"read_misses": requests(len(data)), "file_misses": 1,
                                   "bytes_from_source": len(data),
                                   "read_hits": requests(len(data)),
-                                  "bytes_from_cache": len(data), "file_hits": 1}
+                                  "bytes_from_cache": len(data), "file_hits": 1,
+                                  "opened_bytes": 2 * len(data)}
             assert m.cache.data_bytes == len(data)
 
         m.run(body)
@@ -103,7 +104,7 @@ def test_a_failed_fill_hands_its_readers_to_the_source(tmp_path: Path,
             await m.ops.release(fh)
             assert not m.cache.entries and m.cache.used == 0
             assert counted(m) == {"read_misses": requests(len(data)), "file_misses": 1,
-                                  "bytes_from_source": len(data)}
+                                  "bytes_from_source": len(data), "opened_bytes": len(data)}
 
         m.run(body)
 
@@ -124,7 +125,7 @@ def test_a_file_larger_than_the_cache_takes_streams_by_ranges(
             assert bytes(await m.ops.read(fh, last, CHUNK)) == data[last:]
             await m.ops.release(fh)
             assert counted(m) == {"read_misses": requests(len(data)) + 1, "file_misses": 1,
-                                  "bytes_from_source": len(data)}
+                                  "bytes_from_source": len(data), "opened_bytes": len(data)}
             assert m.cache.used == 0 and not m.cache.entries
 
         m.run(body)
@@ -142,7 +143,8 @@ def test_a_small_file_without_room_is_read_whole_once(tmp_path: Path,
             assert isinstance(m.reader(fh), StreamReader)
             await m.ops.release(fh)
             assert counted(m) == {"read_misses": requests(len(data), 4096) + 1,
-                                  "file_misses": 1, "bytes_from_source": len(data)}
+                                  "file_misses": 1, "bytes_from_source": len(data),
+                                  "opened_bytes": len(data)}
 
         m.run(body)
 
@@ -299,7 +301,7 @@ def test_a_peer_ranked_before_this_node_serves_the_file(
             await m.ops.release(fh)
             assert link.stats.requests == 1  # a small file whole, in one request
             assert counted(m) == {"read_misses": requests(len(data), 4096), "file_peer_hits": 1,
-                                  "bytes_from_peers": len(data)}
+                                  "bytes_from_peers": len(data), "opened_bytes": len(data)}
             assert not m.cache.entries
 
         m.run(body)
@@ -339,6 +341,6 @@ def test_a_peer_that_fails_mid_file_hands_the_rest_to_local_storage(
             from_peer = STREAM_WHOLE + 2 * CHUNK  # its first answer, at open: the first MiB
             assert counted(m) == {"read_misses": requests(size), "file_peer_hits": 1,
                                   "bytes_from_peers": from_peer,
-                                  "bytes_from_source": size - from_peer}
+                                  "bytes_from_source": size - from_peer, "opened_bytes": size}
 
         m.run(body)

@@ -60,6 +60,7 @@ def test_parse_size_rejects(text: str) -> None:
     (1, "file", "1 file"), (0, "file", "0 files"), (2, "file", "2 files"),
     (1, "miss", "1 miss"), (3, "miss", "3 misses"), (2, "batch", "2 batches"),
     (2, "entry", "2 entries"), (2, "day", "2 days"), (1, "profiled epoch", "1 profiled epoch"),
+    (3, "epoch", "3 epochs"), (2, "profiled epoch", "2 profiled epochs"),
 ])
 def test_plural(n: int, noun: str, said: str) -> None:
     assert plural(n, noun) == said
