@@ -216,21 +216,39 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def _passthrough_line(state: dict[str, Any] | None, reads: dict[str, int]) -> str:
-    """On (opens the kernel serves, reads the daemon serves) or off and why."""
+    """On (opens the kernel serves itself) or off and why."""
     if state is None:  # a daemon older than passthrough
         return "passthrough off: the daemon predates it"
     if not state["on"]:
         return f"passthrough off: {state['why_off']}"
-    return (f"passthrough on: {plural(reads.get('passthrough_opens', 0), 'open')} read by the "
-            f"kernel from the cache, {reads.get('source_opens', 0)} from the source, "
-            f"{plural(reads['cache_hits'] + reads['misses'], 'read')} served by the daemon")
+    return (f"passthrough on: {plural(reads['passthrough_opens'], 'open')} read by the "
+            f"kernel from the cache, {reads['source_opens']} from the source")
+
+
+def _read_lines(reads: dict[str, int]) -> list[str]:
+    """Files opened by what served them (whoever served them: the daemon, the kernel, a
+    client, ``coordlfs run``), bytes by where they came from, and the read requests the
+    daemon answered: three counts of one epoch that differ by design, each named."""
+    hits, misses, peer_hits = reads["file_hits"], reads["file_misses"], reads["file_peer_hits"]
+    opened = hits + misses + peer_hits
+    files_rate = f"{100 * hits / opened:.1f}%" if opened else "-"
+    # of bytes: the kernel reads passthrough opens without the daemon counting their reads
+    served = reads["bytes_from_cache"] + reads["bytes_from_source"] + reads["bytes_from_peers"]
+    bytes_rate = f"{100 * reads['bytes_from_cache'] / served:.1f}%" if served else "-"
+    requests = reads["read_hits"] + reads["read_misses"]
+    return [
+        f"files    {opened} opened: {plural(hits, 'hit')} (cache), {plural(misses, 'miss')} "
+        f"(source), {plural(peer_hits, 'peer hit')}; {files_rate} hits",
+        f"bytes    {format_size(reads['bytes_from_cache'])} from cache, "
+        f"{format_size(reads['bytes_from_source'])} from source, "
+        f"{format_size(reads['bytes_from_peers'])} from peers; {bytes_rate} from cache",
+        f"requests {plural(requests, 'read')} answered by the daemon: {reads['read_hits']} "
+        f"from the cache, {reads['read_misses']} from fills, the source or peers",
+    ]
 
 
 def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
     cache, reads = status["cache"], (interval or status)["reads"]
-    # of bytes: the kernel reads passthrough opens without the daemon counting their reads
-    served = reads["bytes_from_cache"] + reads["bytes_from_source"] + reads["bytes_from_peers"]
-    rate = f"{100 * reads['bytes_from_cache'] / served:.1f}%" if served else "-"
     held = status["read_window"]
     lines = [
         f"coordlfs {status['version']} on {status['mountpoint']} "
@@ -248,23 +266,15 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
     if interval:
         lines.append(f"between  {interval['since']} .. {interval['until']} "
                      f"({interval['seconds']:.1f} s)")
-    lines += [
-        f"reads    {plural(reads['cache_hits'], 'hit')}, {plural(reads['misses'], 'miss')}, "
-        f"{rate} of bytes from cache",
-        f"bytes    {format_size(reads['bytes_from_cache'])} from cache, "
-        f"{format_size(reads['bytes_from_source'])} from source, "
-        f"{format_size(reads['bytes_from_peers'])} from peers",
-        f"files    {reads['files_from_cache']} from cache, {reads['files_from_source']} from "
-        f"source, {reads['files_from_peers']} from peers",
-        _passthrough_line(status.get("passthrough"), reads),
-    ]
-    direct = reads.get("client_direct", 0)  # a daemon older than direct reads: none
+    lines += _read_lines(reads)
+    lines.append(_passthrough_line(status.get("passthrough"), reads))
+    direct = reads["client_direct"]
     if reads["client_hits"] or reads["client_misses"] or direct:
         lines.append(f"clients  {plural(reads['client_hits'], 'hit')} "
                      f"({format_size(reads['client_bytes_from_cache'])}) from shared memory, "
                      f"{plural(reads['client_misses'], 'read')} "
                      f"({format_size(reads['client_bytes_from_mount'])}) through the mount, "
-                     f"{direct} ({format_size(reads.get('client_bytes_direct', 0))}) "
+                     f"{direct} ({format_size(reads['client_bytes_direct'])}) "
                      "from the source directly")
     lines += _peer_lines(status)
     for name, group in status["groups"].items():

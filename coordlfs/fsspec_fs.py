@@ -1,6 +1,7 @@
-"""An fsspec filesystem, protocol ``coordlfs``: libraries built on fsspec (HuggingFace
-datasets, zarr, pandas) read a coordlfs mount through its client with a URL change (webdataset
-opens URLs itself: ``coordlfs.webdataset``).
+"""An fsspec filesystem, protocol ``coordlfs``: libraries built on fsspec (zarr, pandas) read a
+coordlfs mount through its client with a URL change (webdataset opens URLs itself:
+``coordlfs.webdataset``; Hugging Face datasets resolves a ``data_dir`` as a local path and
+refuses URLs offline, so it takes the plain mount path: README, "Native client and adapters").
 
     import fsspec
     with fsspec.open("coordlfs:///mnt/data/train/a/x.jpg") as f:   # an absolute path on a mount

@@ -53,12 +53,17 @@ def format_size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+#: "ch" said as "k" takes a plain "s": the spelling cannot tell it from "batch"
+_HARD_CH = ("epoch",)
+
+
 def plural(n: int, noun: str) -> str:
     """``n`` with ``noun`` in the number it takes: "1 file", "0 files", "2 batches", "3
-    misses", "2 entries" (the regular English plurals: every noun our output counts has one)."""
+    misses", "2 entries", "2 epochs" (the regular English plurals: every noun our output
+    counts has one)."""
     if n == 1:
         return f"{n} {noun}"
-    if noun.endswith(("s", "sh", "ch", "x", "z")):
+    if noun.endswith(("s", "sh", "ch", "x", "z")) and not noun.endswith(_HARD_CH):
         return f"{n} {noun}es"
     if noun.endswith("y") and noun[-2:-1] not in ("a", "e", "i", "o", "u"):
         return f"{n} {noun[:-1]}ies"

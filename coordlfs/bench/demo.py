@@ -247,7 +247,7 @@ def read_epochs(label: str, reader: Reader, dataset: Dataset, orders: list[list[
             epoch.source_bytes = reads["bytes_from_source"]
             epoch.passthrough_opens = reads.get("passthrough_opens", 0)
             epoch.source_opens = reads.get("source_opens", 0)
-            epoch.daemon_reads = reads["cache_hits"] + reads["misses"]
+            epoch.daemon_reads = reads["read_hits"] + reads["read_misses"]
             epoch.cache_used_bytes = control.status()["cache"]["bytes"]
         print(f"  {label} epoch {number}/{len(orders)}: {format_size(ours.bytes)} from "
               f"storage, {seconds:.1f} s", flush=True)

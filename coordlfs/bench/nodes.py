@@ -101,7 +101,6 @@ class NodeSample:
     #: what the node read from source files for itself or a peer, by its daemon's count (data,
     #: where storage bytes also count the metadata a dropped page cache makes it read again)
     source_bytes: int
-    source_files: int
     peer_bytes: int
     cache_bytes: int
     peer_failures: int
@@ -129,8 +128,8 @@ class Run:
     def storage(self, epoch: int) -> int:
         return self.storage_bytes[epoch]
 
-    def source(self, epoch: int, what: str) -> int:
-        return sum(getattr(n, f"source_{what}") for n in self.epochs[epoch])
+    def source_bytes(self, epoch: int) -> int:
+        return sum(n.source_bytes for n in self.epochs[epoch])
 
     def row(self, dataset: Dataset) -> dict[str, Any]:
         total, last = dataset.total_bytes, self.epochs[-1]
@@ -138,10 +137,8 @@ class Run:
         later = range(1, len(self.epochs))
         return {
             "nodes": self.nodes,
-            "source_files_epoch1_vs_files": round(self.source(0, "files") / len(dataset.files),
-                                                  4),
-            "source_bytes_epoch1_vs_dataset": round(self.source(0, "bytes") / total, 4),
-            "source_bytes_after_epoch1": sum(self.source(e, "bytes") for e in later),
+            "source_bytes_epoch1_vs_dataset": round(self.source_bytes(0) / total, 4),
+            "source_bytes_after_epoch1": sum(self.source_bytes(e) for e in later),
             "storage_epoch1_vs_dataset": round(self.storage(0) / total, 4),
             "storage_epoch1_vs_blocks": round(self.storage(0) / blocks(dataset), 4),
             "storage_bytes_after_epoch1": sum(self.storage(e) for e in later),
@@ -231,12 +228,12 @@ def memory(pid: int) -> tuple[int, int]:
 
 
 def counters(mount: Mount) -> tuple[int, ...]:
-    """From the daemon's status: bytes and files from the source, bytes from peers and from
-    its cache, and the failures of its links."""
+    """From the daemon's status: bytes from the source, from peers and from its cache, and
+    the failures of its links."""
     status = mount.status()
     reads = status["reads"]
     failures = sum(link["failures"] for link in status["peers"]["links"].values())
-    return (reads["bytes_from_source"], reads["files_from_source"], reads["bytes_from_peers"],
+    return (reads["bytes_from_source"], reads["bytes_from_peers"],
             reads["bytes_from_cache"], failures)
 
 
@@ -429,8 +426,8 @@ def print_epoch(result: Run, epoch: int, dataset: Dataset) -> None:
     nodes, total = result.epochs[epoch], dataset.total_bytes
     conns = [n.inbound + n.outbound for n in nodes]
     print(f"  epoch {epoch + 1}: {result.epoch_seconds[epoch]} s; storage "
-          f"{result.storage(epoch) / total:.3f} of the dataset (source files "
-          f"{result.source(epoch, 'files')} of {len(dataset.files)}), peers "
+          f"{result.storage(epoch) / total:.3f} of the dataset (source bytes "
+          f"{result.source_bytes(epoch) / total:.3f}), peers "
           f"{sum(n.peer_bytes for n in nodes) / total:.2f}, caches "
           f"{sum(n.cache_bytes for n in nodes) / total:.2f}; connections per node "
           f"{min(conns)}-{max(conns)}; RSS per node "
@@ -439,10 +436,10 @@ def print_epoch(result: Run, epoch: int, dataset: Dataset) -> None:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print("nodes  epoch 1 from source: files, storage (x blocks)  after: source, storage bytes  "
+    print("nodes  epoch 1 from source: bytes, storage (x blocks)  after: source, storage bytes  "
           "conns/node (in+out)  RSS/node MiB (median, max)  mount s  epochs s")
     for r in rows:
-        print(f"{r['nodes']:5}  {r['source_files_epoch1_vs_files']:25.3f}, "
+        print(f"{r['nodes']:5}  {r['source_bytes_epoch1_vs_dataset']:25.3f}, "
               f"{r['storage_epoch1_vs_blocks']:.3f}  {r['source_bytes_after_epoch1']:14}, "
               f"{r['storage_bytes_after_epoch1']}  {r['connections_per_node_max']:8} "
               f"({r['inbound_per_node_max']}+{r['outbound_per_node_max']})  "
@@ -508,7 +505,7 @@ def run(args: argparse.Namespace) -> int:
         print_simulated(sim_rows)
     summary: dict[str, Any] = {}
     for r in rows:
-        for key in ("source_files_epoch1_vs_files", "source_bytes_after_epoch1",
+        for key in ("source_bytes_epoch1_vs_dataset", "source_bytes_after_epoch1",
                     "storage_epoch1_vs_blocks", "storage_bytes_after_epoch1",
                     "connections_per_node_max", "rss_mib_per_node_median"):
             summary[f"{key}_{r['nodes']}"] = r[key]

@@ -37,7 +37,7 @@ POLL_S = 0.002
 
 @dataclass(slots=True)
 class OrderedRun(Run):
-    #: the mount's counts after the epoch: files its fills read ahead of the readers, files
+    #: the mount's counts after the epoch: files its fills read ahead of the readers, bytes
     #: read from storage in all (the rest at a reader's open), reads a client missed, opens
     #: the kernel served by passthrough
     mount: dict[str, int] = field(default_factory=dict)
@@ -91,6 +91,6 @@ def epoch(mount: Mount, rels: list[str], readers: int, way: str) -> OrderedRun:
     reads = status["reads"]
     return OrderedRun(run.seconds, run.files, run.bytes, mount={
         "filled_ahead": status["fills"]["files"],
-        "files_from_source": reads["files_from_source"],
+        "bytes_from_source": reads["bytes_from_source"],
         "client_misses": reads["client_misses"],
         "passthrough_opens": reads["passthrough_opens"]})

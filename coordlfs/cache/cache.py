@@ -473,14 +473,13 @@ class WholeFileCache:
             nursery.start_soon(self.fill, key, entry, source)
         return entry
 
-    def reserve_behind(self, key: Key, path: bytes, st: os.stat_result, counted: bool = True
+    def reserve_behind(self, key: Key, path: bytes, st: os.stat_result
                        ) -> tuple[Entry | None, bool]:
         """The entry for this version of the file, and whether it was reserved just now, for
         an opener the kernel serves from the source file itself (FUSE passthrough): then it
         is ``behind`` that reader, filled when it closes (``fill_behind``). None when MinIO
-        has no room. ``counted``: the file counted as read from the source here (else its
-        reader counted it)."""
-        entry, new = self._claim(key, path, st, counted)
+        has no room."""
+        entry, new = self._claim(key, path, st)
         if new:
             entry.behind = True
         return entry, new
@@ -544,8 +543,7 @@ class WholeFileCache:
             await self.fill(key, entry, source)
         return entry
 
-    def _claim(self, key: Key, path: bytes, st: os.stat_result, counted: bool = True
-               ) -> tuple[Entry | None, bool]:
+    def _claim(self, key: Key, path: bytes, st: os.stat_result) -> tuple[Entry | None, bool]:
         """The entry for this version of the file, and whether it was reserved just now
         (its fill is then the caller's to start)."""
         entry = self.lookup(key, st)
@@ -554,8 +552,6 @@ class WholeFileCache:
         entry = self.reserve(key, path, st)
         if entry is None:
             return None, False
-        if counted:
-            self.counters.files_from_source += 1
         return entry, True
 
     async def fill(self, key: Key, entry: Entry, source: Source) -> None:
@@ -782,7 +778,7 @@ class WholeFileCache:
                                                                                  st.st_mode)):
             return
         key = (st.st_dev, st.st_ino)
-        entry, new = self.reserve_behind(key, path, st, counted=False)
+        entry, new = self.reserve_behind(key, path, st)
         if entry is not None and new:
             self.fill_behind(key, entry, self._source, nursery)
 

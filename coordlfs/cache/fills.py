@@ -340,8 +340,6 @@ class FillQueue:
                 fill.entry = cache.reserve(key, fill.path, st)
                 if fill.entry is None:
                     fill.skip = "no_room"
-                else:
-                    cache.counters.files_from_source += 1
 
     def end(self, fill: _Fill) -> None:
         """On the event loop, once per file: complete its entry or give it up, and count."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 
 import trio
 
-from coordlfs.cache.stats import ReadCounters
+from coordlfs.cache.stats import Outcome, ReadCounters
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class Preloaded:
 
     def fold(self, reads: ReadCounters) -> None:
         """Bring the mount's counters up to the page: the library's own (``preload_*``), and
-        the files and bytes it served added to those from the cache and from the source, so
+        the files it opened (hits, misses) and the bytes it served added to the mount's, so
         that an epoch's totals say how it was served whoever served it."""
         now, last = self.counts.read(), self._folded
         self._folded = now
@@ -181,9 +181,11 @@ class Preloaded:
         reads.preload_uncached, reads.preload_passed = now.uncached, now.passed
         reads.preload_bytes_from_cache = now.hit_bytes
         reads.preload_bytes_from_source = now.miss_bytes + now.uncached_bytes
-        reads.files_from_cache += now.hits - last.hits
+        # its passed opens: counted by the mount
+        reads.opened(Outcome.HIT, now.hits - last.hits, now.hit_bytes - last.hit_bytes)
+        reads.opened(Outcome.MISS, now.misses + now.uncached - last.misses - last.uncached,
+                     now.miss_bytes + now.uncached_bytes - last.miss_bytes - last.uncached_bytes)
         reads.bytes_from_cache += now.hit_bytes - last.hit_bytes
-        reads.files_from_source += now.misses + now.uncached - last.misses - last.uncached
         reads.bytes_from_source += (now.miss_bytes + now.uncached_bytes - last.miss_bytes
                                     - last.uncached_bytes)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -9,29 +10,47 @@ from dataclasses import asdict, dataclass, fields
 from coordlfs.protocol.spec import Caller, RequestError, Served
 
 
+class Outcome(enum.Enum):
+    """What served a file opened: the counter its open adds one to."""
+
+    #: the cache (or an aligned group's read window: the mount's memory, not storage)
+    HIT = "file_hits"
+    #: the source: a file not cached (yet), read by the daemon, the kernel or the job itself
+    MISS = "file_misses"
+    #: a peer mount's cache
+    PEER_HIT = "file_peer_hits"
+
+
 @dataclass(slots=True)
 class ReadCounters:
-    #: read requests answered from a complete cache entry
-    cache_hits: int = 0
-    #: read requests that had to wait for the source (filling or streaming)
-    misses: int = 0
+    """The mount's counters. Files are counted per open, by what served them, whoever
+    served them (``opened``, their one owner); bytes where they were read; read requests as
+    the daemon answered them (the kernel reads passthrough opens without asking)."""
+
+    #: files opened, by what served them (``opened``): the daemon's opens (passthrough or
+    #: not), ``coordlfs.client`` hits and direct reads, the preload library's own opens.
+    #: An epoch's hits, misses and peer hits add up to the files it opened
+    file_hits: int = 0
+    file_misses: int = 0
+    file_peer_hits: int = 0
+    #: the source's sizes of the files opened, one per open: an epoch that opens each file
+    #: once opened its dataset's size (what-if's dataset), whatever it read of them
+    opened_bytes: int = 0
+    #: read requests the daemon answered from a complete cache entry
+    read_hits: int = 0
+    #: read requests the daemon answered from anything else (a fill, the source, a peer)
+    read_misses: int = 0
+    #: bytes the mount and the preload library served from the cache (a passthrough open of
+    #: an entry: its size, as if read whole; a client's: ``client_bytes_from_cache``), and
+    #: bytes read from storage (fills, streams, a passthrough open of a source file)
     bytes_from_cache: int = 0
     bytes_from_source: int = 0
-    #: files opened through the mount whose entry was complete in the cache (one per open)
-    files_from_cache: int = 0
-    #: opens answered with a backing file (FUSE passthrough): their reads never reach the
-    #: daemon, so they count as no hits (``cache_hits`` + ``misses``: the daemon's reads);
-    #: the file's size is added to ``bytes_from_cache``, as if read whole
+    #: opens answered with a backing file (FUSE passthrough): an entry's file (the kernel
+    #: reads the cache), or the source file itself (the kernel reads storage)
     passthrough_opens: int = 0
-    #: opens answered with the source file itself as backing (a file neither MinIO nor a
-    #: peer keeps): the kernel reads storage itself; counted as the file read whole from the
-    #: source (``files_from_source``, ``bytes_from_source``)
     source_opens: int = 0
-    #: files whose bytes were fetched from the source (one per fill, one per streaming open)
-    files_from_source: int = 0
-    #: bytes and files (per open) that a peer mount served from its cache
+    #: bytes a peer mount served from its cache
     bytes_from_peers: int = 0
-    files_from_peers: int = 0
     #: reads of ``coordlfs.client`` processes (``client.report``): from shared memory,
     #: and through the mount (which counts those again above, as any reader's)
     client_hits: int = 0
@@ -39,19 +58,27 @@ class ReadCounters:
     client_bytes_from_cache: int = 0
     client_bytes_from_mount: int = 0
     #: ... and straight from the source (misses the cache had no room for), which the
-    #: mount never saw: added to ``files_from_source`` and ``bytes_from_source`` too
+    #: mount never saw: misses, and added to ``bytes_from_source`` too
     client_direct: int = 0
     client_bytes_direct: int = 0
     #: opens the preload library of ``coordlfs run`` answered itself (``cache.preloaded``):
     #: hits from the cache's files, misses the cache fills behind, files it does not keep,
-    #: and opens it passed to the mount (counted above too, as any reader's); its hits are
-    #: added to ``files_from_cache`` and ``bytes_from_cache``, the rest to ``*_from_source``
+    #: and opens it passed to the mount (counted above too, as any reader's); its bytes are
+    #: added to ``bytes_from_cache`` and ``bytes_from_source``
     preload_hits: int = 0
     preload_misses: int = 0
     preload_uncached: int = 0
     preload_passed: int = 0
     preload_bytes_from_cache: int = 0
     preload_bytes_from_source: int = 0
+
+    def opened(self, outcome: Outcome, files: int, size: int) -> None:
+        """Count ``files`` opened, of ``size`` bytes together, served as ``outcome`` says.
+        The one place files are counted: every path that serves an open calls it once per
+        open, so that no file is counted twice (a fill behind a reader, a client's miss
+        through the mount) or never (a passthrough open the daemon never reads)."""
+        setattr(self, outcome.value, getattr(self, outcome.value) + files)
+        self.opened_bytes += size
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)
@@ -134,7 +161,9 @@ def register_commands(server: Served, stats: Stats) -> None:
         for name, value in args.items():
             field = "client_" + name
             setattr(reads, field, getattr(reads, field) + value)
-        reads.files_from_source += args["direct"]
+        # its misses opened through the mount, which counted them; a read is of a whole file
+        reads.opened(Outcome.HIT, args["hits"], args["bytes_from_cache"])
+        reads.opened(Outcome.MISS, args["direct"], args["bytes_direct"])
         reads.bytes_from_source += args["bytes_direct"]
         return {}
 

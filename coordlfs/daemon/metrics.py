@@ -197,12 +197,13 @@ READS: tuple[tuple[str, str, dict[str, str], str], ...] = (
     ("read_bytes", "from", {"cache": "bytes_from_cache", "peers": "bytes_from_peers",
                             "storage": "bytes_from_source"},
      "bytes read through the mount, by where they came from"),
-    ("read_files", "from", {"cache": "files_from_cache", "peers": "files_from_peers",
-                            "storage": "files_from_source"},
-     "files whose bytes came from the cache (an open of a complete entry), a peer (per open) "
-     "or storage (per fill or stream)"),
-    ("read_requests", "result", {"hit": "cache_hits", "miss": "misses"},
-     "read requests answered from a complete cache entry (hit) or waiting for bytes (miss)"),
+    ("read_files", "from", {"cache": "file_hits", "peers": "file_peer_hits",
+                            "storage": "file_misses"},
+     "files opened, by what served them: the cache (hits), a peer (peer hits) or storage "
+     "(misses), whoever served them (the daemon, passthrough, coordlfs.client, coordlfs run)"),
+    ("read_requests", "result", {"hit": "read_hits", "miss": "read_misses"},
+     "read requests the daemon answered from a complete cache entry (hit) or otherwise "
+     "(miss); the kernel reads passthrough opens without them"),
     ("client_reads", "result", {"hit": "client_hits", "miss": "client_misses",
                                 "direct": "client_direct"},
      "coordlfs.client reads from shared memory (hit), through the mount (miss) or from the "

@@ -433,10 +433,10 @@ class Operations(pyfuse3.Operations):
 
     def _backing(self, handle: FileHandle) -> int:
         """The backing id to answer ``handle``'s open with, 0 for direct_io. The kernel reads
-        a backing file without a word to us: the open is counted as the file read whole, from
-        the cache (a hit) or from the source (a source file; a miss filled at open counted
-        its bytes as it filled). An aligned member reads through the daemon (the window, the
-        group's counts)."""
+        a backing file without a word to us: its bytes are counted as the file read whole, from
+        the cache or from the source (a source file; a miss filled at open counted its bytes
+        as it filled); the open itself was counted by ``Readers.opened``. An aligned member
+        reads through the daemon (the window, the group's counts)."""
         assert self.backings is not None
         reader, st, counters = handle.reader, handle.st, self.counters
         if handle.member is None and reader.source_file:
@@ -445,8 +445,6 @@ class Operations(pyfuse3.Operations):
                 counters.source_opens += 1
                 if not reader.hit:  # another's open of the same reserved entry: counted
                     counters.bytes_from_source += st.st_size
-                if reader.entry is None:  # else counted when its entry was reserved
-                    counters.files_from_source += 1
             return backing
         entry = reader.entry if handle.member is None else None
         backing = self.backings.open(handle.inode, entry, st)
@@ -496,10 +494,10 @@ class Operations(pyfuse3.Operations):
         entry = reader.entry
         if entry is not None and entry.complete and reader.hit:  # inline: no coroutine
             data = self.cache.data(entry, off, size)
-            self.counters.cache_hits += 1
+            self.counters.read_hits += 1
             self.counters.bytes_from_cache += len(data)
             return data
-        self.counters.misses += 1
+        self.counters.read_misses += 1
         return await reader.read(off, size)
 
     @guarded

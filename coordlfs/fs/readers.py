@@ -28,7 +28,7 @@ from typing import Protocol
 import trio
 
 from coordlfs.cache.cache import FILL_CHUNK, Entry, WholeFileCache
-from coordlfs.cache.stats import ReadCounters
+from coordlfs.cache.stats import Outcome, ReadCounters
 from coordlfs.fs.inodes import Key
 from coordlfs.jobs.groups import Groups, Member
 from coordlfs.jobs.prefetch import Prefetcher
@@ -80,6 +80,12 @@ class Reader:
     live: bool = False
 
     @property
+    def served(self) -> Outcome:
+        """What serves the open, as counted (``ReadCounters.opened``): the source, unless
+        the reader says otherwise."""
+        return Outcome.MISS
+
+    @property
     def holds_bytes(self) -> bool:
         """Whether the daemon handed this handle the file's bytes itself (streamed, from a
         peer, from the group window): an aligned member that closes a file it had none of read
@@ -119,6 +125,12 @@ class CacheReader(Reader):
         self._instead: Reader | None = None
         #: the complete entry's file, kept by an open the daemon serves (``serving``)
         self._kept: KeptReader | None = None
+
+    @property
+    def served(self) -> Outcome:
+        """A hit if the open found the entry complete (a fill of its own or behind a reader
+        the kernel serves from the source is a miss)."""
+        return Outcome.HIT if self.hit and self.entry.complete else Outcome.MISS
 
     @property
     def holds_bytes(self) -> bool:
@@ -235,7 +247,6 @@ class StreamReader(Held):
         """Open the source file now, at the open: later names (a rename over it, an unlink,
         a symlink in its place) no longer reach it, but this descriptor does."""
         self._file = self._open()
-        self.readers.counters.files_from_source += 1
         self.live = True
 
     @property
@@ -273,14 +284,8 @@ class StreamReader(Held):
     async def pread(self, off: int, size: int) -> bytes:
         """``size`` bytes at ``off`` from local storage; unless the open kept the file
         (``serving``), the first call opens it, in the same hand-off to a thread as its read."""
-        counters = self.readers.counters
-        opening = self._file is None
-        try:
-            data = await in_thread(self._pread, off, size)
-        finally:
-            if opening and self._file is not None:
-                counters.files_from_source += 1
-        counters.bytes_from_source += len(data)
+        data = await in_thread(self._pread, off, size)
+        self.readers.counters.bytes_from_source += len(data)
         return data
 
     def _pread(self, off: int, size: int) -> bytes:
@@ -297,6 +302,9 @@ class WindowReader(StreamReader):
     """The whole file, which the group's read window held for this member at open (only a
     file that shrank since would leave a range to stream)."""
 
+    #: the mount's memory served it, as the cache would have: no storage read for this open
+    served = Outcome.HIT
+
     def serving(self) -> None:
         """Nothing to open: the window handed over the bytes."""
 
@@ -305,6 +313,8 @@ class PeerReader(Held):
     """A peer's memory, starting from the reply that chose it (a small file whole); once the
     peer fails (down, or it no longer holds this version) the rest streams from local
     storage."""
+
+    served = Outcome.PEER_HIT
 
     def __init__(self, readers: Readers, handle: Handle, link: PeerLink,
                  data: bytes | memoryview, offset: int) -> None:
@@ -348,7 +358,13 @@ class Readers:
         self.behind = False
 
     async def opened(self, handle: Handle, pid: int) -> Reader:
-        """The reader for a handle just opened by ``pid``; sets the handle's member."""
+        """The reader for a handle just opened by ``pid``; sets the handle's member. Every
+        open of a file the daemon answers passes here once: counted here, by what serves it."""
+        reader = await self._reader(handle, pid)
+        self.counters.opened(reader.served, 1, handle.st.st_size)
+        return reader
+
+    async def _reader(self, handle: Handle, pid: int) -> Reader:
         st = handle.st
         key = key_of(st)
         entry = self.cache.lookup(key, st)
@@ -374,8 +390,6 @@ class Readers:
             await self.cache.wait_for(entry, entry.size)
         reader = self._cached(entry, handle)
         reader.hit = True
-        if entry.complete:
-            self.counters.files_from_cache += 1
         return reader
 
     def _cached(self, entry: Entry, handle: Handle) -> CacheReader:
@@ -388,7 +402,7 @@ class Readers:
         path, st = handle.path, handle.st
         held = await self.peers.held(path, st)  # fetched ahead: the order was handed over
         if held is not None:
-            self.peers.counted_file(held[0])
+            self.peers.served_file(held[0])
             return PeerReader(self, handle, held[0], held[1], 0)
         before, after = (self.peers.candidates(path) if st.st_size <= self.cache.max_file_size
                          else ([], []))
@@ -417,7 +431,7 @@ class Readers:
         for link in links:
             data = await self.peers.read(link, handle.path, handle.st, off, size)
             if data is not None:
-                self.peers.counted_file(link)
+                self.peers.served_file(link)
                 return PeerReader(self, handle, link, data, off)
         return None
 

@@ -109,7 +109,6 @@ class Prefetcher:
                 return
             entry = self.cache.reserve(key, path, st)
             if entry is not None:
-                self.counters.files_from_source += 1
                 self.files += 1
                 self.bytes += st.st_size
                 await self.cache.fill(key, entry, self.source)
@@ -136,7 +135,6 @@ class Prefetcher:
         data = None
         try:
             data = await trio.to_thread.run_sync(self._read, path, version.size)
-            self.counters.files_from_source += 1
             self.counters.bytes_from_source += len(data)
             self.files += 1
             self.bytes += len(data)

@@ -11,26 +11,32 @@ GPU at G, all pipelined, so an epoch takes as long as the slowest of the three:
 and with a MinIO cache (a cached file is never evicted) every epoch after the first has
 exactly ``min(cache / dataset, 1)`` of its bytes as hits.
 
-The rates come from one run on the mount: each interval between two consecutive marks is an
-epoch (``coordlfs mark``), whose seconds and bytes from storage, cache and peers give one
-equation ``seconds = storage/S + cache/C + peers/P``; epochs with different hit shares (the
-cold first epoch and the warm ones) determine S and C by least squares. Step times come from
-``coordlfs.torch.profiled`` (the compute per epoch). What the run does not show is assumed
-and said, never guessed silently. Everything here is pure arithmetic on the control file's
-JSON (``analyse``), apart from the plot.
+The rates come from one run on the mount: the epochs are the intervals jobs marked as epochs,
+each from a mark named ``epoch-N`` (``EPOCH_MARK``: as the README, the benchmarks and the
+demo name them) to the next mark, whatever its name (the next epoch's, ``end``). Marks are
+mount-wide and every job's, so an interval from any other mark (a job's ``end`` to the next
+job's first epoch, a user's ``e1`` or ``warmed``) holds reads of no epoch: a warm, a listing,
+another job's end; it is left out. Each epoch's seconds and bytes from storage, cache and
+peers give one equation ``seconds = storage/S + cache/C + peers/P``; epochs with different
+hit shares (the cold first epoch and the warm ones) determine S and C by least squares. Step
+times come from ``coordlfs.torch.profiled`` (the compute per epoch). The dataset is the
+source's size of the files an epoch opened (``opened_bytes``), not what it read. What the run
+does not show is assumed and said, never guessed silently. Everything here is pure
+arithmetic on the control file's JSON (``analyse``), apart from the plot.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import re
 import statistics
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from coordlfs.errors import UserError
-from coordlfs.sizes import format_size
+from coordlfs.sizes import format_size, plural
 
 #: Assumed cache speed, bytes/s, where the run cannot tell it (no hits, or every epoch at
 #: one hit share): a pyfuse3 mount serves 112 KB cached files at about 7,500 files/s to 4
@@ -53,6 +59,9 @@ CACHE_FRACTIONS = tuple(i / 10 for i in range(11))
 CPU_FACTORS = (0.5, 1, 2, 4)
 STORAGE_FACTORS = (0.5, 1, 2, 4)
 SOURCES = ("storage", "cache", "peers")
+#: A mark that starts an epoch: ``epoch`` and its number, after anything that is not a letter
+#: (``epoch-3``, ``epoch 3``, ``epoch_3``, ``epoch3``, ``resnet/epoch-3``, ``Epoch-3``).
+EPOCH_MARK = re.compile(r"(?:^|[^a-z])epoch[-_ .:]?\d+$", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +73,9 @@ class Interval:
     storage_bytes: int
     cache_bytes: int
     peer_bytes: int
+    #: the source's sizes of the files it opened (``opened_bytes``): the dataset, for an
+    #: epoch that reads each file once, whatever the reads cost
+    opened_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -124,12 +136,13 @@ def interval(name: str, seconds: float, reads: dict[str, int]) -> Interval:
     reads from shared memory are hits as much as the mount's."""
     return Interval(name, seconds, reads["bytes_from_source"],
                     reads["bytes_from_cache"] + reads.get("client_bytes_from_cache", 0),
-                    reads["bytes_from_peers"])
+                    reads["bytes_from_peers"], reads.get("opened_bytes", 0))
 
 
 def epoch_intervals(marks: list[dict[str, Any]], since: str | None) -> list[Interval]:
-    """The intervals between consecutive marks from the latest mark named ``since`` on (all
-    marks without it). Reads before the first of them and after the last are no epoch."""
+    """The epochs jobs marked from the latest mark named ``since`` on (all marks without it):
+    each interval from a mark ``EPOCH_MARK`` matches to the next mark. Reads before the first
+    of them, after the last, and from any other mark to the next, are no epoch."""
     start = 0
     if since is not None:
         found = [i for i, mark in enumerate(marks) if mark["name"] == since]
@@ -140,7 +153,7 @@ def epoch_intervals(marks: list[dict[str, Any]], since: str | None) -> list[Inte
     chosen = marks[start:]
     return [interval(f"{a['name']} .. {b['name']}", b["time"] - a["time"],
                      {k: b["reads"][k] - a["reads"].get(k, 0) for k in b["reads"]})
-            for a, b in itertools.pairwise(chosen)]
+            for a, b in itertools.pairwise(chosen) if EPOCH_MARK.search(a["name"])]
 
 
 def compute_per_epoch(profiles: list[dict[str, Any]]) -> tuple[float | None, str | None]:
@@ -246,7 +259,10 @@ def measure(epochs: list[Interval], cache_bytes: float, compute_s: float | None,
     if not epochs:
         raise UserError("no reads to analyse: read the dataset through the mount first "
                         "(and `coordlfs mark` each epoch)")
-    dataset = dataset_bytes or max(e.total_bytes for e in epochs)
+    # the files an epoch opened, at their size in the source (not what was read of them: a
+    # warm's fills, a file read twice); an older daemon's marks have no such count
+    dataset = (dataset_bytes or max(e.opened_bytes for e in epochs)
+               or max(e.total_bytes for e in epochs))
     fetching = epochs if compute_s is None else [
         e for e in epochs if e.seconds > COMPUTE_BOUND * compute_s]
     prep_s = None
@@ -373,8 +389,9 @@ def analyse(status: dict[str, Any], marks: list[dict[str, Any]], window: dict[st
     if not epochs:
         epochs = [interval(f"{window['since']} .. {window['until']}", window["seconds"],
                            window["reads"])]
-        notes.append("fewer than two marks: the whole window is taken as one epoch (mark "
-                     "each epoch with `coordlfs mark` for the cache's speed)")
+        notes.append("no epoch marked (a mark named epoch-N, up to the next mark): the whole "
+                     "window is taken as one epoch (mark each epoch with `coordlfs mark "
+                     "MOUNTPOINT epoch-N`, and the end, for the cache's speed)")
     compute_s, job = compute_per_epoch(status.get("profiles", []))
     if job is not None:
         notes.append(f"compute per epoch from the step times of {job}")
@@ -423,7 +440,7 @@ def format_report(data: dict[str, Any]) -> str:
     dataset, now = rates["dataset_bytes"], min(1.0, rates["cache_bytes"] / rates["dataset_bytes"])
     peers = (f", peers {format_size(rates['peer_bps'])}/s ({rates['peer_share']:.0%} of the "
              "misses)" if rates["peer_bps"] else "")
-    lines = [f"what-if for {data['mountpoint']}: {len(data['epochs'])} epoch(s), dataset "
+    lines = [f"what-if for {data['mountpoint']}: {plural(len(data['epochs']), 'epoch')}, dataset "
              f"{format_size(dataset)}, cache {format_size(rates['cache_bytes'])} "
              f"({now:.0%})",
              f"rates    storage {format_size(rates['storage_bps'])}/s, cache "

@@ -603,10 +603,10 @@ class Peers:
             link.stats.misses += 1
         log.debug("peer %s: %s %s: %s", link.address, code.name, os.fsdecode(path), message)
 
-    def counted_file(self, link: PeerLink) -> None:
-        """A reader's first bytes of a file came from ``link``."""
+    def served_file(self, link: PeerLink) -> None:
+        """A reader's first bytes of a file came from ``link`` (the mount counts the open:
+        ``ReadCounters.opened``)."""
         link.stats.files += 1
-        self.counters.files_from_peers += 1
 
     def prefetch(self, paths: Iterable[bytes]) -> int:
         """The order of coming reads: the files peers cache are fetched ahead into the

@@ -50,7 +50,7 @@ def test_tiny_run_reports_every_figure(tmp_path: Path) -> None:
         for readers in ("1", "4"):
             (one,) = report["runs"][f"ordered_{way}"][readers]
             # each file read from storage once, whether its fill or its reader got there first
-            assert one["files"] == 40 and one["mount"]["files_from_source"] == 40
+            assert one["files"] == 40 and one["mount"]["bytes_from_source"] == one["bytes"]
             assert 0 <= one["mount"]["filled_ahead"] <= 40
     # the order was handed over: the fills read files ahead of the readers
     assert any(runs[0]["mount"]["filled_ahead"] > 0

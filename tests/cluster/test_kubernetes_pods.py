@@ -232,7 +232,10 @@ def test_daemonset_pods_mount_and_serve_each_other(tmp_path: Path, daemon_logs) 
         addresses = {f"{p.node.address}:{SERVICE['spec']['ports'][0]['port']}" for p in pods}
         assert set(second["peers"]["nodes"]) == addresses  # from the Service's name
         assert second["peers"]["self"] == f"{pods[1].node.address}:7878"
-        assert first["reads"]["files_from_source"] + second["reads"]["files_from_source"] == files
+        # each file from storage once, by its owner: the first node's misses, and the second
+        # node's own files, which it cached serving the first, hits
+        assert first["reads"]["file_misses"] + second["reads"]["file_hits"] == files
+        assert second["reads"]["file_misses"] == 0
         assert second["reads"]["bytes_from_peers"] > 0
         # the port the annotations tell Prometheus to scrape
         port = DAEMONSET["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"]

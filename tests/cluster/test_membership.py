@@ -106,7 +106,7 @@ def test_a_file_of_nodes_adds_and_removes_nodes_without_a_remount(mount,
     # Two nodes: A's misses of B's files come from B.
     assert read_files(a.mountpoint, names) == want
     two, three = (a_, b_), (a_, b_, c_)
-    assert reads(a)["files_from_peers"] == sum(owner(n.encode(), two) == b_ for n in names)
+    assert reads(a)["file_peer_hits"] == sum(owner(n.encode(), two) == b_ for n in names)
 
     # C joins: A uses it without a remount, and only C's share of the files moved to it.
     write_nodes(listed, three, in_place=False)
@@ -114,7 +114,7 @@ def test_a_file_of_nodes_adds_and_removes_nodes_without_a_remount(mount,
         wait_nodes(m.status, three)
     assert c.status()["peers"]["self"] == str(c_) and a.status()["peers"]["changes"] == 1
     shown = run_cli("stats", str(a.mountpoint)).stdout
-    assert f"this node {a_}, 3 nodes from file {listed} (1 changes, as of " in shown
+    assert f"this node {a_}, 3 nodes from file {listed} (1 change, as of " in shown
     moved = [n for n in names if owner(n.encode(), three) != owner(n.encode(), two)]
     assert all(owner(n.encode(), three) == c_ for n in moved)
     assert 0.15 < len(moved) / len(names) < 0.55  # about a third (4 sigma either way)
@@ -171,7 +171,7 @@ def test_a_read_waiting_on_a_node_that_leaves_reads_storage_at_once(mount,
         write_nodes(listed, (me,), in_place=False)
         reader.join(timeout=CHANGE_TIMEOUT)  # half the peer timeout
         assert not reader.is_alive() and got == {theirs: want[theirs]}
-    assert a.status()["peers"]["links"] == {} and reads(a)["files_from_source"] == 1
+    assert a.status()["peers"]["links"] == {} and reads(a)["file_misses"] == 1
 
 
 # -- names resolved for real ------------------------------------------------------------------
@@ -285,7 +285,7 @@ def test_a_name_resolved_again_adds_and_removes_nodes(tmp_path: Path,
         assert status["peers"]["source"] == f"dns:{NAME}:{PORT}"
         assert status["peers"]["nodes"] == sorted(map(str, two))
         assert a.read(names) == want
-        assert a.status()["reads"]["files_from_peers"] == sum(
+        assert a.status()["reads"]["file_peer_hits"] == sum(
             owner(n.encode(), two) == two[1] for n in names)
 
         write_hosts(net, net)  # C's pod became ready
@@ -338,7 +338,7 @@ def test_the_allocation_from_the_environment(mount, tmp_path: Path,
         assert peers["nodes"] == list(map(str, nodes))
     names = sorted(sizes)
     assert read_files(a.mountpoint, names) == source_digests(roots[0], sizes)
-    assert reads(a)["files_from_peers"] == sum(owner(n.encode(), nodes) == nodes[1]
+    assert reads(a)["file_peer_hits"] == sum(owner(n.encode(), nodes) == nodes[1]
                                                for n in names)
 
 

@@ -68,7 +68,7 @@ def test_an_order_handed_over_comes_in_batches_byte_exact(mount, tmp_path: Path)
     served = b.status()["served"]
     assert served["batches"] <= len(theirs) // 2  # many files per request
     assert served["requests"] == len(theirs)
-    assert reads(a)["files_from_peers"] == len(theirs)
+    assert reads(a)["file_peer_hits"] == len(theirs)
     link = a.status()["peers"]["links"][f"127.0.0.1:{ports[1]}"]
     assert link["failures"] == 0 and link["bytes"] == sum(sizes[n] for n in theirs)
 
@@ -99,7 +99,7 @@ def test_files_a_batch_cannot_serve_fail_alone(mount, tmp_path: Path) -> None:
     assert served["stale"] >= 1 and served["misses"] >= 1 and served["refused"] >= 1
     link = a.status()["peers"]["links"][f"127.0.0.1:{ports[1]}"]
     assert link["failures"] == 0 and link["state"] == "up"
-    assert reads(a)["files_from_peers"] == len(theirs) - 3
+    assert reads(a)["file_peer_hits"] == len(theirs) - 3
 
 
 @pytest.mark.parametrize("mode", ["many-badlen", "many-badsum", "many-short", "many-kind"])

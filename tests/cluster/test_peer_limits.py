@@ -312,8 +312,10 @@ def test_an_ipv6_loopback_cluster_reads_byte_exact(mount, tmp_path: Path) -> Non
     drop_caches()
     assert read_files(b.mountpoint, names) == want
     ra, rb = reads(a), reads(b)
-    assert ra["files_from_source"] + rb["files_from_source"] == len(names)
-    assert ra["files_from_peers"] + rb["files_from_peers"] == len(names)
+    # each file from storage once, by its owner: A's misses, and B's own files, which B cached
+    # serving A, hits
+    assert ra["file_misses"] + rb["file_hits"] == len(names) and rb["file_misses"] == 0
+    assert ra["file_peer_hits"] + rb["file_peer_hits"] == len(names)
     me, other = a.status()["peers"]["self"], b.status()["peers"]["self"]
     assert me.startswith("[::1]:") and other.startswith("[::1]:")
     link = a.status()["peers"]["links"][other]
@@ -339,7 +341,10 @@ def test_a_node_listening_on_every_address_serves_ipv6_and_ipv4_peers(mount,
     assert read_files(a.mountpoint, names) == want
     drop_caches()
     assert read_files(b.mountpoint, names) == want
-    assert reads(a)["files_from_source"] + reads(b)["files_from_source"] == len(names)
+    ra, rb = reads(a), reads(b)
+    # each file from storage once, by its owner: A's misses, and B's own files, which B cached
+    # serving A, hits
+    assert ra["file_misses"] + rb["file_hits"] == len(names) and rb["file_misses"] == 0
     assert b.status()["peers"]["links"][f"[::1]:{pa}"]["bytes"] > 0
     assert a.status()["peers"]["links"][f"127.0.0.1:{pb}"]["bytes"] > 0
     with socket.create_connection(("127.0.0.1", pa), timeout=10) as s:  # IPv4 too

@@ -286,10 +286,11 @@ def test_two_mounts_serve_each_others_misses_byte_exact(mount, tmp_path: Path) -
     drop_caches()
     assert read_files(b.mountpoint, names) == {n: want[n] for n in names}
     ra, rb = reads(a), reads(b)
-    # Each file came from storage once in the whole cluster, read by its owner.
-    assert ra["files_from_source"] + rb["files_from_source"] == len(names)
+    # Each file came from storage once in the whole cluster, read by its owner: A's misses,
+    # and B's own files, which B cached serving A, hits.
+    assert ra["file_misses"] + rb["file_hits"] == len(names) and rb["file_misses"] == 0
     assert ra["bytes_from_source"] + rb["bytes_from_source"] == sum(sizes.values())
-    assert ra["files_from_peers"] + rb["files_from_peers"] == len(names)
+    assert ra["file_peer_hits"] + rb["file_peer_hits"] == len(names)
     link = a.status()["peers"]["links"][f"127.0.0.1:{b.status()['peers']['self'].split(':')[1]}"]
     assert link["state"] == "up" and link["failures"] == 0 and link["bytes"] > 0
     assert b.status()["served"]["bytes"] == link["bytes"]
@@ -492,7 +493,7 @@ def test_nodes_in_their_own_network_namespaces(mount, tmp_path: Path) -> None:
             for m in nodes:
                 assert read_files(m.mountpoint, sorted(sizes)) == want
             a, b = (m.status() for m in nodes)
-            assert a["reads"]["files_from_source"] + b["reads"]["files_from_source"] == len(sizes)
+            assert a["reads"]["file_misses"] + b["reads"]["file_hits"] == len(sizes)
             assert a["peers"]["self"] == f"{net[0].address}:7878"
             link = a["peers"]["links"][f"{net[1].address}:7878"]
             assert link["state"] == "up" and link["bytes"] == b["served"]["bytes"] > 0

@@ -51,7 +51,7 @@ def test_each_node_warms_its_share_and_all_nodes_asks_the_peer(mount, tmp_path: 
     assert summary["nodes"] == {}
     assert a.status()["cache"]["files"] == len(mine)
     assert b.status()["cache"]["files"] == 0  # A left B's share to B
-    assert reads(a)["files_from_source"] == len(mine)
+    assert reads(a)["bytes_from_source"] == sum((roots[0] / n).stat().st_size for n in mine)
 
     code, summary = warm(a, "--all-nodes")
     assert code == 0
@@ -61,7 +61,7 @@ def test_each_node_warms_its_share_and_all_nodes_asks_the_peer(mount, tmp_path: 
     assert peer["bytes"] == sum((roots[0] / n).stat().st_size for n in theirs)
     assert peer["failed"] == 0 and peer["did_not_fit"]["files"] == 0
     assert b.status()["cache"]["files"] == len(theirs)
-    assert reads(b)["files_from_source"] == len(theirs)
+    assert reads(b)["bytes_from_source"] == peer["bytes"]
 
     result = run_cli("warm", str(a.mountpoint), "--all-nodes", timeout=WARM_S)
     assert result.returncode == 0, result.stderr

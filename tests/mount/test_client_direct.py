@@ -43,8 +43,11 @@ def test_misses_the_cache_has_no_room_for_are_read_from_the_source(mount, datase
     reads = m.status()["reads"]
     assert reads["client_direct"] == second["direct"]
     assert reads["client_bytes_direct"] == second["bytes_direct"]
-    # the mount's count from the source holds the clients' direct reads
-    assert reads["files_from_source"] == len(names) + second["direct"] - first["direct"]
+    # each file of each pass counted once: a hit from shared memory, a miss through the mount
+    # or from the source directly
+    assert reads["file_hits"] + reads["file_misses"] == 2 * len(names)
+    assert reads["file_hits"] == second["hits"]
+    # the mount's bytes from the source hold the clients' direct reads
     assert reads["bytes_from_source"] == total + second["bytes_direct"] - first["bytes_direct"]
     shown = run_cli("stats", str(m.mountpoint)).stdout
     assert f"{second['direct']} (" in shown and "from the source directly" in shown
@@ -216,7 +219,7 @@ def test_reports_of_direct_reads_are_checked(mount, dataset) -> None:
                     bytes_from_mount=0, direct=2, bytes_direct=7)
     reads = m.status()["reads"]
     assert (reads["client_hits"], reads["client_direct"], reads["client_bytes_direct"]) == (1, 2, 7)
-    assert (reads["files_from_source"], reads["bytes_from_source"]) == (2, 7)
+    assert (reads["file_hits"], reads["file_misses"], reads["bytes_from_source"]) == (1, 2, 7)
 
 
 def test_a_prefetch_hands_over_the_tail_that_fits_and_the_head_is_read_directly(

@@ -60,19 +60,19 @@ def test_the_series_are_the_stats_counters(mount, dataset) -> None:
         ("coordlfs_read_bytes_total", "from", "cache"): reads["bytes_from_cache"],
         ("coordlfs_read_bytes_total", "from", "peers"): reads["bytes_from_peers"],
         ("coordlfs_read_bytes_total", "from", "storage"): reads["bytes_from_source"],
-        ("coordlfs_read_files_total", "from", "cache"): reads["files_from_cache"],
-        ("coordlfs_read_files_total", "from", "peers"): reads["files_from_peers"],
-        ("coordlfs_read_files_total", "from", "storage"): reads["files_from_source"],
-        ("coordlfs_read_requests_total", "result", "hit"): reads["cache_hits"],
-        ("coordlfs_read_requests_total", "result", "miss"): reads["misses"],
+        ("coordlfs_read_files_total", "from", "cache"): reads["file_hits"],
+        ("coordlfs_read_files_total", "from", "peers"): reads["file_peer_hits"],
+        ("coordlfs_read_files_total", "from", "storage"): reads["file_misses"],
+        ("coordlfs_read_requests_total", "result", "hit"): reads["read_hits"],
+        ("coordlfs_read_requests_total", "result", "miss"): reads["read_misses"],
         ("coordlfs_client_reads_total", "result", "hit"): reads["client_hits"],
         ("coordlfs_client_reads_total", "result", "miss"): reads["client_misses"],
         ("coordlfs_client_read_bytes_total", "from", "cache"): reads["client_bytes_from_cache"],
     }
     assert {key: value(samples, key[0], **{key[1]: key[2]}) for key in expected} == expected
-    assert reads["bytes_from_source"] == sum(sizes.values()) and reads["files_from_source"] == 200
+    assert reads["bytes_from_source"] == sum(sizes.values()) and reads["file_misses"] == 200
     assert reads["bytes_from_cache"] > 0 and reads["client_hits"] == 30
-    assert reads["files_from_cache"] == 50  # an open each of a complete entry
+    assert reads["file_hits"] == 50 + 30  # an open each: the mount's and the client's
     for name, key in (("coordlfs_cache_used_bytes", "used_bytes"),
                       ("coordlfs_cache_capacity_bytes", "capacity_bytes"),
                       ("coordlfs_cache_files", "files")):

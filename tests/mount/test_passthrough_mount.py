@@ -33,7 +33,7 @@ needs_passthrough = pytest.mark.skipif(passthrough.available() is not None,
 
 def daemon_reads(m: Mount) -> int:
     reads = m.status()["reads"]
-    return reads["cache_hits"] + reads["misses"]
+    return reads["read_hits"] + reads["read_misses"]
 
 
 def read_every_way(path: Path) -> str:
@@ -71,7 +71,7 @@ def test_a_cached_file_is_read_with_no_read_at_the_daemon(tmp_path: Path, mount)
     assert read_every_way(m.mountpoint / "big.bin") == want["big.bin"]
     assert daemon_reads(m) > before
     stats = run_cli("stats", str(m.mountpoint)).stdout
-    assert "passthrough on: 1 opens read by the kernel from the cache" in stats
+    assert "passthrough on: 1 open read by the kernel from the cache" in stats
 
 
 def change_in_place(path: Path, change: str) -> bytes:
@@ -229,14 +229,14 @@ def test_on_the_stock_pyfuse3_auto_says_why_and_reads_as_before(tmp_path: Path, 
         before = m.status()["reads"]
         assert {n: read_every_way(m.mountpoint / n) for n in sizes} == want, round_
         reads = difference(m.status()["reads"], before)
-        assert reads["passthrough_opens"] == 0 and reads["files_from_source"] >= 1, reads
+        assert reads["passthrough_opens"] == 0 and reads["file_misses"] >= 1, reads
         if round_ == "misses":
-            assert reads["misses"] > 0 and reads["files_from_cache"] == 0, reads
+            assert reads["read_misses"] > 0 and reads["file_hits"] == 0, reads
             wait_for(lambda: m.status()["cache"]["files"] == len(sizes) - 1, "cached")
             drop_caches()  # else the kernel's page cache answers without the daemon
         else:
-            assert reads["files_from_cache"] == len(sizes) - 1 and reads["cache_hits"] > 0, reads
-            assert reads["files_from_source"] == 1, reads  # big.bin, never cached
+            assert reads["file_hits"] == len(sizes) - 1 and reads["read_hits"] > 0, reads
+            assert reads["file_misses"] == 1, reads  # big.bin, never cached
     assert f"passthrough off: {STOCK_WHY}" in run_cli("stats", str(m.mountpoint)).stdout
     logged = [line for line in m.log.read_text().splitlines() if "passthrough off" in line]
     assert len(logged) == 1 and " WARNING " in logged[0], logged

@@ -82,8 +82,10 @@ def test_misses_then_hits_byte_for_byte_with_no_fuse_request(served) -> None:
     assert second["preload_hits"] == len(names)
     assert second["preload_bytes_from_cache"] == sum(
         (m.source / n).stat().st_size for n in names)
-    assert second["passthrough_opens"] == 0 and second["cache_hits"] == 0
-    assert second["files_from_cache"] == len(names)  # the epoch's totals say it too
+    assert second["passthrough_opens"] == 0 and second["read_hits"] == 0
+    # the files counted as any reader's: each open once, whoever served it
+    assert (first["file_misses"], first["file_hits"]) == (len(names), 0)
+    assert second["file_hits"] == len(names) and second["file_misses"] == len(names)
 
 
 @pytest.mark.parametrize("mode", ["fopen", "mmap", "numpy", "threads", "fork", "exec"])

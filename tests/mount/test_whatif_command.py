@@ -46,7 +46,7 @@ def test_whatif_predicts_from_the_marked_epochs(marked, tmp_path: Path) -> None:
     result = run_cli("whatif", str(m.mountpoint), "--json", str(out))
     assert result.returncode == 0, result.stderr
     text = result.stdout
-    assert f"what-if for {m.mountpoint}: 3 epoch(s)" in text
+    assert f"what-if for {m.mountpoint}: 3 epochs" in text
     for heading in ("cache (* now)", "CPUs", "storage speed", "advice   "):
         assert heading in text
     assert "compute per epoch from the step times of trainer" in text
@@ -78,6 +78,35 @@ def test_since_a_mark_and_the_plot(marked, tmp_path: Path) -> None:
     assert [e["name"] for e in data["epochs"]] == ["epoch-2 .. epoch-3", "epoch-3 .. end"]
     if "--plot" in args:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_only_the_marked_epochs_and_the_files_they_opened_count(mount, dataset,
+                                                                tmp_path: Path) -> None:
+    """Issue 35: a warm before the job, a user's marks after it and a file over
+    --max-file-size (never cached, read by the kernel in pieces) made "23 epoch(s)" and a
+    dataset larger than the files. Only the intervals from an epoch-N mark count, and the
+    dataset is the size of the files an epoch opened."""
+    source, sizes = dataset
+    (source / "big.bin").write_bytes(os.urandom(3 << 20))
+    names = [*sorted(sizes), "big.bin"]
+    total = sum(sizes.values()) + (3 << 20)
+    m = mount(source, "--cache-size", str(sum(sizes.values()) // 2), "--max-file-size", "2M")
+    m.control.mark("before-warm")
+    assert run_cli("warm", str(m.mountpoint)).returncode == 0  # its fills: no epoch
+    for epoch in range(1, 3):
+        m.control.mark(f"epoch-{epoch}")
+        read_epoch(m.mountpoint, names)
+    m.control.mark("end")
+    m.control.mark("e1")
+    read_epoch(m.mountpoint, names[:5])
+    m.control.mark("e2")
+    out = tmp_path / "whatif.json"
+    result = run_cli("whatif", str(m.mountpoint), "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert f"what-if for {m.mountpoint}: 2 epochs" in result.stdout
+    data = json.loads(out.read_text())
+    assert [e["name"] for e in data["epochs"]] == ["epoch-1 .. epoch-2", "epoch-2 .. end"]
+    assert data["rates"]["dataset_bytes"] == total
 
 
 def test_bad_input_is_one_line(mount, dataset, tmp_path: Path) -> None:

@@ -328,7 +328,7 @@ def measure_mounts(args: argparse.Namespace, source: Path, names: list[bytes],
                          "a_daemon_cpu_us": round((cpu_of(a.pid) - a_cpu) / n * 1e6, 1),
                          "b_daemon_cpu_us": round((cpu_of(b.pid) - b_cpu) / n * 1e6, 1),
                          "reader_cpu_us": round((time.process_time() - cpu) / n * 1e6, 1)})
-        if a.status()["reads"]["files_from_source"]:
+        if a.status()["reads"]["bytes_from_source"]:
             raise SystemExit("A read files from storage: not a measure of peers")
     return rows
 

@@ -50,18 +50,19 @@ def test_a_miss_fills_the_cache_and_the_next_open_hits(tmp_path: Path,
             assert isinstance(m.reader(fh), CacheReader)
             await m.ops.release(fh)
             await m.filled()
-            assert counted(m) == {"misses": requests(len(data)), "files_from_source": 1,
-                                  "bytes_from_source": len(data)}
+            assert counted(m) == {"read_misses": requests(len(data)), "file_misses": 1,
+                                  "bytes_from_source": len(data), "opened_bytes": len(data)}
             fh = await m.open("a.bin")
             reader = m.reader(fh)
             assert isinstance(reader, CacheReader) and reader.entry is not None
             assert reader.entry.complete
             assert await m.read_all(fh) == data
             await m.ops.release(fh)
-            assert counted(m) == {"misses": requests(len(data)), "files_from_source": 1,
+            assert counted(m) == {"read_misses": requests(len(data)), "file_misses": 1,
                                   "bytes_from_source": len(data),
-                                  "cache_hits": requests(len(data)),
-                                  "bytes_from_cache": len(data), "files_from_cache": 1}
+                                  "read_hits": requests(len(data)),
+                                  "bytes_from_cache": len(data), "file_hits": 1,
+                                  "opened_bytes": 2 * len(data)}
             assert m.cache.data_bytes == len(data)
 
         m.run(body)
@@ -80,7 +81,7 @@ def test_concurrent_openers_of_a_filling_file_share_one_storage_read(
             for fh in (first, second):
                 await m.ops.release(fh)
             await m.filled()
-            assert m.counters.files_from_source == 1
+            assert m.counters.file_misses == 2  # the second opened it filling: not a hit
             assert m.counters.bytes_from_source == len(data)
 
         m.run(body)
@@ -102,8 +103,8 @@ def test_a_failed_fill_hands_its_readers_to_the_source(tmp_path: Path,
             assert isinstance(reader, CacheReader) and reader.holds_bytes
             await m.ops.release(fh)
             assert not m.cache.entries and m.cache.used == 0
-            assert counted(m) == {"misses": requests(len(data)), "files_from_source": 2,
-                                  "bytes_from_source": len(data)}
+            assert counted(m) == {"read_misses": requests(len(data)), "file_misses": 1,
+                                  "bytes_from_source": len(data), "opened_bytes": len(data)}
 
         m.run(body)
 
@@ -123,8 +124,8 @@ def test_a_file_larger_than_the_cache_takes_streams_by_ranges(
             # a request the kernel repeats for the last range costs no storage read
             assert bytes(await m.ops.read(fh, last, CHUNK)) == data[last:]
             await m.ops.release(fh)
-            assert counted(m) == {"misses": requests(len(data)) + 1, "files_from_source": 1,
-                                  "bytes_from_source": len(data)}
+            assert counted(m) == {"read_misses": requests(len(data)) + 1, "file_misses": 1,
+                                  "bytes_from_source": len(data), "opened_bytes": len(data)}
             assert m.cache.used == 0 and not m.cache.entries
 
         m.run(body)
@@ -141,8 +142,9 @@ def test_a_small_file_without_room_is_read_whole_once(tmp_path: Path,
             assert bytes(await m.ops.read(fh, 0, 4096)) == data[:4096]  # asked again
             assert isinstance(m.reader(fh), StreamReader)
             await m.ops.release(fh)
-            assert counted(m) == {"misses": requests(len(data), 4096) + 1,
-                                  "files_from_source": 1, "bytes_from_source": len(data)}
+            assert counted(m) == {"read_misses": requests(len(data), 4096) + 1,
+                                  "file_misses": 1, "bytes_from_source": len(data),
+                                  "opened_bytes": len(data)}
 
         m.run(body)
 
@@ -234,7 +236,8 @@ def test_the_group_window_serves_the_second_member(tmp_path: Path,
             assert await m.read_all(fh) == data
             await m.ops.release(fh)
             assert m.window.used == 0 and m.window.hits == 1
-            assert m.counters.files_from_source == 1
+            # the second member's open was served by the mount's memory: a hit
+            assert (m.counters.file_misses, m.counters.file_hits) == (1, 1)
             assert m.counters.bytes_from_source == len(data)
 
         m.run(body)
@@ -297,8 +300,8 @@ def test_a_peer_ranked_before_this_node_serves_the_file(
             assert isinstance(m.reader(fh), PeerReader)
             await m.ops.release(fh)
             assert link.stats.requests == 1  # a small file whole, in one request
-            assert counted(m) == {"misses": requests(len(data), 4096), "files_from_peers": 1,
-                                  "bytes_from_peers": len(data)}
+            assert counted(m) == {"read_misses": requests(len(data), 4096), "file_peer_hits": 1,
+                                  "bytes_from_peers": len(data), "opened_bytes": len(data)}
             assert not m.cache.entries
 
         m.run(body)
@@ -317,7 +320,7 @@ def test_a_peer_ranked_after_this_node_serves_only_when_the_cache_is_full(
                 assert isinstance(m.reader(fh), chosen), name
                 await m.ops.release(fh)
             await m.filled()
-            assert m.counters.files_from_source == 1 and m.counters.files_from_peers == 1
+            assert m.counters.file_misses == 1 and m.counters.file_peer_hits == 1
 
         m.run(body)
 
@@ -336,8 +339,8 @@ def test_a_peer_that_fails_mid_file_hands_the_rest_to_local_storage(
             assert isinstance(reader, PeerReader)
             await m.ops.release(fh)
             from_peer = STREAM_WHOLE + 2 * CHUNK  # its first answer, at open: the first MiB
-            assert counted(m) == {"misses": requests(size), "files_from_peers": 1,
-                                  "bytes_from_peers": from_peer, "files_from_source": 1,
-                                  "bytes_from_source": size - from_peer}
+            assert counted(m) == {"read_misses": requests(size), "file_peer_hits": 1,
+                                  "bytes_from_peers": from_peer,
+                                  "bytes_from_source": size - from_peer, "opened_bytes": size}
 
         m.run(body)

@@ -60,6 +60,7 @@ def test_parse_size_rejects(text: str) -> None:
     (1, "file", "1 file"), (0, "file", "0 files"), (2, "file", "2 files"),
     (1, "miss", "1 miss"), (3, "miss", "3 misses"), (2, "batch", "2 batches"),
     (2, "entry", "2 entries"), (2, "day", "2 days"), (1, "profiled epoch", "1 profiled epoch"),
+    (3, "epoch", "3 epochs"), (2, "profiled epoch", "2 profiled epochs"),
 ])
 def test_plural(n: int, noun: str, said: str) -> None:
     assert plural(n, noun) == said
@@ -113,12 +114,12 @@ def test_stats_between_marks() -> None:
     stats.reads.bytes_from_source += 100
     stats.mark("epoch1")
     stats.reads.bytes_from_source += 30
-    stats.reads.cache_hits += 2
+    stats.reads.read_hits += 2
     stats.mark("epoch2")
     stats.reads.bytes_from_source += 7
     window = stats.between("epoch1", "epoch2")
     assert window["reads"]["bytes_from_source"] == 30
-    assert window["reads"]["cache_hits"] == 2
+    assert window["reads"]["read_hits"] == 2
     assert stats.between("epoch2", None)["reads"]["bytes_from_source"] == 7
     assert stats.between(None, None)["reads"]["bytes_from_source"] == 137
     with pytest.raises(KeyError):

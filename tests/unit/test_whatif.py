@@ -14,9 +14,25 @@ GB = 1_000_000_000
 S, C, P = 50e6, 800e6, 400e6
 
 
-def _reads(storage: float, cache: float, peers: float = 0) -> dict[str, int]:
+def _reads(storage: float, cache: float, peers: float = 0,
+           opened: float | None = None) -> dict[str, int]:
+    """Counters of reads from each source; the files opened were read whole unless
+    ``opened`` says their size."""
     return {"bytes_from_source": int(storage), "bytes_from_cache": int(cache),
-            "bytes_from_peers": int(peers), "client_bytes_from_cache": 0}
+            "bytes_from_peers": int(peers), "client_bytes_from_cache": 0,
+            "opened_bytes": int(storage + cache + peers if opened is None else opened)}
+
+
+def marks_of(steps: list[tuple[str, float, float, float, float]]) -> list[dict[str, Any]]:
+    """Marks, each followed by ``seconds`` of reads: (name, seconds, storage, cache, opened)
+    per mark, the last one's reads ignored."""
+    marks, now, total = [], 100.0, [0.0, 0.0, 0.0]
+    for name, seconds, storage, cache, opened in steps:
+        marks.append({"name": name, "time": now, "reads": _reads(total[0], total[1], 0,
+                                                                 total[2])})
+        now += seconds
+        total = [total[0] + storage, total[1] + cache, total[2] + opened]
+    return marks
 
 
 def marked_run(epochs: list[tuple[float, float, float]], floor_s: float = 0.0,
@@ -203,3 +219,46 @@ def test_epochs_left_out_do_not_count() -> None:
     rates = whatif.Rates.from_json(data["rates"])
     assert len(data["epochs"]) == 4 and "epochs 4 left out (disturbed)" in rates.assumptions
     assert rates.storage_bps == pytest.approx(S) and rates.cache_bps == pytest.approx(C)
+
+
+def test_only_the_intervals_jobs_marked_as_epochs_count() -> None:
+    """Issue 35: "23 epoch(s)" after a few jobs marked theirs: every interval between any two
+    marks counted. Only an interval from a mark named epoch-N to the next mark is an epoch."""
+    runs = marks_of([("warm", 30.0, GB, 0, 0),  # a warm: fills, no epoch
+                     ("a/epoch-1", GB / S, GB, 0, GB),
+                     ("a/epoch-2", GB / 2 / S + GB / 2 / C, GB / 2, GB / 2, GB),
+                     ("end", 60.0, 3 * GB, 0, 3 * GB),  # between jobs: anything
+                     ("e1", 5.0, 0, GB, GB),  # a user's marks
+                     ("e2", 1.0, 0, 0, 0),
+                     ("Epoch 3", GB / 2 / S + GB / 2 / C, GB / 2, GB / 2, GB),
+                     ("end", 0.0, 0, 0, 0)])
+    epochs = whatif.epoch_intervals(runs, None)
+    assert [e.name for e in epochs] == ["a/epoch-1 .. a/epoch-2", "a/epoch-2 .. end",
+                                        "Epoch 3 .. end"]
+    data = whatif.analyse(status(GB / 2), runs, WINDOW, None, cpus=4)
+    rates = whatif.Rates.from_json(data["rates"])
+    assert (rates.storage_bps, rates.cache_bps) == (pytest.approx(S), pytest.approx(C))
+    assert whatif.format_report(data).startswith("what-if for /mnt/data: 3 epochs, dataset "
+                                                 "953.7 MiB")
+    one = whatif.analyse(status(GB / 2), runs[:3], WINDOW, None, cpus=4)
+    assert "what-if for /mnt/data: 1 epoch, dataset" in whatif.format_report(one)
+
+
+def test_the_dataset_is_the_size_of_the_files_an_epoch_opened() -> None:
+    """Issue 35: a 1.2 GiB dataset was reported as 1.6 GiB: what the epochs read counted (a
+    large uncached file read twice by the kernel's read-ahead and a reader, here), not the
+    files' sizes."""
+    runs = marks_of([("epoch-1", 1.4 * GB / S, 1.4 * GB, 0, GB),
+                     ("epoch-2", 0.9 * GB / S + GB / 2 / C, 0.9 * GB, GB / 2, GB),
+                     ("end", 0.0, 0, 0, 0)])
+    rates = whatif.Rates.from_json(whatif.analyse(status(GB / 2), runs, WINDOW, None, 2)["rates"])
+    assert rates.dataset_bytes == GB
+
+
+def test_without_epoch_marks_the_window_is_one_epoch_and_says_how_to_mark() -> None:
+    runs = marks_of([("e1", 20.0, GB, 0, GB), ("e2", 0.0, 0, 0, 0)])
+    window = {"since": "mount", "until": "now", "seconds": 20.0, "reads": _reads(GB, 0)}
+    data = whatif.analyse(status(GB / 4), runs, window, None, cpus=2)
+    assert [e["name"] for e in data["epochs"]] == ["mount .. now"]
+    assert any("no epoch marked (a mark named epoch-N" in n
+               for n in data["rates"]["assumptions"])
