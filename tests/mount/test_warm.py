@@ -159,19 +159,25 @@ def test_a_second_run_reads_nothing_it_has_and_the_epoch_after_has_no_miss(mount
     assert after["bytes_from_source"] == stored["bytes_from_source"]
 
 
-def test_the_progress_bar_on_a_terminal(mount, source) -> None:
-    """Through a pseudo-terminal: tqdm's bar, with files, bytes, rate and time left."""
-    root, sizes = source
-    m = mount(root, "--cache-size", "64M")
+def _warm_on_terminal(mountpoint: Path) -> str:
+    """What ``coordlfs warm MOUNTPOINT`` wrote on a pseudo-terminal; it must succeed."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: the command on the terminal, never back into pytest
         try:
-            os.execv(sys.executable, [*COORDLFS, "warm", str(m.mountpoint)])
+            os.execv(sys.executable, [*COORDLFS, "warm", str(mountpoint)])
         finally:
             os._exit(127)
     output = _read_terminal(fd)
     _pid, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, output
+    return output
+
+
+def test_the_progress_bar_on_a_terminal(mount, source) -> None:
+    """Through a pseudo-terminal: tqdm's bar, with files, bytes, rate and time left."""
+    root, sizes = source
+    m = mount(root, "--cache-size", "64M")
+    output = _warm_on_terminal(m.mountpoint)
     bar = [line for line in re.split(r"[\r\n]+", output) if line.startswith("warm:")][-1]
     n = len(sizes)
     assert bar.startswith("warm: 100%|"), output
@@ -385,15 +391,7 @@ def test_the_bar_counts_while_walking_and_its_total_is_what_it_reads(mount, sour
     root, sizes = source
     (root / "zz-big").write_bytes(os.urandom(3 << 20))
     m = mount(root, "--cache-size", "64M", "--max-file-size", "1M")
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the command on the terminal, never back into pytest
-        try:
-            os.execv(sys.executable, [*COORDLFS, "warm", str(m.mountpoint)])
-        finally:
-            os._exit(127)
-    output = _read_terminal(fd)
-    _pid, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, output
+    output = _warm_on_terminal(m.mountpoint)
     lines = [line.removeprefix("\x1b[K") for line in re.split(r"[\r\n]+", output)]
     found = [line for line in lines if line.startswith("warm: walking, ")]
     assert found and found[-1].startswith(f"warm: walking, {len(sizes) + 1} files ("), output
