@@ -785,8 +785,8 @@ static void tell_behind(int fd)
 }
 
 /* In a forked child: the parent's connection and names are the parent's (two writers on
- * one stream could interleave), and a lock a thread of the parent held is nobody's (the
- * child has one thread: made anew). */
+ * one stream could interleave), and a lock, a set-up or a reopening a thread of the parent
+ * held is nobody's (the child has one thread): made anew. */
 static void forked(void)
 {
     for (int i = 0; i < mount_count; i++) {
@@ -796,6 +796,10 @@ static void forked(void)
         m->notice_fd = -1;
         m->pending_len = 0;
         pthread_mutex_init(&m->pending_lock, NULL);
+        /* a set-up or a reopening a thread of the parent was in the middle of: done again */
+        int setting_up = 2;
+        atomic_compare_exchange_strong(&m->state, &setting_up, 0);
+        atomic_store(&m->reopening, 0);
     }
 }
 
@@ -820,6 +824,7 @@ static int add_mounts(const char *records)
             field[2][0] == '/') {
             struct mount *m = &mounts[mount_count];
             pthread_mutex_init(&m->pending_lock, NULL);
+            m->dir_fd = m->files_fd = m->source_fd = m->notice_fd = -1; /* none open yet */
             m->point = field[0];
             m->point_len = strlen(field[0]);
             while (m->point_len > 1 && m->point[m->point_len - 1] == '/')

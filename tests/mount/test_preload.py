@@ -359,3 +359,19 @@ def test_cp_copies_a_hit_and_a_miss(served, tmp_path) -> None:
         assert xxhash.xxh64_hexdigest((out / Path(name).name).read_bytes()) == expected[name]
     counted = reads(m)
     assert (counted["preload_hits"], counted["preload_misses"]) == (1, 2)
+
+
+def test_a_forked_child_keeps_its_descriptors(served) -> None:
+    """A child forked before the process opened anything on the mount keeps its stdin: the
+    library's fork handler closes only its own connection (it closed descriptor 0, the
+    unset connection's number, before)."""
+    m, _expected = served
+    script = ("import os\npid = os.fork()\nif pid == 0:\n"
+              "    try:\n        os.fstat(0)\n        os._exit(0)\n"
+              "    except OSError:\n        os._exit(3)\n"
+              "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n")
+    done = subprocess.run([*COORDLFS, "run", "--mount", str(m.mountpoint), "--",
+                           sys.executable, "-c", script], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"
