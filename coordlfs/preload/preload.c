@@ -409,6 +409,17 @@ static int set_up(struct mount *m)
     return 0;
 }
 
+/* What a set-up that failed had opened: closed (the mount goes through the kernel). */
+static void tear_down(struct mount *m)
+{
+    int *fds[] = {&m->dir_fd, &m->files_fd, &m->source_fd};
+    for (size_t i = 0; i < sizeof fds / sizeof *fds; i++) {
+        if (*fds[i] >= 0)
+            real_close(*fds[i]);
+        *fds[i] = -1;
+    }
+}
+
 /* The mount, set up in this process at its first open (other threads wait for that: it is
  * a few system calls); NULL where it cannot be served. */
 static struct mount *ready(struct mount *m)
@@ -422,7 +433,10 @@ static struct mount *ready(struct mount *m)
     int expected = 0;
     if (atomic_compare_exchange_strong(&m->state, &expected, 2)) {
         setting_up = 1;
-        atomic_store_explicit(&m->state, set_up(m) == 0 ? 1 : -1, memory_order_release);
+        int done = set_up(m);
+        if (done != 0)
+            tear_down(m);
+        atomic_store_explicit(&m->state, done == 0 ? 1 : -1, memory_order_release);
         setting_up = 0;
     }
     while ((state = atomic_load_explicit(&m->state, memory_order_acquire)) == 2)
