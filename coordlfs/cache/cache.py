@@ -132,9 +132,11 @@ def _unmap(mapped: mmap.mmap) -> None:
         mapped.close()
 
 
-def _open_files(dir_fd: int, directory: str) -> int:
-    """The entries' directory, made 0700 where absent; never through a link, and never a
-    directory that is not ours (its files are served as cached bytes)."""
+def _open_files(dir_fd: int, directory: str) -> tuple[int, bool]:
+    """The entries' directory, made 0700 where absent, and whether a mount that served other
+    users left it searchable (``coordlfs.cache.public``: its files may be 0444); never
+    through a link, and never a directory that is not ours (its files are served as cached
+    bytes). It is private again when this returns: a mount serving others opens it anew."""
     with contextlib.suppress(FileExistsError):
         os.mkdir(FILES, 0o700, dir_fd=dir_fd)
     try:
@@ -145,11 +147,15 @@ def _open_files(dir_fd: int, directory: str) -> int:
             raise UserError(f"{directory}/{FILES} is not a directory: {_REMEDY}") from None
         raise
     st = os.fstat(fd)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+    if st.st_uid != os.geteuid() or st.st_mode & 0o066:  # search only, at most: public's
         os.close(fd)
         raise UserError(f"{directory}/{FILES} is not a private directory of uid "
                         f"{os.geteuid()}'s: {_REMEDY}")
-    return fd
+    were_public = bool(st.st_mode & 0o011)
+    if were_public:
+        for private in (dir_fd, fd):
+            os.fchmod(private, 0o700)
+    return fd, were_public
 
 
 def create_file(files_fd: int, number: int) -> int:
@@ -212,7 +218,7 @@ class WholeFileCache:
         for index in (INDEX, PUBLIC_INDEX):  # a killed daemon's clients: before its files go
             retire(self.dir_fd, index)
         try:
-            self.files_fd = _open_files(self.dir_fd, directory)
+            self.files_fd, self._were_public = _open_files(self.dir_fd, directory)
         except (OSError, UserError) as e:
             os.close(self.dir_fd)
             if self.own_tmpfs:
@@ -294,6 +300,8 @@ class WholeFileCache:
                 clean = False
                 continue
             files.remove(name)
+            if self._were_public:  # published to others again only if they still may read it
+                os.chmod(name, 0o600, dir_fd=self.files_fd, follow_symlinks=False)
             self.used += pages(sizes[row])
             self.data_bytes += sizes[row]
             self.next_number = numbers[row] + 1

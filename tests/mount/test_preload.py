@@ -375,3 +375,30 @@ def test_a_forked_child_keeps_its_descriptors(served) -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "0"
+
+
+def test_a_cache_that_served_other_users_is_private_again_without_allow_other(
+        mount, tmp_path) -> None:
+    """A cache kept from an --allow-other mount (some of its files 0444, its directories
+    searchable) mounts again, killed or not, and without --allow-other is private again:
+    the mount refused such a directory before ("not a private directory")."""
+    source = tmp_path / "data"
+    source.mkdir()
+    source.chmod(0o755)
+    make_dataset(source, 10)
+    cache = tmp_path / "cache"
+    names = sorted(digests(source))
+    m = mount(source, "--allow-other", "--keep-cache", cache_dir=cache)
+    preloaded("open", m.mountpoint, names)
+    wait_for(lambda: m.status()["shared"]["published_to_all"] == len(names), "public")
+    files = cache / "files"
+    assert any(p.stat().st_mode & 0o004 for p in files.iterdir())
+    os.kill(m.pid, signal.SIGKILL)  # as a killed daemon leaves it
+    force_unmount(m.mountpoint, None)
+    again = mount(source, "--allow-other", "--keep-cache", cache_dir=cache)
+    assert preloaded("open", again.mountpoint, names) == digests(source)
+    force_unmount(again.mountpoint, again.pid)
+    private = mount(source, "--keep-cache", cache_dir=cache)
+    assert private.status()["shared"]["published_to_all"] == 0
+    assert files.stat().st_mode & 0o777 == 0o700 and cache.stat().st_mode & 0o077 == 0
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in files.iterdir())
