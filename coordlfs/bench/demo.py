@@ -1,5 +1,6 @@
-"""Demo: bytes read from storage and time per epoch: the kernel page cache, coordlfs's mount
-and coordlfs's native client.
+"""Demo: bytes read from storage and time per epoch: the kernel page cache, coordlfs's mount,
+coordlfs's native client and a job under ``coordlfs run``, on the disk as it is and on a slow
+source (the disk throttled to ``--slow-bps``, a network filesystem's rate).
 
 A training job reads its whole dataset every epoch in a new random order. When the dataset is
 twice the memory available, the kernel's LRU page cache evicts most items before their next
@@ -23,7 +24,8 @@ sector counter (``/sys/block/<dev>/stat``) goes into the JSON beside it. With ``
 that group is throttled, on both sides alike. Either way the dataset must be on a disk, not
 on tmpfs.
 
-    python -m coordlfs.bench.demo [--files N] [--dir DIR] [--epochs 3] [--json FILE]
+    python -m coordlfs.bench.demo [--files N] [--dir DIR] [--epochs 3] [--slow-bps 50M]
+                                  [--json FILE]
 
 Needs root (dropping caches, cgroups). Whatever happens, the mount and the cgroups it made
 are gone when it exits.
@@ -273,6 +275,10 @@ def run_page_cache(dataset: Dataset, orders: list[list[str]], budget: int,
                            Storage(device, group)), footprint
 
 
+#: The slow source's rate, bytes per second: a network filesystem's, an HDD's.
+SLOW_BPS = 50 << 20
+#: The report's key for each way of reading coordlfs.
+SIDES = {"mount": "coordlfs", "client": "client", "run": "run"}
 #: How a coordlfs side reads the mount: (label, what the progress line says).
 WAYS = {"mount": ("coordlfs", "same reader and "),
         "client": ("client", "reading through coordlfs.client, each epoch's order prefetched; "),
@@ -331,7 +337,9 @@ def prepare(args: argparse.Namespace, workdir: Path) -> Dataset:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """The whole demo; returns the report that ``--json`` writes."""
+    """The whole demo; returns the report that ``--json`` writes: the comparison on the disk
+    as it is (or at ``--read-bps``) at the top, and under ``slow`` the same, but for the
+    client, on the disk throttled to ``--slow-bps`` (a network filesystem's rate)."""
     harness.require_root("the demo", "drops the page cache and makes memory cgroups")
     workdir = harness.work_dir(args.dir)
     device = block_device(workdir)
@@ -343,53 +351,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"the page cache, --cache-size {format_size(budget)} for coordlfs; storage: "
               f"{device.name}", flush=True)
         orders = epoch_orders(dataset, args.epochs, args.seed)
-        page_cache, pc_footprint = run_page_cache(dataset, orders, budget, device,
-                                                  args.read_bps)
-        ours, cl_footprint, status = run_coordlfs(dataset, orders, budget, device,
-                                                  args.read_bps, workdir)
-        client, client_footprint, client_status = run_coordlfs(
-            dataset, orders, budget, device, args.read_bps, workdir, way="client")
-        preloaded = (run_coordlfs(dataset, orders, budget, device, args.read_bps, workdir,
-                                  way="run") if run_command.library() else None)
-    return {
-        "dataset": {"root": str(dataset.root), "files": len(dataset.files),
-                    "bytes": dataset.total_bytes, "reused": dataset.reused,
-                    "spec": asdict(dataset.spec)},
-        "device": device.name,
-        "memory_budget_bytes": budget,
-        "read_bps": args.read_bps,
-        "page_cache": {"reader_footprint_bytes": pc_footprint,
-                       "epochs": [asdict(e) for e in page_cache]},
-        "coordlfs": {"cache_capacity_bytes": status["cache"]["capacity_bytes"],
-                     "passthrough": _passthrough(status),
-                     "cache_used_bytes": ours[-1].cache_used_bytes,
-                     "reader_footprint_bytes": cl_footprint,
-                     "epochs": [asdict(e) for e in ours]},
-        "client": {"cache_capacity_bytes": client_status["cache"]["capacity_bytes"],
-                   "cache_used_bytes": client[-1].cache_used_bytes,
-                   "reader_footprint_bytes": client_footprint,
-                   "epochs": [asdict(e) for e in client]},
-        "later_epochs_ratio": _later_ratio(page_cache, ours),
-        "client_later_epochs_ratio": _later_ratio(page_cache, client),
-        "client_time_ratios": [round(c.seconds / p.seconds, 3)
-                               for p, c in zip(page_cache, client, strict=True)],
-        **_run_side(page_cache, preloaded),
-    }
+        report = {"dataset": {"root": str(dataset.root), "files": len(dataset.files),
+                              "bytes": dataset.total_bytes, "reused": dataset.reused,
+                              "spec": asdict(dataset.spec)},
+                  "device": device.name,
+                  "memory_budget_bytes": budget,
+                  **compare(dataset, orders, budget, device, args.read_bps, workdir,
+                            ("mount", "client", "run"))}
+        if args.slow_bps:
+            print(f"the same on a slow source: {device.name} throttled to "
+                  f"{format_size(args.slow_bps)}/s", flush=True)
+            report["slow"] = compare(dataset, orders, budget, device, args.slow_bps, workdir,
+                                     ("mount", "run"))
+    return report
 
 
-def _run_side(page_cache: list[Epoch], preloaded: tuple[list[Epoch], int, dict[str, Any]] | None
-              ) -> dict[str, Any]:
-    """The report's part for readers under ``coordlfs run``: empty without the library."""
-    if preloaded is None:
-        return {}
-    epochs, footprint, status = preloaded
-    return {"run": {"cache_capacity_bytes": status["cache"]["capacity_bytes"],
-                    "cache_used_bytes": epochs[-1].cache_used_bytes,
-                    "reader_footprint_bytes": footprint,
-                    "epochs": [asdict(e) for e in epochs]},
-            "run_later_epochs_ratio": _later_ratio(page_cache, epochs),
-            "run_time_ratios": [round(r.seconds / p.seconds, 3)
-                                for p, r in zip(page_cache, epochs, strict=True)]}
+def compare(dataset: Dataset, orders: list[list[str]], budget: int, device: BlockDevice,
+            read_bps: int | None, workdir: Path, ways: tuple[str, ...]) -> dict[str, Any]:
+    """The page cache and each way of reading coordlfs (``WAYS``), on storage read at
+    ``read_bps`` (None: as it is): their epochs and ratios, as the report holds them."""
+    page_cache, pc_footprint = run_page_cache(dataset, orders, budget, device, read_bps)
+    part: dict[str, Any] = {"read_bps": read_bps,
+                            "page_cache": {"reader_footprint_bytes": pc_footprint,
+                                           "epochs": [asdict(e) for e in page_cache]}}
+    for way in ways:
+        if way == "run" and run_command.library() is None:
+            continue
+        epochs, footprint, status = run_coordlfs(dataset, orders, budget, device, read_bps,
+                                                 workdir, way=way)
+        side = SIDES[way]
+        part[side] = {"cache_capacity_bytes": status["cache"]["capacity_bytes"],
+                      "cache_used_bytes": epochs[-1].cache_used_bytes,
+                      "reader_footprint_bytes": footprint,
+                      "epochs": [asdict(e) for e in epochs]}
+        if way == "mount":
+            part[side]["passthrough"] = _passthrough(status)
+        prefix = "" if way == "mount" else f"{side}_"
+        part[f"{prefix}later_epochs_ratio"] = _later_ratio(page_cache, epochs)
+        part[f"{prefix}time_ratios"] = [round(c.seconds / p.seconds, 3)
+                                        for p, c in zip(page_cache, epochs, strict=True)]
+    return part
 
 
 def _passthrough(status: dict[str, Any]) -> str:
@@ -442,47 +443,90 @@ def _served_by(epoch: dict[str, Any]) -> str:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """The side-by-side table (bytes from storage and seconds per epoch), the ratio for the
-    epochs after the first, and a sentence per coordlfs side on who wins where."""
+    """Each storage's table and sentences (``format_comparison``), then in plain words
+    when coordlfs wins, by how much, and what it costs on fast local storage."""
+    lines = [format_comparison(report, report, "the disk as it is" if not report["read_bps"]
+                               else f"the disk at {format_size(report['read_bps'])}/s")]
+    if "slow" in report:
+        lines += ["", format_comparison(
+            report, report["slow"],
+            f"a slow source: the disk at {format_size(report['slow']['read_bps'])}/s")]
+    lines += ["", *conclusion(report)]
+    return "\n".join(lines)
+
+
+def format_comparison(report: dict[str, Any], part: dict[str, Any], storage: str) -> str:
+    """One storage's side-by-side table (bytes from storage and seconds per epoch), the
+    ratio for the epochs after the first, and a sentence per coordlfs side on who wins
+    where."""
     total = report["dataset"]["bytes"]
 
     def cell(e: dict[str, Any]) -> str:
         return f"{format_size(e['storage_bytes']):>10} ({e['storage_bytes'] / total:.2f})" \
                f" {e['seconds']:6.2f} s"
 
-    sides = [side for side in ("coordlfs", "client", "run") if side in report]
+    sides = [side for side in ("coordlfs", "client", "run") if side in part]
     titles = {"coordlfs": "coordlfs mount: ditto     ", "client": "coordlfs client: ditto    ",
               "run": "coordlfs run: ditto       "}
-    lines = ["epoch | page cache: from storage, time | "
+    lines = [f"on {storage}:",
+             "epoch | page cache: from storage, time | "
              + " | ".join(titles[side] for side in sides) + " | mount served by",
              "------+--------------------------------+" + "+".join(["-" * 27] * len(sides))
              + "+----------------"]
-    for number, theirs in enumerate(report["page_cache"]["epochs"]):
-        cells = " | ".join(cell(report[side]["epochs"][number]) for side in sides)
+    for number, theirs in enumerate(part["page_cache"]["epochs"]):
+        cells = " | ".join(cell(part[side]["epochs"][number]) for side in sides)
         lines.append(f"{theirs['epoch']:5d} |     {cell(theirs)} | {cells} | "
-                     f"{_served_by(report['coordlfs']['epochs'][number])}")
-    lines.append(f"mount: FUSE passthrough {report['coordlfs']['passthrough']}")
-    ratio = report["later_epochs_ratio"]
-    epochs = len(report["coordlfs"]["epochs"])
+                     f"{_served_by(part['coordlfs']['epochs'][number])}")
+    lines.append(f"mount: FUSE passthrough {part['coordlfs']['passthrough']}")
+    ratio = part["later_epochs_ratio"]
+    epochs = len(part["coordlfs"]["epochs"])
     if ratio is not None:
         later = "epoch 2" if epochs == 2 else f"epochs 2-{epochs}"
-        pc = [e["storage_bytes"] / total for e in report["page_cache"]["epochs"][1:]]
-        cl = [e["storage_bytes"] / total for e in report["coordlfs"]["epochs"][1:]]
+        pc = [e["storage_bytes"] / total for e in part["page_cache"]["epochs"][1:]]
+        cl = [e["storage_bytes"] / total for e in part["coordlfs"]["epochs"][1:]]
         lines.append(f"{later}: coordlfs read {ratio:.2f}x the bytes the page cache read from "
                      f"storage ({sum(cl) / len(cl):.2f} vs {sum(pc) / len(pc):.2f} of the "
                      "dataset per epoch)")
     names = {"coordlfs": "mount", "client": "client", "run": "mount under `coordlfs run`"}
     for side in sides:
-        lines.append(verdict(names[side], report[side]["epochs"],
-                             report["page_cache"]["epochs"]))
-    epochs_all = report["page_cache"]["epochs"] + [
-        e for side in sides for e in report[side]["epochs"]]
+        lines.append(verdict(names[side], part[side]["epochs"], part["page_cache"]["epochs"]))
+    epochs_all = part["page_cache"]["epochs"] + [
+        e for side in sides for e in part[side]["epochs"]]
     others = sum(e["device_bytes"] - e["storage_bytes"] for e in epochs_all)
     if others > 0.05 * total * len(epochs_all):
         lines.append(f"note: {report['device']} served {format_size(others)} more to other "
                      "processes meanwhile; the table counts the demo's own reads only "
                      "(its blkio cgroups)")
     return "\n".join(lines)
+
+
+def conclusion(report: dict[str, Any]) -> list[str]:
+    """When coordlfs wins, by how much, and what it costs, in plain words: the epochs after
+    the first (the cache's) and the first (its cost), of the fastest way it was read."""
+    lines = []
+    parts = [("On the disk as it is", report)] + (
+        [(f"On a source at {format_size(report['slow']['read_bps'])}/s", report["slow"])]
+        if "slow" in report else [])
+    for where, part in parts:
+        side = "run" if "run" in part else "coordlfs"
+        how = "under `coordlfs run`" if side == "run" else "through the mount"
+        theirs, mine = part["page_cache"]["epochs"], part[side]["epochs"]
+        later = (sum(t["seconds"] for t in theirs[1:]) / sum(m["seconds"] for m in mine[1:])
+                 if len(mine) > 1 else None)
+        fewer = part[f"{'' if side == 'coordlfs' else side + '_'}later_epochs_ratio"]
+        first = mine[0]["seconds"] / theirs[0]["seconds"]
+        if later is not None and fewer:
+            gain = (f"{later:.2f}x the page cache's speed in the epochs after the first"
+                    if later >= 1 else f"{1 / later:.2f}x slower than the page cache in the "
+                    "epochs after the first")
+            lines.append(f"{where}, a job {how} ran at {gain}, reading {1 / fewer:.2f}x fewer "
+                         f"bytes from storage; its first epoch took {first:.2f}x the page "
+                         "cache's time.")
+    lines.append("coordlfs wins where storage bounds an epoch: what its cache saves is reads. "
+                 "On fast local storage the CPU bounds it, and the cost is what the daemon's "
+                 "filling takes from the job (the first epoch) and, through the mount, a FUSE "
+                 "round trip per file: `coordlfs run` avoids the round trip.")
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -496,6 +540,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="dataset and shuffle seed")
     parser.add_argument("--read-bps", metavar="SIZE", type=lambda s: parse_size(s, "--read-bps"),
                         help="throttle disk reads to SIZE per second (e.g. 50M, an HDD)")
+    parser.add_argument("--slow-bps", metavar="SIZE", default=SLOW_BPS,
+                        type=lambda s: parse_size(s, "--slow-bps"),
+                        help="also compare on a slow source: the disk throttled to SIZE per "
+                             f"second, a network filesystem's rate (default {SLOW_BPS >> 20}M"
+                             "; 0: not)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     return parser
 

@@ -438,6 +438,15 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert all(e["source_bytes"] < total for e in run["epochs"][1:])
     assert len(report["run_time_ratios"]) == 3
     assert "The mount under `coordlfs run` beats the page cache on time in" in stdout
+    # the same on a slow source: the disk throttled, the page cache, the mount and the run
+    slow = report["slow"]
+    assert slow["read_bps"] == 50 << 20
+    for side in ("page_cache", "coordlfs", "run"):
+        assert [e["epoch"] for e in slow[side]["epochs"]] == [1, 2, 3]
+    assert "client" not in slow
+    assert "on a slow source: the disk at 50.0 MiB/s:" in stdout
+    assert "On a source at 50.0 MiB/s, a job under `coordlfs run` ran at" in stdout
+    assert "coordlfs wins where storage bounds an epoch" in stdout
 
 
 @needs_demo
