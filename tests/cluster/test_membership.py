@@ -114,7 +114,7 @@ def test_a_file_of_nodes_adds_and_removes_nodes_without_a_remount(mount,
         wait_nodes(m.status, three)
     assert c.status()["peers"]["self"] == str(c_) and a.status()["peers"]["changes"] == 1
     shown = run_cli("stats", str(a.mountpoint)).stdout
-    assert f"this node {a_}, 3 nodes from file {listed} (1 changes, as of " in shown
+    assert f"this node {a_}, 3 nodes from file {listed} (1 change, as of " in shown
     moved = [n for n in names if owner(n.encode(), three) != owner(n.encode(), two)]
     assert all(owner(n.encode(), three) == c_ for n in moved)
     assert 0.15 < len(moved) / len(names) < 0.55  # about a third (4 sigma either way)
