@@ -21,6 +21,7 @@ member of an aligned group adds to opening, streaming and closing a file.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -36,6 +37,8 @@ from coordlfs.jobs.window import ReadWindow
 from coordlfs.peers.links import PeerLink, Peers
 from coordlfs.source.source import Source, SourceReader, Version
 from coordlfs.source.threads import in_thread
+
+log = logging.getLogger(__name__)
 
 #: Files up to this size that MinIO does not cache are read from the source whole, on their
 #: first request, and kept by the handle until it is closed: a reader reading in small pieces
@@ -78,6 +81,9 @@ class Reader:
     #: its bytes are the source file's as they are now, read from the descriptor its open
     #: kept: a read is cut at the file's size now (``size``), not at its size at open
     live: bool = False
+    #: the whole file landed in a file of its own, which the kernel may read itself
+    #: (``LandedReader``); -1 if none
+    landed_fd: int = -1
 
     @property
     def holds_bytes(self) -> bool:
@@ -331,6 +337,31 @@ class PeerReader(Held):
             self._local.close()
 
 
+class LandedReader(Reader):
+    """A peer's file whole, landed in a file of its own (``coordlfs.peers.landing``) after
+    its frame's checksum was checked: the open is answered with that file as its backing
+    (``Operations._backing``), so the kernel reads it and no READ reaches the daemon. Should
+    the daemon serve the reads after all (the kernel refused the backing, or another open of
+    the inode decides), they are read from that file."""
+
+    def __init__(self, readers: Readers, fd: int, size: int) -> None:
+        self.readers = readers
+        self.landed_fd = fd
+        self.landed_size = size
+
+    @property
+    def holds_bytes(self) -> bool:
+        return True
+
+    async def read(self, off: int, size: int) -> bytes | memoryview:
+        # the cache's own memory (tmpfs): no storage behind it, so read inline
+        return os.pread(self.landed_fd, max(0, min(size, self.landed_size - off)), off)
+
+    def close(self) -> None:
+        os.close(self.landed_fd)
+        self.readers.peers.landings.closed(self.landed_size)
+
+
 class Readers:
     """Chooses each handle's reader and holds what the readers share."""
 
@@ -389,7 +420,7 @@ class Readers:
         held = await self.peers.held(path, st)  # fetched ahead: the order was handed over
         if held is not None:
             self.peers.counted_file(held[0])
-            return PeerReader(self, handle, held[0], held[1], 0)
+            return self._from_peer(handle, held[0], held[1])
         before, after = (self.peers.candidates(path) if st.st_size <= self.cache.max_file_size
                          else ([], []))
         peer = await self._from_peers(handle, before)
@@ -410,16 +441,28 @@ class Readers:
         peer = await self._from_peers(handle, after)
         return peer if peer is not None else StreamReader(self, handle)
 
-    async def _from_peers(self, handle: Handle, links: list[PeerLink]) -> PeerReader | None:
+    async def _from_peers(self, handle: Handle, links: list[PeerLink]) -> Reader | None:
         """A reader on the first of ``links`` that serves the file's start (a small file
         whole)."""
-        off, size = 0, min(handle.st.st_size, STREAM_WHOLE)
+        size = min(handle.st.st_size, STREAM_WHOLE)
         for link in links:
-            data = await self.peers.read(link, handle.path, handle.st, off, size)
+            data = await self.peers.read(link, handle.path, handle.st, 0, size)
             if data is not None:
                 self.peers.counted_file(link)
-                return PeerReader(self, handle, link, data, off)
+                return self._from_peer(handle, link, data)
         return None
+
+    def _from_peer(self, handle: Handle, link: PeerLink, data: bytes | memoryview) -> Reader:
+        """The reader of a peer's reply (the file's start): the whole file, where the kernel
+        may read it itself, landed for it (``LandedReader``); else held in memory."""
+        if self.behind and handle.member is None and len(data) == handle.st.st_size:
+            try:
+                fd = self.peers.landings.land(self.cache.files_fd, data)
+            except OSError as e:  # the cache's filesystem is full, say: served from memory
+                log.debug("a peer's file not landed: %s", e)
+            else:
+                return LandedReader(self, fd, len(data))
+        return PeerReader(self, handle, link, data, 0)
 
 
 class AlignedReads:
