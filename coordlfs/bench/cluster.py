@@ -95,6 +95,13 @@ class NodeEpoch:
     peer_bytes: int
     #: CPU time of the node's readers and daemon (a busy machine stretches seconds, not this)
     cpu_seconds: float = 0.0
+    #: ... of its daemon alone, and the files its readers got from peers
+    daemon_cpu_seconds: float = 0.0
+    peer_files: int = 0
+    #: of ``storage_bytes``, the files' bytes the mount read from the source (its own count:
+    #: fills, streams, files the kernel read from the source by passthrough); the rest is
+    #: the source's metadata (directories, inodes) and files other than the dataset's
+    data_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -119,6 +126,11 @@ class SystemResult:
         return sum(self.storage(e) for e in range(1, len(self.epochs)))
 
     @property
+    def later_data(self) -> int:
+        """Of ``later_storage``, the dataset's bytes the mounts read (the rest: metadata)."""
+        return sum(n.data_bytes for epoch in self.epochs[1:] for n in epoch)
+
+    @property
     def later_cpu(self) -> float:
         """CPU seconds of every node's readers and daemon after the first epoch."""
         return round(sum(n.cpu_seconds for epoch in self.epochs[1:] for n in epoch), 3)
@@ -126,6 +138,16 @@ class SystemResult:
     @property
     def later_seconds(self) -> float:
         return sum(self.epoch_seconds(e) for e in range(1, len(self.epochs)))
+
+    @property
+    def peer_file_cpu_us(self) -> float | None:
+        """Microseconds of every daemon's CPU after the first epoch per file the nodes got
+        from peers: the asking daemon's and the serving daemon's, and the CPU of the hits
+        beside them (each node caching 1/N, a node's reads are mostly from peers and hits);
+        None without files from peers."""
+        files = sum(n.peer_files for epoch in self.epochs[1:] for n in epoch)
+        cpu = sum(n.daemon_cpu_seconds for epoch in self.epochs[1:] for n in epoch)
+        return round(cpu / files * 1e6, 1) if files else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +262,10 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                 after = [_counters(cgroup, pids, control) for cgroup, pids, control
                          in zip(cgroups, busy, controls, strict=True)]
                 epochs.append([NodeEpoch(round(seconds, 3), round(100 * waited / seconds, 1),
-                                         a[0] - b[0], a[1] - b[1], round(a[2] - b[2], 3))
+                                         a.storage - b.storage, a.peer_bytes - b.peer_bytes,
+                                         round(a.cpu - b.cpu, 3),
+                                         round(a.daemon_cpu - b.daemon_cpu, 3),
+                                         a.peer_files - b.peer_files, a.data - b.data)
                                for (seconds, waited, _got), a, b in zip(done, after, before,
                                                                          strict=True)])
                 _print_epoch(system, epoch, epochs[-1], dataset)
@@ -306,11 +331,27 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _counters(cgroup: Cgroup, busy: list[int], control: Control | None
-              ) -> tuple[int, int, float]:
-    """Bytes a node's group read from storage, bytes from peers, CPU seconds of ``busy``."""
-    return (cgroup.bytes_read(), control.status()["reads"]["bytes_from_peers"] if control else 0,
-            sum(cpu_seconds(pid) for pid in busy))
+@dataclass(frozen=True, slots=True)
+class _Sample:
+    """A node's counters at one moment."""
+
+    #: bytes its group read from storage, and of the dataset's files by its mount
+    storage: int
+    data: int
+    peer_bytes: int
+    peer_files: int
+    #: CPU seconds of its readers and daemon, and of its daemon alone
+    cpu: float
+    daemon_cpu: float
+
+
+def _counters(cgroup: Cgroup, busy: list[int], control: Control | None) -> _Sample:
+    """A node's counters now; ``busy``: its processes, its daemon first if it has one."""
+    reads = control.status()["reads"] if control else {}
+    cpus = [cpu_seconds(pid) for pid in busy]
+    return _Sample(cgroup.bytes_read(), reads.get("bytes_from_source", 0),
+                   reads.get("bytes_from_peers", 0),
+                   reads.get("file_peer_hits", 0), sum(cpus), cpus[0] if control else 0.0)
 
 
 def _print_epoch(system: str, epoch: int, nodes: list[NodeEpoch], dataset: Dataset) -> None:
@@ -438,13 +479,19 @@ def summarize(runs: list[dict[str, SystemResult]]) -> dict[str, Any]:
     storage = [ratio(r["minio"].later_storage, r["minio+peers"].later_storage) for r in runs]
     seconds = [ratio(r["minio"].later_seconds, r["minio+peers"].later_seconds) for r in runs]
     page = [ratio(r["page cache"].later_seconds, r["minio+peers"].later_seconds) for r in runs]
+    per_file = [r["minio+peers"].peer_file_cpu_us for r in runs]
     return {
         "storage_bytes_ratio": median(storage),
         "storage_bytes_ratio_runs": storage,
         "peers_storage_bytes_after_first_epoch": [r["minio+peers"].later_storage for r in runs],
+        # of those, the files' bytes the mounts read; the rest is metadata
+        "peers_data_bytes_after_first_epoch": [r["minio+peers"].later_data for r in runs],
         "minio_storage_bytes_after_first_epoch": [r["minio"].later_storage for r in runs],
         "epoch_time_ratio": median(seconds),
         "epoch_time_ratio_runs": seconds,
+        # beside the ratio: what a file from a peer costs the daemons (hits beside included)
+        "daemon_cpu_us_per_peer_file": median(per_file),
+        "daemon_cpu_us_per_peer_file_runs": per_file,
         "page_cache_epoch_time_ratio": median(page),
         "peers_cpu_seconds_after_first_epoch": [r["minio+peers"].later_cpu for r in runs],
         "minio_cpu_seconds_after_first_epoch": [r["minio"].later_cpu for r in runs],

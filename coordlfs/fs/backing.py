@@ -4,8 +4,9 @@ An open of a complete cache entry is answered with the backing id of the entry's
 (``WholeFileCache.entry_fd``): the kernel then reads that file itself and no READ of the open
 reaches the daemon. An open of a file that neither MinIO nor a peer will hold (no room, too
 big) is answered with the source file itself as its backing (``open_source``): the kernel
-reads it as it reads any file, through its page cache, at the page cache's speed. Every other
-open is direct_io, served by the readers. The kernel's rules (Linux 6.18, measured;
+reads it as it reads any file, through its page cache, at the page cache's speed. An open of
+a peer's file is answered with the file it landed in (``open_landed``). Every other open is
+direct_io, served by the readers. The kernel's rules (Linux 6.18, measured;
 docs/design/passthrough.md) shape the rest:
 
 - an inode takes one backing at a time, and while a passthrough open of it is held, any other
@@ -99,6 +100,20 @@ class Backings:
         self._held[inode] = Held(path, version, backing, None, fd, behind)
         return backing
 
+    def open_landed(self, inode: int, path: bytes, st: os.stat_result, fd: int) -> int:
+        """The backing id to answer an open of ``inode`` (seen as ``st``) with when its bytes
+        are a file of its own the daemon wrote (a peer's file, ``coordlfs.peers.landing``,
+        whose descriptor ``fd`` stays the caller's): that file, 0 for direct_io. The id
+        lives as long as the inode's opens, as a source file's does."""
+        held = self._beside(inode, None)
+        if held is not None:
+            return held
+        backing = self._register(os.dup(fd), path)
+        if not backing:
+            return self._direct(inode)
+        self._held[inode] = Held(path, Version.of(st), backing, None, landed=True)
+        return backing
+
     def _beside(self, inode: int, entry: Entry | None) -> int | None:
         """The answer the opens of ``inode`` the daemon holds already decide for one more:
         the id of its passthrough opens (any other answer would be EIO), or direct_io while
@@ -154,7 +169,9 @@ class Backings:
         if held.opens:
             return
         del self._held[inode]
-        if held.source_fd >= 0:
+        if held.landed:
+            self._close(held.id, held.path)
+        elif held.source_fd >= 0:
             self._close(held.id, held.path)
             try:
                 if held.behind is not None:
@@ -200,3 +217,5 @@ class Held:
     #: what copies a source file's pages into the cache at the last release
     behind: Callable[[int], None] | None = None
     opens: int = 1
+    #: the backing is a file the daemon landed (a peer's file), closed at the last release
+    landed: bool = False

@@ -439,6 +439,8 @@ class Operations(pyfuse3.Operations):
         reads through the daemon (the window, the group's counts)."""
         assert self.backings is not None
         reader, st, counters = handle.reader, handle.st, self.counters
+        if reader.landed_fd >= 0:  # a peer's file: counted as from peers when it came
+            return self.backings.open_landed(handle.inode, handle.path, st, reader.landed_fd)
         if handle.member is None and reader.source_file:
             backing = self.backings.open_source(handle.inode, handle.path, st, reader.behind)
             if backing:

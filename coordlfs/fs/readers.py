@@ -21,8 +21,10 @@ member of an aligned group adds to opening, streaming and closing a file.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import trio
@@ -34,9 +36,15 @@ from coordlfs.jobs.groups import Groups, Member
 from coordlfs.jobs.prefetch import Prefetcher
 from coordlfs.jobs.window import ReadWindow
 from coordlfs.peers.links import PeerLink, Peers
+from coordlfs.peers.wire import MAX_CHUNK
 from coordlfs.source.source import Source, SourceReader, Version
 from coordlfs.source.threads import in_thread
 
+log = logging.getLogger(__name__)
+
+#: Ranges of a large file from a peer (a GET each) asked for ahead of its reader: enough in
+#: flight that the link does not wait a round trip between them (``PeerReader``).
+AHEAD = 8
 #: Files up to this size that MinIO does not cache are read from the source whole, on their
 #: first request, and kept by the handle until it is closed: a reader reading in small pieces
 #: costs one storage read, and a request the kernel repeats (its page was reclaimed before
@@ -78,6 +86,9 @@ class Reader:
     #: its bytes are the source file's as they are now, read from the descriptor its open
     #: kept: a read is cut at the file's size now (``size``), not at its size at open
     live: bool = False
+    #: the whole file landed in a file of its own, which the kernel may read itself
+    #: (``LandedReader``); -1 if none
+    landed_fd: int = -1
 
     @property
     def served(self) -> Outcome:
@@ -310,7 +321,10 @@ class WindowReader(StreamReader):
 
 
 class PeerReader(Held):
-    """A peer's memory, starting from the reply that chose it (a small file whole); once the
+    """A peer's memory, starting from the reply that chose it (a small file whole). The
+    rest of a large file is fetched ``AHEAD`` ranges of a GET each ahead of the reader, so
+    the link carries several at once where one at a time would wait a round trip for each
+    (a reader of a large file from a peer got 0.27 of the protocol's throughput); once the
     peer fails (down, or it no longer holds this version) the rest streams from local
     storage."""
 
@@ -323,22 +337,99 @@ class PeerReader(Held):
         self.handle = handle
         self.link = link
         self._local: StreamReader | None = None
+        #: ranges asked for ahead, by number (offset // MAX_CHUNK)
+        self._ahead: dict[int, _Ahead] = {}
 
     async def read(self, off: int, size: int) -> bytes | memoryview:
         if self._local is None:
             held = self.held(off, size)
             if held is not None:
                 return held
-            data = await self.readers.peers.read(self.link, self.handle.path, self.handle.st,
-                                                 off, size)
+            data = await self._fetched(off, size)
             if data is not None:
-                return self.hold(data, off, off, size)
+                return data
             self._local = StreamReader(self.readers, self.handle)
         return await self._local.read(off, size)
 
+    async def _fetched(self, off: int, size: int) -> memoryview | None:
+        """The range from the ranges asked for ahead (asking for those it needs and the
+        ``AHEAD`` after them); None if the peer did not serve one."""
+        first, last = off // MAX_CHUNK, (off + size - 1) // MAX_CHUNK
+        for number in [n for n in self._ahead if n < first]:  # passed: not read again
+            del self._ahead[number]  # one on its way is dropped when it comes
+        end = -(-self.handle.st.st_size // MAX_CHUNK)
+        for number in range(first, min(end, last + 1 + AHEAD)):
+            if number not in self._ahead:
+                self._ahead[number] = self._ask(number)
+        parts = []
+        for number in range(first, last + 1):
+            ahead = self._ahead[number]
+            await ahead.done.wait()
+            if ahead.data is None:
+                return None
+            parts.append(ahead.data)
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        return self.hold(data, first * MAX_CHUNK, off, size)
+
+    def _ask(self, number: int) -> _Ahead:
+        """Start fetching range ``number`` of the file."""
+        ahead = _Ahead(trio.Event())
+        start = number * MAX_CHUNK
+        length = min(MAX_CHUNK, self.handle.st.st_size - start)
+
+        async def fetch() -> None:
+            # never cancelled (a request cut in its send would put the link out of step):
+            # one no longer wanted ends within the peer timeout, and its bytes are dropped
+            try:
+                ahead.data = await self.readers.peers.read(self.link, self.handle.path,
+                                                           self.handle.st, start, length)
+            finally:
+                ahead.done.set()
+
+        assert self.readers.nursery is not None
+        self.readers.nursery.start_soon(fetch)
+        return ahead
+
     def close(self) -> None:
+        self._ahead.clear()
         if self._local is not None:
             self._local.close()
+
+
+@dataclass(eq=False, slots=True)
+class _Ahead:
+    """A range of a large file asked of a peer ahead of its reader (``PeerReader``)."""
+
+    done: trio.Event
+    #: its bytes once they came; None if the peer did not serve them (or not yet)
+    data: bytes | bytearray | None = None
+
+
+class LandedReader(Reader):
+    """A peer's file whole, landed in a file of its own (``coordlfs.peers.landing``) after
+    its frame's checksum was checked: the open is answered with that file as its backing
+    (``Operations._backing``), so the kernel reads it and no READ reaches the daemon. Should
+    the daemon serve the reads after all (the kernel refused the backing, or another open of
+    the inode decides), they are read from that file."""
+
+    def __init__(self, readers: Readers, fd: int, size: int) -> None:
+        self.readers = readers
+        self.landed_fd = fd
+        self.landed_size = size
+
+    served = Outcome.PEER_HIT
+
+    @property
+    def holds_bytes(self) -> bool:
+        return True
+
+    async def read(self, off: int, size: int) -> bytes | memoryview:
+        # the cache's own memory (tmpfs): no storage behind it, so read inline
+        return os.pread(self.landed_fd, max(0, min(size, self.landed_size - off)), off)
+
+    def close(self) -> None:
+        os.close(self.landed_fd)
+        self.readers.peers.landings.closed(self.landed_size)
 
 
 class Readers:
@@ -403,7 +494,7 @@ class Readers:
         held = await self.peers.held(path, st)  # fetched ahead: the order was handed over
         if held is not None:
             self.peers.served_file(held[0])
-            return PeerReader(self, handle, held[0], held[1], 0)
+            return self._from_peer(handle, held[0], held[1])
         before, after = (self.peers.candidates(path) if st.st_size <= self.cache.max_file_size
                          else ([], []))
         peer = await self._from_peers(handle, before)
@@ -424,16 +515,28 @@ class Readers:
         peer = await self._from_peers(handle, after)
         return peer if peer is not None else StreamReader(self, handle)
 
-    async def _from_peers(self, handle: Handle, links: list[PeerLink]) -> PeerReader | None:
+    async def _from_peers(self, handle: Handle, links: list[PeerLink]) -> Reader | None:
         """A reader on the first of ``links`` that serves the file's start (a small file
         whole)."""
-        off, size = 0, min(handle.st.st_size, STREAM_WHOLE)
+        size = min(handle.st.st_size, STREAM_WHOLE)
         for link in links:
-            data = await self.peers.read(link, handle.path, handle.st, off, size)
+            data = await self.peers.read(link, handle.path, handle.st, 0, size)
             if data is not None:
                 self.peers.served_file(link)
-                return PeerReader(self, handle, link, data, off)
+                return self._from_peer(handle, link, data)
         return None
+
+    def _from_peer(self, handle: Handle, link: PeerLink, data: bytes | memoryview) -> Reader:
+        """The reader of a peer's reply (the file's start): the whole file, where the kernel
+        may read it itself, landed for it (``LandedReader``); else held in memory."""
+        if self.behind and handle.member is None and len(data) == handle.st.st_size:
+            try:
+                fd = self.peers.landings.land(self.cache.files_fd, data)
+            except OSError as e:  # the cache's filesystem is full, say: served from memory
+                log.debug("a peer's file not landed: %s", e)
+            else:
+                return LandedReader(self, fd, len(data))
+        return PeerReader(self, handle, link, data, 0)
 
 
 class AlignedReads:

@@ -42,15 +42,14 @@ import trio
 
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.peers.budget import DEFAULT_LIMIT, Budget
+from coordlfs.peers.landing import Landings
 from coordlfs.peers.placement import Address, Resolved, find_self, owner, ranking, resolve
 from coordlfs.peers.wire import (
     MAX_CHUNK,
     Fail,
-    Frame,
     FrameStream,
     Get,
     GetMany,
-    IdleTimeout,
     Kind,
     ProtocolError,
     TurnedAway,
@@ -112,6 +111,8 @@ class PeerStats:
 @dataclass(slots=True)
 class _Pending:
     done: trio.Event
+    #: when the reply is late (trio's clock): the receive task fails the link then
+    deadline: float
     kind: Kind | None = None
     payload: bytes | bytearray = b""
     error: str = ""
@@ -142,6 +143,9 @@ class PeerLink:
         self.retired = False
         #: where the peer's name resolved to, until a connection there fails
         self._where: Resolved | None = None
+        #: the receive task's scope: its deadline is the oldest request's, else the idle
+        #: close's (one scope per connection, moved, rather than one per request and wait)
+        self._watch: trio.CancelScope | None = None
 
     @property
     def state(self) -> str:
@@ -211,14 +215,15 @@ class PeerLink:
             stream = await self._connected()
             request_id = self._next_id
             self._next_id = self._next_id % 0xFFFFFFFF + 1
-            pending = self._pending[request_id] = _Pending(trio.Event())
+            deadline = trio.current_time() + self.timeout
+            pending = self._pending[request_id] = _Pending(trio.Event(), deadline)
+            self._watch_until(deadline)
             self.stats.requests += 1
             if self.budget is not None:
                 self.budget.used(self)
-            try:
-                with trio.move_on_after(self.timeout):
-                    await stream.send(kind, request_id, payload)
-                    await pending.done.wait()
+            try:  # the receive task answers it, or fails it once it is late
+                await stream.send(kind, request_id, payload)
+                await pending.done.wait()
             except (trio.BrokenResourceError, trio.ClosedResourceError) as e:  # closed under it
                 await self._lose(stream, f"sending failed: {_describe(e)}")
             except Exception as e:  # the send timed out, or a bug
@@ -227,8 +232,6 @@ class PeerLink:
                 self._pending.pop(request_id, None)
                 if not self._pending and self.budget is not None:
                     self.budget.went_idle()
-            if not pending.done.is_set():
-                await self._fail(stream, f"no reply within {self.timeout:g} s")
             if pending.lost and not last_try:
                 log.debug("peer %s: %s; asking again", self.address, pending.error)
                 continue
@@ -324,29 +327,26 @@ class PeerLink:
         return trio.SocketStream(sock)
 
     async def _receive(self, stream: FrameStream) -> None:
-        """Hand each reply to the request that waits for it, until the connection fails or
-        stays idle (then it is closed without marking the peer down)."""
+        """Hand each reply to the request that waits for it, until the connection fails, a
+        request is late (the peer goes down) or it stays idle (then it is closed without
+        marking the peer down)."""
         try:
-            while (frame := await self._next_frame(stream)) is not None:
-                if frame.kind not in (Kind.DATA, Kind.FAIL, Kind.FILES):
-                    raise ProtocolError(f"unexpected {frame.kind.name} frame")
-                if self._features is None:  # the first frame: the features, if any
-                    self._features = (decode_features(frame.payload) if frame.request_id == 0
-                                      and frame.kind == Kind.DATA else frozenset())
-                    self._first_frame.set()
-                pending = self._pending.get(frame.request_id)
-                if pending is None:
-                    continue  # its reader gave up (timeout); the link is being closed anyway
-                pending.kind, pending.payload = frame.kind, frame.payload
-                pending.done.set()
+            while True:
+                with trio.CancelScope(deadline=self._next_deadline()) as self._watch:
+                    await self._replies(stream)
+                if not self._watch.cancelled_caught:  # the end of the stream
+                    break
+                if self._late():
+                    await self._fail(stream, f"no reply within {self.timeout:g} s")
+                    return
+                if not self._pending:
+                    await self._close_idle(stream, "idle")
+                    return
+                # a request came as the idle time ran out: watch for its reply
             if self._waiting():
                 await self._lose(stream, "connection closed by the peer")
             else:
                 await self._close_idle(stream, "closed by the peer while idle")
-            return
-            return
-        except IdleTimeout:
-            await self._close_idle(stream, "idle")
             return
         except trio.BrokenResourceError as e:  # reset: the peer closed it with bytes unread
             await self._lose(stream, _describe(e))
@@ -355,15 +355,48 @@ class PeerLink:
             reason = _describe(e)
         await self._fail(stream, reason)
 
-    async def _next_frame(self, stream: FrameStream) -> Frame | None:
-        """The next frame; IdleTimeout once nothing has been in flight for half the
-        server's idle timeout."""
-        while True:
-            try:
-                return await stream.receive(idle_timeout(self.timeout) / 2)
-            except IdleTimeout:
-                if not self._pending:
-                    raise
+    async def _replies(self, stream: FrameStream) -> None:
+        """Hand replies over until the end of the stream or the watch's deadline."""
+        while (frame := await stream.receive()) is not None:
+            if frame.kind not in (Kind.DATA, Kind.FAIL, Kind.FILES):
+                raise ProtocolError(f"unexpected {frame.kind.name} frame")
+            if self._features is None:  # the first frame: the features, if any
+                self._features = (decode_features(frame.payload) if frame.request_id == 0
+                                  and frame.kind == Kind.DATA else frozenset())
+                self._first_frame.set()
+            pending = self._pending.get(frame.request_id)
+            if pending is None:
+                continue  # its reader gave up (timeout); the link is being closed anyway
+            pending.kind, pending.payload = frame.kind, frame.payload
+            pending.done.set()
+            self._watch_again()
+
+    def _next_deadline(self) -> float:
+        """The oldest waiting request's deadline, else when an idle connection is closed
+        (half the server's idle timeout: before the server would)."""
+        for pending in self._pending.values():
+            if not pending.done.is_set():
+                return pending.deadline
+        return trio.current_time() + idle_timeout(self.timeout) / 2
+
+    def _watch_until(self, deadline: float) -> None:
+        """A request was sent that is late at ``deadline``."""
+        if self._watch is not None and deadline < self._watch.deadline:
+            self._watch.deadline = deadline
+
+    def _watch_again(self) -> None:
+        """A reply came: watch for the next one, or, with none waiting, for the idle close
+        (moved later at most once a second, not at every reply)."""
+        assert self._watch is not None
+        deadline = self._next_deadline()
+        if deadline < self._watch.deadline or deadline > self._watch.deadline + 1:
+            self._watch.deadline = deadline
+
+    def _late(self) -> bool:
+        """Whether a request waits for its reply past its deadline."""
+        now = trio.current_time()
+        return any(not pending.done.is_set() and pending.deadline <= now
+                   for pending in self._pending.values())
 
     async def _close_idle(self, stream: FrameStream, why: str) -> None:
         """Close an idle connection: not a fault, the next request reconnects."""
@@ -485,6 +518,8 @@ class Peers:
                       for node in nodes if node != me}
         #: files of a known order fetched ahead of the readers; set by the daemon
         self.hold: Hold | None = None
+        #: the peers' files landed here for the kernel to read (``coordlfs.peers.landing``)
+        self.landings = Landings()
         self._nursery: trio.Nursery | None = None
 
     async def replace(self, nodes: tuple[Address, ...]) -> None:
@@ -636,4 +671,5 @@ class Peers:
                 "source": self.source, "changes": self.changes,
                 "changed_at": round(self.changed_at, 3),
                 "links": {str(a): link.status() for a, link in self.links.items()},
-                "held": self.hold.status() if self.hold is not None else None}
+                "held": self.hold.status() if self.hold is not None else None,
+                "landed": self.landings.status()}

@@ -72,12 +72,14 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import fcntl
 import hashlib
 import hmac
 import math
 import os
 import secrets
+import socket
 import struct
 import sys
 import termios
@@ -92,6 +94,28 @@ from coordlfs.protocol.spec import WARM_COUNTS
 
 #: What a frame's payload, or a part of it, may be.
 Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class FilePart:
+    """A part of a payload that is a range of a file (a complete cache entry's): sent by
+    ``sendfile``, the kernel moving the file's pages to the socket with no copy through
+    Python. ``view`` is the same bytes mapped (the cache's mapping of the file), which the
+    frame's checksum is taken from before the first await; the file must not change (a
+    complete entry's never does: a dropped one is unlinked, never rewritten)."""
+
+    fd: int
+    offset: int
+    view: memoryview
+    #: the checksum of ``view``, if known (a frame of this part alone is sent with it)
+    digest: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+
+#: A part of a payload as ``FrameStream.send`` takes it.
+Part = Buffer | FilePart
 
 MAGIC = b"CLFP"
 VERSION = 1
@@ -220,24 +244,22 @@ class FrameStream:
         self._send_lock = trio.Lock()
 
     async def send(self, kind: Kind, request_id: int,
-                   payload: Buffer | Sequence[Buffer] = b"") -> None:
+                   payload: Part | Sequence[Part] = b"") -> None:
         """Send one frame, never interleaved with another's bytes. The payload may come in
-        parts (a batch's files, views of the cache): the checksum is taken over them before
-        the first await, and they go out as they are, in one ``writev`` where the stream is
-        a socket, rather than copied behind its header."""
-        parts = [payload] if isinstance(payload, Buffer) else list(payload)
+        parts (a batch's files, views of the cache, ranges of the cache's files): the
+        checksum is taken over them before the first await, and they go out as they are
+        (buffers in one ``sendmsg``, file ranges by ``sendfile``) where the stream is a
+        socket, rather than copied behind its header."""
+        parts = [payload] if isinstance(payload, Part) else list(payload)
         length = sum(map(len, parts))
         if length > MAX_PAYLOAD:
             raise ValueError(f"payload of {length} bytes exceeds {MAX_PAYLOAD}")
         if not 0 <= request_id < 1 << 32:
             raise ValueError(f"request id {request_id} out of range")
-        digest = xxhash.xxh64()
-        for part in parts:
-            digest.update(part)
         parts.insert(0, HEADER.pack(MAGIC, VERSION, kind, request_id, length,
-                                    digest.intdigest()))
+                                    _digest(parts)))
         if len(parts) > _MAX_PARTS:
-            parts = [b"".join(parts)]
+            parts = [_joined(parts)]
         try:  # taken at once unless another send waits for the socket: no await then
             self._send_lock.acquire_nowait()
         except trio.WouldBlock:
@@ -250,28 +272,59 @@ class FrameStream:
         finally:
             self._send_lock.release()
 
-    async def _send_parts(self, parts: list[Buffer], deadline: float) -> None:
+    async def _send_parts(self, parts: list[Part], deadline: float) -> None:
         if self._socket is None:
             with trio.move_on_at(deadline) as scope:
-                await self.stream.send_all(b"".join(parts))
+                await self.stream.send_all(_joined(parts))
             if scope.cancelled_caught:
                 raise _Late
             return
-        views = [memoryview(part) for part in parts if len(part)]
+        runs = _runs(parts)
+        for i, run in enumerate(runs):
+            more = i + 1 < len(runs)  # the header does not go out alone
+            try:
+                if isinstance(run, FilePart):
+                    await self._send_file(run, deadline)
+                else:
+                    await self._send_buffers(run, more, deadline)
+            except OSError as e:  # as SocketStream.send_all says it
+                raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
+
+    async def _send_buffers(self, views: list[memoryview], more: bool, deadline: float) -> None:
+        """Buffers in one ``sendmsg`` (continued where the socket took part of them), with
+        MSG_MORE when a file's range follows, so that the two leave as one segment."""
+        flags = socket.MSG_MORE if more else 0
         while views:
             try:
-                sent = os.writev(self._fd(), views)
+                sent = self._stdlib_socket().sendmsg(views, (), flags)
             except BlockingIOError:
                 await self._wait(trio.lowlevel.wait_writable, deadline)
                 continue
-            except OSError as e:  # as SocketStream.send_all says it
-                raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
             while sent:
                 if sent >= len(views[0]):
                     sent -= len(views.pop(0))
                 else:
                     views[0] = views[0][sent:]
                     sent = 0
+
+    async def _send_file(self, part: FilePart, deadline: float) -> None:
+        """A file's range by ``sendfile``: its pages go to the socket, not through Python."""
+        offset, end = part.offset, part.offset + len(part.view)
+        while offset < end:
+            try:
+                sent = os.sendfile(self._fd(), part.fd, offset, end - offset)
+            except BlockingIOError:
+                await self._wait(trio.lowlevel.wait_writable, deadline)
+                continue
+            if not sent:  # the file is shorter than its view said: the frame is torn
+                raise OSError(errno.EIO, "a file sent ended early")
+            offset += sent
+
+    def _stdlib_socket(self) -> socket.socket:
+        """The standard library's socket under the trio socket (``sendmsg`` with flags,
+        without trio's pass through the scheduler); ClosedResourceError once closed."""
+        self._fd()
+        return self._socket._sock  # trio keeps it there, as its own methods use it
 
     async def receive(self, idle_timeout: float = math.inf) -> Frame | None:
         """The next frame, or None when the peer closed the connection between frames.
@@ -394,6 +447,37 @@ class FrameStream:
 
     async def aclose(self) -> None:
         await self.stream.aclose()
+
+
+def _digest(parts: list[Part]) -> int:
+    """The checksum of a payload in parts: known already for a file's range sent alone."""
+    if len(parts) == 1 and isinstance(parts[0], FilePart) and parts[0].digest is not None:
+        return parts[0].digest
+    digest = xxhash.xxh64()
+    for part in parts:
+        digest.update(part.view if isinstance(part, FilePart) else part)
+    return digest.intdigest()
+
+
+def _joined(parts: list[Part]) -> bytes:
+    """The parts as one buffer (a stream that is not a socket, or too many parts)."""
+    return b"".join(part.view if isinstance(part, FilePart) else part for part in parts)
+
+
+def _runs(parts: list[Part]) -> list[list[memoryview] | FilePart]:
+    """The parts cut into what goes out by one call each: file ranges alone, the buffers
+    between them together (at most ``_MAX_PARTS``); empty buffers dropped."""
+    runs: list[list[memoryview] | FilePart] = []
+    for part in parts:
+        if isinstance(part, FilePart):
+            runs.append(part)
+        elif len(part):
+            if not runs or isinstance(runs[-1], FilePart):
+                runs.append([])
+            last = runs[-1]
+            assert isinstance(last, list)
+            last.append(memoryview(part))
+    return runs
 
 
 def encode_frame(kind: Kind, request_id: int, payload: bytes) -> bytes:
@@ -634,11 +718,11 @@ class GetMany:
         return answers
 
 
-def encode_files(answers: list[tuple[Kind, Buffer]]) -> list[Buffer]:
+def encode_files(answers: list[tuple[Kind, Part]]) -> list[Part]:
     """A FILES payload, in parts (``FrameStream.send`` sends them without joining them),
-    from each file's answer as a GET would have it: DATA and its bytes, or FAIL and its
-    payload (code and message)."""
-    parts: list[Buffer] = []
+    from each file's answer as a GET would have it: DATA and its bytes (or its range of a
+    cache file), or FAIL and its payload (code and message)."""
+    parts: list[Part] = []
     for kind, payload in answers:
         if kind == Kind.DATA:
             parts += [FILES_ENTRY.pack(0, len(payload)), payload]

@@ -377,6 +377,7 @@ def test_a_misbehaving_peer_never_fails_a_read(mount, tmp_path: Path, mode: str)
         link = a.status()["peers"]["links"][f"127.0.0.1:{ports[1]}"]
         assert link["failures"] >= 1 and link["last_error"]
         assert reads(a)["bytes_from_peers"] == 0
+        assert a.status()["peers"]["landed"]["files"] == 0  # nothing of a lie lands
 
 
 def test_a_peer_with_another_version_of_a_file_is_never_used(mount, tmp_path: Path) -> None:

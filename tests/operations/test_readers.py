@@ -26,7 +26,7 @@ from coordlfs.fs.readers import (
 from coordlfs.jobs.groups import Member
 from coordlfs.peers.links import PeerDown, PeerLink, Peers
 from coordlfs.peers.placement import parse_address
-from coordlfs.peers.wire import Get, Kind
+from coordlfs.peers.wire import MAX_CHUNK, Get, Kind
 
 MiB = 1 << 20
 
@@ -327,7 +327,7 @@ def test_a_peer_ranked_after_this_node_serves_only_when_the_cache_is_full(
 
 def test_a_peer_that_fails_mid_file_hands_the_rest_to_local_storage(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    size = 2 * MiB
+    size = 4 * MiB  # its first MiB at open, then the rest asked ahead a MiB a request
     data = write_files(tmp_path / "src", {"big.bin": size})["big.bin"]
     link = FakeLink({b"big.bin": data}, answers=3)
     with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch,
@@ -338,7 +338,7 @@ def test_a_peer_that_fails_mid_file_hands_the_rest_to_local_storage(
             reader = m.reader(fh)
             assert isinstance(reader, PeerReader)
             await m.ops.release(fh)
-            from_peer = STREAM_WHOLE + 2 * CHUNK  # its first answer, at open: the first MiB
+            from_peer = STREAM_WHOLE + 2 * MAX_CHUNK  # at open, then two ranges ahead
             assert counted(m) == {"read_misses": requests(size), "file_peer_hits": 1,
                                   "bytes_from_peers": from_peer,
                                   "bytes_from_source": size - from_peer, "opened_bytes": size}
