@@ -12,13 +12,15 @@ file, not the machine's whole page cache). On a virtual machine the host caches 
 and a run right after another read the file faster (seen here: 500 -> 2,200 MB/s over six
 alternated cold reads): so before every run the whole file is read once with ``O_DIRECT``
 (past the page cache), and each run starts from the same state, the disk's cache warm and
-the page cache cold. A random reader reads ``bigfile.RANDOM_BYTES`` at most. Ratios are taken
-run by run against the source read in the same repeat, and their medians reported, with the
-daemon's CPU time per run. The goal: coordlfs with passthrough >= 0.9x the source in every
-pattern and reader count.
+the page cache cold. With ``--warm`` the file is in the page cache instead (read once
+through the source before every run, each mount's own pages dropped): the disk out of the
+figures, what is left is the read path itself. A random reader reads
+``bigfile.RANDOM_BYTES`` at most. Ratios are taken run by run against the source read in the
+same repeat, and their medians reported, with the daemon's CPU time per run. The goal:
+coordlfs with passthrough >= 0.9x the source in every pattern and reader count.
 
     coordlfs bench uncached [--size 768M] [--readers 1,4] [--why max-file-size|no-cache]
-        [--repeat 3] [--work DIR] [--json FILE]
+        [--warm] [--repeat 3] [--work DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--why", choices=list(WHY), default="max-file-size",
                         help="why the cache does not keep it: above --max-file-size (the "
                              "default) or a mount with --cache-size 0")
+    parser.add_argument("--warm", action="store_true",
+                        help="read with the file in the page cache (default: cold, the disk's "
+                             "cache warm)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs of every system; medians are reported (default 3)")
     parser.add_argument("--work", default=DEFAULT_WORK,
@@ -82,14 +87,15 @@ def run(args: argparse.Namespace) -> int:
     with harness.claimed(work, "bench uncached"):
         source = _the_file(work / "source", size)
         print(f"file {source}: {format_size(size)}, not cached ({args.why}); readers "
-              f"{','.join(map(str, readers))}", flush=True)
+              f"{','.join(map(str, readers))}; {'warm' if args.warm else 'cold'}", flush=True)
         with _mounts(work, source.parent, WHY[args.why]) as mounts:
-            runs = _measure(mounts, source, size, readers, args.repeat, work)
+            runs = _measure(mounts, source, size, readers, args.repeat, work, args.warm)
     summary = summarize(runs, readers)
     print(format_table(summary, readers))
     print(f"goal: coordlfs passthrough >= {GOAL}x the source everywhere: "
           f"{'met' if summary['goal_met'] else 'missed'}")
     harness.write_report(args.json, {"settings": harness.plain_settings(args),
+                                     "load_average": os.getloadavg(),
                                      "file_bytes": size, "summary": summary})
     return 0
 
@@ -121,7 +127,7 @@ def _mounts(work: Path, source: Path, options: tuple[str, ...]
 
 
 def _measure(mounts: dict[str, tuple[Path, int | None]], source: Path, size: int,
-             readers: tuple[int, ...], repeat: int, scratch: Path
+             readers: tuple[int, ...], repeat: int, scratch: Path, warm: bool
              ) -> list[dict[str, dict[str, Any]]]:
     """Per repeat, per measurement key: each system's GB/s and daemon CPU seconds."""
     runs = []
@@ -133,7 +139,7 @@ def _measure(mounts: dict[str, tuple[Path, int | None]], source: Path, size: int
                 cell = run.setdefault(bigfile.key(pattern, count), {})
                 for system in order:
                     directory, pid = mounts[system]
-                    _level(source, [str(mounts[s][0] / source.name) for s in SYSTEMS])
+                    _level(source, [str(mounts[s][0] / source.name) for s in SYSTEMS], warm)
                     cpu = cpu_seconds(pid) if pid is not None else 0.0
                     rate = bigfile.measure(str(directory / source.name), pattern, count, size,
                                            scratch)
@@ -143,11 +149,19 @@ def _measure(mounts: dict[str, tuple[Path, int | None]], source: Path, size: int
     return runs
 
 
-def _level(source: Path, paths: list[str]) -> None:
+def _level(source: Path, paths: list[str], warm: bool) -> None:
     """The same start for every run: ``source`` read whole past the page cache (``O_DIRECT``:
     whatever the disk or the host caches of it is warm), then the file's pages dropped at
-    each of ``paths`` (the source's, and each mount's own)."""
-    fd = os.open(source, os.O_RDONLY | os.O_DIRECT)
+    each of ``paths`` (the source's, and each mount's own); ``warm``: then read whole into
+    the page cache, through the source."""
+    _read_whole(source, os.O_DIRECT)
+    evict(paths)
+    if warm:
+        _read_whole(source, 0)
+
+
+def _read_whole(source: Path, flags: int) -> None:
+    fd = os.open(source, os.O_RDONLY | flags)
     try:
         buffer = mmap.mmap(-1, LEVEL_CHUNK)
         with buffer:
@@ -155,7 +169,6 @@ def _level(source: Path, paths: list[str]) -> None:
                 pass
     finally:
         os.close(fd)
-    evict(paths)
 
 
 def summarize(runs: list[dict[str, dict[str, Any]]], readers: tuple[int, ...]
