@@ -3,24 +3,24 @@
 A file above ``--max-file-size`` (or any file of a mount with ``--cache-size 0``) is never
 cached: with FUSE passthrough the open is answered with the source file itself as its backing
 and the kernel reads it as it reads the source (issue 33, item 3); without it the daemon
-streams it (``coordlfs.fs.readers.StreamReader``). fio reads the file (1 MiB sequential and
-4 KiB random reads, ``psync``, as ``coordlfs.bench.bigfile`` does) from the source directly,
+streams it (``coordlfs.fs.readers.StreamReader``). fio reads the file (1 MiB sequential and 4
+KiB random reads, ``psync``, as ``coordlfs.bench.bigfile`` does) from the source directly,
 through coordlfs with passthrough and through coordlfs classic (``--passthrough no``), one
 after the other in each repeat (their order rotated run by run), each cold: the file's pages
 are dropped before every run (``POSIX_FADV_DONTNEED`` on the source file and on the mounts'
-file, not the machine's whole page cache). On a virtual machine the host caches the disk too,
-and a run right after another read the file faster (seen here: 500 -> 2,200 MB/s over six
-alternated cold reads): so before every run the whole file is read once with ``O_DIRECT``
-(past the page cache), and each run starts from the same state, the disk's cache warm and
-the page cache cold. With ``--warm`` the file is in the page cache instead (read once
-through the source before every run, each mount's own pages dropped): the disk out of the
-figures, what is left is the read path itself. A random reader reads
-``bigfile.RANDOM_BYTES`` at most. Ratios are taken run by run against the source read in the
-same repeat, and their medians reported, with the daemon's CPU time per run. The goal:
-coordlfs with passthrough >= 0.9x the source in every pattern and reader count.
+file, not the machine's whole page cache). Random runs read for ``SECONDS`` (and sequential
+ones when warm); a cold sequential run reads the file once. On a virtual machine the host
+caches the disk too, and a run right after another read the file faster (seen here: 500 ->
+2,200 MB/s over six alternated cold reads): so before every run the whole file is read once
+with ``O_DIRECT`` (past the page cache), and each run starts from the same state, the disk's
+cache warm and the page cache cold. With ``--warm`` the file is in the page cache instead (read
+once through the source before every run, each mount's own pages dropped): the disk out of the
+figures, what is left is the read path itself. Ratios are taken run by run against the source
+read in the same repeat, and their medians reported, with the daemon's CPU time per run. The
+goal: coordlfs with passthrough >= 0.9x the source in every pattern and reader count.
 
     coordlfs bench uncached [--size 768M] [--readers 1,4] [--why max-file-size|no-cache]
-        [--warm] [--repeat 3] [--work DIR] [--json FILE]
+        [--warm] [--seconds 5] [--repeat 3] [--work DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from coordlfs.bench import bigfile, harness
+from coordlfs.bench.fio import fio_report
+from coordlfs.bench.fio import summarize as summarize_fio
 from coordlfs.bench.hits import cpu_seconds, evict, parse_readers
 from coordlfs.errors import UserError
 from coordlfs.sizes import format_size, parse_size
@@ -50,6 +52,8 @@ GOAL = 0.9
 #: Why the cache does not keep the file: the mount's options for it.
 WHY = {"max-file-size": ("--cache-size", "256M", "--max-file-size", "64M"),
        "no-cache": ("--cache-size", "0")}
+#: Seconds a timed fio run reads by default (random reads; sequential ones too when warm).
+SECONDS = 5
 #: Bytes written at a time when the file is made, and read at a time to level each run.
 WRITE_CHUNK = 16 << 20
 LEVEL_CHUNK = 8 << 20
@@ -65,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm", action="store_true",
                         help="read with the file in the page cache (default: cold, the disk's "
                              "cache warm)")
+    parser.add_argument("--seconds", type=int, default=SECONDS,
+                        help=f"seconds of each random run, and of each sequential run when "
+                             f"warm (default {SECONDS})")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs of every system; medians are reported (default 3)")
     parser.add_argument("--work", default=DEFAULT_WORK,
@@ -76,8 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     size = parse_size(args.size, "--size")
     readers = parse_readers(args.readers)
-    if size < 1 << 20 or args.repeat < 1:
-        raise UserError("bench uncached: --size must be at least 1M and --repeat at least 1")
+    if size < 1 << 20 or args.repeat < 1 or args.seconds < 1:
+        raise UserError("bench uncached: --size must be at least 1M, --repeat and --seconds "
+                        "at least 1")
     harness.require_root("bench uncached", "mounts FUSE with passthrough")
     harness.require_fuse()
     why = bigfile.unavailable()
@@ -89,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"file {source}: {format_size(size)}, not cached ({args.why}); readers "
               f"{','.join(map(str, readers))}; {'warm' if args.warm else 'cold'}", flush=True)
         with _mounts(work, source.parent, WHY[args.why]) as mounts:
-            runs = _measure(mounts, source, size, readers, args.repeat, work, args.warm)
+            runs = _measure(mounts, source, size, readers, args.repeat, work,
+                            args.seconds if args.warm else 0, args.seconds)
     summary = summarize(runs, readers)
     print(format_table(summary, readers))
     print(f"goal: coordlfs passthrough >= {GOAL}x the source everywhere: "
@@ -127,9 +136,11 @@ def _mounts(work: Path, source: Path, options: tuple[str, ...]
 
 
 def _measure(mounts: dict[str, tuple[Path, int | None]], source: Path, size: int,
-             readers: tuple[int, ...], repeat: int, scratch: Path, warm: bool
-             ) -> list[dict[str, dict[str, Any]]]:
-    """Per repeat, per measurement key: each system's GB/s and daemon CPU seconds."""
+             readers: tuple[int, ...], repeat: int, scratch: Path, sequential_s: int,
+             random_s: int) -> list[dict[str, dict[str, Any]]]:
+    """Per repeat, per measurement key: each system's GB/s and daemon CPU seconds. A
+    sequential run reads for ``sequential_s`` seconds, or once through the file if 0 (cold:
+    the page cache is warm after a pass)."""
     runs = []
     for number in harness.repeated(repeat):
         order = SYSTEMS[number % len(SYSTEMS):] + SYSTEMS[:number % len(SYSTEMS)]
@@ -139,14 +150,28 @@ def _measure(mounts: dict[str, tuple[Path, int | None]], source: Path, size: int
                 cell = run.setdefault(bigfile.key(pattern, count), {})
                 for system in order:
                     directory, pid = mounts[system]
-                    _level(source, [str(mounts[s][0] / source.name) for s in SYSTEMS], warm)
+                    _level(source, [str(mounts[s][0] / source.name) for s in SYSTEMS],
+                           warm=sequential_s > 0)
                     cpu = cpu_seconds(pid) if pid is not None else 0.0
-                    rate = bigfile.measure(str(directory / source.name), pattern, count, size,
-                                           scratch)
+                    rate = _fio(str(directory / source.name), pattern, count, size, scratch,
+                                sequential_s if pattern.rw == "read" else random_s)
                     cell[system] = {"gb_per_s": rate, "daemon_cpu_s": None if pid is None
                                     else round(cpu_seconds(pid) - cpu, 4)}
         runs.append(run)
     return runs
+
+
+def _fio(path: str, pattern: bigfile.Pattern, readers: int, size: int, scratch: Path,
+         seconds: int) -> float:
+    """One fio run of ``bigfile``'s (GB/s of all readers); for ``seconds`` whatever it reads,
+    unless 0, so that a fast run is not over before the scheduler has been fair to it and a
+    slow one (4 KiB random reads through the daemon, 10 MB/s) is not a minute long."""
+    argv = bigfile.argv(path, pattern, readers, size)
+    if seconds:
+        argv += ["--time_based", f"--runtime={seconds}"]
+    report = fio_report(argv, dict(os.environ), scratch, bigfile.RUNTIME + bigfile.SLACK,
+                        f"fio {pattern.name} x{readers} of {path}")
+    return summarize_fio(report, pattern.name)["bw_bytes"] / 1e9
 
 
 def _level(source: Path, paths: list[str], warm: bool) -> None:

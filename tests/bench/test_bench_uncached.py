@@ -16,7 +16,8 @@ from coordlfs.fs import passthrough
 
 def test_bad_options_are_one_line_errors(tmp_path: Path) -> None:
     assert_one_line_errors("uncached", tmp_path / "work", ["--size", "4K"], ["--repeat", "0"],
-                           ["--readers", "x"], ["--why", "nothing"])
+                           ["--readers", "x"], ["--why", "nothing"],
+                           ["--seconds", "0"])
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or passthrough.available() is not None
@@ -25,7 +26,8 @@ def test_bad_options_are_one_line_errors(tmp_path: Path) -> None:
 def test_tiny_run_reports_every_figure(tmp_path: Path, daemon_logs: list[Path]) -> None:
     daemon_logs.append(tmp_path / "work")
     report = small_run("uncached", tmp_path / "work", tmp_path / "uncached.json",
-                       "--size", "8M", "--readers", "1,2", "--repeat", "2", "--why", "no-cache")
+                       "--size", "8M", "--readers", "1,2", "--repeat", "2", "--why", "no-cache",
+                       "--seconds", "1")
     summary = report["summary"]
     assert set(summary["cells"]) == {"sequential_1", "sequential_2", "random_1", "random_2"}
     for cell in summary["cells"].values():
