@@ -166,7 +166,10 @@ def _fio(path: str, pattern: bigfile.Pattern, readers: int, size: int, scratch: 
     """One fio run of ``bigfile``'s (GB/s of all readers); for ``seconds`` whatever it reads,
     unless 0, so that a fast run is not over before the scheduler has been fair to it and a
     slow one (4 KiB random reads through the daemon, 10 MB/s) is not a minute long."""
-    argv = bigfile.argv(path, pattern, readers, size)
+    # No hint: fio's posix_fadvise (RANDOM: no read-ahead) reaches the source file read
+    # directly, but through passthrough only the FUSE file, never its backing (Linux 6.18):
+    # with it the two would not read alike
+    argv = [*bigfile.argv(path, pattern, readers, size), "--fadvise_hint=0"]
     if seconds:
         argv += ["--time_based", f"--runtime={seconds}"]
     report = fio_report(argv, dict(os.environ), scratch, bigfile.RUNTIME + bigfile.SLACK,
