@@ -10,7 +10,7 @@ from coordlfs.errors import Parser, UserError, exit_status
 
 #: ``coordlfs bench NAME`` runs the module of that name in this package
 BENCHMARKS = ("aligned", "cluster", "epochs", "fio", "hits", "hpsearch", "listing", "misses",
-              "nodes", "overhead", "placement", "stagger", "warm", "whatif")
+              "nodes", "overhead", "placement", "stagger", "uncached", "warm", "whatif")
 
 
 def module_of(name: str) -> ModuleType:

@@ -132,6 +132,12 @@ BASELINE = {False: "bare", True: "bare_warm"}
 #: reader count (more than 4 readers: the goal of 4), and of passthrough_hp.
 PASSTHROUGH_GOALS = {1: 0.16, 4: 0.22}
 PASSTHROUGH_HP_GOAL = 0.9
+#: The goal for the daemon's CPU per file of a passthrough hit, at most this many times
+#: passthrough_hp's in the same run (issue 33, item 4).
+PASSTHROUGH_CPU_GOAL = 1.3
+#: The cases whose daemon CPU per file is set side by side: coordlfs's passthrough hit, the
+#: C++ daemon's, and each warm.
+CPU_CASES = ("coordlfs_pt", "hp", "coordlfs_pt_warm", "hp_warm")
 #: The goal for readers under ``coordlfs run``: hits at 0.9x tmpfs.
 RUN_GOAL = 0.9
 
@@ -264,6 +270,10 @@ def prepare_dataset(directory: str, files: int, size: int, big_size: int) -> Dat
 # -- mounts and daemons -------------------------------------------------------------------
 
 
+#: The kernel's kind of a process CPU-time clock that counts the scheduler's runtime.
+_CPUCLOCK_SCHED = 2
+
+
 def evict(paths: list[str]) -> None:
     """Drop these files' pages from the kernel page cache, as memory pressure would.
 
@@ -280,13 +290,12 @@ def evict(paths: list[str]) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    """CPU time of all threads of a process so far, from the scheduler's own accounting."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(FileNotFoundError), \
-                open(f"/proc/{pid}/task/{task}/schedstat") as f:
-            total += int(f.read().split()[0])
-    return total / 1e9
+    """CPU time of a process so far, its threads' that exited included, to the nanosecond:
+    its CPU-time clock (``clock_getcpuclockid(3)``'s id, made as glibc makes it). A sum over
+    the threads alive now lost the time of every worker thread that ended meanwhile (trio
+    lets an idle one go after 10 s: a daemon's CPU over a run came out negative), and
+    /proc/PID/stat counts in 10 ms ticks (a small run's passthrough_hp came out at 0)."""
+    return time.clock_gettime((~pid << 3) | _CPUCLOCK_SCHED)
 
 
 def _wait_ready(name: str, process: subprocess.Popen, log: str) -> None:
@@ -581,11 +590,30 @@ def summarize(results: dict[tuple[str, int], Result], readers: tuple[int, ...],
     summary["passthrough_goals"] = {"vs_tmpfs": PASSTHROUGH_GOALS,
                                     "vs_passthrough_hp": PASSTHROUGH_HP_GOAL}
     summary["passthrough_goal_met"] = _passthrough_goal_met(summary, readers)
+    summary["daemon_cpu_us_per_file"] = {
+        case: {label: _cpu(results.get((case, key))) for label, key in cols if key}
+        for case in CPU_CASES}
+    summary["passthrough_cpu_vs_passthrough_hp"] = {
+        label: _cpu_ratio(results.get(("coordlfs_pt", key)), results.get(("hp", key)))
+        for label, key in cols if key}
+    summary["passthrough_cpu_goal"] = PASSTHROUGH_CPU_GOAL
     summary["run_goal"] = RUN_GOAL
     preloaded = [summary["run_vs_tmpfs"][str(n)] for n in readers]
     summary["run_goal_met"] = (None if any(r is None for r in preloaded)
                                else all(r >= RUN_GOAL for r in preloaded))
     return summary
+
+
+def _cpu(result: Result | None) -> float | None:
+    """A case's median daemon CPU µs per file, None where it could not run."""
+    cost = None if result is None else result.daemon_us_per_file
+    return None if cost is None else round(cost, 1)
+
+
+def _cpu_ratio(result: Result | None, baseline: Result | None) -> float | None:
+    """The ratio of two cases' daemon CPU per file; None where either could not run."""
+    mine, theirs = _cpu(result), _cpu(baseline)
+    return None if mine is None or not theirs else ratio(mine, theirs)
 
 
 def _ratio_of(result: Result | None, baseline: Result | None) -> float | None:
@@ -607,6 +635,20 @@ def _passthrough_goal_met(summary: dict[str, Any], readers: tuple[int, ...]) -> 
     if any(value is None for value, _goal in pairs):
         return None
     return all(value >= goal for value, goal in pairs)
+
+
+def _cpu_line(summary: dict[str, Any], label: str, what: str) -> str:
+    """Daemon CPU per file of a passthrough hit beside passthrough_hp's, and their ratio."""
+    cpu = summary["daemon_cpu_us_per_file"]
+
+    def us(case: str) -> str:
+        return "-" if cpu[case][label] is None else f"{cpu[case][label]:.0f} µs"
+
+    share = summary["passthrough_cpu_vs_passthrough_hp"][label]
+    return (f"daemon CPU per file, {what}: coordlfs passthrough {us('coordlfs_pt')} "
+            f"(warm {us('coordlfs_pt_warm')}), passthrough_hp {us('hp')} (warm "
+            f"{us('hp_warm')}): {'-' if share is None else f'{share:.2f}x'} "
+            f"(goal <= {PASSTHROUGH_CPU_GOAL}x)")
 
 
 def _percent(value: float | None) -> str:
@@ -880,6 +922,8 @@ def _report(bench: Bench, reads: dict[str, dict[str, int]],
               f"{_percent(summary['coordlfs_passthrough_vs_passthrough_hp'][label])} of "
               f"passthrough_hp (run by run: "
               f"{_percent(summary['coordlfs_passthrough_vs_passthrough_hp_paired'][label])})")
+        if key:
+            print(_cpu_line(summary, label, what))
     if big:
         why_not = {s: why for s, why in bench.unavailable.items() if s in bigfile.SYSTEMS}
         if "fio" in bench.unavailable:

@@ -15,6 +15,15 @@ dropped per file with POSIX_FADV_DONTNEED before each run, so the kernel's dentr
 inodes of the source stay, as they do for a dataset that was just listed, and other
 processes on the machine keep their caches.
 
+Beside coordlfs, the same cold small files are read through libfuse's C++ ``passthrough_hp``
+over the same source (a fresh mount per run: its names cold too; the goal, issue 33: coordlfs
+at 0.9x its rate) and through coordlfs with ``--cache-size 0`` (``nofill``: a miss without
+its fill behind the reader). The daemon's CPU per file of each is shown side by side; the
+difference between a miss and a miss without its fill is what the fill costs the daemon,
+shown beside what the kernel's copy alone costs (``sendfile`` of each file from the page
+cache into a new tmpfs file, timed in this process: the copy the fill asks of the kernel);
+the goal: a fill at most 1.3x that copy.
+
 The ``ordered`` case is the cold epoch of a job that hands its order over first
 (``coordlfs.bench.ordered``): the same shuffled files through a fresh mount, read through the
 mount with the order handed over ahead of the readers, and read through ``coordlfs.client``
@@ -31,6 +40,7 @@ import os
 import random
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -48,6 +58,7 @@ from coordlfs.bench.hits import (
     settings_from,
     small_files,
 )
+from coordlfs.bench.passthrough import passthrough_hp
 from coordlfs.client import run as run_command
 from coordlfs.daemon.mounting import set_read_ahead
 from coordlfs.errors import UserError
@@ -60,6 +71,10 @@ __all__ = ["add_arguments", "run"]
 CASES = ("cold", "ordered")
 #: The issue's goals for the ordered epoch, as a share of the page cache, by way of reading.
 ORDERED_GOALS = {"mount": 0.7, "client": 0.9}
+#: Issue 33: cold misses at 0.9x passthrough_hp's rate over the same source; the daemon's CPU
+#: per fill at most 1.3x the kernel's copy alone.
+HP_GOAL = 0.9
+FILL_CPU_GOAL = 1.3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,26 +108,43 @@ def _cold(paths: list[str], read: Callable[[], Run], pid: int | None) -> Run:
 
 @contextlib.contextmanager
 def _fresh_mount(source: Path, room: int, read_ahead_kb: int) -> Iterator[Mount]:
-    """A new mount of ``source`` with an empty cache and room for every file."""
+    """A new mount of ``source`` with an empty cache and room for every file (none: 0)."""
     with tempfile.TemporaryDirectory(prefix="coordlfs-bench-misses-") as work:
         mnt = Path(work) / "mnt"
         with mounted(source, mnt, Path(work) / "coordlfs.log", "--cache-size", str(room),
-                     "--max-file-size", str(room)) as mount:
+                     *(("--max-file-size", str(room)) if room else ())) as mount:
             set_read_ahead(str(mnt), read_ahead_kb)
             yield mount
 
 
+@contextlib.contextmanager
+def _fresh_hp(source: Path, binary: str, read_ahead_kb: int) -> Iterator[tuple[Path, int]]:
+    """A new passthrough_hp mount of ``source``: its mountpoint and pid."""
+    with tempfile.TemporaryDirectory(prefix="coordlfs-bench-misses-") as work:
+        mnt = Path(work) / "mnt"
+        mnt.mkdir()
+        with passthrough_hp(Path(binary), str(source), str(mnt), Path(work) / "hp.log") as pid:
+            set_read_ahead(str(mnt), read_ahead_kb)
+            yield mnt, pid
+
+
 def _one(case: str, source: Path, rels: list[str], readers: int, room: int,
-         read_ahead_kb: int) -> Run:
+         settings: hits.Settings) -> Run:
     """One run of ``case``: ``source`` (the page cache reading the source), ``coordlfs`` (every
-    read a miss that fills the cache) or ``ordered_WAY`` (the order handed over), each but the
-    first through a fresh mount."""
+    read a miss that fills the cache), ``nofill`` (a miss, no cache to fill), ``hp``
+    (passthrough_hp) or ``ordered_WAY`` (the order handed over), each but the first through
+    a fresh mount."""
     paths = [str(source / rel) for rel in rels]
     if case == "source":
         return _cold(paths, lambda: measure(paths, readers), None)
-    with _fresh_mount(source, room, read_ahead_kb) as mount:
+    if case == "hp":
+        with _fresh_hp(source, settings.passthrough_hp, settings.read_ahead_kb) as (mnt, pid):
+            theirs = [str(mnt / rel) for rel in rels]
+            return _cold(paths, lambda: measure(theirs, readers), pid)
+    with _fresh_mount(source, 0 if case == "nofill" else room,
+                      settings.read_ahead_kb) as mount:
         mine = [str(mount.mountpoint / rel) for rel in rels]
-        if case == "coordlfs":
+        if case in ("coordlfs", "nofill"):
             return _cold(paths, lambda: measure(mine, readers), mount.pid)
         if case == "run":  # readers under `coordlfs run`: the library opens the source
             env = run_command.environment([str(mount.mountpoint)], {})
@@ -121,11 +153,39 @@ def _one(case: str, source: Path, rels: list[str], readers: int, room: int,
         return _cold(paths, lambda: ordered.epoch(mount, rels, readers, way), mount.pid)
 
 
-def _names(cases: tuple[str, ...], key: int) -> list[str]:
-    """The runs of one column, the page cache's first: the ordered ones for small files only."""
-    return ["source", *(["coordlfs"] if "cold" in cases else []),
-            *(["run"] if "cold" in cases and key and run_command.library() else []),
+def _names(cases: tuple[str, ...], key: int, hp: bool) -> list[str]:
+    """The runs of one column, the page cache's first: passthrough_hp (if it runs here), the
+    miss without its fill and the ordered ones for small files only."""
+    cold = "cold" in cases
+    return ["source", *(["coordlfs"] if cold else []),
+            *(["hp"] if cold and hp and key else []), *(["nofill"] if cold and key else []),
+            *(["run"] if cold and key and run_command.library() else []),
             *([f"ordered_{way}" for way in ordered.WAYS] if "ordered" in cases and key else [])]
+
+
+def kernel_copy_us(paths: list[str]) -> float:
+    """CPU µs per file of the kernel's copy alone, as a fill behind a reader asks for it:
+    each file, its pages in the page cache (read first), ``sendfile`` into a new tmpfs
+    file; this thread's CPU time over all of them."""
+    for path in paths:
+        with open(path, "rb") as f:
+            while f.read(1 << 20):
+                pass
+    with tempfile.TemporaryDirectory(prefix="coordlfs-bench-copy-", dir="/dev/shm") as shm:
+        start = time.thread_time()
+        for number, path in enumerate(paths):
+            source = os.open(path, os.O_RDONLY)
+            out = os.open(os.path.join(shm, str(number)), os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                size, done = os.fstat(source).st_size, 0
+                while done < size:
+                    done += os.sendfile(out, source, done, size - done)
+            finally:
+                os.close(out)
+                os.close(source)
+        seconds = time.thread_time() - start
+    evict(paths)
+    return seconds / len(paths) * 1e6
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,18 +199,24 @@ def run(args: argparse.Namespace) -> int:
     room = dataset.total_bytes + (64 << 20)
     big = big_file(dataset) if "cold" in cases else None
     cols = columns(settings.readers, big is not None)
+    hp = "cold" in cases and _hp_runs(settings.passthrough_hp)
     runs: dict[str, dict[int, list[Run]]] = {"source": {}}
+    copies: list[float] = []
     for number in harness.repeated(settings.repeat):
+        if "cold" in cases:
+            copies.append(kernel_copy_us([str(source / rel) for rel in small_files(dataset)]))
         for _label, key in cols:
             rels = small_files(dataset) if key else [str(big)]
             random.Random(number).shuffle(rels)
             expected = dataset.bytes_of(rels)
-            for case in _names(cases, key):
-                one = _one(case, source, rels, max(key, 1), room, settings.read_ahead_kb)
+            for case in _names(cases, key, hp):
+                one = _one(case, source, rels, max(key, 1), room, settings)
                 if one.bytes != expected:
                     raise UserError(f"{case}: read {one.bytes} bytes, expected {expected}")
                 runs.setdefault(case, {}).setdefault(key, []).append(one)
     summary = _summary(runs, cols)
+    if copies:
+        summary.update(_fills(runs, cols, statistics.median(copies)))
     harness.print_summary(summary)
     harness.write_report(settings.json_path, {
         "settings": {**asdict(settings), "readers": list(settings.readers),
@@ -162,6 +228,48 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hp_runs(binary: str) -> bool:
+    """Whether passthrough_hp is there to run (else said once, and its case left out)."""
+    if os.access(binary, os.X_OK):
+        return True
+    print(f"passthrough_hp: n/a: no passthrough_hp at {binary} (scripts/setup builds it)",
+          flush=True)
+    return False
+
+
+def _fills(runs: dict[str, dict[int, list[Run]]], cols: list[tuple[str, int]],
+           copy_us: float) -> dict[str, Any]:
+    """Per reader count: the daemon's CPU per file of a miss without its fill; a fill's CPU
+    (a miss's less that, run by run) against the kernel's copy alone; passthrough_hp's rate
+    and CPU per file, and coordlfs's rate against it, run by run."""
+    summary: dict[str, Any] = {"kernel_copy_us_per_file": round(copy_us, 1),
+                               "fill_cpu_goal": FILL_CPU_GOAL, "hp_goal": HP_GOAL}
+    for label, key in cols:
+        mine, bare = runs["coordlfs"].get(key), runs.get("nofill", {}).get(key)
+        if not key or mine is None or bare is None:
+            continue
+        fill = statistics.median(_cpu_us(a) - _cpu_us(b) for a, b in zip(mine, bare, strict=True))
+        summary[f"daemon_cpu_us_per_miss_without_fill_{label}"] = round(
+            statistics.median(map(_cpu_us, bare)), 1)
+        summary[f"daemon_cpu_us_per_fill_{label}"] = round(fill, 1)
+        summary[f"fill_vs_kernel_copy_{label}"] = round(fill / copy_us, 2)
+        theirs = runs.get("hp", {}).get(key)
+        if theirs is not None:
+            summary[f"hp_files_per_s_{label}"] = round(statistics.median(
+                map(_files_per_s, theirs)), 1)
+            summary[f"hp_cpu_us_per_file_{label}"] = round(statistics.median(
+                map(_cpu_us, theirs)), 1)
+            summary[f"misses_vs_hp_{label}"] = round(statistics.median(
+                a.files_per_s / b.files_per_s for a, b in zip(mine, theirs, strict=True)), 3)
+    return summary
+
+
+def _cpu_us(run: Run) -> float:
+    """The daemon's CPU µs per file of a run through a mount."""
+    assert run.daemon_cpu_s is not None
+    return run.daemon_cpu_s / run.files * 1e6
+
+
 def _files_per_s(run: Run) -> float:
     return run.files_per_s
 
@@ -171,7 +279,7 @@ def _gb_per_s(run: Run) -> float:
 
 
 def _cpu_us_per_miss(run: Run) -> float | None:
-    return None if run.daemon_cpu_s is None else run.daemon_cpu_s / run.files * 1e6
+    return None if run.daemon_cpu_s is None else _cpu_us(run)
 
 
 def _cpu_s_per_gb(run: Run) -> float | None:

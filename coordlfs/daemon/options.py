@@ -241,7 +241,7 @@ OPTIONS: tuple[Option, ...] = (
            "of RAM; never more than the cache directory's free space; at least 4K (0: no "
            "cache)", _cache_size, "SIZE", default=lambda values: default_cache_size(),
            default_text="50% of RAM", settle=_fit_free_space),
-    Option("max_file_size", "larger files are streamed from the source, never cached; at "
+    Option("max_file_size", "larger files are read from the source, never cached; at "
            "most the cache size", parse_size, "SIZE",
            default=lambda values: int(values["cache_size"] * DEFAULT_MAX_FILE_SHARE),
            default_text="a quarter of the cache", settle=_within_cache),

@@ -73,12 +73,13 @@ class Backings:
         return self._ids[number]
 
     def open_source(self, inode: int, path: bytes, st: os.stat_result,
-                    behind: Callable[[int], None] | None) -> int:
+                    last_release: Callable[[int], None]) -> int:
         """The backing id to answer an open of ``inode`` (the source file ``path``, seen as
         ``st``) with when the daemon is to read none of its bytes: the source file itself, 0
-        (for direct_io) if it is not that file any more. ``behind``: called with the source
-        file's descriptor when the last of the inode's opens is released, to copy into the
-        cache the pages their reads brought in (``WholeFileCache.fill_behind``)."""
+        (for direct_io) if it is not that file any more. ``last_release``: called with the
+        source file's descriptor when the last of the inode's opens is released, for the
+        pages their reads brought in: copied into the cache (``WholeFileCache.fill_behind``)
+        or dropped (``StreamReader``), as the daemon's own reads never leave any."""
         held = self._beside(inode, None)
         if held is not None:
             return held
@@ -97,7 +98,7 @@ class Backings:
         backing = self._register(fd, path, keep=True)
         if not backing:
             return self._direct(inode)
-        self._held[inode] = Held(path, version, backing, None, fd, behind)
+        self._held[inode] = Held(path, version, backing, None, fd, last_release)
         return backing
 
     def open_landed(self, inode: int, path: bytes, st: os.stat_result, fd: int) -> int:
@@ -174,10 +175,8 @@ class Backings:
         elif held.source_fd >= 0:
             self._close(held.id, held.path)
             try:
-                if held.behind is not None:
-                    held.behind(held.source_fd)  # copies the pages, then drops them
-                else:  # as the daemon's own reads of the source, nothing left cached
-                    os.posix_fadvise(held.source_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                assert held.last_release is not None
+                held.last_release(held.source_fd)
             finally:
                 os.close(held.source_fd)
         elif held.entry is not None and held.entry.failed:  # dropped while held
@@ -214,8 +213,8 @@ class Held:
     entry: Entry | None
     #: the source file's descriptor (the backing is the source file itself), else -1
     source_fd: int = -1
-    #: what copies a source file's pages into the cache at the last release
-    behind: Callable[[int], None] | None = None
+    #: what becomes of a source file's pages at the last release (``open_source``)
+    last_release: Callable[[int], None] | None = None
     opens: int = 1
     #: the backing is a file the daemon landed (a peer's file), closed at the last release
     landed: bool = False

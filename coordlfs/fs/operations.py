@@ -31,7 +31,7 @@ from coordlfs.fs.control_server import ControlHandle, ControlServer
 from coordlfs.fs.freshness import WATCHED_TIMEOUT, Freshness
 from coordlfs.fs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable, Key
 from coordlfs.fs.listing import DOTS, Listing
-from coordlfs.fs.readers import AlignedReads, Reader, Readers
+from coordlfs.fs.readers import STREAM_WHOLE, AlignedReads, Reader, Readers
 from coordlfs.jobs.groups import Member
 from coordlfs.peers.links import Peers
 from coordlfs.source.source import Source, Version
@@ -434,18 +434,23 @@ class Operations(pyfuse3.Operations):
     def _backing(self, handle: FileHandle) -> int:
         """The backing id to answer ``handle``'s open with, 0 for direct_io. The kernel reads
         a backing file without a word to us: its bytes are counted as the file read whole, from
-        the cache or from the source (a source file; a miss filled at open counted its bytes
-        as it filled); the open itself was counted by ``Readers.opened``. An aligned member
-        reads through the daemon (the window, the group's counts)."""
+        the cache or from the source (a source file the daemon would read whole; a larger one
+        at its last release; a miss filled at open counted its bytes as it filled); the open
+        itself was counted by ``Readers.opened``. An aligned member reads through the daemon
+        (the window, the group's counts)."""
         assert self.backings is not None
         reader, st, counters = handle.reader, handle.st, self.counters
         if reader.landed_fd >= 0:  # a peer's file: counted as from peers when it came
             return self.backings.open_landed(handle.inode, handle.path, st, reader.landed_fd)
         if handle.member is None and reader.source_file:
-            backing = self.backings.open_source(handle.inode, handle.path, st, reader.behind)
+            assert reader.last_release is not None
+            backing = self.backings.open_source(handle.inode, handle.path, st,
+                                                reader.last_release)
             if backing:
                 counters.source_opens += 1
-                if not reader.hit:  # another's open of the same reserved entry: counted
+                # a hit: another's open of the same reserved entry, counted; a larger file
+                # counts what the kernel read of it at its last release
+                if not reader.hit and st.st_size <= STREAM_WHOLE:
                     counters.bytes_from_source += st.st_size
             return backing
         entry = reader.entry if handle.member is None else None

@@ -312,3 +312,19 @@ def test_tiny_run_reports_every_figure_and_cleans_up(tmp_path: Path) -> None:
     assert report["coordlfs_reads"]["client_hits"] >= (50 * 2 + 1) * 3  # warm: read twice
     assert report["coordlfs_reads"]["client_misses"] == 0
     assert _leftovers() <= before
+
+
+def test_daemon_cpu_per_file_of_passthrough_is_set_beside_passthrough_hps() -> None:
+    results = _results((4000,), (3600,))
+    for case, cpu_s in (("coordlfs_pt", 0.084), ("hp", 0.042)):  # 1000 files a run
+        for readers in (1, 4):
+            results[case, readers].runs[0].daemon_cpu_s = cpu_s
+    summary = hits.summarize(results, (1, 4), False)
+    assert summary["daemon_cpu_us_per_file"]["coordlfs_pt"] == {"1": 84.0, "4": 84.0}
+    assert summary["daemon_cpu_us_per_file"]["hp"] == {"1": 42.0, "4": 42.0}
+    assert summary["daemon_cpu_us_per_file"]["hp_warm"] == {"1": None, "4": None}
+    assert summary["passthrough_cpu_vs_passthrough_hp"] == {"1": 2.0, "4": 2.0}
+    assert summary["passthrough_cpu_goal"] == hits.PASSTHROUGH_CPU_GOAL
+    line = hits._cpu_line(summary, "1", "1 reader")
+    assert "coordlfs passthrough 84 µs" in line and "passthrough_hp 42 µs" in line
+    assert "2.00x (goal <= 1.3x)" in line

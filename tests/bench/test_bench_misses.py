@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+from coordlfs.bench.passthrough import DEFAULT_HP
+
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
                                 reason="needs root and /dev/fuse")
 
@@ -36,6 +38,12 @@ def test_tiny_run_reports_every_figure(tmp_path: Path) -> None:
         assert summary[f"page_cache_files_per_s_{readers}"] > 0
         assert summary[f"misses_vs_page_cache_{readers}"] > 0
         assert summary[f"daemon_cpu_us_per_miss_{readers}"] > 0
+        # a miss beside one without its fill, and passthrough_hp's, in the same run
+        assert summary[f"daemon_cpu_us_per_miss_without_fill_{readers}"] > 0
+        assert f"fill_vs_kernel_copy_{readers}" in summary
+        if os.access(DEFAULT_HP, os.X_OK):
+            assert summary[f"hp_cpu_us_per_file_{readers}"] > 0
+            assert summary[f"misses_vs_hp_{readers}"] > 0
         for way in ("mount", "client"):
             assert summary[f"ordered_{way}_files_per_s_{readers}"] > 0
             assert summary[f"ordered_{way}_vs_page_cache_{readers}"] > 0
@@ -43,6 +51,8 @@ def test_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     for key in ("gb_per_s", "page_cache_gb_per_s", "misses_vs_page_cache",
                 "daemon_cpu_s_per_gb"):
         assert summary[f"{key}_sequential"] > 0
+    assert summary["kernel_copy_us_per_file"] > 0
+    assert summary["fill_cpu_goal"] == 1.3 and summary["hp_goal"] == 0.9
     assert summary["ordered_goals"] == {"mount": 0.7, "client": 0.9}
     assert set(summary["ordered_goals_met"]) == {"mount", "client"}
     assert "misses_per_s_1" in result.stdout and "ordered_client_vs_page_cache_4" in result.stdout

@@ -7,8 +7,9 @@ so that a SIGBUS is seen as the child's death, not the test's.
 
 Each kind of open is tried: a file the cache holds (read by passthrough where it is on), a small
 miss opened before anything read it (the source file itself as backing where passthrough is
-on), and a file above ``--max-file-size`` the daemon streams. The whole module runs with
-passthrough on or off through ``COORDLFS_TEST_PASSTHROUGH``.
+on), a file above ``--max-file-size`` and one a mount with no cache serves (either read by
+the kernel from the source file itself where passthrough is on, else streamed by the daemon).
+The whole module runs with passthrough on or off through ``COORDLFS_TEST_PASSTHROUGH``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from conftest import Mount, wait_for
 
 #: Sizes that are not a whole number of pages or of FUSE reads.
 SIZES = {"cached": 1536 * 1024 + 4321, "miss": 200 * 1024 + 777,
-         "streamed": 3 * 1024 * 1024 + 1234}
+         "streamed": 3 * 1024 * 1024 + 1234, "uncached": 1536 * 1024 + 999}
 #: The mount caches files up to this size: the streamed file is above it.
 MAX_FILE_SIZE = "2M"
 CHANGES = ["rename over", "rewrite with O_TRUNC", "unlink", "rename away", "symlink"]
@@ -110,14 +111,15 @@ def check_held(fd: int, versions: list[bytes]) -> bytes:
 def opened(tmp_path: Path, mount, request: pytest.FixtureRequest
            ) -> Iterator[tuple[Mount, str, bytes]]:
     """(the mount, a file's name, its bytes), for the kind of open ``request.param`` names:
-    cached (read once, complete in the cache), a miss (never read) or streamed (too big to
-    cache)."""
+    cached (read once, complete in the cache), a miss (never read), streamed (too big to
+    cache) or uncached (a mount with no cache: ``--cache-size 0``)."""
     kind = request.param
     src = tmp_path / "src"
     src.mkdir()
     old = random.Random(kind).randbytes(SIZES[kind])
     (src / "f.bin").write_bytes(old)
-    m = mount(src, "--max-file-size", MAX_FILE_SIZE)
+    m = mount(src, *(["--cache-size", "0"] if kind == "uncached"
+                     else ["--max-file-size", MAX_FILE_SIZE]))
     if kind == "cached":
         assert (m.mountpoint / "f.bin").read_bytes() == old
         wait_for(lambda: m.settled()["cache"]["files"] == 1, "cached")
@@ -125,7 +127,7 @@ def opened(tmp_path: Path, mount, request: pytest.FixtureRequest
 
 
 @pytest.mark.parametrize("how", CHANGES)
-@pytest.mark.parametrize("opened", ["cached", "miss", "streamed"], indirect=True)
+@pytest.mark.parametrize("opened", list(SIZES), indirect=True)
 def test_a_held_open_reads_the_file_it_opened(opened: tuple[Mount, str, bytes],
                                               how: str) -> None:
     m, name, old = opened

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 
-from conftest import digests, drop_caches, run_cli, wait_for
+from conftest import digests, drop_caches, random_source, run_cli, wait_for
 
 from coordlfs.system.processes import wait_exit
 
@@ -66,3 +67,42 @@ def test_a_damaged_journal_starts_cold_and_still_mounts(mount, dataset) -> None:
     assert again.status()["cache"]["files"] == 0
     assert "damaged" in Path(again.log).read_text()
     assert digests(again.mountpoint) == digests(source)
+
+
+def _read_until_gone(mountpoint: Path, names: list[str]) -> None:
+    """Read the files through the mount until its daemon is gone (a killed daemon's mount
+    answers ENOTCONN)."""
+    try:
+        for name in names:
+            (mountpoint / name).read_bytes()
+    except OSError:
+        pass
+
+
+def test_a_daemon_killed_while_filling_keeps_what_it_reported_cached(mount,
+                                                                     tmp_path: Path) -> None:
+    """Fills behind readers end a batch at a time (one journal write): a daemon killed while
+    a reader's misses are being filled leaves every file it had reported cached in its
+    journal, and the next mount adopts them all, byte-exact, none read from the source."""
+    names = [f"f{i:04d}" for i in range(600)]
+    src = random_source(tmp_path, **dict.fromkeys(names, 20_000 + 17))
+    m = mount(src, "--keep-cache")
+    reader = threading.Thread(target=_read_until_gone, args=(m.mountpoint, names))
+    reader.start()
+    try:
+        reported = 0
+        while reported < 150 and reader.is_alive():
+            reported = m.status()["cache"]["files"]
+        os.kill(m.pid, signal.SIGKILL)  # what it reported last is what the journal must hold
+    finally:
+        reader.join(60)
+    assert wait_exit(m.pid, 15)
+    assert 150 <= reported < len(names), "the reader did not race the fills"
+    assert run_cli("umount", str(m.mountpoint)).returncode == 0
+    again = mount(src, mountpoint=m.mountpoint, cache_dir=m.cache_dir)
+    assert again.status()["cache"]["files"] >= reported
+    cached = again.status()["cache"]["bytes"]
+    drop_caches()
+    assert digests(again.mountpoint) == digests(src)
+    assert again.status()["reads"]["bytes_from_source"] == sum(
+        (src / n).stat().st_size for n in names) - cached
