@@ -4,7 +4,9 @@ An open of a complete cache entry is answered with the backing id of the entry's
 (``WholeFileCache.entry_fd``): the kernel then reads that file itself and no READ of the open
 reaches the daemon. An open of a file that neither MinIO nor a peer will hold (no room, too
 big) is answered with the source file itself as its backing (``open_source``): the kernel
-reads it as it reads any file, through its page cache, at the page cache's speed. Every other
+reads it as it reads any file, through its page cache, at the page cache's speed, and its pages
+stay there for the kernel's LRU (a miss the cache keeps has them copied and dropped at its last
+release: ``WholeFileCache.fill_behind``). Every other
 open is direct_io, served by the readers. The kernel's rules (Linux 6.18, measured;
 docs/design/passthrough.md) shape the rest:
 
@@ -157,10 +159,10 @@ class Backings:
         if held.source_fd >= 0:
             self._close(held.id, held.path)
             try:
+                # the cache keeps it: its pages are copied, then dropped; else they stay with
+                # the kernel's LRU, which serves the file again from memory the cache left
                 if held.behind is not None:
-                    held.behind(held.source_fd)  # copies the pages, then drops them
-                else:  # as the daemon's own reads of the source, nothing left cached
-                    os.posix_fadvise(held.source_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    held.behind(held.source_fd)
             finally:
                 os.close(held.source_fd)
         elif held.entry is not None and held.entry.failed:  # dropped while held

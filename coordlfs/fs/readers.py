@@ -245,7 +245,10 @@ class StreamReader(Held):
     def _open(self) -> SourceReader:
         """The source file at the handle's path, if it is still the file opened (its key):
         else ESTALE, and the kernel looks the name up again."""
-        opened = self.readers.source.open_reader(self.handle.path)
+        # with passthrough this open is direct_io: the source's pages are the only copy the
+        # kernel could keep (without it the mount's own page cache holds what it is sent)
+        opened = self.readers.source.open_reader(self.handle.path,
+                                                 keep_pages=self.readers.behind)
         st = opened.fstat()
         if key_of(st) != key_of(self.handle.st):
             opened.close()
