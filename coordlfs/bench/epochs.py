@@ -28,6 +28,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -38,9 +41,11 @@ from typing import Any, Protocol
 from coordlfs.bench import harness
 from coordlfs.bench.children import Readers, batch_paths, running
 from coordlfs.bench.ratios import median, ratio
+from coordlfs.client import run as run_command
 from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.errors import UserError
-from coordlfs.sizes import format_size, parse_size
+from coordlfs.sizes import format_size, pages, parse_size, plural
+from coordlfs.system.processes import wait_exit
 from coordlfs.testbed.cgroup import Cgroup, memory_cgroup
 from coordlfs.testbed.dataset import Dataset, epoch_orders
 from coordlfs.testbed.mounts import mounted
@@ -50,6 +55,8 @@ CGROUP_PREFIX = "coordlfs-epochs"
 #: Seconds between samples of the storage counters, for the throughput plot.
 SAMPLE_S = 0.25
 PLOT_WINDOW_S = 2.0
+#: ``--large``: 60,000 files of 110 KB, 6.8 GB (a 50% budget of 3.4 GiB)
+LARGE_MAKE = "60000:110K"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 0.5)")
     harness.add_training_arguments(parser, readers=4, readers_help="reader processes",
                                    compute_ms=0.0)
+    parser.add_argument("--large", action="store_true",
+                        help=f"a dataset of {LARGE_MAKE} (the budget several GiB: the mount's "
+                             "fixed costs at their real share); instead of --make")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="plot storage throughput over time and bytes per epoch")
 
@@ -144,6 +154,9 @@ class ConfigResult:
     #: epochs during which another process dropped the kernel's caches (a test suite): the
     #: page cache's figures for them, and the next epoch's, measured something else
     disturbed_epochs: list[int] = field(default_factory=list)
+    #: why the stack did not finish its epochs (killed for memory, a reader's error), or why
+    #: it could not run here ("n/a: ..."); None when it ran
+    failed: str | None = None
 
 
 def run_epochs(system: str, group: Readers, storage: Callable[[], int], dataset: Dataset,
@@ -190,35 +203,150 @@ def _group(name: str, settings: Settings,
     return memory_cgroup(name, storage=dataset.root, read_bps=settings.throttle)
 
 
-def run_page_cache(dataset: Dataset, budget: int, settings: Settings) -> ConfigResult:
-    name = f"{CGROUP_PREFIX}-{os.getpid()}"
-    with running(Readers(settings.readers)) as group, _group(name, settings, dataset) as cgroup:
-        for pid in group.pids:
-            cgroup.add(pid)
-        memory = cgroup.memory_usage()
-        cgroup.set_memory_limit(budget)
-        drop_caches()
-        result = run_epochs("page cache", group, cgroup.bytes_read, dataset, dataset.root,
-                            settings)
-        result.peak_memory_bytes = cgroup.peak_memory()
+# -- what the mount needs beside its cache -------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    """What a mount needs beside its cached bytes, as its status measured it on a probe
+    mount of the dataset (``coordlfs.daemon.memory``): the budget is split from these."""
+
+    #: the daemon with no file known (its anonymous memory less its tables)
+    itself_bytes: int
+    #: a file looked up through the mount: the daemon's inode row, the kernel's FUSE inode
+    per_inode_bytes: int
+    #: a cached file beside its pages: its table row, its tmpfs inode, its backing file
+    per_cached_file_bytes: int
+
+
+#: Files the probe mount caches, for its per-cached-file figure.
+PROBE_FILES = 256
+
+
+def measure_sizing(dataset: Dataset, work: Path) -> Sizing:
+    """Mount the dataset, look every file up, cache the first ``PROBE_FILES``, and take the
+    status's ``memory``: the figures ``coordlfs stats`` states."""
+    sample = dataset.files[:PROBE_FILES]
+    room = str(sum(pages(size) for _name, size in sample))
+    mountpoint = work / "mnt"
+    with mounted(dataset.root, mountpoint, work / "probe.log", "--cache-size", room,
+                 "--max-file-size", room) as mount:
+        for name, _size in dataset.files:
+            os.lstat(mountpoint / name)
+        for name, _size in sample:
+            (mountpoint / name).read_bytes()
+        memory = mount.settled()["memory"]
+    sizing = Sizing(memory["itself_bytes"], memory["per_inode_bytes"],
+                    memory["per_cached_file_bytes"])
+    print(f"the mount needs {format_size(sizing.itself_bytes)} for its daemon, "
+          f"{sizing.per_inode_bytes} B per file and {sizing.per_cached_file_bytes} B per "
+          "cached file beside the cached pages (its status, measured on a probe mount)",
+          flush=True)
+    return sizing
+
+
+def cache_size_for(budget: int, dataset: Dataset, sizing: Sizing, readers: int,
+                   client: bool = False) -> int:
+    """What is left of the budget for cached bytes (the capacity counts pages): the budget
+    less the daemon itself, every file of the dataset looked up, the cached files' own
+    records (as many as the cache holds at the dataset's mean size), and room per reader
+    for the kernel's pages of reads in flight (more for a client's readers, which copy the
+    bytes out). What is left over serves misses from the kernel's LRU."""
+    per_reader = harness.PAGE_HEADROOM_PER_READER + (
+        harness.CLIENT_HEADROOM_PER_READER if client else 0)
+    room = (budget - sizing.itself_bytes - per_reader * readers
+            - sizing.per_inode_bytes * len(dataset.files))
+    mean_pages = sum(pages(size) for _name, size in dataset.files) / max(1, len(dataset.files))
+    return max(0, int(room / (1 + sizing.per_cached_file_bytes / mean_pages)))
+
+
+# -- the stacks ----------------------------------------------------------------------------
+
+def _failure(error: UserError, cgroup: Cgroup) -> str:
+    """Why a stack stopped: the kernel's OOM kills in its group first, then what was seen."""
+    kills = cgroup.oom_kills()
+    if kills:
+        return f"killed for memory ({plural(kills, 'OOM kill')} in its group): {error}"
+    return str(error)
+
+
+def _measure(system: str, cgroup: Cgroup, readers: Readers, base: str | Path,
+             dataset: Dataset, budget: int, settings: Settings,
+             pin: Callable[[], Any] | None = None,
+             before_epoch: Callable[[list[str]], Any] | None = None) -> ConfigResult:
+    """The readers in the group, the limit set, the kernel's caches dropped (then ``pin``
+    run), every epoch read under ``base``; a stack that fails is a result that says why."""
+    try:
+        with running(readers) as group:
+            for pid in group.pids:
+                cgroup.add(pid)
+            memory = cgroup.memory_usage()
+            _limit(cgroup, budget)
+            drop_caches()
+            if pin is not None:
+                pin()
+            result = run_epochs(system, group, cgroup.bytes_read, dataset, base, settings,
+                                before_epoch)
+    except UserError as e:
+        print(f"  {system}: failed: {_failure(e, cgroup)}", flush=True)
+        return ConfigResult(system, [], [], failed=_failure(e, cgroup))
+    result.peak_memory_bytes = cgroup.peak_memory()
     result.readers_memory_bytes = memory
     return result
 
 
-def cache_size_for(budget: int, dataset: Dataset, readers_memory: int, readers: int,
-                   client: bool = False) -> int:
-    """What is left of the budget for cached bytes.
+def _limit(cgroup: Cgroup, budget: int) -> None:
+    """The group limited to the budget; a stack already over it (the kernel cannot reclaim
+    enough: EBUSY) fails."""
+    try:
+        cgroup.set_memory_limit(budget)
+    except OSError as e:
+        raise UserError(f"its memory ({format_size(cgroup.memory_usage())}) is over the "
+                        f"budget already ({e.strerror})") from None
 
-    The daemon's own memory grows with the files it knows (DAEMON_BYTES_PER_FILE), and the
-    kernel needs a little room for pages of reads in flight (more for a client's readers)
-    and its own records of each cached file (KERNEL_BYTES_PER_CACHED_FILE, charged for every
-    file: the cache may hold them all). The capacity itself counts cached bytes in pages.
-    """
-    per_reader = harness.PAGE_HEADROOM_PER_READER + (
-        harness.CLIENT_HEADROOM_PER_READER if client else 0)
-    room = (budget - readers_memory - harness.DAEMON_BASE_BYTES - per_reader * readers
-            - harness.MOUNT_BYTES_PER_FILE * len(dataset.files))
-    return max(0, room)
+
+def run_page_cache(dataset: Dataset, budget: int, settings: Settings) -> ConfigResult:
+    with _group(f"{CGROUP_PREFIX}-{os.getpid()}", settings, dataset) as cgroup:
+        return _measure("page cache", cgroup, Readers(settings.readers), dataset.root,
+                        dataset, budget, settings)
+
+
+def pinned_files(dataset: Dataset, capacity: int) -> list[str]:
+    """The files ``vmtouch -l`` pins for a cache of ``capacity``: in name order (as MinIO
+    takes the first files read), as many as fit in its pages."""
+    chosen, used = [], 0
+    for name, size in sorted(dataset.files):
+        if used + pages(size) > capacity:
+            break
+        chosen.append(name)
+        used += pages(size)
+    return chosen
+
+
+def run_pinning(dataset: Dataset, budget: int, settings: Settings, work: Path,
+                capacity: int) -> ConfigResult:
+    """The page cache with the same bytes as coordlfs's cache locked in it by ``vmtouch -l``
+    (a daemon in the group, started after the caches were dropped, before the first epoch),
+    the rest of the budget left to the kernel's LRU."""
+    vmtouch = shutil.which("vmtouch")
+    if vmtouch is None:
+        return ConfigResult("pinning", [], [], failed="n/a: vmtouch not installed")
+    listing, pidfile = work / "pinned.list", work / "vmtouch.pid"
+    listing.write_text("".join(f"{dataset.root / name}\n" for name in
+                               pinned_files(dataset, capacity)))
+    with _group(f"{CGROUP_PREFIX}-{os.getpid()}", settings, dataset) as cgroup:
+        def pin() -> None:
+            with cgroup.inside():  # its locked pages are the group's
+                subprocess.run([vmtouch, "-q", "-d", "-l", "-P", str(pidfile), "-b",
+                                str(listing)], check=True)
+
+        try:
+            return _measure("pinning", cgroup, Readers(settings.readers), dataset.root,
+                            dataset, budget, settings, pin)
+        finally:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                pid = int(pidfile.read_text())
+                os.kill(pid, signal.SIGTERM)
+                wait_exit(pid, 10)
 
 
 class EpochObserver(Protocol):
@@ -230,80 +358,114 @@ class EpochObserver(Protocol):
     def finished(self, result: ConfigResult) -> None: ...
 
 
+#: How the readers of a coordlfs stack read: the mount, the mount under ``coordlfs run``
+#: (the preload library), or ``coordlfs.client`` with the order handed over.
+WAYS = {"coordlfs": "mount", "run": "run", "client": "client"}
+
+
 def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path,
-                 client: bool = False, observer: EpochObserver | None = None) -> ConfigResult:
-    """Through the mount; with ``client``, through ``coordlfs.client`` with each epoch's
-    order handed over first."""
-    name = f"{CGROUP_PREFIX}-{os.getpid()}"
+                 sizing: Sizing, way: str = "mount",
+                 observer: EpochObserver | None = None) -> ConfigResult:
+    """coordlfs, its daemon started in the budget's group (all of its memory charged there,
+    as any service's in its own cgroup), read the ``way`` given (``WAYS``)."""
+    system = next(name for name, how in WAYS.items() if how == way)
+    if way == "run" and run_command.library() is None:
+        return ConfigResult(system, [], [], failed="n/a: the preload library is not built")
+    capacity = cache_size_for(budget, dataset, sizing, settings.readers, way == "client")
+    print(f"  {system} cache {format_size(capacity)} = budget {format_size(budget)} - the "
+          "daemon, its files and the readers' pages (measured)", flush=True)
     mountpoint = work / "mnt"
-    readers = Readers(settings.readers, str(mountpoint) if client else None)
-    with running(readers) as group, _group(name, settings, dataset) as cgroup:
-        for pid in group.pids:
-            cgroup.add(pid)
-        memory = cgroup.memory_usage()
-        capacity = cache_size_for(budget, dataset, memory, settings.readers, client)
-        print(f"  coordlfs cache {format_size(capacity)} = budget {format_size(budget)} - "
-              f"readers {format_size(memory)} - daemon and page headroom", flush=True)
-        with mounted(dataset.root, mountpoint, work / "mount.log",
-                     "--cache-size", str(capacity)) as mount:
-            cgroup.add(mount.pid)
-            cgroup.set_memory_limit(budget)
-            drop_caches()
-            if client:
-                with ClientDataset(mountpoint) as trainer:
-                    result = run_epochs("client", group, cgroup.bytes_read, dataset, "",
-                                        settings, trainer.prefetch)
-            else:
-                result = run_epochs("coordlfs", group, cgroup.bytes_read, dataset, mountpoint,
-                                    settings, observer.before_epoch if observer else None)
-                if observer is not None:
-                    observer.finished(result)
-            result.peak_memory_bytes = cgroup.peak_memory()
+    with (_group(f"{CGROUP_PREFIX}-{os.getpid()}", settings, dataset) as cgroup,
+          contextlib.ExitStack() as stack):
+        try:
+            with cgroup.inside():
+                stack.enter_context(mounted(dataset.root, mountpoint, work / "mount.log",
+                                            "--cache-size", str(capacity)))
+        except UserError as e:
+            return ConfigResult(system, [], [], capacity, failed=f"not mounted: {e}")
+        readers, base, before = Readers(settings.readers), str(mountpoint), None
+        if way == "client":
+            trainer = stack.enter_context(ClientDataset(mountpoint))
+            readers, base, before = Readers(settings.readers, str(mountpoint)), "", \
+                trainer.prefetch
+        elif way == "run":
+            readers.env = run_command.environment([str(mountpoint)], dict(os.environ))
+        elif observer is not None:
+            before = observer.before_epoch
+        result = _measure(system, cgroup, readers, base, dataset, budget, settings,
+                          before_epoch=before)
+        if observer is not None and way == "mount" and not result.failed:
+            observer.finished(result)
     result.cache_capacity_bytes = capacity
-    result.readers_memory_bytes = memory
     return result
 
 
+def unavailable(system: str, program: str) -> ConfigResult | None:
+    """The row of a peer stack this machine does not have (its program not installed)."""
+    if shutil.which(program) is None:
+        return ConfigResult(system, [], [], failed="n/a: not installed")
+    return None
+
+
 # -- summary -------------------------------------------------------------------------------
+
+#: a run's results by stack, in the order they ran
+Run = dict[str, ConfigResult]
+#: the stacks as the JSON names them
+KEYS = {"page cache": "page_cache", "pinning": "pinning", "coordlfs": "coordlfs",
+        "run": "run", "client": "client", "juicefs": "juicefs", "rclone": "rclone"}
+
 
 def later(result: ConfigResult, attribute: str) -> float:
     """Sum of an epoch attribute over the epochs after the first (the steady state)."""
     return sum(getattr(e, attribute) for e in result.epochs[1:])
 
 
-def summarize(runs: list[tuple[ConfigResult, ...]]) -> dict[str, Any]:
-    """Medians over repeated runs of page cache ÷ coordlfs (the mount, then the client where
-    runs have it), epochs after the first, and the first (cold) epoch's time alone."""
+def _ran(run: Run, key: str) -> ConfigResult | None:
+    result = run.get(key)
+    return result if result is not None and not result.failed and result.epochs else None
 
-    def fraction(index: int) -> float | None:
-        values = [run[index].epochs[i].storage_fraction for run in runs
-                  for i in range(1, len(run[index].epochs))]
-        return median(values)
 
-    summary: dict[str, Any] = {}
-    for index, prefix in ((1, ""), (2, "client_")):
-        if any(len(run) <= index for run in runs):
-            break
-        storage = [ratio(later(run[0], "storage_bytes"), later(run[index], "storage_bytes"))
-                   for run in runs]
-        times = [ratio(later(run[0], "seconds"), later(run[index], "seconds")) for run in runs]
-        first = [ratio(run[0].epochs[0].seconds, run[index].epochs[0].seconds) for run in runs]
-        summary |= {
-            f"{prefix}storage_bytes_ratio": median(storage),
+def _ratios(runs: list[Run], over: str, under: str, prefix: str) -> dict[str, Any]:
+    """``over`` ÷ ``under`` (JSON keys) per run where both ran: storage bytes and time of
+    the epochs after the first, and the first epoch's time; medians and the runs'."""
+    pairs = [(a, b) for run in runs
+             if (a := _ran(run, over)) is not None and (b := _ran(run, under)) is not None]
+    if not pairs:
+        return {}
+    storage = [ratio(later(a, "storage_bytes"), later(b, "storage_bytes")) for a, b in pairs]
+    times = [ratio(later(a, "seconds"), later(b, "seconds")) for a, b in pairs]
+    first = [ratio(a.epochs[0].seconds, b.epochs[0].seconds) for a, b in pairs]
+    return {f"{prefix}storage_bytes_ratio": median(storage),
             f"{prefix}epoch_time_ratio": median(times),
             f"{prefix}first_epoch_time_ratio": median(first),
             f"{prefix}storage_bytes_ratio_runs": storage,
             f"{prefix}epoch_time_ratio_runs": times,
-            f"{prefix}first_epoch_time_ratio_runs": first,
-        }
-    summary["page_cache_storage_fraction"] = fraction(0)
-    summary["coordlfs_storage_fraction"] = fraction(1)
-    if "client_epoch_time_ratio" in summary:
-        summary["client_storage_fraction"] = fraction(2)
+            f"{prefix}first_epoch_time_ratio_runs": first}
+
+
+def summarize(runs: list[Run]) -> dict[str, Any]:
+    """Medians over repeated runs, epochs after the first: page cache ÷ each coordlfs way
+    (``storage_bytes_ratio`` and ``epoch_time_ratio`` for the mount, ``client_`` and
+    ``run_`` for the others), vmtouch pinning ÷ the mount (``vs_pinning_``, and
+    ``run_vs_pinning_``); each stack's fraction of the dataset per later epoch, and why a
+    stack failed."""
+    summary: dict[str, Any] = {}
+    for way, prefix in (("coordlfs", ""), ("client", "client_"), ("run", "run_")):
+        summary |= _ratios(runs, "page_cache", way, prefix)
+        summary |= _ratios(runs, "pinning", way, f"{prefix}vs_pinning_")
+    for key in KEYS.values():
+        values = [e.storage_fraction for run in runs if (r := _ran(run, key)) is not None
+                  for e in r.epochs[1:]]
+        if values:
+            summary[f"{key}_storage_fraction"] = median(values)
+        failures = [r.failed for run in runs if (r := run.get(key)) is not None and r.failed]
+        if failures:
+            summary[f"{key}_failed"] = failures
     return summary
 
 
-def plot(path: str, runs: list[tuple[ConfigResult, ...]]) -> None:
+def plot(path: str, runs: list[Run]) -> None:
     try:
         import matplotlib
 
@@ -311,8 +473,9 @@ def plot(path: str, runs: list[tuple[ConfigResult, ...]]) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--plot needs matplotlib (pip install 'coordlfs[plot]')") from None
+    shown = [r for r in runs[0].values() if r.epochs]
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
-    for result in runs[0]:
+    for result in shown:
         # Rates over PLOT_WINDOW_S: a throttle releases reads in bursts finer than that.
         step = max(1, round(PLOT_WINDOW_S / SAMPLE_S))
         pairs = list(zip(result.samples, result.samples[step:], strict=False))
@@ -322,9 +485,9 @@ def plot(path: str, runs: list[tuple[ConfigResult, ...]]) -> None:
     left.set(xlabel="seconds", ylabel="storage reads, MB/s", title="Storage read throughput")
     left.set_ylim(bottom=0)
     left.legend()
-    width = 0.8 / len(runs[0])
-    for k, result in enumerate(runs[0]):
-        xs = [e.epoch + (k - (len(runs[0]) - 1) / 2) * width for e in result.epochs]
+    width = 0.8 / len(shown)
+    for k, result in enumerate(shown):
+        xs = [e.epoch + (k - (len(shown) - 1) / 2) * width for e in result.epochs]
         right.bar(xs, [e.storage_fraction for e in result.epochs], width, label=result.system)
     right.set(xlabel="epoch", ylabel="fraction of the dataset",
               title="Bytes from storage per epoch")
@@ -335,9 +498,11 @@ def plot(path: str, runs: list[tuple[ConfigResult, ...]]) -> None:
 
 # -- the command ---------------------------------------------------------------------------
 
-def format_table(runs: list[tuple[ConfigResult, ...]]) -> str:
+def format_table(run: Run) -> str:
     lines = ["system      epoch  seconds  from storage  files/s  stall%"]
-    for result in runs[0] if len(runs) == 1 else ():
+    for result in run.values():
+        if result.failed:
+            lines.append(f"{result.system:10} {result.failed}")
         for e in result.epochs:
             lines.append(f"{result.system:10} {e.epoch:6} {e.seconds:8.1f} "
                          f"{e.storage_fraction:12.2f} {e.files_per_s:8.0f} "
@@ -345,41 +510,65 @@ def format_table(runs: list[tuple[ConfigResult, ...]]) -> str:
     return "\n".join(lines)
 
 
+def one_run(dataset: Dataset, budget: int, settings: Settings, work: Path,
+            sizing: Sizing) -> Run:
+    """Every stack once, one after the other, at the same budget and throttle."""
+    capacity = cache_size_for(budget, dataset, sizing, settings.readers)
+    results = [run_page_cache(dataset, budget, settings),
+               run_pinning(dataset, budget, settings, work, capacity),
+               *(run_coordlfs(dataset, budget, settings, work, sizing, way)
+                 for way in WAYS.values())]
+    results += [r for r in (unavailable("juicefs", "juicefs"), unavailable("rclone", "rclone"))
+                if r is not None]
+    return {KEYS[r.system]: r for r in results}
+
+
+def _print_summary(summary: dict[str, Any], clean: int) -> None:
+    fractions = ", ".join(f"{key} {summary[f'{key}_storage_fraction']}" for key in KEYS.values()
+                          if f"{key}_storage_fraction" in summary)
+    print(f"epochs after the first, medians of {clean} run(s), fraction of the dataset read "
+          f"per epoch: {fractions}")
+    for prefix, name in (("", "coordlfs"), ("run_", "coordlfs run"), ("client_", "client")):
+        if f"{prefix}storage_bytes_ratio" in summary:
+            print(f"{name}: page cache ÷ it: storage {summary[f'{prefix}storage_bytes_ratio']}, "
+                  f"time {summary[f'{prefix}epoch_time_ratio']}; pinning ÷ it: storage "
+                  f"{summary.get(f'{prefix}vs_pinning_storage_bytes_ratio')}, time "
+                  f"{summary.get(f'{prefix}vs_pinning_epoch_time_ratio')}")
+    for key in KEYS.values():
+        for why in summary.get(f"{key}_failed", []):
+            print(f"{key}: {why}")
+
+
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     harness.require_root("bench epochs", harness.TRAINING_NEEDS)
     work = harness.work_dir(args.work, cgroups=CGROUP_PREFIX)
+    if args.large:
+        args.make = LARGE_MAKE
     dataset = harness.load_dataset(args)
     budget = budget_bytes(settings.budget_text, dataset.total_bytes)
     print(f"{harness.describe_dataset(dataset)}; budget {format_size(budget)} "
           f"({budget / dataset.total_bytes:.0%}); throttle "
           f"{harness.describe_throttle(settings.throttle)}", flush=True)
-    runs = [(run_page_cache(dataset, budget, settings),
-             run_coordlfs(dataset, budget, settings, work),
-             run_coordlfs(dataset, budget, settings, work, client=True))
+    sizing = measure_sizing(dataset, work)
+    if not cache_size_for(budget, dataset, sizing, settings.readers, client=True):
+        raise UserError(f"budget {format_size(budget)} leaves no room for a cache beside the "
+                        "daemon and the readers: give a bigger one")
+    runs = [one_run(dataset, budget, settings, work, sizing)
             for _number in harness.repeated(settings.repeat)]
     # runs another process disturbed (dropped caches) are left out, unless all were
-    clean = [run for run in runs if not any(r.disturbed_epochs for r in run)] or runs
+    clean = [run for run in runs if not any(r.disturbed_epochs for r in run.values())] or runs
     summary = summarize(clean)
     summary["runs_left_out_disturbed"] = len(runs) - len(clean)
     if settings.repeat == 1:
-        print(format_table(runs))
-    print(f"epochs after the first, medians of {len(clean)} run(s): page cache read "
-          f"{summary['page_cache_storage_fraction']} and coordlfs "
-          f"{summary['coordlfs_storage_fraction']} of the dataset per epoch; "
-          f"storage_bytes_ratio {summary['storage_bytes_ratio']}, "
-          f"epoch_time_ratio {summary['epoch_time_ratio']}")
-    print(f"client (page cache ÷ client): first epoch's time "
-          f"{summary['client_first_epoch_time_ratio']}, later epochs' time "
-          f"{summary['client_epoch_time_ratio']}, storage_bytes_ratio "
-          f"{summary['client_storage_bytes_ratio']} (the mount's first epoch: "
-          f"{summary['first_epoch_time_ratio']})")
+        print(format_table(runs[0]))
+    _print_summary(summary, len(clean))
     harness.write_report(args.json, {
         "dataset": harness.dataset_record(dataset),
         "budget_bytes": budget,
         "settings": asdict(settings),
-        "runs": [{"page_cache": asdict(pc), "coordlfs": asdict(cl), "client": asdict(client)}
-                 for pc, cl, client in runs],
+        "sizing": asdict(sizing),
+        "runs": [{key: asdict(result) for key, result in run.items()} for run in runs],
         "summary": summary,
     })
     if args.plot:
