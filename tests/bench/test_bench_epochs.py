@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from coordlfs.bench.epochs import (
     cache_size_for,
     measure_sizing,
     pinned_files,
+    program,
     summarize,
 )
 from coordlfs.bench.harness import (
@@ -146,11 +146,15 @@ def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
     for system in ("page_cache", "pinning", "coordlfs", "run", "client"):
         first, second = run[system]["epochs"]
         assert first["storage_bytes"] >= total * 0.99 or system == "pinning"  # read to pin
-        assert second["storage_bytes"] <= total * 0.01
+        # under coordlfs run a file read again while its fill behind drops its pages (the
+        # first epoch's last few) is read from storage once more
+        assert second["storage_bytes"] <= total * (0.05 if system == "run" else 0.01), system
     assert run["coordlfs"]["cache_capacity_bytes"] >= total
-    for peer, program in (("juicefs", "juicefs"), ("rclone", "rclone")):
-        if shutil.which(program) is None:
+    for peer in ("juicefs", "rclone"):  # installed: ran, or a row that says why not
+        if program(peer) is None:
             assert run[peer]["failed"] == "n/a: not installed" and not run[peer]["epochs"]
+        else:
+            assert run[peer]["failed"] or len(run[peer]["epochs"]) == 2
     assert set(report["summary"]) >= {"storage_bytes_ratio", "epoch_time_ratio",
                                       "client_epoch_time_ratio", "client_first_epoch_time_ratio",
                                       "client_storage_bytes_ratio", "client_storage_fraction"}
@@ -171,7 +175,7 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path: Path, daemon_logs: list[Path]) 
     work = tmp_path / "work"
     daemon_logs.append(work)
     with stopped_by_sigterm(
-            [*BENCH, "epochs", "--make", "600:64K", "--work", str(work), "--budget", "48M",
+            [*BENCH, "epochs", "--make", "600:64K", "--work", str(work), "--budget", "96M",
              "--readers", "2", "--throttle", "20M", "--epochs", "5"]) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
