@@ -191,7 +191,10 @@ def run_epochs(system: str, group: Readers, storage: Callable[[], int], dataset:
             started = time.perf_counter()
             if before_epoch is not None:
                 before_epoch(order)
-            _seconds, waited, got = group.epoch(batches, settings.compute_ms / 1000)
+            try:
+                _seconds, waited, got = group.epoch(batches, settings.compute_ms / 1000)
+            except UserError as e:  # the stack's failure, said with the epoch it came in
+                raise UserError(f"in epoch {number}: {e}") from None
             seconds = time.perf_counter() - started  # the hand-over counts too
             if got != dataset.total_bytes:
                 raise UserError(f"{system}: read {got} bytes in epoch {number}, the dataset "
