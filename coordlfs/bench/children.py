@@ -172,6 +172,8 @@ class Readers:
     count: int
     client: str | None = None
     env: dict[str, str] | None = None
+    #: seconds a batch may take before the readers count as hung
+    stall_limit_s: float = 600.0
     procs: list[Any] = field(default_factory=list)
     conns: list[Connection] = field(default_factory=list)
 
@@ -210,8 +212,9 @@ class Readers:
         for i in range(len(batches)):
             before = time.perf_counter()
             conn = self.conns[i % self.count]
-            if not conn.poll(600):
-                raise UserError("a reader made no progress for 10 minutes")
+            if not conn.poll(self.stall_limit_s):
+                raise UserError(f"a reader made no progress for {self.stall_limit_s:g} s "
+                                "(a hung filesystem)")
             got = conn.recv()
             if isinstance(got, str):
                 raise UserError(f"a reader failed: {got}")

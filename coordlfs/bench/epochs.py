@@ -285,6 +285,9 @@ def _failure(error: UserError, cgroup: Cgroup) -> str:
     kills = cgroup.oom_kills()
     if kills:
         return f"killed for memory ({plural(kills, 'OOM kill')} in its group): {error}"
+    limit, usage = cgroup.memory_limit(), cgroup.memory_usage()
+    if usage >= 0.97 * limit:
+        return f"at its memory limit ({format_size(usage)} of {format_size(limit)}): {error}"
     return str(error)
 
 
@@ -294,8 +297,8 @@ def _measure(system: str, cgroup: Cgroup, readers: Readers, base: str | Path,
              before_epoch: Callable[[list[str]], Any] | None = None) -> ConfigResult:
     """The readers in the group, the limit set, the kernel's caches dropped (then ``pin``
     run), every epoch read under ``base``; a stack that fails is a result that says why."""
-    try:
-        with running(readers) as group:
+    with running(readers) as group:
+        try:
             for pid in group.pids:
                 cgroup.add(pid)
             memory = cgroup.memory_usage()
@@ -305,9 +308,13 @@ def _measure(system: str, cgroup: Cgroup, readers: Readers, base: str | Path,
                 pin()
             result = run_epochs(system, group, cgroup.bytes_read, dataset, base, settings,
                                 before_epoch)
-    except UserError as e:
-        print(f"  {system}: failed: {_failure(e, cgroup)}", flush=True)
-        return ConfigResult(system, [], [], failed=_failure(e, cgroup))
+        except UserError as e:
+            why = _failure(e, cgroup)
+            print(f"  {system}: failed: {why}", flush=True)
+            # a daemon hung on the group's memory answers its readers once the limit goes,
+            # and they can be stopped (a reader waiting on a FUSE request cannot be killed)
+            cgroup.set_memory_limit(-1)
+            return ConfigResult(system, [], [], failed=why)
     result.peak_memory_bytes = cgroup.peak_memory()
     result.readers_memory_bytes = memory
     return result
@@ -423,6 +430,9 @@ def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path,
 
 #: Seconds a peer's mount has to appear.
 PEER_MOUNT_S = 60
+#: Seconds a batch through a peer's mount may take before it counts as hung (JuiceFS at its
+#: group's limit was seen waiting on its pages for good); a batch takes seconds at most.
+PEER_STALL_S = 120.0
 
 
 def program(name: str) -> str | None:
@@ -462,8 +472,8 @@ def run_peer(system: str, argv: list[str], dataset: Dataset, budget: int, settin
         try:
             with peer_mount([*argv, str(mountpoint)], mountpoint, work / f"{KEYS[system]}.log",
                             cgroup):
-                return _measure(system, cgroup, Readers(settings.readers), mountpoint,
-                                dataset, budget, settings)
+                readers = Readers(settings.readers, stall_limit_s=PEER_STALL_S)
+                return _measure(system, cgroup, readers, mountpoint, dataset, budget, settings)
         except UserError as e:
             return ConfigResult(system, [], [], failed=_failure(e, cgroup))
 
