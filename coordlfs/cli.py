@@ -247,6 +247,21 @@ def _read_lines(reads: dict[str, int]) -> list[str]:
     ]
 
 
+def _memory_line(status: dict[str, Any], cache: dict[str, Any]) -> str:
+    """What the mount needs beside its cached bytes: the figures a memory budget is split by
+    (``coordlfs.daemon.memory``); a daemon older than them gives its tables alone."""
+    memory = status.get("memory")
+    pages = format_size(cache["used_bytes"] - cache["bytes"])
+    if memory is None:
+        return (f"memory   {cache['table_bytes'] / max(1, cache['files'] + cache['filling']):.0f}"
+                f" B per cached file (the daemon's table), pages {pages} beyond the bytes")
+    return (f"memory   daemon {format_size(memory['daemon_bytes'])} "
+            f"({format_size(memory['itself_bytes'])} itself), "
+            f"{memory['per_cached_file_bytes']} B per cached file, "
+            f"{memory['per_inode_bytes']} B per file looked up (daemon and kernel); pages "
+            f"{pages} beyond the bytes")
+
+
 def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
     cache, reads = status["cache"], (interval or status)["reads"]
     held = status["read_window"]
@@ -255,11 +270,7 @@ def _table(status: dict[str, Any], interval: dict[str, Any] | None) -> str:
         f"(source {status['source']}, pid {status['pid']})",
         f"cache    {format_size(cache['used_bytes'])} of {format_size(cache['capacity_bytes'])} "
         f"used, {plural(cache['files'], 'file')} ({cache['filling']} filling)",
-        f"memory   {cache['table_bytes'] / max(1, cache['files'] + cache['filling']):.0f} B "
-        f"per cached file, {status['inode_table_bytes'] / max(1, status['inodes']):.0f} B per "
-        "inode (the daemon's tables); the kernel's "
-        f"{cache['kernel_bytes_per_file']} B per cached file, pages "
-        f"{format_size(cache['used_bytes'] - cache['bytes'])} beyond the bytes",
+        _memory_line(status, cache),
         f"window   {format_size(held['used_bytes'])} of {format_size(held['capacity_bytes'])} "
         f"held for aligned groups, {plural(held['items'], 'item')}, {held['hits']} taken",
     ]

@@ -146,24 +146,45 @@ def _reader_main(conn: Connection, client: str | None) -> None:
             dataset.close()  # its counts reach the mount's status
 
 
+@contextlib.contextmanager
+def environment(variables: dict[str, str]) -> Iterator[None]:
+    """``variables`` in this process's environment for as long as the block runs: what a
+    process spawned meanwhile inherits."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
 @dataclass(slots=True)
 class Readers:
     """``count`` reader processes, fed batch by batch as a DataLoader feeds its workers;
     with ``client`` (a mountpoint) they read through ``coordlfs.client`` paths relative to
-    it."""
+    it; with ``env`` (``coordlfs run``'s variables) they are new processes started with it,
+    since a library is preloaded at exec, never into a fork."""
 
     count: int
     client: str | None = None
+    env: dict[str, str] | None = None
+    #: seconds a batch may take before the readers count as hung
+    stall_limit_s: float = 600.0
     procs: list[Any] = field(default_factory=list)
     conns: list[Connection] = field(default_factory=list)
 
     def start(self) -> None:
-        context = multiprocessing.get_context("fork")
+        context = multiprocessing.get_context("spawn" if self.env else "fork")
         for _ in range(self.count):
             parent, child = context.Pipe()
             proc = context.Process(target=_reader_main, args=(child, self.client),
                                    daemon=True)
-            proc.start()
+            with environment(self.env or {}):
+                proc.start()
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
@@ -191,8 +212,9 @@ class Readers:
         for i in range(len(batches)):
             before = time.perf_counter()
             conn = self.conns[i % self.count]
-            if not conn.poll(600):
-                raise UserError("a reader made no progress for 10 minutes")
+            if not conn.poll(self.stall_limit_s):
+                raise UserError(f"a reader made no progress for {self.stall_limit_s:g} s "
+                                "(a hung filesystem)")
             got = conn.recv()
             if isinstance(got, str):
                 raise UserError(f"a reader failed: {got}")

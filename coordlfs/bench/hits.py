@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from coordlfs.bench import bigfile, harness
+from coordlfs.bench.children import environment
 from coordlfs.bench.passthrough import DEFAULT_HP, Unavailable, passthrough_hp
 from coordlfs.bench.ratios import ratio
 from coordlfs.bench.reading import copy_files, read_files
@@ -424,7 +425,7 @@ def measure(paths: list[str], readers: int, client: str | None = None,
             receive, send = context.Pipe(duplex=False)
             worker = context.Process(target=_reader, args=(encoded[i::readers], barrier, send,
                                                            client, warm, done, i))
-            with _environment(preload or {}):
+            with environment(preload or {}):
                 worker.start()
             send.close()
             workers.append(worker)
@@ -443,22 +444,6 @@ def measure(paths: list[str], readers: int, client: str | None = None,
             worker.join()
     return Run(max(r[1] for r in reports) - min([r[0] for r in reports] + led), len(paths),
                sum(r[2] for r in reports))
-
-
-@contextlib.contextmanager
-def _environment(variables: dict[str, str]) -> Iterator[None]:
-    """``variables`` in this process's environment for as long as the block runs: what a
-    process spawned meanwhile inherits."""
-    before = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
 
 
 def _join(barrier: Any) -> None:

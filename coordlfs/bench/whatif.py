@@ -24,8 +24,10 @@ from coordlfs.bench.epochs import (
     CGROUP_PREFIX,
     ConfigResult,
     Settings,
+    Sizing,
     budget_bytes,
     cache_size_for,
+    measure_sizing,
     run_coordlfs,
     settings_from,
 )
@@ -116,12 +118,16 @@ def parse_budgets(text: str) -> list[str]:
     return budgets
 
 
-def one_run(dataset: Dataset, settings: Settings, work: Path, budgets: list[str]) -> dict:
+def one_run(dataset: Dataset, settings: Settings, work: Path, budgets: list[str],
+            sizing: Sizing) -> dict:
     """Measure at ``settings.budget_text``, predict ``budgets``, run them."""
     calibration_budget = budget_bytes(settings.budget_text, dataset.total_bytes)
     recorder = Recorder(work / "mnt", -(-len(dataset.files) // settings.batch))
     print(f"measuring the rates at budget {format_size(calibration_budget)}", flush=True)
-    calibration = run_coordlfs(dataset, calibration_budget, settings, work, observer=recorder)
+    calibration = run_coordlfs(dataset, calibration_budget, settings, work, sizing,
+                               observer=recorder)
+    if calibration.failed:
+        raise UserError(f"the run measuring the rates failed: {calibration.failed}")
     assert recorder.analysis_input is not None
     analysis = whatif.analyse(*recorder.analysis_input, None, os.cpu_count() or 1,
                               leave_out=disturbed_steady(calibration))
@@ -130,12 +136,11 @@ def one_run(dataset: Dataset, settings: Settings, work: Path, budgets: list[str]
     rows = []
     for text in budgets:
         budget = budget_bytes(text, dataset.total_bytes)
-        cache = cache_size_for(budget, dataset, calibration.readers_memory_bytes,
-                               settings.readers)
+        cache = cache_size_for(budget, dataset, sizing, settings.readers)
         predicted = whatif.predict(rates, cache / rates.dataset_bytes).epoch_s
         print(f"budget {text} ({format_size(budget)}): cache {format_size(cache)}, predicted "
               f"{predicted:.1f} s per epoch; running it", flush=True)
-        result = run_coordlfs(dataset, budget, settings, work)
+        result = run_coordlfs(dataset, budget, settings, work, sizing)
         measured = steady_seconds(result)
         rows.append(Row(text, budget, cache, result.cache_capacity_bytes or 0,
                         round(predicted, 3), measured,
@@ -182,14 +187,15 @@ def run(args: argparse.Namespace) -> int:
     harness.require_root("bench whatif", harness.TRAINING_NEEDS)
     work = harness.work_dir(args.work, cgroups=CGROUP_PREFIX)
     dataset = harness.load_dataset(args)
+    sizing = measure_sizing(dataset, work)
     for text in (settings.budget_text, *budgets):  # a bad budget fails before any run
-        if not cache_size_for(budget_bytes(text, dataset.total_bytes), dataset, 0,
+        if not cache_size_for(budget_bytes(text, dataset.total_bytes), dataset, sizing,
                               settings.readers):
             raise UserError(f"budget {text} leaves no room for a cache beside the daemon "
                             "and the readers: give a bigger one")
     print(f"{harness.describe_dataset(dataset)}; throttle "
           f"{harness.describe_throttle(settings.throttle)}", flush=True)
-    runs = [one_run(dataset, settings, work, budgets)
+    runs = [one_run(dataset, settings, work, budgets, sizing)
             for _number in harness.repeated(settings.repeat)]
     for result in runs:
         print(format_table(result["rows"]))

@@ -24,8 +24,9 @@ the mount against the modes the mount shows, the source's, without ACLs, so the 
 checks the same modes of each directory on the way and of the file (``access`` on the
 mount's path would say the same, but costs a FUSE lookup per file once the kernel has
 dropped its dentries, as much as the read it saves); it reads with the daemon's reader of the
-source (``SourceReader``: O_DIRECT, so that the bytes do not stay in the page cache), which
-checks the file's version after. Anything else
+source (``SourceReader``, through the page cache: the cache will not hold the file, so its
+pages stay with the kernel's LRU as any reader's would), which checks the file's version
+after. Anything else
 (a file that fits, a peer's file: a mount with peers gets every miss, an error) goes through
 the mount, which gives the same bytes or the same error.
 
@@ -362,7 +363,7 @@ class _DirectMisses:
             return None
         for _attempt in range(2):  # changed during the read: once more, then the mount
             try:
-                reader = SourceReader.opening(open_beneath, root, name)
+                reader = SourceReader.opening(open_beneath, root, name, keep_pages=True)
             except OSError:  # a symlink on the way, gone, not this user's: the mount says
                 return None
             try:

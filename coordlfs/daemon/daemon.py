@@ -25,6 +25,7 @@ from coordlfs.cache.fills import register_commands as register_fill_commands
 from coordlfs.cache.held import register_commands as register_held_commands
 from coordlfs.cache.stats import Stats, register_commands
 from coordlfs.daemon.config import SHM_ROOT, MountConfig
+from coordlfs.daemon.memory import memory_status
 from coordlfs.daemon.metrics import MetricsServer
 from coordlfs.daemon.mounting import open_log, set_read_ahead
 from coordlfs.errors import UserError
@@ -263,6 +264,10 @@ class Daemon:
             "prep": self.prep.status(),
             "inodes": len(self.ops.inodes),
             "inode_table_bytes": self.ops.inodes.nbytes(),
+            "memory": memory_status(
+                tables=(self.ops.inodes.nbytes(), cache.entries.nbytes()),
+                rows=(len(self.ops.inodes), len(cache.entries)),
+                file_overhead=cache.file_overhead, passthrough=self.ops.backings is not None),
             "freshness": self.ops.freshness.status(),
             "marks": [m.name for m in self.stats.marks],
             **self.groups.status(),

@@ -4,9 +4,11 @@ An open of a complete cache entry is answered with the backing id of the entry's
 (``WholeFileCache.entry_fd``): the kernel then reads that file itself and no READ of the open
 reaches the daemon. An open of a file that neither MinIO nor a peer will hold (no room, too
 big) is answered with the source file itself as its backing (``open_source``): the kernel
-reads it as it reads any file, through its page cache, at the page cache's speed. An open of
-a peer's file is answered with the file it landed in (``open_landed``). Every other open is
-direct_io, served by the readers. The kernel's rules (Linux 6.18, measured;
+reads it as it reads any file, through its page cache, at the page cache's speed, and its pages
+stay there for the kernel's LRU (a miss the cache keeps has them copied and dropped at its last
+release: ``WholeFileCache.fill_behind``). An open of a peer's file is answered with the file it
+landed in (``open_landed``). Every other open is direct_io, served by the readers. The
+kernel's rules (Linux 6.18, measured;
 docs/design/passthrough.md) shape the rest:
 
 - an inode takes one backing at a time, and while a passthrough open of it is held, any other

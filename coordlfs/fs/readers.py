@@ -39,7 +39,7 @@ from coordlfs.peers.links import PeerLink, Peers
 from coordlfs.peers.wire import MAX_CHUNK
 from coordlfs.source.source import Source, SourceReader, Version
 from coordlfs.source.threads import in_thread
-from coordlfs.system.pagecache import let_go
+from coordlfs.system.pagecache import held_bytes
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class StreamReader(Held):
         # nobody keeps it: the kernel may read it itself, whatever its size (an aligned
         # member's reads go through the daemon, for the group's window and counts)
         self.source_file = not data and handle.member is None
-        self.last_release = self._let_go
+        self.last_release = self._released
 
     def serving(self) -> None:
         """Open the source file now, at the open: later names (a rename over it, an unlink,
@@ -267,24 +267,25 @@ class StreamReader(Held):
     def source_fd(self) -> int:
         return -1 if self._file is None else self._file.fd
 
-    def _let_go(self, fd: int) -> None:
-        """The last open of the source file the kernel read itself is released: its pages
-        go, as the daemon's own reads never leave any. A file the daemon would read whole was
-        counted whole at its open; a larger one counts what the page cache holds of it, in a
-        worker thread, as its pages are dropped (0.4 s for 768 MiB: never on the loop)."""
-        if self.handle.st.st_size <= STREAM_WHOLE:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            return
-        assert self.readers.nursery is not None
-        self.readers.nursery.start_soon(self._counted_let_go, os.dup(fd))
+    def _released(self, fd: int) -> None:
+        """The last open of the source file the kernel read itself is released; its pages
+        stay with the kernel's LRU (no cache keeps them). A file the daemon would read whole
+        was counted whole at its open; a larger one counts what the page cache holds of it,
+        in a worker thread."""
+        if self.handle.st.st_size > STREAM_WHOLE:
+            assert self.readers.nursery is not None
+            self.readers.nursery.start_soon(self._count_held, os.dup(fd))
 
-    async def _counted_let_go(self, fd: int) -> None:
-        self.readers.counters.bytes_from_source += await in_thread(let_go, fd)
+    async def _count_held(self, fd: int) -> None:
+        self.readers.counters.bytes_from_source += await in_thread(held_bytes, fd)
 
     def _open(self) -> SourceReader:
         """The source file at the handle's path, if it is still the file opened (its key):
         else ESTALE, and the kernel looks the name up again."""
-        opened = self.readers.source.open_reader(self.handle.path)
+        # with passthrough this open is direct_io: the source's pages are the only copy the
+        # kernel could keep (without it the mount's own page cache holds what it is sent)
+        opened = self.readers.source.open_reader(self.handle.path,
+                                                 keep_pages=self.readers.behind)
         st = opened.fstat()
         if key_of(st) != key_of(self.handle.st):
             opened.close()

@@ -8,8 +8,11 @@ should it come to lie beneath the source, or another, whose daemon may wait on t
 ``coordlfs.source.walk``).
 
 Data reads avoid double caching: the cache already holds what we keep, so reading the source
-must not also fill the source's page cache. We use O_DIRECT where the filesystem allows it
-and otherwise drop the pages we read with posix_fadvise(DONTNEED). ``SourceReader`` is the one
+for it must not also fill the source's page cache. We use O_DIRECT where the filesystem allows
+it and otherwise drop the pages we read with posix_fadvise(DONTNEED). A file the cache does not
+keep is read through the page cache and its pages left there (``keep_pages``): the kernel's LRU
+then serves it again from whatever memory the cache leaves, as it would without coordlfs.
+``SourceReader`` is the one
 reader of the source's bytes: the daemon's fills and streamed reads and ``coordlfs.client``'s
 direct reads (of misses the cache has no room for) all go through it, so this module and what
 it imports are standard library only.
@@ -183,9 +186,10 @@ class Source:
         copying the pages such a read brings in. The caller checks what it opened."""
         return self.open(path, _READING)
 
-    def open_reader(self, path: bytes) -> SourceReader:
-        """Open a regular file for reading; blocking, so call it from a worker thread."""
-        reader = SourceReader.opening(self.open, path)
+    def open_reader(self, path: bytes, keep_pages: bool = False) -> SourceReader:
+        """Open a regular file for reading; blocking, so call it from a worker thread.
+        ``keep_pages``: the cache does not keep it, so its pages stay with the kernel."""
+        reader = SourceReader.opening(self.open, path, keep_pages=keep_pages)
         if not stat.S_ISREG(reader.fstat().st_mode):
             reader.close()
             raise IsADirectoryError(21, "not a regular file")
@@ -193,29 +197,37 @@ class Source:
 
 
 class SourceReader:
-    """One open source file, read without filling the page cache: the one reader of the
-    source, for the daemon (its fills read ``read_view`` chunks into the cache, a reader of
-    the mount may wait on the first ones; its streamed reads ``pread``) and for
-    ``coordlfs.client`` (a miss the cache has no room for, read whole: ``read_whole``).
+    """One open source file: the one reader of the source, for the daemon (its fills read
+    ``read_view`` chunks into the cache, a reader of the mount may wait on the first ones;
+    its streamed reads ``pread``) and for ``coordlfs.client`` (a miss the cache has no room
+    for, read whole: ``read_whole``).
 
-    Opened with O_DIRECT where the filesystem allows it, read through this thread's aligned
-    buffer; where the filesystem refuses O_DIRECT, at the open or at a read (EINVAL: its
-    alignment is not ours), read buffered and the pages read dropped. Standard library only,
-    and its methods block: the daemon runs them in worker threads.
+    A file the cache keeps is read without filling the page cache (its bytes will be in the
+    cache: a second copy would only push other files out): opened with O_DIRECT where the
+    filesystem allows it, read through this thread's aligned buffer; where the filesystem
+    refuses O_DIRECT, at the open or at a read (EINVAL: its alignment is not ours), read
+    buffered and the pages read dropped. A file the cache does not keep (``keep_pages``) is
+    read buffered and its pages left to the kernel's LRU, the only copy there will be.
+    Standard library only, and its methods block: the daemon runs them in worker threads.
     """
 
-    __slots__ = ("direct", "fd")
+    __slots__ = ("direct", "drop", "fd")
 
-    def __init__(self, fd: int, direct: bool) -> None:
+    def __init__(self, fd: int, direct: bool, drop: bool = True) -> None:
         self.fd = fd
         self.direct = direct
+        #: pages read buffered are dropped after (the cache keeps the file)
+        self.drop = drop
 
     @classmethod
-    def opening(cls, open_fd: Callable[..., int], *args: Any) -> SourceReader:
+    def opening(cls, open_fd: Callable[..., int], *args: Any,
+                keep_pages: bool = False) -> SourceReader:
         """A reader of the descriptor ``open_fd(*args, flags)`` returns (``open_beneath``,
-        ``Source.open``). O_NONBLOCK so that a FIFO in the source does not block the open
-        (``fstat`` then says what it is, and nobody reads it); for a regular file it changes
-        nothing."""
+        ``Source.open``); ``keep_pages`` for a file the cache does not keep. O_NONBLOCK so
+        that a FIFO in the source does not block the open (``fstat`` then says what it is,
+        and nobody reads it); for a regular file it changes nothing."""
+        if keep_pages:
+            return cls(open_fd(*args, _READING), False, drop=False)
         try:
             return cls(open_fd(*args, _READING_DIRECT), True)
         except OSError as e:
@@ -227,14 +239,14 @@ class SourceReader:
         return os.fstat(self.fd)
 
     def pread(self, offset: int, size: int) -> bytes:
-        """Up to ``size`` bytes at ``offset``, without leaving them in the page cache."""
+        """Up to ``size`` bytes at ``offset`` (left in the page cache only with ``keep_pages``)."""
         return bytes(self.read_view(offset, size))
 
     def read_view(self, offset: int, size: int) -> memoryview | bytes:
         """Like ``pread``, but may return a view of this thread's buffer, valid until the
         thread's next read: saves a copy when the bytes go straight on (into the cache)."""
         data = self._read(offset, size)
-        if not self.direct:
+        if self.drop and not self.direct:
             os.posix_fadvise(self.fd, offset, len(data), os.POSIX_FADV_DONTNEED)
         return data
 
@@ -253,7 +265,7 @@ class SourceReader:
             offset += len(piece)
             if len(piece) < want:
                 break
-        if not self.direct:
+        if self.drop and not self.direct:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         if offset != size or _version_of(os.fstat(self.fd)) != _version_of(st):
             return None

@@ -95,6 +95,29 @@ class Cgroup:
     def pids(self) -> list[int]:
         return _pids(next(iter(self.directories.values())))
 
+    @contextmanager
+    def inside(self) -> Iterator[None]:
+        """This process in the group for the block, back where it was after: what it starts
+        meanwhile (a daemon, and every process that one forks) is the group's from its first
+        page, as a service started in its own cgroup is; this process's own pages charged
+        before stay where they were (cgroup v1 moves no charge)."""
+        me = os.getpid()
+        self.add(me)
+        try:
+            yield
+        finally:
+            for controller, directory in self.directories.items():
+                home = self._origins.pop((controller, me), directory.parent)
+                _write(home / "cgroup.procs", str(me))
+
+    def oom_kills(self) -> int:
+        """Processes of the group the kernel killed for its memory limit so far."""
+        for line in (self.memory / "memory.oom_control").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == "oom_kill":
+                return int(value)
+        return 0
+
     def memory_usage(self) -> int:
         """Bytes charged to the group: its processes' memory and the page cache they filled."""
         return int((self.memory / "memory.usage_in_bytes").read_text())

@@ -11,20 +11,23 @@ from coordlfs.bench.children import batch_paths
 from coordlfs.bench.epochs import (
     ConfigResult,
     EpochResult,
+    Sizing,
     budget_bytes,
     cache_size_for,
+    measure_sizing,
+    pinned_files,
+    program,
     summarize,
 )
 from coordlfs.bench.harness import (
     CLIENT_HEADROOM_PER_READER,
-    DAEMON_BASE_BYTES,
-    MOUNT_BYTES_PER_FILE,
     PAGE_HEADROOM_PER_READER,
     parse_make,
 )
 from coordlfs.errors import UserError
 from coordlfs.system.mounts import mount_at
-from coordlfs.testbed.dataset import Dataset, DatasetSpec
+from coordlfs.testbed.dataset import Dataset, DatasetSpec, ensure_dataset
+from coordlfs.testbed.mounts import Mount
 
 
 def test_budget_as_fraction_or_bytes() -> None:
@@ -45,19 +48,32 @@ def test_parse_make() -> None:
             parse_make(bad)
 
 
-def test_cache_size_leaves_room_for_the_daemon_and_pages_in_flight() -> None:
-    files = tuple((f"f{i}", 100_000) for i in range(1000))
+SIZING = Sizing(itself_bytes=20_000_000, per_inode_bytes=1200, per_cached_file_bytes=1400)
+
+
+def test_cache_size_leaves_room_for_the_daemon_its_files_and_pages_in_flight() -> None:
+    files = tuple((f"f{i}", 100_000) for i in range(1000))  # 25 pages, 102,400 B each
     dataset = Dataset(Path("/x"), DatasetSpec(1000), files, reused=True)
     budget = 70_000_000
-    size = cache_size_for(budget, dataset, readers_memory=1_000_000, readers=1)
-    assert size == (budget - 1_000_000 - DAEMON_BASE_BYTES - PAGE_HEADROOM_PER_READER
-                    - 1000 * MOUNT_BYTES_PER_FILE)
-    assert cache_size_for(budget, dataset, 1_000_000, readers=2) < size
+    size = cache_size_for(budget, dataset, SIZING, readers=1)
+    room = budget - 20_000_000 - PAGE_HEADROOM_PER_READER - 1000 * 1200
+    assert size == int(room / (1 + 1400 / 102_400))
+    held = size // 102_400  # files the cache holds, each with its own records
+    assert size + held * 1400 <= room < size + (held + 1) * (1400 + 102_400)
+    assert cache_size_for(budget, dataset, SIZING, readers=2) < size
     # a client's readers get more room each: the bytes they copy out, their misses' pages
     big = 4 * budget
-    assert cache_size_for(big, dataset, 1_000_000, readers=1, client=True) == (
-        cache_size_for(big, dataset, 1_000_000, readers=1) - CLIENT_HEADROOM_PER_READER)
-    assert cache_size_for(1000, dataset, 0, readers=1) == 0
+    assert cache_size_for(big, dataset, SIZING, readers=1, client=True) == int(
+        (big - 20_000_000 - PAGE_HEADROOM_PER_READER - CLIENT_HEADROOM_PER_READER
+         - 1000 * 1200) / (1 + 1400 / 102_400))
+    assert cache_size_for(1000, dataset, SIZING, readers=1) == 0
+
+
+def test_pinning_takes_the_bytes_the_cache_holds_in_name_order() -> None:
+    files = (("b", 5000), ("a", 4096), ("c", 1))
+    dataset = Dataset(Path("/x"), DatasetSpec(3), files, reused=True)
+    assert pinned_files(dataset, 4096 + 8192) == ["a", "b"]
+    assert pinned_files(dataset, 4096 + 8191) == ["a"]
 
 
 def test_batches_follow_the_order() -> None:
@@ -71,31 +87,52 @@ def _result(system: str, seconds: list[float], stored: list[int]) -> ConfigResul
     return ConfigResult(system, epochs, [])
 
 
+def _runs(*rows: dict[str, tuple[list[float], list[int]]]) -> list[dict[str, ConfigResult]]:
+    return [{key: _result(key, *figures) for key, figures in row.items()} for row in rows]
+
+
 def test_summary_is_page_cache_over_coordlfs_after_the_first_epoch() -> None:
-    runs = [(_result("page cache", [9, 8, 8], [100, 80, 80]),
-             _result("coordlfs", [9, 4, 4], [100, 50, 50])),
-            (_result("page cache", [9, 6, 6], [100, 90, 90]),
-             _result("coordlfs", [9, 4, 4], [100, 50, 50])),
-            (_result("page cache", [9, 10, 10], [100, 70, 70]),
-             _result("coordlfs", [9, 4, 4], [100, 50, 50]))]
+    runs = _runs({"page_cache": ([9, 8, 8], [100, 80, 80]), "coordlfs": ([9, 4, 4], [100, 50, 50])},
+                 {"page_cache": ([9, 6, 6], [100, 90, 90]), "coordlfs": ([9, 4, 4], [100, 50, 50])},
+                 {"page_cache": ([9, 10, 10], [100, 70, 70]),
+                  "coordlfs": ([9, 4, 4], [100, 50, 50])})
     summary = summarize(runs)
     assert summary["storage_bytes_ratio"] == 1.6
     assert summary["epoch_time_ratio"] == 2.0
     assert summary["storage_bytes_ratio_runs"] == [1.6, 1.8, 1.4]
     assert summary["coordlfs_storage_fraction"] == 0.5
     assert "client_epoch_time_ratio" not in summary  # runs without the client
+    assert "vs_pinning_storage_bytes_ratio" not in summary  # nor pinning
 
 
-def test_summary_has_the_client_beside_the_mount() -> None:
-    runs = [(_result("page cache", [9, 8, 8], [100, 80, 80]),
-             _result("coordlfs", [9, 4, 4], [100, 50, 50]),
-             _result("client", [3, 2, 2], [100, 40, 40]))] * 2
+def test_summary_has_pinning_the_client_and_run_beside_the_mount() -> None:
+    runs = _runs({"page_cache": ([9, 8, 8], [100, 80, 80]),
+                  "pinning": ([9, 5, 5], [100, 60, 60]),
+                  "coordlfs": ([9, 4, 4], [100, 50, 50]),
+                  "run": ([9, 2, 2], [100, 50, 50]),
+                  "client": ([3, 2, 2], [100, 40, 40])}) * 2
     summary = summarize(runs)
     assert summary["epoch_time_ratio"] == 2.0 and summary["first_epoch_time_ratio"] == 1.0
+    assert summary["vs_pinning_storage_bytes_ratio"] == 1.2
+    assert summary["vs_pinning_epoch_time_ratio"] == 1.25
+    assert summary["run_epoch_time_ratio"] == 4.0
+    assert summary["run_vs_pinning_epoch_time_ratio"] == 2.5
     assert summary["client_epoch_time_ratio"] == 4.0
     assert summary["client_first_epoch_time_ratio"] == 3.0
     assert summary["client_storage_bytes_ratio"] == 2.0
     assert summary["client_storage_fraction"] == 0.4
+    assert summary["pinning_storage_fraction"] == 0.6
+
+
+def test_a_stack_that_failed_is_kept_with_why_and_left_out_of_the_ratios() -> None:
+    runs = _runs({"page_cache": ([9, 8, 8], [100, 80, 80]), "coordlfs": ([9, 4, 4], [100, 50, 50])})
+    runs[0]["juicefs"] = ConfigResult("juicefs", [], [], failed="n/a: not installed")
+    runs[0]["pinning"] = ConfigResult("pinning", [], [], failed="killed for memory (1 OOM kill)")
+    summary = summarize(runs)
+    assert summary["juicefs_failed"] == ["n/a: not installed"]
+    assert summary["pinning_failed"] == ["killed for memory (1 OOM kill)"]
+    assert "vs_pinning_storage_bytes_ratio" not in summary
+    assert summary["storage_bytes_ratio"] == 1.6
 
 
 def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
@@ -106,14 +143,28 @@ def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
                        "--readers", "2", "--plot", str(tmp_path / "epochs.png"))
     total = report["dataset"]["bytes"]
     run = report["runs"][0]
-    for system in ("page_cache", "coordlfs", "client"):
+    for system in ("page_cache", "pinning", "coordlfs", "run", "client"):
         first, second = run[system]["epochs"]
-        assert first["storage_bytes"] >= total * 0.99
-        assert second["storage_bytes"] <= total * 0.01
+        assert first["storage_bytes"] >= total * 0.99 or system == "pinning"  # read to pin
+        # under coordlfs run a file read again while its fill behind drops its pages (the
+        # first epoch's last few) is read from storage once more
+        assert second["storage_bytes"] <= total * (0.05 if system == "run" else 0.01), system
     assert run["coordlfs"]["cache_capacity_bytes"] >= total
+    for peer in ("juicefs", "rclone"):  # installed: ran, or a row that says why not
+        if program(peer) is None:
+            assert run[peer]["failed"] == "n/a: not installed" and not run[peer]["epochs"]
+        else:
+            assert run[peer]["failed"] or len(run[peer]["epochs"]) == 2
     assert set(report["summary"]) >= {"storage_bytes_ratio", "epoch_time_ratio",
                                       "client_epoch_time_ratio", "client_first_epoch_time_ratio",
                                       "client_storage_bytes_ratio", "client_storage_fraction"}
+    assert {"vs_pinning_storage_bytes_ratio", "vs_pinning_epoch_time_ratio"} <= set(
+        report["summary"])
+    # the split is the probe mount's status, as ``coordlfs stats`` states it
+    probe = (tmp_path / "work" / "probe.log").read_text()
+    assert "mounted on" in probe
+    assert set(report["sizing"]) == {"itself_bytes", "per_inode_bytes", "per_cached_file_bytes"}
+    assert 5 << 20 < report["sizing"]["itself_bytes"] < 200 << 20
     assert (tmp_path / "epochs.png").read_bytes()[:4] == b"\x89PNG"
     assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
     assert not list(Path("/sys/fs/cgroup/memory").rglob("coordlfs-epochs-*"))
@@ -124,7 +175,7 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path: Path, daemon_logs: list[Path]) 
     work = tmp_path / "work"
     daemon_logs.append(work)
     with stopped_by_sigterm(
-            [*BENCH, "epochs", "--make", "600:64K", "--work", str(work), "--budget", "48M",
+            [*BENCH, "epochs", "--make", "600:64K", "--work", str(work), "--budget", "96M",
              "--readers", "2", "--throttle", "20M", "--epochs", "5"]) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -134,3 +185,26 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path: Path, daemon_logs: list[Path]) 
     for controller in ("memory", "blkio"):
         assert not list(Path("/sys/fs/cgroup", controller).glob(f"coordlfs-epochs-{proc.pid}*"))
     assert not list(Path("/dev/shm").glob(f"coordlfs-testbed-{proc.pid}-*"))
+
+
+def test_the_split_is_the_probe_mounts_measured_status(tmp_path: Path, monkeypatch,
+                                                       daemon_logs: list[Path]) -> None:
+    """The figures the budget is split by are those the probe mount's status gave after it
+    looked up every file and cached some: what ``coordlfs stats`` states, not constants."""
+    daemon_logs.append(tmp_path / "probe.log")
+    dataset = ensure_dataset(tmp_path / "data", DatasetSpec(300, mean_bytes=20_000))
+    seen: list[dict] = []
+    settled = Mount.settled
+
+    def recording(mount: Mount, seconds: float = 60.0) -> dict:
+        seen.append(status := settled(mount, seconds))
+        return status
+
+    monkeypatch.setattr(Mount, "settled", recording)
+    sizing = measure_sizing(dataset, tmp_path)
+    (status,) = seen
+    assert status["inodes"] >= 300 and status["cache"]["files"] == 256
+    memory = status["memory"]
+    assert sizing == Sizing(memory["itself_bytes"], memory["per_inode_bytes"],
+                            memory["per_cached_file_bytes"])
+    assert mount_at(str(tmp_path / "mnt")) is None

@@ -298,27 +298,6 @@ def test_small_streamed_file_costs_one_storage_read(mount, tmp_path: Path) -> No
     assert reads["read_misses"] > 1 or reads["source_opens"] == 1
 
 
-def _resident_bytes(path: Path) -> int:
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
-                         capture_output=True, text=True, check=True).stdout
-    return int(out.strip())
-
-
-def test_source_reads_do_not_fill_the_source_page_cache(mount, tmp_path: Path) -> None:
-    src = random_source(tmp_path, cached=8 << 20, streamed=8 << 20)
-    m = mount(src, "--cache-size", "10M", "--max-file-size", "10M")
-    drop_caches()
-    read_file(m.mountpoint / "cached")
-    read_file(m.mountpoint / "streamed")
-    assert m.status()["cache"]["used_bytes"] == 8 << 20
-    assert _resident_bytes(src / "cached") == 0
-    # read by the kernel itself where passthrough is on: dropped at the last release, which
-    # the kernel sends after close returned
-    wait_for(lambda: _resident_bytes(src / "streamed") == 0, "the streamed file's pages gone")
-    read_file(src / "streamed")  # the check itself works: a direct read is cached by the kernel
-    assert _resident_bytes(src / "streamed") > 0
-
-
 def test_restart_over_same_source_is_warm_and_unmount_removes_cache(mount, dataset) -> None:
     source, _sizes = dataset
     total = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())

@@ -2,8 +2,8 @@
 its size (issue 33, item 3): above ``--max-file-size``, beside a full cache, with
 ``--cache-size 0``. No READ of it reaches the daemon, by read, pread or mmap, from one reader
 or several at once; every byte is the source's; what the kernel read is counted at the last
-release (the page cache's share of the file, all of it for a file read whole) and its pages
-are dropped then, as the daemon's own reads never leave any. Held opens across changes of
+release (the page cache's share of the file, all of it for a file read whole), and its pages
+stay with the kernel's LRU, as no cache keeps them (issue 34). Held opens across changes of
 such a file: ``tests/mount/test_held_opens.py`` ("streamed", "uncached")."""
 
 from __future__ import annotations
@@ -67,10 +67,11 @@ def test_a_file_not_kept_is_read_by_the_kernel(tmp_path: Path, mount, why: str,
         os.close(held)
     assert got == [want] * readers
     assert daemon_reads(m) == reads, "the daemon served reads of a passthrough open"
-    # at the last release: the file counted once (read whole), its pages dropped
+    # at the last release: the file counted once (read whole); its pages stay with the
+    # kernel's LRU, as no cache keeps them (issue 34)
     wait_for(lambda: difference(m.status()["reads"], before)["bytes_from_source"] == SIZE,
              "the file counted, read whole")
-    assert resident(src / "big.bin") == 0, "the source's pages are left cached"
+    assert resident(src / "big.bin") >= SIZE, "the source's pages were dropped"
     counted = difference(m.status()["reads"], before)
     assert counted["source_opens"] == readers + 1 and counted["passthrough_opens"] == 0, counted
     assert m.status()["cache"]["files"] == len(first)

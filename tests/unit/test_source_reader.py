@@ -1,6 +1,7 @@
 """The one reader of the source (``SourceReader``), as the daemon's fills and the client use
 it: every range and the whole file alike with O_DIRECT and on a filesystem that refuses it at
-a read, the pages of a buffered read dropped, and a FIFO opened without blocking."""
+a read, the pages of a buffered read dropped, those of a file the cache does not keep left to
+the kernel, and a FIFO opened without blocking."""
 
 from __future__ import annotations
 
@@ -54,6 +55,16 @@ def test_a_read_refusing_o_direct_goes_on_buffered_and_drops_its_pages(root,
     no_direct.clear()
     assert reader.read_whole(reader.fstat()) == data
     assert no_direct == [os.POSIX_FADV_DONTNEED]  # once for the whole file
+    reader.close()
+
+
+def test_a_file_the_cache_does_not_keep_is_read_buffered_and_its_pages_kept(root,
+                                                                           no_direct) -> None:
+    path, fd = root
+    reader = SourceReader.opening(open_beneath, fd, b"big.bin", keep_pages=True)
+    assert not reader.direct and not fcntl.fcntl(reader.fd, fcntl.F_GETFL) & os.O_DIRECT
+    _ranges(reader, (path / "big.bin").read_bytes())
+    assert no_direct == []  # never told to drop them
     reader.close()
 
 
