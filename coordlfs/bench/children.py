@@ -77,7 +77,7 @@ def _start_worker(cgroup: Cgroup | None) -> None:
         cgroup.add(os.getpid())
 
 
-def stop_group(process: subprocess.Popen[str]) -> None:
+def stop_group(process: subprocess.Popen[Any]) -> None:
     """Stop a child started in a session of its own and every process it forked (fio's job
     processes, a training job's loader workers), by the group's id."""
     for sig, wait in ((signal.SIGTERM, STOP_WAIT_S), (signal.SIGKILL, None)):

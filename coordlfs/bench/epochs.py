@@ -294,7 +294,8 @@ def _failure(error: UserError, cgroup: Cgroup) -> str:
 def _measure(system: str, cgroup: Cgroup, readers: Readers, base: str | Path,
              dataset: Dataset, budget: int, settings: Settings,
              pin: Callable[[], Any] | None = None,
-             before_epoch: Callable[[list[str]], Any] | None = None) -> ConfigResult:
+             before_epoch: Callable[[list[str]], Any] | None = None,
+             stop: Callable[[], Any] | None = None) -> ConfigResult:
     """The readers in the group, the limit set, the kernel's caches dropped (then ``pin``
     run), every epoch read under ``base``; a stack that fails is a result that says why."""
     with running(readers) as group:
@@ -314,6 +315,8 @@ def _measure(system: str, cgroup: Cgroup, readers: Readers, base: str | Path,
             # a daemon hung on the group's memory answers its readers once the limit goes,
             # and they can be stopped (a reader waiting on a FUSE request cannot be killed)
             cgroup.set_memory_limit(-1)
+            if stop is not None:  # a daemon that answers no more: its readers' requests end
+                stop()              # only with its connection, when it is gone
             return ConfigResult(system, [], [], failed=why)
     result.peak_memory_bytes = cgroup.peak_memory()
     result.readers_memory_bytes = memory
@@ -442,7 +445,8 @@ def program(name: str) -> str | None:
 
 
 @contextlib.contextmanager
-def peer_mount(argv: list[str], mountpoint: Path, log: Path, cgroup: Cgroup) -> Iterator[None]:
+def peer_mount(argv: list[str], mountpoint: Path, log: Path,
+               cgroup: Cgroup) -> Iterator[subprocess.Popen[bytes]]:
     """A peer's FUSE daemon run in the foreground, started in the budget's group, until its
     mount is up; unmounted and stopped (by its process group) after the block."""
     mountpoint.mkdir(parents=True, exist_ok=True)
@@ -456,7 +460,7 @@ def peer_mount(argv: list[str], mountpoint: Path, log: Path, cgroup: Cgroup) -> 
                 tail = log.read_text(errors="replace").strip().splitlines()[-1:]
                 raise UserError(f"not mounted: {' '.join(tail) or 'no output'}")
             time.sleep(0.1)
-        yield
+        yield process
     finally:
         subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True,
                        check=False)
@@ -471,9 +475,10 @@ def run_peer(system: str, argv: list[str], dataset: Dataset, budget: int, settin
     with _group(f"{CGROUP_PREFIX}-{os.getpid()}", settings, dataset) as cgroup:
         try:
             with peer_mount([*argv, str(mountpoint)], mountpoint, work / f"{KEYS[system]}.log",
-                            cgroup):
+                            cgroup) as process:
                 readers = Readers(settings.readers, stall_limit_s=PEER_STALL_S)
-                return _measure(system, cgroup, readers, mountpoint, dataset, budget, settings)
+                return _measure(system, cgroup, readers, mountpoint, dataset, budget, settings,
+                                stop=lambda: stop_group(process))
         except UserError as e:
             return ConfigResult(system, [], [], failed=_failure(e, cgroup))
 
