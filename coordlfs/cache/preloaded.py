@@ -177,17 +177,19 @@ class Preloaded:
         that an epoch's totals say how it was served whoever served it."""
         now, last = self.counts.read(), self._folded
         self._folded = now
+        from_source = now.miss_bytes + now.uncached_bytes
         reads.preload_hits, reads.preload_misses = now.hits, now.misses
         reads.preload_uncached, reads.preload_passed = now.uncached, now.passed
         reads.preload_bytes_from_cache = now.hit_bytes
-        reads.preload_bytes_from_source = now.miss_bytes + now.uncached_bytes
+        reads.preload_bytes_from_source = from_source
         # its passed opens: counted by the mount
-        reads.opened(Outcome.HIT, now.hits - last.hits, now.hit_bytes - last.hit_bytes)
+        hit_bytes = now.hit_bytes - last.hit_bytes
+        miss_bytes = from_source - last.miss_bytes - last.uncached_bytes
+        reads.opened(Outcome.HIT, now.hits - last.hits, hit_bytes)
         reads.opened(Outcome.MISS, now.misses + now.uncached - last.misses - last.uncached,
-                     now.miss_bytes + now.uncached_bytes - last.miss_bytes - last.uncached_bytes)
-        reads.bytes_from_cache += now.hit_bytes - last.hit_bytes
-        reads.bytes_from_source += (now.miss_bytes + now.uncached_bytes - last.miss_bytes
-                                    - last.uncached_bytes)
+                     miss_bytes)
+        reads.bytes_from_cache += hit_bytes
+        reads.bytes_from_source += miss_bytes
 
     def close(self) -> None:
         self.notices.close()

@@ -489,10 +489,9 @@ static int grants(const struct stat *st, int bit)
 
 /* Whether the mount would let this process read `name` (relative to the source root,
  * whose lstat is `st`): search on the root and on every directory on the way, read on the
- * file. One fstatat per directory, none as root. */
+ * file. One fstatat per directory, none as root. The open's `know_creds` came first. */
 static int mount_allows(struct mount *m, char *name, size_t length, const struct stat *st)
 {
-    know_creds();
     if (creds_override)
         return 1;
     struct stat dir;
@@ -574,9 +573,10 @@ static void mark_behind(int fd, int mount)
  * thread is remembered, and an open of the same path and version takes it over, so fstat of
  * that descriptor answers the mount's device, inode, mode, owner and times. */
 struct seen {
-    uint64_t h[2];
     int mount; /* 1 + the mount; 0: none */
     struct stat st;
+    size_t length;
+    char name[PATH_MAX]; /* kept, not hashed: most stats are followed by no open */
 };
 static __thread struct seen last_seen;
 static struct stat shown[FD_SLOTS];
@@ -593,20 +593,21 @@ static void remember(int dirfd, const char *path, const struct stat *st)
     struct mount *m = under_mount(path, name, &length);
     if (m == NULL)
         return;
-    path_hash(name, length, last_seen.h);
+    memcpy(last_seen.name, name, length);
+    last_seen.length = length;
     last_seen.st = *st;
     last_seen.mount = (int)(m - mounts) + 1;
 }
 
 /* The descriptor `fd` just opened for `h` of `m`, whose file is of this version. */
-static void show(int fd, struct mount *m, const uint64_t h[2], uint64_t size, int64_t mtime_ns,
-                 int64_t ctime_ns)
+static void show(int fd, struct mount *m, const char *name, size_t length, uint64_t size,
+                 int64_t mtime_ns, int64_t ctime_ns)
 {
     if (fd >= FD_SLOTS)
         return;
     const struct seen *seen = &last_seen;
-    int same = seen->mount == (int)(m - mounts) + 1 && seen->h[0] == h[0] &&
-               seen->h[1] == h[1] && (uint64_t)seen->st.st_size == size &&
+    int same = seen->mount == (int)(m - mounts) + 1 && seen->length == length &&
+               memcmp(seen->name, name, length) == 0 && (uint64_t)seen->st.st_size == size &&
                ns_of(seen->st.st_mtim) == mtime_ns && ns_of(seen->st.st_ctim) == ctime_ns;
     if (same)
         shown[fd] = seen->st;
@@ -638,7 +639,7 @@ static void as_shown(int fd, struct stat *st)
 
 /* A hit: the entry's own file, if the slot still says so once it is open. */
 static int open_hit(struct mount *m, const struct table *t, const struct found *f,
-                    const uint64_t h[2], char *name, size_t length, int flags)
+                    char *name, size_t length, int flags)
 {
     struct stat st;
     /* The modes' check needs the source's lstat (but for a file of the public index, which
@@ -664,14 +665,14 @@ static int open_hit(struct mount *m, const struct table *t, const struct found *
         return -1;
     }
     mark_behind(fd, 0);
-    show(fd, m, h, f->size, f->mtime_ns, f->ctime_ns);
+    show(fd, m, name, length, f->size, f->mtime_ns, f->ctime_ns);
     count(m, HITS, HIT_BYTES, f->size);
     return fd;
 }
 
 /* A miss the mount would read from storage: the source file, as this process. */
-static int open_miss(struct mount *m, const struct table *t, const uint64_t h[2], char *name,
-                     size_t length, int flags)
+static int open_miss(struct mount *m, const struct table *t, char *name, size_t length,
+                     int flags)
 {
     uint64_t room = word_at(t->map, ROOM_AT);
     if (m->peers || !(room & ROOM_SET) || m->source_fd < 0)
@@ -685,13 +686,12 @@ static int open_miss(struct mount *m, const struct table *t, const uint64_t h[2]
     if (fd < 0)
         return -1;
     struct stat st;
-    know_creds();
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || !mount_allows(m, name, length, &st)) {
         real_close(fd);
         return -1;
     }
     uint64_t size = (uint64_t)st.st_size;
-    show(fd, m, h, size, ns_of(st.st_mtim), ns_of(st.st_ctim));
+    show(fd, m, name, length, size, ns_of(st.st_mtim), ns_of(st.st_ctim));
     if (size <= (room & ~ROOM_SET) && size <= m->max_file) {
         mark_behind(fd, (int)(m - mounts) + 1);
         count(m, MISSES, MISS_BYTES, size);
@@ -721,9 +721,9 @@ static int served(const char *path, int flags)
         struct found f;
         path_hash(name, length, h);
         if (probe(t, h, &f))
-            fd = open_hit(m, t, &f, h, name, length, flags);
+            fd = open_hit(m, t, &f, name, length, flags);
         else
-            fd = open_miss(m, t, h, name, length, flags);
+            fd = open_miss(m, t, name, length, flags);
     }
     if (fd < 0)
         count(m, PASSED, -1, 0);
