@@ -19,8 +19,9 @@ and two regimes, each configuration on a fresh mount:
   throttle (``--throttle``) that holds the daemon and the jobs with their loader workers
   (with passthrough a worker's kernel reads a miss from the source file itself), the images'
   pages are dropped from the page cache before the jobs start, and the jobs drop each file's
-  pages once read (``POSIX_FADV_DONTNEED``), as a dataset larger than memory would leave
-  them: otherwise the kernel would serve every epoch after the first from the mount's pages,
+  pages once read (``POSIX_FADV_DONTNEED``, the mount's and the source file's, which holds
+  them where the kernel read a miss by passthrough), as a dataset larger than memory would
+  leave them: otherwise the kernel would serve every epoch after the first from the mount's pages,
   whatever the cache size.
 
 Measured, per job: samples per second over its epochs (from the common start to its last
@@ -220,8 +221,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
 # -- the jobs ----------------------------------------------------------------------------------
 
 def job_argv(settings: Settings, mode: str, count: int, index: int, root: Path,
-             drop_pages: bool) -> list[str]:
-    """The command line of job ``index`` of ``count``; each job shuffles with its own seed."""
+             drop_pages: Path | None) -> list[str]:
+    """The command line of job ``index`` of ``count``; each job shuffles with its own seed
+    and, with ``drop_pages`` (the source beneath the mount), drops each file's pages."""
     argv = [sys.executable, "-m", "coordlfs.bench.hpsearch_job", "--root", str(root),
             "--mode", mode, "--job", f"job-{index}", "--jobs", str(count), "--group", GROUP,
             "--epochs", str(settings.epochs), "--batch", str(settings.batch),
@@ -229,8 +231,8 @@ def job_argv(settings: Settings, mode: str, count: int, index: int, root: Path,
             "--crop", str(settings.crop), "--seed", str(settings.seed * 1000 + index)]
     if settings.drop_last:
         argv.append("--drop-last")
-    if drop_pages:
-        argv.append("--drop-pages")
+    if drop_pages is not None:
+        argv += ["--drop-pages", str(drop_pages)]
     return argv
 
 
@@ -402,7 +404,8 @@ def run_config(images: Dataset, settings: Settings, regime: str, mode: str, coun
             settings.throttle if regime == "storage" else None))
         cgroup.add(daemon)
         logs = [work / "logs" / f"job-{i}.log" for i in range(count)]
-        argvs = [job_argv(settings, mode, count, i, mountpoint, regime == "storage")
+        argvs = [job_argv(settings, mode, count, i, mountpoint,
+                          images.root if regime == "storage" else None)
                  for i in range(count)]
         jobs = stack.enter_context(running(Jobs(argvs, logs)))
         for process in jobs.processes:  # before "go": the loader workers come after

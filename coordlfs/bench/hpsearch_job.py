@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compute-ms", type=float, default=20.0)
     parser.add_argument("--crop", type=int, default=224)
     parser.add_argument("--drop-last", action="store_true")
-    parser.add_argument("--drop-pages", action="store_true",
-                        help="drop each file's pages from the page cache once read")
+    parser.add_argument("--drop-pages", metavar="SOURCE",
+                        help="drop each file's pages from the page cache once read, its "
+                             "source's beneath the mount (SOURCE) too")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 

@@ -152,12 +152,16 @@ def to_tensor(image: Image.Image) -> torch.Tensor:
     return (chw.float().div_(255) - _MEAN).div_(_STD)
 
 
-def read_dropping_pages(path: str) -> bytes:
+def read_dropping_pages(path: str, backing: str) -> bytes:
     """The file's bytes, whose pages then leave the kernel's page cache
     (``POSIX_FADV_DONTNEED``), so the next epoch reads it from the mount again, as it would
-    from a dataset larger than memory."""
+    from a dataset larger than memory: the mount's pages and the ``backing`` file's (the
+    source's, which holds them where the kernel read it by passthrough; the advice on the
+    mount's file does not reach it)."""
     with open(path, "rb", buffering=0) as f:
         data = f.read()
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    with open(backing, "rb", buffering=0) as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     return data
 
@@ -169,7 +173,7 @@ class JpegFolder(TorchDataset[tuple[torch.Tensor, int]]):
     and normalised; returns (float CHW tensor, class index)."""
 
     def __init__(self, root: str | os.PathLike[str], crop: int = 224,
-                 drop_pages: bool = False) -> None:
+                 drop_pages: str | None = None) -> None:
         self.root = os.fspath(root)
         self.crop = crop
         self.drop_pages = drop_pages
@@ -189,9 +193,11 @@ class JpegFolder(TorchDataset[tuple[torch.Tensor, int]]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[index]
         # through the client where a coordlfs mount holds the file (a hit: no system call, no
-        # copy); with drop_pages the POSIX path, whose pages a job can drop after each file
-        # to act out a dataset larger than memory
-        source = io.BytesIO(read_dropping_pages(path)) if self.drop_pages else open_binary(path)
+        # copy); with drop_pages (the source beneath the mount) the POSIX path, whose pages a
+        # job can drop after each file to act out a dataset larger than memory
+        source = (open_binary(path) if self.drop_pages is None else io.BytesIO(
+            read_dropping_pages(path, os.path.join(self.drop_pages,
+                                                   os.path.relpath(path, self.root)))))
         with source, Image.open(source) as image:
             rgb = image if image.mode == "RGB" else image.convert("RGB")
             cropped = rgb.resize((self.crop, self.crop), Image.Resampling.BILINEAR,

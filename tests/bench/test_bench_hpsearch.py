@@ -100,7 +100,7 @@ def test_to_tensor_is_normalised_chw() -> None:
 def test_items_are_cropped_flipped_and_labelled(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     ensure_jpegs(tmp_path / "data", ImageSpec(12, 96, 72, classes=3))
-    data = JpegFolder(tmp_path / "data", crop=64, drop_pages=True)
+    data = JpegFolder(tmp_path / "data", crop=64, drop_pages=str(tmp_path / "data"))
     assert data.classes == ["class000", "class001", "class002"] and len(data) == 12
     assert data.files == [path for path, _label in data.samples]
     assert [label for _path, label in data.samples] == [0] * 4 + [1] * 4 + [2] * 4
