@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     harness.add_dataset_arguments(parser, "aligned", make="3000:110K")
     parser.add_argument("--jobs", default="2,4", help="job counts to run (default 2,4)")
     parser.add_argument("--cache", type=float, default=0.25,
-                        help="MinIO cache as a fraction of the dataset (default 0.25)")
+                        help="no-eviction cache as a fraction of the dataset (default 0.25)")
     parser.add_argument("--window", type=float, default=0.1,
                         help="read window as a fraction of the dataset (default 0.1)")
     harness.add_training_arguments(parser, readers=2, readers_help="reader processes per job",

@@ -340,7 +340,7 @@ def run_page_cache(dataset: Dataset, budget: int, settings: Settings) -> ConfigR
 
 
 def pinned_files(dataset: Dataset, capacity: int) -> list[str]:
-    """The files ``vmtouch -l`` pins for a cache of ``capacity``: in name order (as MinIO
+    """The files ``vmtouch -l`` pins for a cache of ``capacity``: in name order (as the cache
     takes the first files read), as many as fit in its pages."""
     chosen, used = [], 0
     for name, size in sorted(dataset.files):

@@ -4,7 +4,7 @@ The ``run`` case reads the small files through the fresh mount under ``coordlfs 
 preload library opens each miss on the source itself and names it to the daemon at its
 close, which fills the cache behind it): the page cache's own speed is the goal there.
 
-The first epoch of a job, and every file MinIO has no room for, is a miss: the daemon looks
+The first epoch of a job, and every file the cache has no room for, is a miss: the daemon looks
 the file up, opens it, reads it from storage (filling its cache) and answers. This benchmark
 reads every small file of ``bench hits``'s dataset once, shuffled, split among 1 and 4 reader
 processes doing os.open / os.readv to EOF / os.close, through a coordlfs mount whose cache is

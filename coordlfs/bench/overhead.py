@@ -1,6 +1,6 @@
 """Memory overhead of a mount: daemon bytes per known inode and per cached file.
 
-MinIO promises memory within the capacity plus a bounded overhead; this measures the bound.
+The cache promises memory within the capacity plus a bounded overhead; this measures the bound.
 The daemon's anonymous resident set (RssAnon) is read after mounting, after every file was
 looked up (inodes) and after every file was read (cache entries). Cached bytes themselves live
 in a tmpfs file each; what they occupy beyond their bytes (page rounding) is reported too,

@@ -15,7 +15,7 @@ cached file. A miss
 goes through the mount, which fills the cache as it does for every reader (and waits for a
 prefetch of the file already under way), so the next read is a hit.
 
-A miss the cache will not hold (MinIO is full: the index says how large a new file it would
+A miss the cache will not hold (the cache is full: the index says how large a new file it would
 still take) is read from the source directly instead: through the mount it would only be
 streamed, at the price of a FUSE round trip per request. The client opens it beneath the
 source's root with its own credentials, never through a symlink (the mount shows links as
@@ -298,7 +298,7 @@ class _DirectMisses:
         """Of an order's misses, those to hand to the mount's fills and their sizes: the
         longest tail whose files fit in ``room`` together.
 
-        MinIO caches whichever files come first, and which ones makes no difference to the
+        The cache keeps whichever files come first, and which ones makes no difference to the
         hits of later epochs. Handing over the head of a cold epoch's order makes the reader
         wait on the fills for the first part and then read the rest (no room left) alone;
         handing over the tail lets the fills run ahead there while the reader reads the head

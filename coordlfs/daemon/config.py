@@ -19,7 +19,7 @@ DEFAULT_CACHE_SHARE = 0.5
 #: so one huge shard cannot starve the many files of a training set.
 DEFAULT_MAX_FILE_SHARE = 0.25
 #: Bytes the group read window may hold (daemon memory, used only while aligned groups of two
-#: or more jobs read files MinIO does not hold).
+#: or more jobs read files the cache does not hold).
 DEFAULT_WINDOW_SIZE = 256 << 20
 #: Bytes of prepared batches prep groups may stage in shared memory (``--staging-size``).
 DEFAULT_STAGING_SIZE = 2 << 30

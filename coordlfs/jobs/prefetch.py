@@ -4,10 +4,10 @@ Once a group has registered its file list (``group.files``) and its members anno
 epochs (``group.epoch``), the mount knows the order every member will read next, and where the
 furthest member is (``Group.lead``). The prefetcher reads the next items after the lead with
 up to ``depth`` storage requests in flight, so a job that waits on storage waits on several
-requests at once rather than one. An item MinIO has room for is filled into MinIO (as a read
+requests at once rather than one. An item the cache has room for is filled into the cache (as a read
 would); any other small item goes into the group's read window, held for every member, but
 only while the window stays under half its bound, so read-ahead never pushes out items that
-followers still need and never evicts a MinIO entry (MinIO never evicts). Readers outside
+followers still need and never evicts a cache entry (the cache never evicts). Readers outside
 aligned groups see nothing of this.
 """
 

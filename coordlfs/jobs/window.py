@@ -1,6 +1,6 @@
 """The group read window: items one aligned job fetched, held until its group has read them.
 
-MinIO keeps a fixed part of the dataset; the rest is read from storage every epoch. Jobs of a
+The cache keeps a fixed part of the dataset; the rest is read from storage every epoch. Jobs of a
 seed-aligned group read that rest in the same order, so an item the leading job fetched is
 about to be read by every other member. The window holds it (bytes in the daemon's memory, at
 most ``capacity`` bytes in all) until each member that was in the group when it arrived has

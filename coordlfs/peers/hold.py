@@ -3,7 +3,7 @@
 Without an order, each file a reader opens that a peer caches costs a round trip to that peer
 at the reader's first read, and small files move at one round trip each. Given the order (the
 ``prefetch`` command: a job hands its coming reads to the mount), the files a peer ranked
-before this node caches (or, once this node's MinIO has no room for them, a peer ranked after
+before this node caches (or, once this node's cache has no room for them, a peer ranked after
 it) are asked of their peer in order, many per request (``peer_wire.GetMany``), ``DEPTH``
 requests in flight per peer, and held here in memory. A reader's first miss of such a file
 takes it (``Readers.opened``), or waits for the batch it is in (never asking the peer a second

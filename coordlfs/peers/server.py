@@ -1,9 +1,9 @@
 """Serving other mounts' misses from this mount's cache.
 
 A peer asks for a range of a file this node owns (``coordlfs.peers.placement``). The file is served
-from MinIO; a file not yet cached is read from local storage into MinIO first, so across the
+from the cache; a file not yet cached is read from local storage into the cache first, so across the
 cluster each file is read from storage once, by its owner, while the owners' caches have room.
-When MinIO has no room, or the peer's copy of the file differs in size or mtime, the answer is
+When the cache has no room, or the peer's copy of the file differs in size or mtime, the answer is
 FAIL and the peer reads its own storage.
 
 Everything a peer sends is hostile until proven otherwise: the connection must pass the
@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 
 
 class _Waiting(NamedTuple):
-    """A range served from a MinIO entry, complete or still being filled."""
+    """A range served from a cache entry, complete or still being filled."""
 
     entry: Entry
     request: Get
