@@ -6,11 +6,11 @@ coordlfs, its own mount whose daemon lives in the node's network namespace
 (``coordlfs.testbed.netns``) behind a link shaped with tc. Every epoch the nodes read the shares
 ``DistributedSampler`` would give them (``epoch_order(seed, epoch)[rank::N]``) at the same
 time, and the epoch ends when the slowest node finishes, as synchronous training does. Three
-systems: the page cache; MinIO alone (each node caches what it reads); MinIO with peers (a
-miss is fetched from the node that caches the file). Storage bytes per node are the
-kernel's count for the node's cgroup (``Cgroup.bytes_read``), which its throttle caps: its
-readers, and for coordlfs its daemon too (with passthrough a reader's kernel reads a miss
-from the source file itself, as a client's reader does).
+systems: the page cache; ``cache``, the no-eviction cache alone (each node caches what it
+reads); ``cache+peers`` (a miss is fetched from the node that caches the file). Storage
+bytes per node are the kernel's count for the node's cgroup (``Cgroup.bytes_read``), which
+its throttle caps: its readers, and for coordlfs its daemon too (with passthrough a reader's
+kernel reads a miss from the source file itself, as a client's reader does).
 
 A second part measures the peer path's throughput on an unshaped loopback link: a large file
 that one mount caches read through the other mount, and the same bytes fetched with the
@@ -59,7 +59,7 @@ from coordlfs.testbed.netns import remove_stale as remove_stale_network
 from coordlfs.testbed.storage import drop_caches
 
 CGROUP_PREFIX = "coordlfs-cluster"
-SYSTEMS = ("page cache", "minio", "minio+peers")
+SYSTEMS = ("page cache", "cache", "cache+peers")
 PORT = 7878
 #: The size of the file read in the throughput part, and GETs in flight for it.
 THROUGHPUT_BYTES = 512 << 20
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=2, help="nodes (default 2)")
     parser.add_argument("--cache", type=float, default=0.5,
                         help="each node's cache as a fraction of the dataset, in the whole "
-                             "pages MinIO charges (default 0.5)")
+                             "pages the cache charges (default 0.5)")
     parser.add_argument("--link", default="10gbit",
                         help="tc rate of each node's link (default 10gbit; none: unshaped)")
     parser.add_argument("--no-throughput", dest="throughput", action="store_false",
@@ -200,7 +200,7 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
     budget = budget_for(dataset, plan.cache, extra, plan.job)
     with contextlib.ExitStack() as stack:
         net: list[Node] | None = None
-        if system == "minio+peers":
+        if system == "cache+peers":
             net = stack.enter_context(cluster_network(plan.nodes, plan.link))
         groups: list[Readers] = []
         cgroups: list[Cgroup] = []
@@ -476,25 +476,25 @@ def _free_port() -> int:
 # -- the command -------------------------------------------------------------------------------
 
 def summarize(runs: list[dict[str, SystemResult]]) -> dict[str, Any]:
-    storage = [ratio(r["minio"].later_storage, r["minio+peers"].later_storage) for r in runs]
-    seconds = [ratio(r["minio"].later_seconds, r["minio+peers"].later_seconds) for r in runs]
-    page = [ratio(r["page cache"].later_seconds, r["minio+peers"].later_seconds) for r in runs]
-    per_file = [r["minio+peers"].peer_file_cpu_us for r in runs]
+    storage = [ratio(r["cache"].later_storage, r["cache+peers"].later_storage) for r in runs]
+    seconds = [ratio(r["cache"].later_seconds, r["cache+peers"].later_seconds) for r in runs]
+    page = [ratio(r["page cache"].later_seconds, r["cache+peers"].later_seconds) for r in runs]
+    per_file = [r["cache+peers"].peer_file_cpu_us for r in runs]
     return {
         "storage_bytes_ratio": median(storage),
         "storage_bytes_ratio_runs": storage,
-        "peers_storage_bytes_after_first_epoch": [r["minio+peers"].later_storage for r in runs],
+        "peers_storage_bytes_after_first_epoch": [r["cache+peers"].later_storage for r in runs],
         # of those, the files' bytes the mounts read; the rest is metadata
-        "peers_data_bytes_after_first_epoch": [r["minio+peers"].later_data for r in runs],
-        "minio_storage_bytes_after_first_epoch": [r["minio"].later_storage for r in runs],
+        "peers_data_bytes_after_first_epoch": [r["cache+peers"].later_data for r in runs],
+        "cache_storage_bytes_after_first_epoch": [r["cache"].later_storage for r in runs],
         "epoch_time_ratio": median(seconds),
         "epoch_time_ratio_runs": seconds,
         # beside the ratio: what a file from a peer costs the daemons (hits beside included)
         "daemon_cpu_us_per_peer_file": median(per_file),
         "daemon_cpu_us_per_peer_file_runs": per_file,
         "page_cache_epoch_time_ratio": median(page),
-        "peers_cpu_seconds_after_first_epoch": [r["minio+peers"].later_cpu for r in runs],
-        "minio_cpu_seconds_after_first_epoch": [r["minio"].later_cpu for r in runs],
+        "peers_cpu_seconds_after_first_epoch": [r["cache+peers"].later_cpu for r in runs],
+        "cache_cpu_seconds_after_first_epoch": [r["cache"].later_cpu for r in runs],
     }
 
 
@@ -514,7 +514,7 @@ def run(args: argparse.Namespace) -> int:
     remove_stale_network()
     dataset = harness.load_dataset(args)
     roots = node_copies(dataset, work, args.nodes)
-    # MinIO charges each file in whole pages (2% more than its bytes for 110 KB files): two
+    # the cache charges each file in whole pages (2% more than its bytes for 110 KB files): two
     # caches of half the dataset's bytes could not hold it all, and a share of every epoch
     # after the first came from storage however the peers did
     cache = int(sum(pages(size) for _rel, size in dataset.files) * args.cache)

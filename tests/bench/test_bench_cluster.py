@@ -16,16 +16,16 @@ def _result(system: str, storage: list[int], seconds: list[float]) -> SystemResu
     return SystemResult(system, epochs, 100)
 
 
-def test_summary_is_minio_over_peers_after_the_first_epoch() -> None:
+def test_summary_is_the_cache_alone_over_peers_after_the_first_epoch() -> None:
     runs = [{"page cache": _result("page cache", [100, 90, 90], [10, 9, 9]),
-             "minio": _result("minio", [100, 50, 50], [10, 6, 6]),
-             "minio+peers": _result("minio+peers", [100, 10, 10], [10, 2, 2])}]
+             "cache": _result("cache", [100, 50, 50], [10, 6, 6]),
+             "cache+peers": _result("cache+peers", [100, 10, 10], [10, 2, 2])}]
     summary = summarize(runs)
     assert summary["storage_bytes_ratio"] == 5.0
     assert summary["epoch_time_ratio"] == 3.0  # the slowest node's epoch counts
     assert summary["page_cache_epoch_time_ratio"] == 4.5
     assert summary["peers_storage_bytes_after_first_epoch"] == [20]
-    zero = [{**runs[0], "minio+peers": _result("minio+peers", [100, 0, 0], [10, 2, 2])}]
+    zero = [{**runs[0], "cache+peers": _result("cache+peers", [100, 0, 0], [10, 2, 2])}]
     assert summarize(zero)["storage_bytes_ratio"] is None  # no storage reads: no finite ratio
 
 
@@ -48,13 +48,13 @@ def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
     report = small_run(tmp_path, daemon_logs)
     total = report["dataset"]["bytes"]
     systems = report["runs"][0]
-    assert set(systems) == {"page cache", "minio", "minio+peers"}
-    peers = systems["minio+peers"]["epochs"]
+    assert set(systems) == {"page cache", "cache", "cache+peers"}
+    peers = systems["cache+peers"]["epochs"]
     assert sum(n["storage_bytes"] for n in peers[0]) >= total * 0.99
     assert sum(n["storage_bytes"] for n in peers[1]) == 0
     assert sum(n["peer_bytes"] for n in peers[1]) > 0
-    minio = systems["minio"]["epochs"]
-    assert sum(n["storage_bytes"] for n in minio[1]) > 0  # each node misses the other's half
+    alone = systems["cache"]["epochs"]
+    assert sum(n["storage_bytes"] for n in alone[1]) > 0  # each node misses the other's half
     assert report["summary"]["peers_storage_bytes_after_first_epoch"] == [0]
     assert all(n["cpu_seconds"] > 0 for n in peers[1])
     assert report["summary"]["peers_cpu_seconds_after_first_epoch"][0] > 0
@@ -74,13 +74,13 @@ def test_small_run_with_the_order_handed_over(tmp_path: Path, daemon_logs: list[
     come ahead in batches, and a reader's miss finds them held."""
     report = small_run(tmp_path, daemon_logs, "--order-handed-over")
     assert report["settings"]["order_handed_over"] is True
-    peers = report["runs"][0]["minio+peers"]
+    peers = report["runs"][0]["cache+peers"]
     assert sum(n["storage_bytes"] for n in peers["epochs"][1]) == 0
     nodes = peers["peer_counters"]
     assert len(nodes) == 2 and all(n["served_batches"] > 0 for n in nodes)
     assert sum(n["held"]["hits"] for n in nodes) > 0
     assert all(n["held"]["reserved_bytes"] <= n["held"]["capacity_bytes"] for n in nodes)
-    assert report["runs"][0]["minio"]["peer_counters"] == []
+    assert report["runs"][0]["cache"]["peer_counters"] == []
     assert "epoch_time_ratio" in report["summary"]
 
 
@@ -91,7 +91,7 @@ def test_small_run_through_the_client(tmp_path: Path, daemon_logs: list[Path]) -
     report = small_run(tmp_path, daemon_logs, "--client")
     assert report["settings"]["client"] is True
     assert report["settings"]["order_handed_over"] is False  # implied, not set
-    peers = report["runs"][0]["minio+peers"]
+    peers = report["runs"][0]["cache+peers"]
     assert sum(n["storage_bytes"] for n in peers["epochs"][1]) == 0
     assert sum(n["peer_bytes"] for n in peers["epochs"][1]) > 0
     assert sum(n["held"]["hits"] for n in peers["peer_counters"]) > 0
