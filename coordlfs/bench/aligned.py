@@ -32,9 +32,9 @@ from typing import Any
 from coordlfs.bench import harness
 from coordlfs.bench.children import EpochMarks, Readers, batch_paths, running, stop_children
 from coordlfs.bench.ratios import median, ratio
-from coordlfs.control import Control
 from coordlfs.errors import UserError
-from coordlfs.jobs.stagger import JobProfile, optimal_delay, standalone_runtime
+from coordlfs.models.stagger import JobProfile, optimal_delay, standalone_runtime
+from coordlfs.protocol.client import Control
 from coordlfs.protocol.order import epoch_order
 from coordlfs.sizes import format_size
 from coordlfs.testbed.cgroup import memory_cgroup

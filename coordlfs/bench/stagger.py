@@ -22,7 +22,7 @@ from coordlfs.bench import harness
 from coordlfs.bench.aligned import CGROUP_PREFIX, Jobs, Plan, busy_per_iteration
 from coordlfs.bench.children import running
 from coordlfs.errors import UserError
-from coordlfs.jobs.stagger import JobProfile, delay_table, optimal_delay, standalone_runtime
+from coordlfs.models.stagger import JobProfile, delay_table, optimal_delay, standalone_runtime
 from coordlfs.testbed.cgroup import memory_cgroup
 from coordlfs.testbed.dataset import Dataset
 from coordlfs.testbed.mounts import mounted

@@ -32,9 +32,9 @@ from coordlfs.bench.epochs import (
     settings_from,
 )
 from coordlfs.bench.ratios import median
-from coordlfs.control import Control
 from coordlfs.errors import UserError
-from coordlfs.jobs import whatif
+from coordlfs.models import whatif
+from coordlfs.protocol.client import Control
 from coordlfs.sizes import format_size
 from coordlfs.testbed.dataset import Dataset
 

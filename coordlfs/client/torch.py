@@ -36,8 +36,8 @@ from torch.utils.data import Sampler
 
 from coordlfs.client.adapters import MountFiles, mount_files, open_binary, prefetching, read_bytes
 from coordlfs.client.shared_prep import SharedPrepLoader, local_order
-from coordlfs.control import Control, control_for, dataset_root
 from coordlfs.errors import UserError
+from coordlfs.protocol.client import Control, control_for, dataset_root
 from coordlfs.protocol.order import SEED_LIMIT, epoch_order, shard
 
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""Python client for a mount's control file (protocol in ``coordlfs.fs.control_server``).
+"""Python client for a mount's control file (its server: ``coordlfs.protocol.server``).
 
     from coordlfs.control import Control
     ctl = Control("/mnt/data")
