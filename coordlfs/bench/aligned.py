@@ -5,7 +5,7 @@ epochs, batches and ``--compute-ms`` per batch. Four systems run the same jobs u
 storage throttle and one memory budget: the page cache with independent seeds, coordlfs with
 independent seeds, coordlfs with the jobs in one aligned group (shared order, read window,
 read-ahead: the jobs register the file list and their epochs, as ``AlignedSampler`` does),
-started together, and the aligned group staggered by the advisor (``coordlfs.jobs.stagger``): one
+started together, and the aligned group staggered by the advisor (``coordlfs.models.stagger``): one
 job alone on a fresh mount gives ``I``, ``W`` and ``W|cached``, the group started together
 gives ``W|conc``, and job k starts k times the advised delay late.
 Storage bytes are the kernel's count for the one cgroup that holds the jobs, their readers

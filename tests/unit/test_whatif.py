@@ -1,4 +1,4 @@
-"""The what-if model (coordlfs.jobs.whatif): rates fitted from marked epochs, predictions,
+"""The what-if model (coordlfs.models.whatif): rates fitted from marked epochs, predictions,
 advice."""
 
 from __future__ import annotations
