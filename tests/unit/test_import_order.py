@@ -16,9 +16,9 @@ import pytest
 
 PACKAGE = Path(__file__).parents[2] / "coordlfs"
 
-#: The modules at the top of the package that belong to no wing: the base every wing may use,
-#: and the command. Any other module there is a public path that only re-exports a wing's
-#: (``reexported``) and belongs to that wing.
+#: The modules at the top of the package named here: the base every wing may use, and the
+#: command. Any other module there must be a public path that only re-exports one wing's
+#: modules (``reexported``), and belongs to that wing; one that does not is named as in none.
 BASE = {"__init__", "errors", "sizes"}
 COMMAND = {"cli", "__main__"}
 
