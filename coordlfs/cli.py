@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 from coordlfs import __version__
-from coordlfs.control import Control, ControlError
 from coordlfs.daemon import options
 from coordlfs.daemon.config import MountConfig
 from coordlfs.daemon.mounting import (
@@ -22,7 +21,7 @@ from coordlfs.daemon.mounting import (
     warn_if_not_empty,
 )
 from coordlfs.errors import Parser, UserError, exit_status, quiet_on_closed_pipe
-from coordlfs.jobs.stagger import (
+from coordlfs.models.stagger import (
     JobProfile,
     catalog_job,
     default_catalog_path,
@@ -33,6 +32,7 @@ from coordlfs.jobs.stagger import (
     report,
     save_profile,
 )
+from coordlfs.protocol.client import Control, ControlError
 from coordlfs.sizes import format_size, plural
 from coordlfs.system.mounts import mount_at
 
@@ -455,7 +455,7 @@ def cmd_stagger(args: argparse.Namespace) -> int:
 
 
 def cmd_whatif(args: argparse.Namespace) -> int:
-    from coordlfs.jobs import whatif
+    from coordlfs.models import whatif
 
     control = _control(args.mountpoint)
     data = whatif.analyse(control.status(), control.marks(), control.stats(since=args.since),

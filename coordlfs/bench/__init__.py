@@ -41,7 +41,7 @@ def run_bench(module: ModuleType, args: argparse.Namespace) -> int:
     """Run one benchmark; a degenerate measurement is a one-line error, never a traceback.
 
     A benchmark divides measured figures by one another and hands them to models that check
-    their input (``coordlfs.jobs.stagger.JobProfile``). A figure that comes out 0 or out of range
+    their input (``coordlfs.models.stagger.JobProfile``). A figure that comes out 0 or out of range
     (a machine too fast for a record's resolution, a dataset of empty files) raises
     ValueError or ArithmeticError deep inside, after the mounts and cgroups on the way out
     were cleaned up by their ``with`` blocks. What the user can do about it is change the

@@ -5,7 +5,7 @@ epochs, batches and ``--compute-ms`` per batch. Four systems run the same jobs u
 storage throttle and one memory budget: the page cache with independent seeds, coordlfs with
 independent seeds, coordlfs with the jobs in one aligned group (shared order, read window,
 read-ahead: the jobs register the file list and their epochs, as ``AlignedSampler`` does),
-started together, and the aligned group staggered by the advisor (``coordlfs.jobs.stagger``): one
+started together, and the aligned group staggered by the advisor (``coordlfs.models.stagger``): one
 job alone on a fresh mount gives ``I``, ``W`` and ``W|cached``, the group started together
 gives ``W|conc``, and job k starts k times the advised delay late.
 Storage bytes are the kernel's count for the one cgroup that holds the jobs, their readers
@@ -32,9 +32,9 @@ from typing import Any
 from coordlfs.bench import harness
 from coordlfs.bench.children import EpochMarks, Readers, batch_paths, running, stop_children
 from coordlfs.bench.ratios import median, ratio
-from coordlfs.control import Control
 from coordlfs.errors import UserError
-from coordlfs.jobs.stagger import JobProfile, optimal_delay, standalone_runtime
+from coordlfs.models.stagger import JobProfile, optimal_delay, standalone_runtime
+from coordlfs.protocol.client import Control
 from coordlfs.protocol.order import epoch_order
 from coordlfs.sizes import format_size
 from coordlfs.testbed.cgroup import memory_cgroup

@@ -40,13 +40,13 @@ from coordlfs.bench.aligned import budget_for
 from coordlfs.bench.children import Readers, batch_paths, running
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.client.dataset import Dataset as ClientDataset
-from coordlfs.control import Control
 from coordlfs.daemon.config import DEFAULT_FILL_DEPTH
 from coordlfs.errors import UserError
 from coordlfs.peers import hold as peer_hold
 from coordlfs.peers.links import PeerLink
 from coordlfs.peers.placement import Address, owner
 from coordlfs.peers.wire import MAX_CHUNK, Get, Kind
+from coordlfs.protocol.client import Control
 from coordlfs.protocol.order import epoch_order
 from coordlfs.protocol.spec import MAX_PREFETCH_PATHS, PREFETCH
 from coordlfs.sizes import format_size, pages

@@ -51,9 +51,9 @@ from coordlfs.bench.counters import measure_reads
 from coordlfs.bench.reading import copy_files, read_files
 from coordlfs.client import run as run_command
 from coordlfs.client.dataset import Dataset as ClientDataset
-from coordlfs.control import Control
 from coordlfs.daemon.mounting import free_space
 from coordlfs.errors import UserError, exit_status
+from coordlfs.protocol.client import Control
 from coordlfs.sizes import format_size, parse_size
 from coordlfs.testbed.cgroup import Cgroup, memory_cgroup, storage_cgroup
 from coordlfs.testbed.dataset import Dataset, DatasetSpec, ensure_dataset, epoch_orders

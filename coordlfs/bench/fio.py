@@ -46,9 +46,9 @@ from typing import Any
 from coordlfs.bench import harness
 from coordlfs.bench.children import stop_group
 from coordlfs.bench.reading import read_files
-from coordlfs.control import Control
 from coordlfs.daemon.mounting import free_space
 from coordlfs.errors import UserError, exit_status
+from coordlfs.protocol.client import Control
 from coordlfs.sizes import format_size, parse_size
 from coordlfs.testbed.dataset import clear_dataset, intact, read_manifest, write_manifest
 from coordlfs.testbed.mounts import mounted

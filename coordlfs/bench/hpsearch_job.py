@@ -27,9 +27,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from coordlfs.bench.jpegs import JpegFolder
+from coordlfs.client.torch import SharedPrepLoader
 from coordlfs.errors import UserError, exit_status
 from coordlfs.protocol.order import batch_count
-from coordlfs.torch import SharedPrepLoader
 
 MODES = ("independent", "shared")
 

@@ -1,11 +1,11 @@
 """The stagger advisor against reality: two aligned jobs, the second started 0-100% late.
 
-First each job is calibrated as the paper does (section V-B): alone on a cold mount, its
-first epoch gives ``I`` and ``W`` per iteration and its later epochs ``W|cached``; started
-together, both give ``W|conc``. ``coordlfs.jobs.stagger`` then predicts the makespan for each delay
-and the optimum. Then the pair really runs at delays of 0%, 10%, ..., 100% of the first job's
-predicted standalone runtime, each on a fresh mount, and the measured optimum and makespans
-are set beside the predicted ones. The cache holds the whole dataset, as the model assumes.
+First each job is calibrated as the paper does (section V-B): alone on a cold mount, its first
+epoch gives ``I`` and ``W`` per iteration and its later epochs ``W|cached``; started together,
+both give ``W|conc``. ``coordlfs.models.stagger`` then predicts the makespan for each delay and
+the optimum. Then the pair really runs at delays of 0%, 10%, ..., 100% of the first job's
+predicted standalone runtime, each on a fresh mount, and the measured optimum and makespans are
+set beside the predicted ones. The cache holds the whole dataset, as the model assumes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from coordlfs.bench import harness
 from coordlfs.bench.aligned import CGROUP_PREFIX, Jobs, Plan, busy_per_iteration
 from coordlfs.bench.children import running
 from coordlfs.errors import UserError
-from coordlfs.jobs.stagger import JobProfile, delay_table, optimal_delay, standalone_runtime
+from coordlfs.models.stagger import JobProfile, delay_table, optimal_delay, standalone_runtime
 from coordlfs.testbed.cgroup import memory_cgroup
 from coordlfs.testbed.dataset import Dataset
 from coordlfs.testbed.mounts import mounted

@@ -1,7 +1,7 @@
 """The what-if model's predicted epoch times against epochs really run at other budgets.
 
 ``coordlfs whatif`` predicts, from the rates of one run, how long an epoch would take with
-another cache size (``coordlfs.jobs.whatif``). This checks it as appendix C of the CoorDL paper
+another cache size (``coordlfs.models.whatif``). This checks it as appendix C of the CoorDL paper
 checks DS-Analyzer (table 5): training epochs run through the mount at ONE memory budget
 (``--budget``, on storage throttled so that it is the bottleneck, as ``bench epochs`` does),
 each epoch marked on the mount and its stall profile reported as ``coordlfs.torch.profiled``
@@ -32,9 +32,9 @@ from coordlfs.bench.epochs import (
     settings_from,
 )
 from coordlfs.bench.ratios import median
-from coordlfs.control import Control
 from coordlfs.errors import UserError
-from coordlfs.jobs import whatif
+from coordlfs.models import whatif
+from coordlfs.protocol.client import Control
 from coordlfs.sizes import format_size
 from coordlfs.testbed.dataset import Dataset
 

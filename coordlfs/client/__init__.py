@@ -4,10 +4,11 @@
 from the source; ``adapters`` find the mount holding a path and hand it an order;
 ``shared_prep`` shares pre-processed batches (``batch_file``) between jobs; ``warm``
 (``warm_files``, ``warm_progress``) is ``coordlfs warm``, whose bar on a terminal is tqdm's.
-The modules users (and fsspec's entry point) name by path stay at the top of the package
-and belong to this wing: ``coordlfs.control`` (the Python client of the control file),
-``coordlfs.torch``, ``coordlfs.fsspec_fs`` (the ``coordlfs://`` protocol) and
-``coordlfs.webdataset``.
+The frameworks' adapters: ``torch`` (imports torch), ``fsspec_fs`` (the ``coordlfs://``
+protocol) and ``webdataset``; users (and fsspec's entry point) name them by their paths at
+the top of the package, ``coordlfs.torch``, ``coordlfs.fsspec_fs`` and
+``coordlfs.webdataset``, which re-export them. The Python client of the control file is
+``coordlfs.protocol.client`` (``coordlfs.control``).
 
 May import: ``coordlfs.cache`` (the published index), ``coordlfs.protocol`` (declarations),
 ``coordlfs.source``, ``coordlfs.system`` and the base; never the daemon's wings (``fs``,

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import IO, Any, NamedTuple, TypeVar
 
 from coordlfs.client.dataset import Dataset
-from coordlfs.control import find_mount
 from coordlfs.errors import UserError
+from coordlfs.protocol.client import find_mount
 
 T = TypeVar("T")
 

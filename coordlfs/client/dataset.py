@@ -67,8 +67,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from coordlfs.cache.published import IndexReader, Published
-from coordlfs.control import Control, ControlError, find_mount
 from coordlfs.protocol import spec as control_spec
+from coordlfs.protocol.client import Control, ControlError, find_mount
 from coordlfs.sizes import pages
 from coordlfs.source.beneath import mode_grants, open_beneath
 from coordlfs.source.source import SourceReader

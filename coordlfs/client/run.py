@@ -22,8 +22,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from coordlfs.control import Control, ControlError
 from coordlfs.errors import UserError
+from coordlfs.protocol.client import Control, ControlError
 from coordlfs.system.mounts import mount_at, mounts
 
 #: The library, built beside its source by ``scripts/setup`` (``COORDLFS_PRELOAD_LIBRARY``

@@ -42,9 +42,9 @@ from torch.utils.data import DataLoader, Sampler
 
 from coordlfs.client import batch_file
 from coordlfs.client.adapters import MountFiles, mount_files, prefetching
-from coordlfs.control import _ANSWERED, Control, ControlError, control_for, dataset_root
 from coordlfs.errors import UserError
 from coordlfs.protocol import spec
+from coordlfs.protocol.client import _ANSWERED, Control, ControlError, control_for, dataset_root
 from coordlfs.protocol.order import SEED_LIMIT, batch_count, batches_of, epoch_order
 from coordlfs.protocol.spec import Command
 

@@ -31,9 +31,9 @@ from typing import Any
 
 from coordlfs.client.warm_files import Files, Listing
 from coordlfs.client.warm_progress import Display, Progress
-from coordlfs.control import BACKOFF_S, Control, ControlError
 from coordlfs.errors import UserError
 from coordlfs.protocol import spec
+from coordlfs.protocol.client import BACKOFF_S, Control, ControlError
 from coordlfs.sizes import format_size, pages, plural
 
 #: Files queued at the mount at a time, at most.

@@ -18,8 +18,8 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from coordlfs.control import find_mount
 from coordlfs.errors import UserError
+from coordlfs.protocol.client import find_mount
 from coordlfs.protocol.order import SEED_LIMIT, epoch_order
 
 

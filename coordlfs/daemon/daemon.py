@@ -30,7 +30,6 @@ from coordlfs.daemon.metrics import MetricsServer
 from coordlfs.daemon.mounting import open_log, set_read_ahead
 from coordlfs.errors import UserError
 from coordlfs.fs import passthrough
-from coordlfs.fs.control_server import ControlServer
 from coordlfs.fs.operations import Operations
 from coordlfs.fs.readers import AlignedReads
 from coordlfs.jobs.groups import Groups
@@ -48,6 +47,7 @@ from coordlfs.peers.sources import Membership, peer_source
 from coordlfs.peers.warm import WarmRelays
 from coordlfs.peers.warm import answer as answer_warm
 from coordlfs.peers.warm import register_commands as register_warm_commands
+from coordlfs.protocol.server import ControlServer
 from coordlfs.source.source import Source
 from coordlfs.system.mounts import device_mounted_at
 

@@ -27,13 +27,13 @@ from coordlfs.cache.cache import WholeFileCache
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.fs import passthrough
 from coordlfs.fs.backing import Backings
-from coordlfs.fs.control_server import ControlHandle, ControlServer
 from coordlfs.fs.freshness import WATCHED_TIMEOUT, Freshness
 from coordlfs.fs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable, Key
 from coordlfs.fs.listing import DOTS, Listing
 from coordlfs.fs.readers import STREAM_WHOLE, AlignedReads, Reader, Readers
 from coordlfs.jobs.groups import Member
 from coordlfs.peers.links import Peers
+from coordlfs.protocol.server import ControlHandle, ControlServer
 from coordlfs.source.source import Source, Version
 from coordlfs.source.threads import in_thread
 

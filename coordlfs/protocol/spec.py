@@ -1,8 +1,8 @@
 """Every control-file command, declared once: name, who may run it, arguments, what it does.
 
 The daemon validates a request's arguments from its command's declaration before the handler
-sees them and answers ``help`` from it; the client (``coordlfs.control``) sends commands by
-their declaration, so a misspelt command or argument fails in the caller, not at the mount;
+sees them and answers ``help`` from it; the client (``client``) sends commands by their
+declaration, so a misspelt command or argument fails in the caller, not at the mount;
 the table in docs/design/control-protocol.md is ``doc_table()`` (a test compares them).
 Handlers live with what they act on (``coordlfs.cache.stats``, ``groups``, ``prep``,
 ``peer_server``) and are attached by name (``ControlServer.serve``).
@@ -94,8 +94,8 @@ Handler = Callable[[dict[str, Any], Caller], dict[str, Any]]
 
 class Served(Protocol):
     """Where a domain attaches its commands' handlers (``register_commands``): the control
-    file's server, which sits above every domain (``coordlfs.fs.control_server``), seen from
-    below, so that a domain imports only these declarations."""
+    file's server (``coordlfs.protocol.server``) as a domain sees it, so that a domain
+    imports only these declarations."""
 
     def serve(self, name: str, handler: Handler) -> None: ...
 

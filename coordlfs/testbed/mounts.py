@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from coordlfs.cache import cache_tmpfs
-from coordlfs.control import Control, ControlError
 from coordlfs.daemon.mounting import unmount
 from coordlfs.errors import UserError
+from coordlfs.protocol.client import Control, ControlError
 from coordlfs.system.mounts import mount_at
 from coordlfs.system.processes import process_alive, wait_exit
 from coordlfs.testbed.logs import log_size, warn_of_logged_errors

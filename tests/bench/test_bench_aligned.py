@@ -19,7 +19,7 @@ from coordlfs.bench.aligned import (
     summarize,
 )
 from coordlfs.bench.stagger import profile_from
-from coordlfs.jobs.stagger import optimal_delay, standalone_runtime
+from coordlfs.models.stagger import optimal_delay, standalone_runtime
 
 
 def _result(system: str, stored: list[int], makespan: float,

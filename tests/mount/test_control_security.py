@@ -21,7 +21,7 @@ import pytest
 from conftest import OTHER_UID, force_unmount, random_source, wait_for
 
 from coordlfs.control import Control, ControlError
-from coordlfs.fs.control_server import MAX_HELD, MAX_REQUEST
+from coordlfs.protocol.server import MAX_HELD, MAX_REQUEST
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
 

@@ -26,7 +26,7 @@ from test_control_security import as_user
 from coordlfs import cli
 from coordlfs.client.dataset import Dataset
 from coordlfs.control import Control, ControlError
-from coordlfs.jobs import whatif as _loaded  # noqa: F401 (cmd_whatif imports it: before the fork)
+from coordlfs.models import whatif as _loaded  # noqa: F401 (cmd_whatif imports it: before the fork)
 from coordlfs.system.mounts import mount_at
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")

@@ -26,7 +26,6 @@ import trio
 
 from coordlfs.cache.cache import WholeFileCache
 from coordlfs.cache.stats import ReadCounters
-from coordlfs.fs.control_server import ControlServer
 from coordlfs.fs.inodes import ROOT_INODE
 from coordlfs.fs.operations import FileHandle, Operations
 from coordlfs.fs.readers import AlignedReads, Reader
@@ -34,6 +33,7 @@ from coordlfs.jobs.groups import Groups
 from coordlfs.jobs.prefetch import Prefetcher
 from coordlfs.jobs.window import ReadWindow
 from coordlfs.peers.links import Peers
+from coordlfs.protocol.server import ControlServer
 from coordlfs.source.source import Source
 
 #: Reads as the kernel sends them for a file read sequentially (read_ahead_kb 1024).

@@ -14,7 +14,6 @@ from coordlfs.cache.held import register_commands as register_held_commands
 from coordlfs.cache.stats import Stats
 from coordlfs.cache.stats import register_commands as register_stats_commands
 from coordlfs.control import Control
-from coordlfs.fs.control_server import ControlServer
 from coordlfs.jobs.groups import Groups
 from coordlfs.jobs.groups import register_commands as register_group_commands
 from coordlfs.jobs.prep import Prep
@@ -23,6 +22,7 @@ from coordlfs.peers.server import register_commands as register_peer_commands
 from coordlfs.peers.warm import WarmRelays
 from coordlfs.peers.warm import register_commands as register_warm_commands
 from coordlfs.protocol import spec as control_spec
+from coordlfs.protocol.server import ControlServer
 from coordlfs.protocol.spec import COMMANDS, doc_table
 from coordlfs.source.source import Source
 

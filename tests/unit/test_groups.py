@@ -12,10 +12,10 @@ import sys
 import pytest
 import trio
 
-from coordlfs.fs.control_server import ControlServer
 from coordlfs.jobs.groups import Groups, register_commands
 from coordlfs.jobs.window import ReadWindow
 from coordlfs.protocol.order import epoch_order, shard
+from coordlfs.protocol.server import ControlServer
 
 
 def test_order_is_shared_per_epoch_and_new_each_epoch() -> None:

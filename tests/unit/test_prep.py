@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from coordlfs.fs.control_server import ControlServer
 from coordlfs.jobs.prep import HANG_FACTOR, Prep, register_commands
+from coordlfs.protocol.server import ControlServer
 from coordlfs.protocol.spec import RequestError
 
 

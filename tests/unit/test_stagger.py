@@ -15,7 +15,7 @@ import pytest
 from conftest import run_cli
 
 from coordlfs.errors import UserError
-from coordlfs.jobs.stagger import (
+from coordlfs.models.stagger import (
     TIE,
     JobProfile,
     Phase,

@@ -16,7 +16,12 @@ import trio
 
 from coordlfs.cache.stats import Stats, register_commands
 from coordlfs.errors import UserError
-from coordlfs.fs.control_server import (
+from coordlfs.fs.inodes import ROOT_INODE, InodeTable
+from coordlfs.fs.operations import guarded
+from coordlfs.jobs.prep import Prep
+from coordlfs.jobs.prep import register_commands as register_prep_commands
+from coordlfs.protocol import spec as control_spec
+from coordlfs.protocol.server import (
     MAX_DEPTH,
     MAX_HELD,
     MAX_HELD_UNPRIVILEGED,
@@ -27,11 +32,6 @@ from coordlfs.fs.control_server import (
     ControlHandle,
     ControlServer,
 )
-from coordlfs.fs.inodes import ROOT_INODE, InodeTable
-from coordlfs.fs.operations import guarded
-from coordlfs.jobs.prep import Prep
-from coordlfs.jobs.prep import register_commands as register_prep_commands
-from coordlfs.protocol import spec as control_spec
 from coordlfs.protocol.spec import Access, Command
 from coordlfs.sizes import parse_size, physical_memory, plural
 from coordlfs.source.source import Version

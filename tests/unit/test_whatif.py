@@ -1,4 +1,4 @@
-"""The what-if model (coordlfs.jobs.whatif): rates fitted from marked epochs, predictions,
+"""The what-if model (coordlfs.models.whatif): rates fitted from marked epochs, predictions,
 advice."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from coordlfs.errors import UserError
-from coordlfs.jobs import whatif
+from coordlfs.models import whatif
 
 GB = 1_000_000_000
 S, C, P = 50e6, 800e6, 400e6

@@ -219,22 +219,7 @@ def simulate(first: JobProfile, second: JobProfile, start: float) -> Prediction:
     segments: list[Segment] = []
     t = 0.0
     while phase != [Phase.DONE, Phase.DONE]:
-        # (seconds until it happens, what, which job, iterations done when it happens)
-        events: list[tuple[float, str, int, float]] = []
-        if phase[1] is Phase.PENDING:
-            events.append((start - t, "start", 1, 0.0))
-        for k, job in enumerate(jobs):
-            if phase[k] in _RUNNING:
-                goal = job.iterations if done[k] < job.iterations else job.iterations * job.epochs
-                events.append(((goal - done[k]) * job.seconds_per_iteration(phase[k]),
-                               "goal", k, goal))
-        if phase == [Phase.REMOTE, Phase.BEHIND]:
-            # both move through the dataset in epochs per second; B gains if it is faster
-            speed = [1 / (j.iterations * j.seconds_per_iteration(p))
-                     for j, p in zip(jobs, phase, strict=True)]
-            if speed[1] > speed[0]:
-                gap = done[0] / first.iterations - done[1] / second.iterations
-                events.append((gap / (speed[1] - speed[0]), "catch", 1, 0.0))
+        events = _events(jobs, phase, done, start, t)
         step = max(0.0, min(e[0] for e in events))
         for k, job in enumerate(jobs):
             if phase[k] in _RUNNING:
@@ -259,6 +244,28 @@ def simulate(first: JobProfile, second: JobProfile, start: float) -> Prediction:
                     phase = [Phase.SHARED, Phase.SHARED]
     delay = start / standalone_runtime(first)
     return Prediction(delay, start, (finish[0], finish[1]), caught, tuple(segments))
+
+
+def _events(jobs: tuple[JobProfile, JobProfile], phase: list[Phase], done: list[float],
+            start: float, t: float) -> list[tuple[float, str, int, float]]:
+    """What may happen next in ``simulate`` at time ``t``, each as (seconds until it happens,
+    what, which job, iterations done when it happens)."""
+    events: list[tuple[float, str, int, float]] = []
+    if phase[1] is Phase.PENDING:
+        events.append((start - t, "start", 1, 0.0))
+    for k, job in enumerate(jobs):
+        if phase[k] in _RUNNING:
+            goal = job.iterations if done[k] < job.iterations else job.iterations * job.epochs
+            events.append(((goal - done[k]) * job.seconds_per_iteration(phase[k]),
+                           "goal", k, goal))
+    if phase == [Phase.REMOTE, Phase.BEHIND]:
+        # both move through the dataset in epochs per second; B gains if it is faster
+        speed = [1 / (j.iterations * j.seconds_per_iteration(p))
+                 for j, p in zip(jobs, phase, strict=True)]
+        if speed[1] > speed[0]:
+            gap = done[0] / jobs[0].iterations - done[1] / jobs[1].iterations
+            events.append((gap / (speed[1] - speed[0]), "catch", 1, 0.0))
+    return events
 
 
 def _pair(jobs: Sequence[JobProfile]) -> tuple[JobProfile, JobProfile]:
