@@ -919,7 +919,10 @@ class WholeFileCache:
             room = self.capacity - self.used - self.promised
             if self.full:
                 room = min(room, self._free() - ROOM_SLACK)
-            self.index.set_room(max(0, room))
+            # in whole pages, as a file is charged: a client's ``size <= room`` then says
+            # what ``reserve`` will (a file a few bytes under the room went through the mount
+            # and was not cached)
+            self.index.set_room(max(0, room) // pages(1) * pages(1))
 
     @staticmethod
     def _wake(entry: Entry) -> None:
