@@ -53,7 +53,7 @@ class Backings:
         self._ids: dict[int, int] = {}
         self._failed_logged = False
 
-    def entry(self, entry: Entry, st: os.stat_result) -> Backing | None:
+    def of_entry(self, entry: Entry, st: os.stat_result) -> Backing | None:
         """The complete ``entry``'s file (the open saw ``st``), None if the kernel refused it."""
         number = entry.offset
         if number not in self._ids:
@@ -63,7 +63,7 @@ class Backings:
             self._ids[number] = backing
         return Backing(entry.path, Version.of(st), self._ids[number], entry)
 
-    def source(self, path: bytes, st: os.stat_result) -> Backing | None:
+    def of_source(self, path: bytes, st: os.stat_result) -> Backing | None:
         """The source file ``path`` itself, kept open, if it is still the file ``st`` shows
         (else the daemon's readers stream what is there) and the kernel takes it."""
         version = Version.of(st)
@@ -83,7 +83,7 @@ class Backings:
             return None
         return Backing(path, version, backing, None, fd)
 
-    def landed(self, path: bytes, st: os.stat_result, fd: int) -> Backing | None:
+    def of_landed(self, path: bytes, st: os.stat_result, fd: int) -> Backing | None:
         """A file of its own the daemon wrote (a peer's file, ``coordlfs.peers.landing``,
         whose descriptor ``fd`` stays the caller's), if the kernel takes it."""
         backing = self._register(os.dup(fd), path)

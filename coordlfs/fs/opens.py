@@ -282,13 +282,13 @@ class Opens:
         backings, reader = self.backings, handle.reader
         assert backings is not None
         if landed:
-            held = backings.landed(handle.path, handle.st, reader.landed_fd)
+            held = backings.of_landed(handle.path, handle.st, reader.landed_fd)
         elif source:
-            held = backings.source(handle.path, handle.st)
+            held = backings.of_source(handle.path, handle.st)
             if held is not None and isinstance(reader, BackfillReader):
                 held.backfill = reader.entry
         elif entry is not None and entry.complete:
-            held = backings.entry(entry, handle.st)
+            held = backings.of_entry(entry, handle.st)
         else:
             held = None
         state.backing = held
