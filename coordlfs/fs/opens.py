@@ -326,7 +326,7 @@ class Opens:
         reader = handle.reader
         reader.close()
         if isinstance(reader, BackfillReader) and not handle.backing:
-            reader.backfill()  # the daemon was asked for no page: it reads them itself
+            reader.backfill()  # direct_io: no kernel read left pages, the fill reads the source
         held = state.backing
         if handle.backing and held is not None and not any(h.backing for h in state.handles):
             state.backing = None
