@@ -122,4 +122,7 @@ class Room:
             room = self.capacity - self.used - self.promised
             if self.full:
                 room = min(room, self.free() - ROOM_SLACK)
-            self.tell(max(0, room))
+            # in whole pages, as a file is charged: a client's ``size <= room`` then says
+            # what ``reserve`` will (a file a few bytes under the room went through the mount
+            # and was not cached)
+            self.tell(max(0, room) // pages(1) * pages(1))

@@ -1,9 +1,10 @@
-"""The pyfuse3 ``Operations``: a thin layer over the source, inode table, readers and control.
+"""The pyfuse3 ``Operations``: FUSE's requests answered over the source, inodes, opens and control.
 
 pyfuse3 runs every handler on one trio thread, and any exception other than FUSEError kills
 the whole filesystem; ``guarded`` turns such an exception into EIO for that one request and a
-log line. This module keeps metadata and the open handles; where a handle's bytes come from
-is its reader's business (``coordlfs.fs.readers``), apart from the cache hit, answered inline.
+log line. This module answers metadata and keeps the handle table; how an open file is served
+and what it holds is ``coordlfs.fs.opens``'s, its bytes its reader's (``coordlfs.fs.readers``),
+apart from the cache hit, answered inline.
 Nothing here blocks on data: source reads run in worker threads (see readers.py and
 cache.py), and only metadata calls, which the source's dentry and inode caches answer, run
 inline.
@@ -17,7 +18,7 @@ import logging
 import os
 import stat
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pyfuse3
@@ -25,16 +26,15 @@ import pyfuse3
 from coordlfs import CONTROL_NAME
 from coordlfs.cache.cache import WholeFileCache
 from coordlfs.cache.stats import ReadCounters
-from coordlfs.fs import passthrough
 from coordlfs.fs.backing import Backings
 from coordlfs.fs.freshness import WATCHED_TIMEOUT, Freshness
-from coordlfs.fs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable, Key
+from coordlfs.fs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable
 from coordlfs.fs.listing import DOTS, Listing
-from coordlfs.fs.readers import STREAM_WHOLE, AlignedReads, Reader, Readers
-from coordlfs.jobs.groups import Member
+from coordlfs.fs.opens import FileHandle, Opens
+from coordlfs.fs.readers import AlignedReads, Readers
 from coordlfs.peers.links import Peers
 from coordlfs.protocol.server import ControlHandle, ControlServer
-from coordlfs.source.source import Source, Version
+from coordlfs.source.source import Source
 from coordlfs.source.threads import in_thread
 
 log = logging.getLogger(__name__)
@@ -61,26 +61,6 @@ def guarded(handler: F) -> F:
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     return wrapper  # type: ignore[return-value]
-
-
-@dataclass(slots=True, eq=False)
-class FileHandle:
-    inode: int
-    path: bytes
-    st: os.stat_result
-    #: where its bytes come from (``coordlfs.fs.readers``); set at open, once the handle exists
-    reader: Reader = field(init=False)
-    #: the aligned-group member that opened it, if any
-    member: Member | None = None
-    #: the backing id its open was answered with (``coordlfs.fs.backing``); 0: none
-    backing: int = 0
-    #: the version its bytes are fixed to (a cache entry's file, by passthrough or kept by
-    #: its reader), as stat showed it; None for bytes read from the source as they are now
-    pinned: os.stat_result | None = None
-
-    @property
-    def key(self) -> Key:
-        return self.st.st_dev, self.st.st_ino
 
 
 @dataclass(slots=True, eq=False)
@@ -111,38 +91,25 @@ class Operations(pyfuse3.Operations):
         self.readers = Readers(source, cache, counters, peers, aligned)
         root = source.lstat(b"")
         self.inodes = InodeTable((root.st_dev, root.st_ino))
+        self.opens = Opens(self.readers, self.inodes)
         self.freshness = Freshness(source, self.inodes, revalidate_s, self.changed_open)
         self._handles: dict[int, FileHandle | DirHandle | ControlHandle] = {}
-        #: inode -> its open files: what they read decides its attributes (``getattr``)
-        self._opens: dict[int, list[FileHandle]] = {}
         self._next_fh = 1
-        #: who answers opens with backing ids while passthrough is on (``serve_by``)
-        self.backings: Backings | None = None
-        #: why passthrough is off, None while it is on
-        self.passthrough_off: str | None = "not asked for"
 
     def serve_by_passthrough(self, why_not: str | None) -> None:
         """Before mounting: passthrough is asked for at init (None), or why not."""
-        self.passthrough_off = why_not
-        self.backings = Backings(self.cache, self.source) if why_not is None else None
-        self.readers.behind = self.backings is not None
+        self.opens.serve_by_passthrough(why_not)
 
     def init(self) -> None:
-        """The kernel's INIT, answered: whether it granted the passthrough asked for."""
-        if self.backings is None:
-            return
-        self.passthrough_off = passthrough.granted()
-        if self.passthrough_off is None:
-            log.info("FUSE passthrough on: complete cache entries are read by the kernel")
-        else:
-            self.backings = None
-            self.readers.behind = False
-            log.warning("FUSE passthrough off: %s", self.passthrough_off)
+        self.opens.init()
+
+    @property
+    def backings(self) -> Backings | None:
+        """Who registers backing ids while passthrough is on, None while it is off."""
+        return self.opens.backings
 
     def passthrough_status(self) -> dict[str, Any]:
-        backings = self.backings
-        return {"on": backings is not None, "why_off": self.passthrough_off,
-                **(backings.status() if backings is not None else {})}
+        return self.opens.passthrough_status()
 
     # -- attributes ---------------------------------------------------------------
 
@@ -174,42 +141,12 @@ class Operations(pyfuse3.Operations):
         attr.entry_timeout = attr.attr_timeout = WATCHED_TIMEOUT
         return attr
 
-    def _known(self, st: os.stat_result, path: bytes) -> int:
-        """The inode for a source stat result, noting the version the kernel now sees.
-
-        An inode whose open files read a fixed version (``FileHandle.pinned``) must never be
-        shown another: the kernel would take the new size over the old bytes (a mapping of
-        it dies of SIGBUS). So a changed file gets a new inode, and the old one stays the
-        old version's for its open files (``InodeTable.detach``)."""
-        key, is_dir = (st.st_dev, st.st_ino), stat.S_ISDIR(st.st_mode)
-        inode = self.inodes.inode_for(key, path, is_dir)
-        if inode in self._opens:
-            pinned = self._pinned(inode)
-            if pinned is not None and Version.of(pinned) != Version.of(st):
-                self._detach(inode, Version.of(pinned), path)
-                inode = self.inodes.inode_for(key, path, is_dir)
-        self.inodes.seen(inode, st)
-        return inode
-
     def changed_open(self, path: bytes) -> None:
         """The source file at ``path`` changed (the watch says): open files of it that read
         its bytes as they are now (no version pinned) show its new attributes, so that what
         they read and what fstat says agree. The kernel asks ``getattr`` again."""
-        for inode, handles in self._opens.items():
-            if handles[0].path == path and self._pinned(inode) is None:
-                pyfuse3.invalidate_inode(inode, attr_only=True)
-
-    def _pinned(self, inode: int) -> os.stat_result | None:
-        """The version the open files of ``inode`` read, if one is fixed."""
-        for handle in self._opens.get(inode, ()):
-            if handle.pinned is not None:
-                return handle.pinned
-        return None
-
-    def _detach(self, inode: int, version: Version, path: bytes) -> None:
-        log.info("source file %s changed while open: new opens get a new inode",
-                 os.fsdecode(path))
-        self.inodes.detach(inode, version)
+        for inode in self.opens.reading_now(path):
+            pyfuse3.invalidate_inode(inode, attr_only=True)
 
     def _node_path(self, inode: int) -> bytes:
         try:
@@ -236,7 +173,7 @@ class Operations(pyfuse3.Operations):
             negative.st_ino = 0
             negative.entry_timeout = self.freshness.timeout
             return negative
-        inode = self._known(st, path)
+        inode = self.opens.known(st, path)
         self.inodes.ref(inode)
         return self._attr(inode, st)
 
@@ -244,9 +181,9 @@ class Operations(pyfuse3.Operations):
     async def getattr(self, inode: int, ctx: Any = None) -> Any:
         if inode == CONTROL_INODE:
             return self._control_attr()
-        handles = self._opens.get(inode)
-        if handles:
-            return self._attr(inode, self._opened_stat(inode, handles))
+        opened = self.opens.opened_stat(inode)
+        if opened is not None:
+            return self._attr(inode, opened)
         path = self._node_path(inode)
         st = self.source.lstat(path)
         old = self.inodes.detached(inode)
@@ -254,27 +191,12 @@ class Operations(pyfuse3.Operations):
             if (st.st_dev, st.st_ino) != self.inodes[inode].key:
                 # another file at its path now: the kernel's walk looks the name up again
                 raise pyfuse3.FUSEError(errno.ESTALE)
-            return self._attr(self._known(st, path), st)
-        # The old version of a changed file (``_renumbered``), its opens closed since: it
+            return self._attr(self.opens.known(st, path), st)
+        # The old version of a changed file (``Opens.renumbered``), its opens closed since: it
         # shows that version's size and times.
         attr = self._attr(inode, st)
         attr.st_size, attr.st_mtime_ns, attr.st_ctime_ns = old.size, old.mtime_ns, old.ctime_ns
         return attr
-
-    def _opened_stat(self, inode: int, handles: list[FileHandle]) -> os.stat_result:
-        """The attributes of the file the open files of ``inode`` read, whatever its path
-        names now (another file, a link, nothing): the version they are fixed to, else the
-        source file they hold, as it is now (a rewrite in place shows at once, as it reads)."""
-        pinned = self._pinned(inode)
-        if pinned is not None:
-            return pinned
-        held = self.backings.held(inode) if self.backings is not None else None
-        if held is not None and held.source_fd >= 0:
-            return os.fstat(held.source_fd)
-        for handle in handles:
-            if handle.reader.source_fd >= 0:
-                return os.fstat(handle.reader.source_fd)
-        return handles[0].st  # a peer's bytes, the window's: the version opened
 
     @guarded
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any) -> Any:
@@ -353,7 +275,7 @@ class Operations(pyfuse3.Operations):
         ``.`` and ``..``). Whether the reply had room."""
         if name in DOTS:
             return pyfuse3.readdir_reply(token, name, self._attr(self._dot_inode(st), st), after)
-        inode = self._known(st, _child(base, name))
+        inode = self.opens.known(st, _child(base, name))
         if not pyfuse3.readdir_reply(token, name, self._attr(inode, st), after):
             self.inodes.drop_if_unreferenced(inode)
             return False
@@ -379,7 +301,7 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         if inode == CONTROL_INODE:
             # direct_io: replies are produced per request, never cached, whatever st_size says.
-            # The opener's uid decides what its requests may do (control_server.Caller).
+            # The opener's uid decides what its requests may do (protocol.spec.Caller).
             control = ControlHandle(self.control, ctx.uid, ctx.pid)
             return pyfuse3.FileInfo(fh=self._new_handle(control),
                                     direct_io=True, keep_cache=False)
@@ -389,7 +311,7 @@ class Operations(pyfuse3.Operations):
         st = self.source.lstat(path)
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
-        if self._renumbered(inode, st, path):
+        if self.opens.renumbered(inode, st, path):
             raise pyfuse3.FUSEError(errno.ESTALE)
         changed = not self.inodes.shown(inode, st)
         if changed:
@@ -398,93 +320,15 @@ class Operations(pyfuse3.Operations):
             log.info("source file %s changed; invalidating", os.fsdecode(path))
             self.inodes.seen(inode, st)
             pyfuse3.invalidate_inode(inode, attr_only=True)
-        handle = FileHandle(inode, path, st)
-        handle.reader = await self.readers.opened(handle, ctx.pid)
-        if self.backings is not None:
-            handle.backing = self._backing(handle)
-        try:
-            self._hold(handle)
-        except BaseException:
-            self._release_file(handle)
-            raise
+        handle = await self.opens.open(FileHandle(inode, path, st), ctx.pid)
         fh = self._new_handle(handle)
-        self._opens.setdefault(inode, []).append(handle)
-        if self.backings is None:
+        if self.opens.backings is None:
             return pyfuse3.FileInfo(fh=fh, keep_cache=not changed)
         if handle.backing:
             return pyfuse3.FileInfo(fh=fh, backing_id=handle.backing, keep_cache=False,
                                     noflush=True)
         # Page-cached and passthrough opens of one inode cannot coexist (EIO): none cached.
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
-
-    def _hold(self, handle: FileHandle) -> None:
-        """Make the open hold the file it opened, as a descriptor of the source does: the
-        cache entry's file of a fixed version (``FileHandle.pinned``: its backing, or kept
-        by the reader), or the source file itself, opened now for the daemon's reads."""
-        held = self.backings.held(handle.inode) if handle.backing else None
-        if held is not None:  # read by the kernel
-            if held.entry is not None:
-                handle.pinned = self._pinned(handle.inode) or handle.st
-            return
-        handle.reader.serving()
-        entry = handle.reader.entry
-        if entry is not None and entry.complete:
-            handle.pinned = handle.st
-
-    def _backing(self, handle: FileHandle) -> int:
-        """The backing id to answer ``handle``'s open with, 0 for direct_io. The kernel reads
-        a backing file without a word to us: its bytes are counted as the file read whole, from
-        the cache or from the source (a source file the daemon would read whole; a larger one
-        at its last release; a miss filled at open counted its bytes as it filled); the open
-        itself was counted by ``Readers.opened``. An aligned member reads through the daemon
-        (the window, the group's counts)."""
-        assert self.backings is not None
-        reader, st, counters = handle.reader, handle.st, self.counters
-        if reader.landed_fd >= 0:  # a peer's file: counted as from peers when it came
-            return self.backings.open_landed(handle.inode, handle.path, st, reader.landed_fd)
-        if handle.member is None and reader.source_file:
-            assert reader.last_release is not None
-            backing = self.backings.open_source(handle.inode, handle.path, st,
-                                                reader.last_release)
-            if backing:
-                counters.source_opens += 1
-                # a hit: another's open of the same reserved entry, counted; a larger file
-                # counts what the kernel read of it at its last release
-                if not reader.hit and st.st_size <= STREAM_WHOLE:
-                    counters.bytes_from_source += st.st_size
-            return backing
-        entry = reader.entry if handle.member is None else None
-        backing = self.backings.open(handle.inode, entry, st)
-        if backing:
-            counters.passthrough_opens += 1
-            if reader.hit:
-                counters.bytes_from_cache += st.st_size
-        return backing
-
-    def _renumbered(self, inode: int, st: os.stat_result, path: bytes) -> bool:
-        """Whether ``inode`` is not the file at its path any more: another file is there
-        (a lookup finds that one's inode), or the file changed since the version its open
-        files read, and its key got a new inode for that (``InodeTable.detach``).
-
-        An ESTALE answer makes the kernel walk the path again with LOOKUP_REVAL
-        (``do_filp_open``); FUSE's revalidation then looks the name up, meets the right
-        inode, and opens that. The kernel gives an inode one backing at a time (a new open
-        of an inode held by passthrough must read the old version: another backing id or
-        direct_io is EIO), and an inode shows one size: so the old inode lives on for its
-        open files, shown as their version (``getattr``), until the kernel forgets it.
-        """
-        if self.inodes.detached(inode) is not None:
-            return False  # a reopen of that very inode (/proc/self/fd): it reads theirs
-        if (st.st_dev, st.st_ino) != self.inodes[inode].key:
-            return True
-        pinned = self._pinned(inode)
-        held = self.backings.held(inode) if self.backings is not None else None
-        version = (Version.of(pinned) if pinned is not None
-                   else held.version if held is not None else None)
-        if version is None or version == Version.of(st):
-            return False
-        self._detach(inode, version, path)
-        return True
 
     @guarded
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
@@ -521,21 +365,9 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         handle = self._handles.pop(fh)
         if isinstance(handle, FileHandle):
-            opens = self._opens[handle.inode]
-            opens.remove(handle)
-            if not opens:
-                del self._opens[handle.inode]
-            if handle.member is not None and not handle.reader.holds_bytes:
-                self.readers.aligned.closed(handle.member, handle.key)
-            self._release_file(handle)
+            self.opens.release(handle)
         elif isinstance(handle, ControlHandle):
             handle.close()  # gives back the bytes it held to the control file's bound
-
-    def _release_file(self, handle: FileHandle) -> None:
-        """What an open of a file holds goes: its reader's, its backing's."""
-        handle.reader.close()
-        if self.backings is not None:
-            self.backings.close(handle.inode, handle.backing)
 
 
 async def _read_only(self: Operations, *args: Any) -> None:

@@ -1,14 +1,14 @@
 """Where an open file's bytes come from: one reader per handle, one class per source of bytes.
 
-A handle's reader is chosen once, at open: a MinIO entry (complete or filling), the group
-window holding the file for this member, else a peer ranked before this node, else MinIO here
-if it has room, else a peer ranked after this node, else local storage
+A handle's reader is chosen once, at open (``coordlfs.fs.opens``): a MinIO entry (complete or
+filling), the group window holding the file for this member, else a peer ranked before this
+node, else MinIO here if it has room, else a peer ranked after this node, else local storage
 (``coordlfs.peers.placement``). Choosing at open lets the daemon step out of a small miss's
-reads: where passthrough is on (``coordlfs.fs.backing``) the kernel reads the source file
-itself (``Reader.source_file``) while the cache's fill copies the pages it brings in
-(``WholeFileCache.fill_behind``), and for a file nobody caches it just reads the source file;
-without passthrough a file of one fill step is filled before the open returns and its reads
-are answered from the entry.
+reads: where passthrough is on the kernel reads the source file itself
+(``Reader.source_file``) and the entry is backfilled from the pages it brought in
+(``BackfillReader``), and for a file nobody caches it just reads the source file; without
+passthrough a file of one fill step is filled before the open returns and its reads are
+answered from the entry.
 A reader that cannot go on (a fill that failed, a peer that went down mid-file) hands the rest
 of the file to local storage itself, so ``Operations.read`` only ever asks its handle's reader.
 A new source of bytes is a new class here, never another field on the handle.
@@ -21,7 +21,6 @@ member of an aligned group adds to opening, streaming and closing a file.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from typing import Protocol
 
 import trio
 
-from coordlfs.cache.cache import FILL_CHUNK, Entry, WholeFileCache
+from coordlfs.cache.cache import Entry, WholeFileCache
 from coordlfs.cache.stats import Outcome, ReadCounters
 from coordlfs.fs.inodes import Key
 from coordlfs.jobs.groups import Groups, Member
@@ -39,9 +38,6 @@ from coordlfs.peers.links import PeerLink, Peers
 from coordlfs.peers.wire import MAX_CHUNK
 from coordlfs.source.source import Source, SourceReader, Version
 from coordlfs.source.threads import in_thread
-from coordlfs.system.pagecache import held_bytes
-
-log = logging.getLogger(__name__)
 
 #: Ranges of a large file from a peer (a GET each) asked for ahead of its reader: enough in
 #: flight that the link does not wait a round trip between them (``PeerReader``).
@@ -62,8 +58,6 @@ class Handle(Protocol):
     #: the aligned-group member that opened it, if any
     member: Member | None
     reader: Reader
-    #: the backing id its open was answered with, 0 if none (``coordlfs.fs.backing``)
-    backing: int
 
 
 def key_of(st: os.stat_result) -> Key:
@@ -81,10 +75,6 @@ class Reader:
     #: the open found the file in the cache, complete or being filled by another (a miss
     #: this open filled is not a hit: its bytes are counted as the source's, by the fill)
     hit: bool = False
-    #: for a source file the kernel reads itself: what becomes of the pages its reads brought
-    #: in, given the file's descriptor at the last release (``Backings.open_source``): copied
-    #: into the cache behind those reads, or counted and dropped
-    last_release: Callable[[int], None] | None = None
     #: its bytes are the source file's as they are now, read from the descriptor its open
     #: kept: a read is cut at the file's size now (``size``), not at its size at open
     live: bool = False
@@ -141,8 +131,8 @@ class CacheReader(Reader):
 
     @property
     def served(self) -> Outcome:
-        """A hit if the open found the entry complete (a fill of its own or behind a reader
-        the kernel serves from the source is a miss)."""
+        """A hit if the open found the entry complete (a fill of its own, or a backfill of
+        what the kernel read from the source, is a miss)."""
         return Outcome.HIT if self.hit and self.entry.complete else Outcome.MISS
 
     @property
@@ -185,12 +175,12 @@ class KeptReader(Reader):
         os.close(self.fd)
 
 
-class BehindReader(CacheReader):
+class BackfillReader(CacheReader):
     """A small miss the kernel reads from the source file itself (FUSE passthrough): its
-    entry is reserved, and filled from the pages those reads bring in when the handle is
-    closed (``WholeFileCache.fill_behind``). Should the daemon be asked for bytes after all
-    (the source file could not be the open's backing), the fill starts then and the reads
-    wait for it."""
+    entry is reserved, and backfilled from the pages those reads bring in at the inode's
+    last release (``Opens``, ``WholeFileCache.fill_behind``), when the kernel has read all
+    it will. Should the daemon be asked for bytes after all (the source file could not be
+    the open's backing), it backfills at once, reading the source, and the reads wait."""
 
     source_file = True
 
@@ -198,27 +188,22 @@ class BehindReader(CacheReader):
         super().__init__(readers.cache, entry, lambda: StreamReader(readers, handle))
         self.readers = readers
         self.handle = handle
-        self.last_release = self._fill
 
-    def _fill(self, source_fd: int = -1) -> None:
-        """Fill the entry now (from ``source_fd``, the kernel's backing, if given)."""
+    def backfill(self) -> None:
+        """Fill the entry now, from the source: once, whoever asks first."""
         readers = self.readers
         assert readers.nursery is not None
         readers.cache.fill_behind(key_of(self.handle.st), self.entry, readers.source,
-                                  readers.nursery, source_fd)
+                                  readers.nursery)
 
     async def read(self, off: int, size: int) -> bytes | memoryview:
-        self._fill()
+        self.backfill()
         return await super().read(off, size)
 
-    def close(self) -> None:
-        if not self.handle.backing:  # else the backing's last release fills it
-            self._fill()
-        super().close()
 
-
-class Held(Reader):
-    """Bytes of the file held by the handle, starting at ``offset`` in it."""
+class RangeReader(Reader):
+    """A range of the file the handle keeps in memory (a small file whole, a peer's reply),
+    from ``offset`` in it: a request the kernel repeats costs nothing."""
 
     def __init__(self, data: bytes | memoryview = b"", offset: int = 0) -> None:
         self.data = data
@@ -243,7 +228,7 @@ class Held(Reader):
         return memoryview(data)[start : start + size]
 
 
-class StreamReader(Held):
+class StreamReader(RangeReader):
     """Local storage, nothing cached: a small file is read whole on its first request (once
     for an aligned group, ``AlignedReads.whole``), a larger one by ranges, keeping the last."""
 
@@ -255,7 +240,6 @@ class StreamReader(Held):
         # nobody keeps it: the kernel may read it itself, whatever its size (an aligned
         # member's reads go through the daemon, for the group's window and counts)
         self.source_file = not data and handle.member is None
-        self.last_release = self._released
 
     def serving(self) -> None:
         """Open the source file now, at the open: later names (a rename over it, an unlink,
@@ -267,25 +251,13 @@ class StreamReader(Held):
     def source_fd(self) -> int:
         return -1 if self._file is None else self._file.fd
 
-    def _released(self, fd: int) -> None:
-        """The last open of the source file the kernel read itself is released; its pages
-        stay with the kernel's LRU (no cache keeps them). A file the daemon would read whole
-        was counted whole at its open; a larger one counts what the page cache holds of it,
-        in a worker thread."""
-        if self.handle.st.st_size > STREAM_WHOLE:
-            assert self.readers.nursery is not None
-            self.readers.nursery.start_soon(self._count_held, os.dup(fd))
-
-    async def _count_held(self, fd: int) -> None:
-        self.readers.counters.bytes_from_source += await in_thread(held_bytes, fd)
-
     def _open(self) -> SourceReader:
         """The source file at the handle's path, if it is still the file opened (its key):
         else ESTALE, and the kernel looks the name up again."""
         # with passthrough this open is direct_io: the source's pages are the only copy the
         # kernel could keep (without it the mount's own page cache holds what it is sent)
         opened = self.readers.source.open_reader(self.handle.path,
-                                                 keep_pages=self.readers.behind)
+                                                 keep_pages=self.readers.direct_io)
         st = opened.fstat()
         if key_of(st) != key_of(self.handle.st):
             opened.close()
@@ -338,7 +310,7 @@ class WindowReader(StreamReader):
         """Nothing to open: the window handed over the bytes."""
 
 
-class PeerReader(Held):
+class PeerReader(RangeReader):
     """A peer's memory, starting from the reply that chose it (a small file whole). The
     rest of a large file is fetched ``AHEAD`` ranges of a GET each ahead of the reader, so
     the link carries several at once where one at a time would wait a round trip for each
@@ -426,7 +398,7 @@ class _Ahead:
 class LandedReader(Reader):
     """A peer's file whole, landed in a file of its own (``coordlfs.peers.landing``) after
     its frame's checksum was checked: the open is answered with that file as its backing
-    (``Operations._backing``), so the kernel reads it and no READ reaches the daemon. Should
+    (``Opens.open``), so the kernel reads it and no READ reaches the daemon. Should
     the daemon serve the reads after all (the kernel refused the backing, or another open of
     the inode decides), they are read from that file."""
 
@@ -451,7 +423,7 @@ class LandedReader(Reader):
 
 
 class Readers:
-    """Chooses each handle's reader and holds what the readers share."""
+    """What the readers of the mount share; which reader an open gets is ``Opens.open``'s."""
 
     def __init__(self, source: Source, cache: WholeFileCache, counters: ReadCounters,
                  peers: Peers, aligned: AlignedReads) -> None:
@@ -462,99 +434,13 @@ class Readers:
         self.aligned = aligned
         #: Fills outlive the read that started them; set by the daemon before serving.
         self.nursery: trio.Nursery | None = None
-        #: the kernel reads source files itself (FUSE passthrough, ``coordlfs.fs.backing``):
-        #: a small miss is then filled behind the opener's own reads, not before them
-        self.behind = False
+        #: the opens the daemon serves are direct_io (FUSE passthrough on): the kernel keeps
+        #: no pages of them, so a streamed source file keeps its own
+        self.direct_io = False
 
-    async def opened(self, handle: Handle, pid: int) -> Reader:
-        """The reader for a handle just opened by ``pid``; sets the handle's member. Every
-        open of a file the daemon answers passes here once: counted here, by what serves it."""
-        reader = await self._reader(handle, pid)
-        self.counters.opened(reader.served, 1, handle.st.st_size)
-        return reader
-
-    async def _reader(self, handle: Handle, pid: int) -> Reader:
-        st = handle.st
-        key = key_of(st)
-        entry = self.cache.lookup(key, st)
-        handle.member, held = self.aligned.opened(pid, handle.path, key, Version.of(st),
-                                                  cached=entry is not None)
-        if entry is not None:
-            return await self._found(entry, handle)
-        if held is not None:
-            return WindowReader(self, handle, held)
-        if not st.st_size:
-            return StreamReader(self, handle)
-        return await self._choose(handle)
-
-    async def _found(self, entry: Entry, handle: Handle) -> CacheReader:
-        """The reader of an entry the open found in the cache."""
-        if entry.behind:  # another reader's, read by the kernel from the source: as it is
-            reader: CacheReader = BehindReader(self, entry, handle)
-            reader.hit = True
-            return reader
-        if not entry.complete and entry.size <= FILL_CHUNK:
-            # another's fill (a prefetch, another reader) of one step: done soon, and then
-            # this open is a hit the kernel may read itself
-            await self.cache.wait_for(entry, entry.size)
-        reader = self._cached(entry, handle)
-        reader.hit = True
-        return reader
-
-    def _cached(self, entry: Entry, handle: Handle) -> CacheReader:
+    def cached(self, entry: Entry, handle: Handle) -> CacheReader:
+        """The reader of ``entry``, streaming the rest from the source should it fail."""
         return CacheReader(self.cache, entry, lambda: StreamReader(self, handle))
-
-    async def _choose(self, handle: Handle) -> Reader:
-        """The bytes a peer sent ahead (``coordlfs.peers.hold``), else a peer ranked before
-        this node for the file, else MinIO here if it has room, else a peer ranked after this
-        node, else local storage."""
-        path, st = handle.path, handle.st
-        held = await self.peers.held(path, st)  # fetched ahead: the order was handed over
-        if held is not None:
-            self.peers.served_file(held[0])
-            return self._from_peer(handle, held[0], held[1])
-        before, after = (self.peers.candidates(path) if st.st_size <= self.cache.max_file_size
-                         else ([], []))
-        peer = await self._from_peers(handle, before)
-        if peer is not None:
-            return peer
-        assert self.nursery is not None
-        if self.behind and st.st_size <= FILL_CHUNK and handle.member is None:
-            entry, new = self.cache.reserve_behind(key_of(st), path, st)
-            if entry is not None and not new:  # another's, reserved while peers were asked
-                return await self._found(entry, handle)
-            if entry is not None:
-                return BehindReader(self, entry, handle)
-        else:
-            entry = await self.cache.fill_for_reader(key_of(st), path, st, self.source,
-                                                     self.nursery)
-            if entry is not None:
-                return self._cached(entry, handle)
-        peer = await self._from_peers(handle, after)
-        return peer if peer is not None else StreamReader(self, handle)
-
-    async def _from_peers(self, handle: Handle, links: list[PeerLink]) -> Reader | None:
-        """A reader on the first of ``links`` that serves the file's start (a small file
-        whole)."""
-        size = min(handle.st.st_size, STREAM_WHOLE)
-        for link in links:
-            data = await self.peers.read(link, handle.path, handle.st, 0, size)
-            if data is not None:
-                self.peers.served_file(link)
-                return self._from_peer(handle, link, data)
-        return None
-
-    def _from_peer(self, handle: Handle, link: PeerLink, data: bytes | memoryview) -> Reader:
-        """The reader of a peer's reply (the file's start): the whole file, where the kernel
-        may read it itself, landed for it (``LandedReader``); else held in memory."""
-        if self.behind and handle.member is None and len(data) == handle.st.st_size:
-            try:
-                fd = self.peers.landings.land(self.cache.files_fd, data)
-            except OSError as e:  # the cache's filesystem is full, say: served from memory
-                log.debug("a peer's file not landed: %s", e)
-            else:
-                return LandedReader(self, fd, len(data))
-        return PeerReader(self, handle, link, data, 0)
 
 
 class AlignedReads:

@@ -6,7 +6,7 @@ at the reader's first read, and small files move at one round trip each. Given t
 before this node caches (or, once this node's cache has no room for them, a peer ranked after
 it) are asked of their peer in order, many per request (``peer_wire.GetMany``), ``DEPTH``
 requests in flight per peer, and held here in memory. A reader's first miss of such a file
-takes it (``Readers.opened``), or waits for the batch it is in (never asking the peer a second
+takes it (``Opens.open``), or waits for the batch it is in (never asking the peer a second
 time); a file whose batch was not sent yet is left to the reader, which asks for it itself.
 
 Memory is bounded: the bytes held and in flight never exceed ``capacity``; a new batch goes
