@@ -48,11 +48,22 @@ class _InOrder(argparse.Action):
                 [*(getattr(namespace, self.dest) or []), *((self.const, v) for v in items)])
 
 
+#: what a command's piece of the parser is added to
+Subparsers = argparse._SubParsersAction
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The command's parser, a piece per command (``_COMMANDS``, in the order ``--help``
+    lists them); the mount's options come from their table (``daemon.options``)."""
     parser = Parser(prog="coordlfs", description=__doc__)
     parser.add_argument("--version", action="version", version=f"coordlfs {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for add in _COMMANDS:
+        add(sub)
+    return parser
 
+
+def _add_mount(sub: Subparsers) -> None:
     m = sub.add_parser("mount", help="mount SOURCE read-only on MOUNTPOINT with the MinIO cache",
                        description="Mount SOURCE read-only on MOUNTPOINT with the MinIO cache; "
                                    "return once the mount is live.")
@@ -63,10 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)
     m.add_argument("--sloppy", action="store_true", help=argparse.SUPPRESS)
 
+
+def _add_umount(sub: Subparsers) -> None:
     u = sub.add_parser("umount", help="unmount and wait for the daemon to exit")
     u.add_argument("mountpoint")
     u.add_argument("--lazy", action="store_true", help="detach now even if files are open")
 
+
+def _add_stats(sub: Subparsers) -> None:
     s = sub.add_parser("stats", help="cache and read statistics of a mount")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true", help="print the status as JSON")
@@ -76,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--until", metavar="MARK", help="only reads before this mark: a window that "
                                                    "closed, such as one epoch between two marks")
 
+
+def _add_warm(sub: Subparsers) -> None:
     a = sub.add_parser(
         "warm", help="fill a mount's cache with files ahead of a job, in its order",
         description="Fill the cache of the coordlfs mount holding PATHs with their files "
@@ -99,10 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--check", action="store_true", help="only say how much of PATHs the "
                    "cache holds now (files, bytes, percent); fill nothing")
 
+
+def _add_mark(sub: Subparsers) -> None:
     k = sub.add_parser("mark", help="record a named point (an epoch boundary) in the statistics")
     k.add_argument("mountpoint")
     k.add_argument("name")
 
+
+def _add_stagger(sub: Subparsers) -> None:
     g = sub.add_parser("stagger", help="predict when to start the second of two jobs that "
                                        "read one dataset (makespan for delays 0-100%%)")
     g.add_argument("--job", dest="jobs", action=_InOrder, const="job",
@@ -124,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile catalog (default ~/.local/state/coordlfs/profiles.json)")
     g.add_argument("--json", metavar="FILE", help="also write the table and the optimum as JSON")
 
+
+def _add_whatif(sub: Subparsers) -> None:
     w = sub.add_parser("whatif", help="predict epoch time and stalls for other cache sizes, "
                                       "CPU counts and storage speeds from a run's rates")
     w.add_argument("mountpoint")
@@ -132,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--json", metavar="FILE", help="also write the analysis as JSON")
     w.add_argument("--plot", metavar="FILE.png", help="plot epoch time and stall share")
 
+
+def _add_run(sub: Subparsers) -> None:
     r = sub.add_parser(
         "run", help="run a command whose opens of cached files skip FUSE (preload library)",
         description="Run CMD with coordlfs's preload library, so that its opens of files on "
@@ -145,11 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "or slurm (a TaskProlog's export lines)")
     r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
 
+
+def _add_bench(sub: Subparsers) -> None:
     # Listed for --help only: `coordlfs bench ...` goes to coordlfs.bench's own parser (main),
     # so that no other command loads a benchmark.
     sub.add_parser("bench", help="benchmarks against the page cache and baselines "
                                  "(coordlfs bench --help lists them)")
-    return parser
+
+
+#: the commands, in the order ``coordlfs --help`` lists them
+_COMMANDS = (_add_mount, _add_umount, _add_stats, _add_warm, _add_mark, _add_stagger,
+             _add_whatif, _add_run, _add_bench)
 
 
 def cmd_mount(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ comes after the rest of this one, which the job reads first.
 
 A worker fills a whole file in one worker-thread call (``_Fill.run``): open beneath the
 source's root (never through a symlink), fstat, reserve the entry on the event loop (one
-call back), read with O_DIRECT in pieces of up to ``cache.FILL_CHUNK`` into the thread's
+call back), read with O_DIRECT in pieces of up to ``files.FILL_CHUNK`` into the thread's
 aligned buffer, pwrite into the entry's file, fstat again. A small file (the common case)
 thus costs one hand-off to a thread and one back, where a read through the mount costs several FUSE
 requests; memory for fills in flight is at most ``depth`` buffers of ``FILL_CHUNK``. The entry
@@ -40,7 +40,8 @@ from typing import Any
 
 import trio
 
-from coordlfs.cache.cache import FILL_CHUNK, Entry, WholeFileCache, create_file, write_all
+from coordlfs.cache.cache import Entry, WholeFileCache
+from coordlfs.cache.files import Copier, FromStorage
 from coordlfs.protocol.spec import WARM_COUNTS, Caller, Refused, RequestError, Served
 from coordlfs.sizes import pages
 from coordlfs.source.beneath import mode_grants, open_beneath
@@ -156,25 +157,22 @@ class _Fill:
             self.error = e
 
     def copy(self, cache: WholeFileCache, entry: Entry) -> None:
-        """In the worker thread: the file into its entry, in pieces of up to FILL_CHUNK; a
-        large file lets the readers of its start go on, and stops at an unmount."""
+        """In the worker thread: the file into its entry (``files.Copier``, handed the open
+        reader); a large file lets the readers of its start go on, and stops at an unmount."""
         assert self.reader is not None
-        done = 0
-        fd = create_file(cache.files_fd, entry.offset)
+        copier = Copier(cache.files_fd, entry, FromStorage(None, self.path, self.reader))
+        self.reader = None  # the copier's to close
+
+        def between(done: int) -> None:
+            trio.from_thread.run_sync(cache.arrived, entry, done - self.reported)
+            self.reported = done
+            trio.from_thread.check_cancelled()
+
         try:
-            while done < entry.size:
-                if done:
-                    trio.from_thread.run_sync(cache.arrived, entry, done - self.reported)
-                    self.reported = done
-                    trio.from_thread.check_cancelled()
-                data = self.reader.read_view(done, min(FILL_CHUNK, entry.size - done))
-                if not data:
-                    raise OSError(errno.EIO, "source file shrank while being cached")
-                write_all(fd, data, done)
-                done += len(data)
+            copier.copy(between)
         finally:
-            os.close(fd)
-        self.final = self.reader.fstat()
+            copier.close()
+        self.final = copier.final
 
     def close(self) -> None:
         if self.reader is not None:
