@@ -64,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_mount(sub: Subparsers) -> None:
-    m = sub.add_parser("mount", help="mount SOURCE read-only on MOUNTPOINT with the MinIO cache",
-                       description="Mount SOURCE read-only on MOUNTPOINT with the MinIO cache; "
-                                   "return once the mount is live.")
+    m = sub.add_parser("mount", help="mount SOURCE read-only on MOUNTPOINT with a no-eviction "
+                       "cache",
+                       description="Mount SOURCE read-only on MOUNTPOINT with a no-eviction "
+                                   "cache; return once the mount is live.")
     m.add_argument("source")
     m.add_argument("mountpoint")
     options.add_arguments(m)

@@ -1,6 +1,7 @@
-"""The MinIO cache: whole files, kept in shared memory, never evicted.
+"""The no-eviction cache: whole files, kept in shared memory, never evicted.
 
-MinIO (CoorDL paper, section 4.1) caches items as they are first read until the capacity is
+The policy is the one the CoorDL paper (section 4.1) calls MinIO (minimal I/O; not the S3
+server): it caches items as they are first read until the capacity is
 reached and then never replaces anything. With random-order epochs every later epoch then
 gets exactly ``capacity`` bytes of hits, where an LRU cache thrashes.
 
@@ -71,8 +72,8 @@ _Copier = Copier
 
 
 class WholeFileCache:
-    """MinIO's policy (the CoorDL paper): whole files, kept until unmount, never evicted, so
-    that no epoch's random order can thrash what the cache holds."""
+    """The no-eviction policy (the CoorDL paper's MinIO): whole files, kept until unmount,
+    never evicted, so that no epoch's random order can thrash what the cache holds."""
 
     def __init__(self, directory: str, capacity: int, max_file_size: int,
                  counters: ReadCounters, own_tmpfs: bool = False) -> None:
@@ -190,7 +191,7 @@ class WholeFileCache:
         return None
 
     def reserve(self, key: Key, path: bytes, st: os.stat_result) -> Entry | None:
-        """Claim room for a new entry, or None when MinIO's capacity (or the file limit) says no."""
+        """Claim room for a new entry, or None when the capacity (or the file limit) says no."""
         if key in self.entries:
             return None
         if st.st_size > self.max_file_size:
@@ -233,7 +234,7 @@ class WholeFileCache:
     def start_fill(self, key: Key, path: bytes, st: os.stat_result, source: Source,
                    nursery: trio.Nursery) -> Entry | None:
         """The entry for this version of the file, reserving it and starting its fill in
-        ``nursery`` if MinIO has room; None when it has none."""
+        ``nursery`` if the cache has room; None when it has none."""
         entry, new = self._claim(key, path, st)
         if new:
             nursery.start_soon(self.fill, key, entry, source)
@@ -256,7 +257,7 @@ class WholeFileCache:
                        ) -> tuple[Entry | None, bool]:
         """The entry for this version of the file, and whether it was reserved just now, for
         an opener the kernel serves from the source file itself (FUSE passthrough): then it
-        is ``behind`` that reader, filled when it closes (``fill_behind``). None when MinIO
+        is ``behind`` that reader, filled when it closes (``fill_behind``). None when the cache
         has no room."""
         entry, new = self._claim(key, path, st)
         if new:

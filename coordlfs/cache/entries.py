@@ -1,4 +1,4 @@
-"""The MinIO cache's entries: a row per cached file, an object only while one is in use.
+"""The no-eviction cache's entries: a row per cached file, an object only while one is in use.
 
 A complete entry is a row of an ``EntryTable`` (about 70 bytes and its path: key, path,
 version, number, flags); an ``Entry`` object is made for it when a reader, a fill or

@@ -1,4 +1,4 @@
-"""Batched, order-aware fills: files a job announced (``prefetch``) read into MinIO in bulk.
+"""Batched, order-aware fills: files a job announced (``prefetch``) read into the cache in bulk.
 
 A job that knows its order (``coordlfs.client.Dataset.prefetch``, a sampler) hands it over on
 the control file; the files are then read into the cache ahead of the job, with no FUSE
@@ -16,7 +16,7 @@ thus costs one hand-off to a thread and one back, where a read through the mount
 requests; memory for fills in flight is at most ``depth`` buffers of ``FILL_CHUNK``. The entry
 is reserved and ended through ``WholeFileCache`` like any fill, so a reader through the mount
 of a file being filled waits on the same entry, and an entry the mount is already filling (or
-holds) is skipped, as is a file over ``--max-file-size``, one MinIO has no room for, and one a
+holds) is skipped, as is a file over ``--max-file-size``, one the cache has no room for, and one a
 peer caches. Failures are counted and logged once per cause; they never fail the mount.
 
 Who may prefetch: the mount runs with ``default_permissions``, so the kernel checks a reader's
@@ -233,7 +233,7 @@ class FillQueue:
     files: int = 0
     bytes: int = 0
     #: files not filled, by why: already cached or being filled, over the size limit, no
-    #: room in MinIO, cached by a peer, not a regular file
+    #: room in the cache, cached by a peer, not a regular file
     skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("cached", "too_large", "no_room", "elsewhere", "not_regular"), 0))
     #: files whose fill failed, by cause (an errno's name, or an exception's type)

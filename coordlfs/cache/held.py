@@ -1,6 +1,6 @@
 """Which files the cache holds: the ``cached`` command, for ``coordlfs warm --check``.
 
-A file is held when MinIO has a complete entry for the version the source has now (the
+A file is held when the cache has a complete entry for the version the source has now (the
 cache's own ``lookup``: the rule an open goes by), so a check says what the next epoch will
 find, and fills nothing. Asked on the control file rather than read from the published index
 (``coordlfs.cache.published``), which only users who may enter the cache directory can map

@@ -23,7 +23,7 @@ x86-64 (TSO), the only order the seqlock relies on.
 
 The header also says whether clients must compare a hit's version with the source
 (``revalidate``): set when the daemon cannot watch the source for changes; and how large a
-new file MinIO would still take (``room``), so that a client reads a file that will never be
+new file the cache would still take (``room``), so that a client reads a file that will never be
 cached from the source itself instead of through the mount. The room word came later than
 the rest: it has a flag bit (``_ROOM_SET``) so that a client tells a daemon that publishes
 it from an older one, whose header is zeros there; an older client reads the first five
@@ -135,7 +135,7 @@ class IndexWriter:
         #: the index's file name in the cache directory, and its mode (0644 for the public
         #: index, which other users read)
         self.name, self.mode = name, mode
-        #: how large a new file MinIO would still take, bytes (``set_room``)
+        #: how large a new file the cache would still take, bytes (``set_room``)
         self.room = 0
         #: live slots; a path's slot is found by probing the table, as a client does, so
         #: the daemon keeps nothing per published file (a dict of paths cost ~150 bytes each)
@@ -335,7 +335,7 @@ class IndexReader:
         keeps the mapping, and every later read is a view of it, with no system call. So a
         process that reads each file once (a DataLoader worker of one epoch) pays no mapping,
         and one that reads it again (the epochs after) reads at memory speed. Mappings are
-        kept as MinIO keeps files, never replaced, up to ``MAPPED_FILES``: with random-order
+        kept as the cache keeps files, never replaced, up to ``MAPPED_FILES``: with random-order
         epochs an evicting table would miss as often as it holds. A kept view of a file the
         daemon then drops shows the old bytes, and holds their memory until the client
         closes."""
@@ -399,7 +399,7 @@ class IndexReader:
 
     @property
     def room(self) -> int | None:
-        """How large a new file MinIO would still take, as of now; None from a daemon that
+        """How large a new file the cache would still take, as of now; None from a daemon that
         does not say (then every miss goes through the mount)."""
         word = _WORD.unpack_from(self._map, _ROOM_AT)[0]
         return word & ~_ROOM_SET if word & _ROOM_SET else None

@@ -1,4 +1,4 @@
-"""The cache's room: what MinIO's capacity still takes, and what its filesystem does.
+"""The cache's room: what the cache's capacity still takes, and what its filesystem does.
 
 The capacity is charged each entry's bytes rounded up to pages, as tmpfs charges them. The
 filesystem beneath may have less (other users, a quota): once a write finds it full, each new
@@ -67,7 +67,7 @@ class Room:
         self.data_bytes -= size
 
     def takes(self, size: int) -> bool:
-        """Whether MinIO's capacity and the filesystem take a new file of ``size``."""
+        """Whether the cache's capacity and the filesystem take a new file of ``size``."""
         return self.used + pages(size) <= self.capacity and self.fits(size)
 
     def fits(self, size: int) -> bool:
@@ -114,10 +114,10 @@ class Room:
         self.changed()
 
     def changed(self) -> None:
-        """Tell how large a new file MinIO would still take: clients read a larger file from
+        """Tell how large a new file the cache would still take: clients read a larger file from
         the source themselves (through the mount it would only be streamed). Room promised
         to files handed over for filling is not theirs (the mount's own readers still take
-        what comes first, as MinIO does)."""
+        what comes first, as the cache does)."""
         if self.tell is not None:
             room = self.capacity - self.used - self.promised
             if self.full:

@@ -1,8 +1,8 @@
 """Where an open file's bytes come from: one reader per handle, one class per source of bytes.
 
-A handle's reader is chosen once, at open (``coordlfs.fs.opens``): a MinIO entry (complete or
+A handle's reader is chosen once, at open (``coordlfs.fs.opens``): a cache entry (complete or
 filling), the group window holding the file for this member, else a peer ranked before this
-node, else MinIO here if it has room, else a peer ranked after this node, else local storage
+node, else the cache here if it has room, else a peer ranked after this node, else local storage
 (``coordlfs.peers.placement``). Choosing at open lets the daemon step out of a small miss's
 reads: where passthrough is on the kernel reads the source file itself
 (``Reader.source_file``) and the entry is backfilled from the pages it brought in
@@ -42,7 +42,7 @@ from coordlfs.source.threads import in_thread
 #: Ranges of a large file from a peer (a GET each) asked for ahead of its reader: enough in
 #: flight that the link does not wait a round trip between them (``PeerReader``).
 AHEAD = 8
-#: Files up to this size that MinIO does not cache are read from the source whole, on their
+#: Files up to this size that the cache does not keep are read from the source whole, on their
 #: first request, and kept by the handle until it is closed: a reader reading in small pieces
 #: costs one storage read, and a request the kernel repeats (its page was reclaimed before
 #: the reader copied it, common when memory is tight) costs none. Larger files stream by
@@ -67,7 +67,7 @@ def key_of(st: os.stat_result) -> Key:
 class Reader:
     """The source of one handle's bytes, for the reads that are not cache hits."""
 
-    #: a MinIO entry: once it is complete ``Operations.read`` serves it inline, as a hit
+    #: a cache entry: once it is complete ``Operations.read`` serves it inline, as a hit
     entry: Entry | None = None
     #: the bytes are the source file's own, read as they are: the kernel may read that file
     #: itself (FUSE passthrough) instead of asking for them
@@ -117,7 +117,7 @@ class Reader:
 
 
 class CacheReader(Reader):
-    """A MinIO entry, complete or filling: a read waits for its bytes to arrive. If the fill
+    """A cache entry, complete or filling: a read waits for its bytes to arrive. If the fill
     fails (or the entry is dropped, the source changed) the rest streams from the source."""
 
     def __init__(self, cache: WholeFileCache, entry: Entry,
@@ -457,7 +457,7 @@ class AlignedReads:
 
     def opened(self, pid: int, path: bytes, key: Key, version: Version,
                cached: bool) -> tuple[Member | None, bytes | None]:
-        """The member behind a reader (if the file is not in MinIO) and the bytes the group's
+        """The member behind a reader (if the file is not in the cache) and the bytes the group's
         window holds for it, if any."""
         member = self.groups.member_for_reader(pid) if self.groups.members else None
         if member is None:

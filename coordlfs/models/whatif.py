@@ -8,7 +8,7 @@ GPU at G, all pipelined, so an epoch takes as long as the slowest of the three:
     fetch = hit bytes / C + miss bytes / S        (misses a peer serves: at the peers' speed)
     epoch = max(fetch, prep, compute)             stall share = (epoch - compute) / epoch
 
-and with a MinIO cache (a cached file is never evicted) every epoch after the first has
+and with a no-eviction cache (a cached file is never evicted) every epoch after the first has
 exactly ``min(cache / dataset, 1)`` of its bytes as hits.
 
 The rates come from one run on the mount: the epochs are the intervals jobs marked as epochs,

@@ -210,7 +210,7 @@ def test_read_ahead_follows_the_group_order_within_its_bounds(mount, tmp_path: P
     assert status["read_window"]["hits"] >= prefetch["files"] - 2
 
 
-def test_read_ahead_fills_minio_while_it_has_room(mount, tmp_path: Path) -> None:
+def test_read_ahead_fills_the_cache_while_it_has_room(mount, tmp_path: Path) -> None:
     src, files, total = _source(tmp_path)
     m = mount(src, "--cache-size", "1G", "--prefetch-depth", "4")
     out = subprocess.run([sys.executable, "-c", ORDERED_JOB, str(m.mountpoint), "g", *files],

@@ -58,7 +58,7 @@ def warm_json(*args: str, **kwargs: Any) -> dict[str, Any]:
 
 
 def greedy(order: list[str], sizes: dict[str, int], capacity: int) -> list[str]:
-    """What MinIO holds after filling ``order`` one file at a time: each that still fits."""
+    """What the cache holds after filling ``order`` one file at a time: each that still fits."""
     used, kept = 0, []
     for name in order:
         if used + pages(sizes[name]) <= capacity:

@@ -1,6 +1,6 @@
 """CPU per file a peer serves, by side and by step, with no kernel: where a peer's file costs.
 
-Node B is a ``PeerServer`` over a MinIO cache of its own, run in a process of its own by this
+Node B is a ``PeerServer`` over a no-eviction cache of its own, run in a process of its own by this
 script (``--serve``), as the daemon builds it. Node A is a mount's ``Operations`` built
 in-process (``inprocess.mounted``) with B as its only peer, every file owned by B. After a pass
 that fills B's cache, each measured pass reads every file once:

@@ -2,7 +2,7 @@
 
 Builds a mount's ``Operations`` in-process (``inprocess.mounted``) over a directory of small
 files and calls the handlers as the kernel calls them for one reader's open + read to EOF +
-close of each file: lookup, open, read, release, forget; a first pass misses (the MinIO fill
+close of each file: lookup, open, read, release, forget; a first pass misses (a cache fill
 runs, its worker thread included in the read's time), a second one hits, a third (with
 ``--stream``, a mount with no cache room) streams from the source. Each handler's time is
 the median over files of its wall time per request; ``file`` is the wall time and ``cpu``

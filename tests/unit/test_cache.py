@@ -1,4 +1,4 @@
-"""Unit tests of the MinIO cache and the source reader, on real files (no FUSE)."""
+"""Unit tests of the no-eviction cache and the source reader, on real files (no FUSE)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_source_reader_reads_every_range(files: Path) -> None:
     reader.close()
 
 
-def test_minio_fills_until_capacity_and_never_evicts(files: Path, tmp_path: Path) -> None:
+def test_the_cache_fills_until_capacity_and_never_evicts(files: Path, tmp_path: Path) -> None:
     source = Source(str(files))
     cache = _cache(tmp_path, capacity=12288)  # 3 pages: 1000 bytes take 1, 5000 take 2
     assert _fill_all(cache, source, ["f0", "f1", "f2"]) == [True, True, False]

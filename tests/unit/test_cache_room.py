@@ -1,4 +1,4 @@
-"""The room the cache publishes for clients follows what MinIO would still take: it shrinks
+"""The room the cache publishes for clients follows what the cache would still take: it shrinks
 with each reservation, grows back when an entry is dropped, is at most what the cache's
 filesystem has free while it is full, and a restart publishes what its adopted entries leave.
 It is published in whole pages, as files are charged, so that a client's ``size <= room`` says

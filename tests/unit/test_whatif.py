@@ -60,7 +60,7 @@ def profile(step_s: float, epochs: int = 3) -> list[dict[str, Any]]:
 
 
 WINDOW = {"since": "mount", "until": "now", "seconds": 1.0, "reads": _reads(0, 0)}
-#: a cold epoch, then two with half the dataset cached: MinIO at 50%
+#: a cold epoch, then two with half the dataset cached: a cache of 50%
 HALF = [(GB, 0, 0), (GB / 2, GB / 2, 0), (GB / 2, GB / 2, 0)]
 
 
