@@ -256,7 +256,7 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                            for i in range(plan.nodes)]
                 done = [f.result() for f in futures]
                 _check_bytes(system, epoch, done, shares, sizes)
-                for control in controls:  # the fills behind this epoch's reads count in it
+                for control in controls:  # the backfills this epoch's reads count in it
                     if control is not None:
                         settled(control)
                 after = [_counters(cgroup, pids, control) for cgroup, pids, control

@@ -18,7 +18,7 @@ processes on the machine keep their caches.
 Beside coordlfs, the same cold small files are read through libfuse's C++ ``passthrough_hp``
 over the same source (a fresh mount per run: its names cold too; the goal, issue 33: coordlfs
 at 0.9x its rate) and through coordlfs with ``--cache-size 0`` (``nofill``: a miss without
-its fill behind the reader). The daemon's CPU per file of each is shown side by side; the
+its backfill the reader). The daemon's CPU per file of each is shown side by side; the
 difference between a miss and a miss without its fill is what the fill costs the daemon,
 shown beside what the kernel's copy alone costs (``sendfile`` of each file from the page
 cache into a new tmpfs file, timed in this process: the copy the fill asks of the kernel);
@@ -164,7 +164,7 @@ def _names(cases: tuple[str, ...], key: int, hp: bool) -> list[str]:
 
 
 def kernel_copy_us(paths: list[str]) -> float:
-    """CPU µs per file of the kernel's copy alone, as a fill behind a reader asks for it:
+    """CPU µs per file of the kernel's copy alone, as a backfill asks for it:
     each file, its pages in the page cache (read first), ``sendfile`` into a new tmpfs
     file; this thread's CPU time over all of them."""
     for path in paths:

@@ -13,7 +13,7 @@ the room, behind ``_claim`` for every fill that looks first), the one way a fill
 
 - ``directory``: the cache directory, private and locked, and what is left of it at the end;
 - ``files``: each entry's file (``files/<number>``), the one copier that fills them, the
-  mappings of complete ones; ``behind``: fills from a reader's pages after it closed;
+  mappings of complete ones; ``backfill``: fills from a reader's pages after it closed;
 - ``room``: the capacity charged whole pages, and a filesystem that ran out before it;
 - ``journal``: which source path and version each entry holds, for a restart;
 - ``restart``: a kept cache adopted at once and checked against the source while serving;
@@ -37,7 +37,7 @@ from collections.abc import Callable
 import trio
 
 from coordlfs.cache import journal
-from coordlfs.cache.behind import Behind, BehindQueue
+from coordlfs.cache.backfill import Backfill, BackfillQueue
 from coordlfs.cache.compact import Key
 from coordlfs.cache.directory import FILES, CacheDirectory
 from coordlfs.cache.entries import SHARED, Entry, EntryTable
@@ -98,7 +98,7 @@ class WholeFileCache:
                                    self.directory, self._fill_noticed)
         self.restart = Restart(self.entries, self.room, self.dir, self.journal,
                                self.publisher, self._release)
-        self.behind = BehindQueue(self.files.fd, self._ended_together, self.end_fill)
+        self.backfills = BackfillQueue(self.files.fd, self._ended_together, self.end_fill)
 
     # -- what other wings read ---------------------------------------------------------
 
@@ -253,40 +253,40 @@ class WholeFileCache:
             await self.fill(key, entry, source)
         return entry
 
-    def reserve_behind(self, key: Key, path: bytes, st: os.stat_result
-                       ) -> tuple[Entry | None, bool]:
+    def reserve_backfill(self, key: Key, path: bytes, st: os.stat_result
+                         ) -> tuple[Entry | None, bool]:
         """The entry for this version of the file, and whether it was reserved just now, for
         an opener the kernel serves from the source file itself (FUSE passthrough): then it
-        is ``behind`` that reader, filled when it closes (``fill_behind``). None when the cache
+        is backfilled from that reader's pages when it closes (``backfill``). None when the cache
         has no room."""
         entry, new = self._claim(key, path, st)
         if new:
-            entry.behind = True
+            entry.to_backfill = True
         return entry, new
 
-    def fill_behind(self, key: Key, entry: Entry, source: Source, nursery: trio.Nursery,
-                    source_fd: int = -1) -> None:
-        """Fill an entry ``behind`` a reader of the source file, once, from the pages the
+    def backfill(self, key: Key, entry: Entry, source: Source, nursery: trio.Nursery,
+                 source_fd: int = -1) -> None:
+        """Backfill an entry after a reader of the source file, once, from the pages the
         reader's reads brought into the page cache (``source_fd``: the reader's backing, if
         still open), queued for a worker thread that copies a batch of files per hand-off
-        (``behind``). Storage is read once, and counted once, by the opener
+        (``backfills``). Storage is read once, and counted once, by the opener
         (``bytes_from_source`` of a source open)."""
-        if not entry.behind:
+        if not entry.to_backfill:
             return
-        entry.behind = False
-        self.behind.add(key, entry, source, nursery, source_fd)
+        entry.to_backfill = False
+        self.backfills.add(key, entry, source, nursery, source_fd)
 
     def _fill_noticed(self, key: Key, path: bytes, st: os.stat_result, source: Source,
                       nursery: trio.Nursery) -> None:
-        """A file a job under ``coordlfs run`` read from the source, filled behind it."""
-        entry, new = self.reserve_behind(key, path, st)
+        """A file a job under ``coordlfs run`` read from the source, backfilled."""
+        entry, new = self.reserve_backfill(key, path, st)
         if entry is not None and new:
-            self.fill_behind(key, entry, source, nursery)
+            self.backfill(key, entry, source, nursery)
 
     async def drained(self, seconds: float) -> None:
-        """Wait, at most ``seconds``, for the fills behind readers to end: at unmount, the
+        """Wait, at most ``seconds``, for the backfills to end: at unmount, the
         files just read are then complete in the cache (and in its journal)."""
-        await self.behind.drained(seconds)
+        await self.backfills.drained(seconds)
 
     async def fill(self, key: Key, entry: Entry, source: Source) -> None:
         """Copy the source file into the entry; on any failure the entry is given up."""
@@ -310,7 +310,7 @@ class WholeFileCache:
 
     def arrived(self, entry: Entry, got: int, counted: bool = True) -> None:
         """``got`` more bytes of a filling entry are in its file: its readers may go on.
-        ``counted``: read from storage for the cache (not behind a reader counted already)."""
+        ``counted``: read from storage for the cache (a backfill's was counted)."""
         entry.filled += got
         if counted:
             self.counters.bytes_from_source += got
@@ -350,8 +350,8 @@ class WholeFileCache:
             log.warning("caching %s failed: %s", os.fsdecode(entry.path), error,
                         exc_info=not isinstance(error, OSError))
 
-    def _ended_together(self, batch: list[Behind]) -> None:
-        """``end_fill`` of a batch filled behind its readers: the journal lines of the
+    def _ended_together(self, batch: list[Backfill]) -> None:
+        """``end_fill`` of a batch backfilled: the journal lines of the
         entries that are complete written at once, before any of them is (so that nothing
         reported cached is missing from the journal after a crash); the others given up."""
         errors = [self._verdict(item.key, item.entry, item.final, item.error)
@@ -401,7 +401,7 @@ class WholeFileCache:
         # Open handles still holding the entry must not read a file that goes: a failed
         # entry sends them to the source.
         was_complete = entry.complete
-        entry.complete, entry.failed, entry.behind = False, True, False
+        entry.complete, entry.failed, entry.to_backfill = False, True, False
         removed, flags = self.entries.remove(key, entry)
         if removed:
             self.room.give_back(entry.size)

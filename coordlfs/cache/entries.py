@@ -36,9 +36,9 @@ class Entry:
     complete: bool = False
     failed: bool = False
     #: reserved for a reader the kernel serves from the source file itself, to be copied
-    #: from the pages its reads bring in when it closes (``WholeFileCache.fill_behind``);
+    #: from the pages its reads bring in when it closes (``WholeFileCache.backfill``);
     #: nobody is filling it yet
-    behind: bool = False
+    to_backfill: bool = False
     #: Set (and replaced) each time more bytes arrive; None once the fill has ended, so that
     #: a million cached entries do not each keep an Event.
     progress: trio.Event | None = None

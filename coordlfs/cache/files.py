@@ -7,7 +7,7 @@ shows another file's bytes.
 
 Every fill writes its entry's file through ``Copier``, whichever way in it came: a reader's
 miss or a peer's request a chunk per hand-off to a worker thread, the batched fills and the
-fills behind readers a whole file per thread call. Only where the bytes come from differs:
+backfills a whole file per thread call. Only where the bytes come from differs:
 storage read ``O_DIRECT`` (``FromStorage``), or the page cache a reader's reads filled
 (``FromPages``, by ``sendfile``, its pages dropped after).
 """

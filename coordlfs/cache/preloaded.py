@@ -10,7 +10,7 @@ processes the library serves:
   atomic adds: exact, no system call, nothing lost when a job is killed;
 - ``preload.sock``: a socket on which a process names, at its close, each miss the cache
   would keep (its path relative to the source, NUL-terminated): the daemon copies the pages the job
-  just read into the cache, as it does behind a passthrough reader. The job never waits for
+  just read into the cache, as it backfills after a passthrough reader. The job never waits for
   it: a full socket buffer loses a fill, never a read.
 
 Both are made anew by each daemon (a former one's counts are not this mount's).
@@ -56,7 +56,7 @@ class PreloadCounts:
     #: opens served from a cache entry's file, and their files' bytes
     hits: int = 0
     hit_bytes: int = 0
-    #: misses opened on the source by the job, filled behind it at their close
+    #: misses opened on the source by the job, backfilled at their close
     misses: int = 0
     miss_bytes: int = 0
     #: files opened on the source that the cache does not keep (too large, no room)

@@ -10,7 +10,7 @@ watched, clients compare each hit with the source themselves (the index's ``reva
 
 It also serves what ``coordlfs run``'s preload library tells the daemon (``preloaded``): a
 job's process that read a miss from the source names it at its close, and the file is filled
-from the pages it read, as behind a passthrough reader.
+from the pages it read (backfilled, as after a passthrough reader).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from coordlfs.source.watch import PublishedWatch
 #: the cache's log lines keep one name, whichever of its modules writes them
 log = logging.getLogger("coordlfs.cache.cache")
 
-#: fills an entry behind a reader the preload library reported (``Publisher.noticed``)
+#: backfills an entry a reader the preload library reported read (``Publisher.noticed``)
 FillNoticed = Callable[[Key, bytes, os.stat_result, Source, trio.Nursery], None]
 
 
@@ -172,8 +172,8 @@ class Publisher:
 
     def noticed(self, nursery: trio.Nursery, path: bytes, owner: bool) -> None:
         """A job under ``coordlfs run`` read ``path`` from the source and closed it: the
-        pages it read are copied into the cache, as behind a passthrough reader. Its storage
-        read was counted by the job (``Preloaded.fold``). Another user than the mount's
+        pages it read are copied into the cache (backfilled, as after a passthrough reader).
+        Its storage read was counted by the job (``Preloaded.fold``). Another user than the mount's
         (``owner`` False) has only files every user may read filled: naming others would
         fill the cache with what it may not read."""
         assert self.source is not None and self.index is not None

@@ -62,7 +62,7 @@ class ReadCounters:
     client_direct: int = 0
     client_bytes_direct: int = 0
     #: opens the preload library of ``coordlfs run`` answered itself (``cache.preloaded``):
-    #: hits from the cache's files, misses the cache fills behind, files it does not keep,
+    #: hits from the cache's files, misses the cache backfills, files it does not keep,
     #: and opens it passed to the mount (counted above too, as any reader's); its bytes are
     #: added to ``bytes_from_cache`` and ``bytes_from_source``
     preload_hits: int = 0
@@ -75,7 +75,7 @@ class ReadCounters:
     def opened(self, outcome: Outcome, files: int, size: int) -> None:
         """Count ``files`` opened, of ``size`` bytes together, served as ``outcome`` says.
         The one place files are counted: every path that serves an open calls it once per
-        open, so that no file is counted twice (a fill behind a reader, a client's miss
+        open, so that no file is counted twice (a backfill, a client's miss
         through the mount) or never (a passthrough open the daemon never reads)."""
         setattr(self, outcome.value, getattr(self, outcome.value) + files)
         self.opened_bytes += size

@@ -53,7 +53,7 @@ from coordlfs.system.mounts import device_mounted_at
 
 log = logging.getLogger("coordlfs")
 
-#: At unmount, how long the fills behind readers (files just read) may take to complete.
+#: At unmount, how long the backfills (files just read) may take to complete.
 DRAIN_S = 10.0
 
 #: Kernel read-ahead of the mount, KiB: at 1024 sequential reads arrive as 1 MiB requests

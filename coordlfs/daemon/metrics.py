@@ -216,7 +216,7 @@ READS: tuple[tuple[str, str, dict[str, str], str], ...] = (
     ("preload_opens", "result", {"hit": "preload_hits", "miss": "preload_misses",
                                  "uncached": "preload_uncached", "passed": "preload_passed"},
      "opens the preload library of `coordlfs run` answered: a cache entry's file (hit), the "
-     "source file filled behind the job (miss) or not kept (uncached), or the mount's (passed)"),
+     "source file backfilled (miss) or not kept (uncached), or the mount's (passed)"),
     ("preload_open_bytes", "from", {"cache": "preload_bytes_from_cache",
                                     "storage": "preload_bytes_from_source"},
      "bytes of the files the preload library opened, by where they came from"),

@@ -12,7 +12,7 @@ The open files of one inode share one ``OpenInode``, as libfuse's passthrough_hp
 passthrough opens hold. A small miss the kernel reads from the source file itself is
 backfilled (filled after the kernel read it): only at the inode's last release is there
 nothing more to read, so that is when the pages are handed to the cache
-(``WholeFileCache.fill_behind``). Each open is counted once, here, by what serves it.
+(``WholeFileCache.backfill``). Each open is counted once, here, by what serves it.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class Opens:
 
     async def _found(self, entry: Entry, handle: FileHandle) -> CacheReader:
         """The reader of an entry the open found in the cache: a hit."""
-        if entry.behind:  # another's open, read by the kernel from the source: read as it is
+        if entry.to_backfill:  # another's open, read by the kernel from the source: read as it is
             reader: CacheReader = BackfillReader(self.readers, entry, handle)
         else:
             if not entry.complete and entry.size <= FILL_CHUNK:
@@ -196,7 +196,7 @@ class Opens:
             return peer
         assert readers.nursery is not None
         if self.backings is not None and st.st_size <= FILL_CHUNK and handle.member is None:
-            entry, new = self.cache.reserve_behind(handle.key, path, st)
+            entry, new = self.cache.reserve_backfill(handle.key, path, st)
             if entry is not None and not new:  # another's, reserved while peers were asked
                 return await self._found(entry, handle)
             if entry is not None:
@@ -346,7 +346,7 @@ class Opens:
         nursery = self.readers.nursery
         assert nursery is not None
         if held.backfill is not None:
-            self.cache.fill_behind(key, held.backfill, self.readers.source, nursery,
+            self.cache.backfill(key, held.backfill, self.readers.source, nursery,
                                    held.source_fd)
         elif held.version.size > STREAM_WHOLE:
             nursery.start_soon(self._count_held, os.dup(held.source_fd))

@@ -178,7 +178,7 @@ class KeptReader(Reader):
 class BackfillReader(CacheReader):
     """A small miss the kernel reads from the source file itself (FUSE passthrough): its
     entry is reserved, and backfilled from the pages those reads bring in at the inode's
-    last release (``Opens``, ``WholeFileCache.fill_behind``), when the kernel has read all
+    last release (``Opens``, ``WholeFileCache.backfill``), when the kernel has read all
     it will. Should the daemon be asked for bytes after all (the source file could not be
     the open's backing), it backfills at once, reading the source, and the reads wait."""
 
@@ -193,7 +193,7 @@ class BackfillReader(CacheReader):
         """Fill the entry now, from the source: once, whoever asks first."""
         readers = self.readers
         assert readers.nursery is not None
-        readers.cache.fill_behind(key_of(self.handle.st), self.entry, readers.source,
+        readers.cache.backfill(key_of(self.handle.st), self.entry, readers.source,
                                   readers.nursery)
 
     async def read(self, off: int, size: int) -> bytes | memoryview:

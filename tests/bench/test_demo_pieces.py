@@ -430,7 +430,7 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert isinstance(report["client_later_epochs_ratio"], float)
     assert "The mount beats the page cache on time in" in stdout
     assert "The client beats the page cache on time in" in stdout
-    # readers under `coordlfs run`: the job reads every miss itself, the cache fills behind
+    # readers under `coordlfs run`: the job reads every miss itself, the cache backfills
     run = report["run"]
     assert [e["epoch"] for e in run["epochs"]] == [1, 2, 3]
     assert run["epochs"][0]["source_bytes"] == total

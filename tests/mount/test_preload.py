@@ -74,7 +74,7 @@ def test_misses_then_hits_byte_for_byte_with_no_fuse_request(served) -> None:
     assert first["preload_misses"] == len(names)
     assert first["preload_hits"] == 0
     assert first["passthrough_opens"] == 0 and first["source_opens"] == 0  # no FUSE open
-    # the fills behind the job's reads, told at its closes
+    # the backfills the job's reads, told at its closes
     wait_for(lambda: m.status()["shared"]["published"] == len(names), "every file published")
     assert m.status()["cache"]["files"] == len(names)
     assert preloaded("os", m.mountpoint, names) == expected

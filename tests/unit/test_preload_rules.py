@@ -105,7 +105,7 @@ def both(bed: Bed, name: str) -> tuple[str, str]:
 def test_a_published_file_is_a_hit_for_both_and_the_rest_a_miss(bed) -> None:
     bed.publish("a.bin", 1)
     assert both(bed, "a.bin") == ("hit", "hit")
-    assert both(bed, "b.bin") == ("miss", "not")  # read from the source, filled behind
+    assert both(bed, "b.bin") == ("miss", "not")  # read from the source, backfilled
 
 
 def test_a_withdrawn_file_is_no_hit_for_either(bed) -> None:

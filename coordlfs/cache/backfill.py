@@ -1,4 +1,4 @@
-"""Fills behind readers: an entry filled, once its reader closed, from the pages that reader's
+"""Backfills: an entry filled, once its reader closed, from the pages that reader's
 reads brought into the page cache (a passthrough open the kernel served from the source file,
 a job under ``coordlfs run`` that read a miss itself).
 
@@ -24,17 +24,17 @@ from coordlfs.cache.files import Copier, FromPages
 from coordlfs.source.source import Source
 from coordlfs.source.threads import in_thread
 
-#: Most entries one hand-off to a thread fills behind their readers: the loop's share of a
+#: Most entries one hand-off to a thread backfills: the loop's share of a
 #: hand-off per file, against the wait of the batch's last file
-BEHIND_BATCH = 16
-#: Seconds the fills behind readers wait for more files before a batch is handed off, when
+BACKFILL_BATCH = 16
+#: Seconds the backfills wait for more files before a batch is handed off, when
 #: fewer than a batch are queued: only a reopen of a file just read waits for it.
-BEHIND_GATHER_S = 0.002
+BACKFILL_GATHER_S = 0.002
 
 
 @dataclass(slots=True, eq=False)
-class Behind:
-    """An entry to fill behind its reader, and what its copy came to."""
+class Backfill:
+    """An entry to backfill its reader, and what its copy came to."""
 
     key: Key
     entry: Entry
@@ -43,7 +43,7 @@ class Behind:
     error: Exception | None = None
 
 
-def _copy_all(batch: list[Behind]) -> None:
+def _copy_all(batch: list[Backfill]) -> None:
     """In a worker thread: each file into its entry's file; errors are kept in the items,
     never raised."""
     for item in batch:
@@ -56,17 +56,17 @@ def _copy_all(batch: list[Behind]) -> None:
             item.copier.close()
 
 
-class BehindQueue:
-    """Entries waiting to be filled behind their readers, and whether a task fills them."""
+class BackfillQueue:
+    """Entries waiting to be backfilled, and whether a task fills them."""
 
-    def __init__(self, files_fd: int, ended: Callable[[list[Behind]], None],
+    def __init__(self, files_fd: int, ended: Callable[[list[Backfill]], None],
                  cancelled: Callable[[Key, Entry, None, BaseException], object]) -> None:
         self.files_fd = files_fd
         #: ends a batch's fills together (``WholeFileCache._ended_together``)
         self.ended = ended
         #: ends one fill given up (``WholeFileCache.end_fill``)
         self.cancelled = cancelled
-        self._queued: list[Behind] = []
+        self._queued: list[Backfill] = []
         self.busy = False
 
     def add(self, key: Key, entry: Entry, source: Source, nursery: trio.Nursery,
@@ -79,7 +79,7 @@ class BehindQueue:
             with contextlib.suppress(OSError):
                 fd = os.dup(source_fd)
         copier = Copier(self.files_fd, entry, FromPages(source, entry.path, fd))
-        self._queued.append(Behind(key, entry, copier))
+        self._queued.append(Backfill(key, entry, copier))
         if not self.busy:
             self.busy = True
             nursery.start_soon(self._run)
@@ -94,12 +94,12 @@ class BehindQueue:
     async def _run(self) -> None:
         """Copy the queued entries a batch at a time, until none is left; each batch's
         entries end together (one journal write)."""
-        batch: list[Behind] = []
+        batch: list[Backfill] = []
         try:
             while self._queued:
-                if len(self._queued) < BEHIND_BATCH:
-                    await trio.sleep(BEHIND_GATHER_S)
-                batch, self._queued = self._queued[:BEHIND_BATCH], self._queued[BEHIND_BATCH:]
+                if len(self._queued) < BACKFILL_BATCH:
+                    await trio.sleep(BACKFILL_GATHER_S)
+                batch, self._queued = self._queued[:BACKFILL_BATCH], self._queued[BACKFILL_BATCH:]
                 await in_thread(_copy_all, batch)
                 for item in batch:
                     if item.error is None:
