@@ -199,15 +199,21 @@ def test_the_public_paths_at_the_top_belong_to_the_wings_they_re_export():
 UPWARD = "coordlfs/cache/low.py:3: coordlfs.cache.low (cache) imports coordlfs.fs.inodes (fs)"
 
 
-@pytest.mark.parametrize("line, expected", [("from coordlfs.fs.inodes import Key", UPWARD),
-                                            ("    from ..fs import inodes", UPWARD)])
-def test_an_upward_import_is_named_by_file_and_line(tmp_path, line, expected):
-    """Also one in a function or under TYPE_CHECKING, written absolute or relative."""
+def _two_wings(tmp_path: Path) -> Path:
+    """A package ``coordlfs`` with the wings cache and fs, empty."""
     root = tmp_path / "coordlfs"
     for wing in ("cache", "fs"):
         (root / wing).mkdir(parents=True)
         (root / wing / "__init__.py").write_text("")
     (root / "__init__.py").write_text("")
+    return root
+
+
+@pytest.mark.parametrize("line, expected", [("from coordlfs.fs.inodes import Key", UPWARD),
+                                            ("    from ..fs import inodes", UPWARD)])
+def test_an_upward_import_is_named_by_file_and_line(tmp_path, line, expected):
+    """Also one in a function or under TYPE_CHECKING, written absolute or relative."""
+    root = _two_wings(tmp_path)
     (root / "fs" / "inodes.py").write_text("from coordlfs.cache import low\n")
     indent = line.startswith(" ")
     (root / "cache" / "low.py").write_text(
@@ -220,11 +226,7 @@ def test_an_upward_import_is_named_by_file_and_line(tmp_path, line, expected):
 def test_a_module_at_the_top_is_a_re_export_of_one_wing_or_belongs_nowhere(tmp_path):
     """A re-export is in the wing it re-exports (and imported as that wing); a module at the
     top with code of its own, or re-exporting two wings, is in none, and named."""
-    root = tmp_path / "coordlfs"
-    for wing in ("cache", "fs"):
-        (root / wing).mkdir(parents=True)
-        (root / wing / "__init__.py").write_text("")
-    (root / "__init__.py").write_text("")
+    root = _two_wings(tmp_path)
     (root / "fs" / "inodes.py").write_text("Key = int\n")
     (root / "cache" / "low.py").write_text("X = 1\n")
     (root / "public.py").write_text('"""Doc."""\n\nfrom __future__ import annotations\n\n'
