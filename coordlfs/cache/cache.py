@@ -1,9 +1,9 @@
 """The no-eviction cache: whole files, kept in shared memory, never evicted.
 
 The policy is the one the CoorDL paper (section 4.1) calls MinIO (minimal I/O; not the S3
-server): it caches items as they are first read until the capacity is
-reached and then never replaces anything. With random-order epochs every later epoch then
-gets exactly ``capacity`` bytes of hits, where an LRU cache thrashes.
+server): it caches items as they are first read until the capacity is reached and then never
+replaces anything. With random-order epochs every later epoch then gets exactly ``capacity``
+bytes of hits, where an LRU cache thrashes.
 
 ``WholeFileCache`` is the store: its entries (rows of an ``entries.EntryTable``, about 70
 bytes and the path each, not objects), the one way an entry comes in (``reserve``, against
