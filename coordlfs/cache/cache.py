@@ -31,7 +31,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from array import array
 from collections.abc import Callable
 
 import trio
@@ -54,7 +53,7 @@ from coordlfs.cache.files import (
 from coordlfs.cache.preloaded import Preloaded
 from coordlfs.cache.public import Indexes
 from coordlfs.cache.publishing import Publisher
-from coordlfs.cache.restart import CHECK_WORKERS, Checking, Restart
+from coordlfs.cache.restart import CHECK_WORKERS, Restart
 from coordlfs.cache.room import ROOM_SLACK, Room, free_bytes, no_room
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.sizes import format_size
@@ -66,9 +65,6 @@ __all__ = ["FILES", "FILL_CHUNK", "ROOM_SLACK", "Entry", "WholeFileCache", "crea
            "file_name", "write_all"]
 
 log = logging.getLogger(__name__)
-
-#: the copier a reader's fill steps through, by its former name (a test breaks its step)
-_Copier = Copier
 
 
 class WholeFileCache:
@@ -85,8 +81,7 @@ class WholeFileCache:
         self.dir = CacheDirectory.open(directory, capacity, own_tmpfs)
         self.directory, self.dir_fd = self.dir.path, self.dir.fd
         self.files = EntryFiles(self.dir.files_fd)
-        # looked up at each call, so that a test can stand in for statfs
-        self.room = Room(capacity, self.directory, lambda: self._free())
+        self.room = Room(capacity, self.directory, lambda: free_bytes(self.dir_fd))
         #: called with each entry dropped (``_release``), such as to drop its backing id
         self.released: list[Callable[[Key, Entry], None]] = []
         #: kernel bytes per entry file beside its pages (``file_overhead``)
@@ -106,26 +101,6 @@ class WholeFileCache:
     def filling(self) -> int:
         """Entries being filled (the rest of ``entries`` are complete)."""
         return self.entries.filling
-
-    @property
-    def capacity(self) -> int:
-        return self.room.capacity
-
-    @property
-    def used(self) -> int:
-        return self.room.used
-
-    @property
-    def data_bytes(self) -> int:
-        return self.room.data_bytes
-
-    @property
-    def full(self) -> bool:
-        return self.room.full
-
-    @property
-    def promised(self) -> int:
-        return self.room.promised
 
     @property
     def files_fd(self) -> int:
@@ -290,7 +265,7 @@ class WholeFileCache:
 
     async def fill(self, key: Key, entry: Entry, source: Source) -> None:
         """Copy the source file into the entry; on any failure the entry is given up."""
-        copier = _Copier(self.files.fd, entry, FromStorage(source, entry.path))
+        copier = Copier(self.files.fd, entry, FromStorage(source, entry.path))
         try:
             try:
                 while entry.filled < entry.size:
@@ -446,39 +421,3 @@ class WholeFileCache:
     def shared_status(self) -> dict | None:
         """Where clients find the index and the entries' files, and what the index holds."""
         return self.publisher.status()
-
-    def promise(self, size: int) -> None:
-        """Count ``size`` more (or, negative, fewer) bytes as promised to files a job handed
-        over (``fills.FillQueue.add``) and not reserved yet."""
-        self.room.promise(size)
-
-    # -- the parts' own steps, by the names the tests drive them -----------------------
-
-    def _free(self) -> int:
-        return free_bytes(self.dir_fd)
-
-    def _fits(self, size: int) -> bool:
-        return self.room.fits(size)
-
-    def _note_full(self, error: OSError) -> None:
-        self.room.note_full(error)
-
-    def _check_room(self) -> None:
-        self.room.check()
-
-    @property
-    def _changes(self) -> int:
-        return self.publisher.changes
-
-    def _changed(self, path: bytes, directory: bool) -> None:
-        self.publisher.changed(path, directory)
-
-    def _unchecked(self) -> array:
-        return self.restart.unchecked()
-
-    def _checking(self, rows: array) -> list[Checking]:
-        return self.restart.checking(rows)
-
-    def _checked(self, checking: list[Checking],
-                 stats: list[os.stat_result | None], changes: int) -> int:
-        return self.restart.checked(checking, stats, changes)

@@ -249,11 +249,11 @@ class FillQueue:
         """Queue ``paths`` after the requester's earlier ones; returns how many were taken (a
         prefix: the queue is bounded). ``size`` is what they come to, where the requester
         said (``Dataset.prefetch``): promised to them in the room clients see
-        (``WholeFileCache.promise``), so that a client's miss on a file not handed over is
+        (``room.Room.promise``), so that a client's miss on a file not handed over is
         read from the source rather than taking their room."""
         taken, _elsewhere = self._queue(requester, paths, None)
         if size and taken == len(paths):
-            self.cache.promise(size)
+            self.cache.room.promise(size)
         return taken
 
     def warm(self, requester: Requester, paths: list[bytes]) -> tuple[int, list[int]]:
@@ -324,7 +324,7 @@ class FillQueue:
         for fill in fills:
             st = fill.st
             if st is not None:
-                cache.promise(-pages(st.st_size))  # reserved now, or never
+                cache.room.promise(-pages(st.st_size))  # reserved now, or never
             if st is None or fill.skip:
                 continue
             key = (st.st_dev, st.st_ino)
@@ -413,7 +413,7 @@ class FillQueue:
             requester, paths = self._take()
             if not paths:
                 if not self.in_flight:
-                    self.cache.promise(-self.cache.promised)  # what no file ever took
+                    self.cache.room.promise(-self.cache.room.promised)  # what no file ever took
                 if self._more.is_set():  # a new one for every idle worker to wait on
                     self._more = trio.Event()
                 await self._more.wait()

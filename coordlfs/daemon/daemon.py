@@ -242,15 +242,15 @@ class Daemon:
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.stats.started, 3),
             "cache": {
-                "capacity_bytes": cache.capacity,
-                "used_bytes": cache.used,
-                "bytes": cache.data_bytes,
+                "capacity_bytes": cache.room.capacity,
+                "used_bytes": cache.room.used,
+                "bytes": cache.room.data_bytes,
                 "files": len(cache.entries) - cache.filling,
                 "kernel_bytes_per_file": cache.file_overhead,
                 "filling": cache.filling,
                 "max_file_bytes": cache.max_file_size,
                 "directory": cache.directory,
-                "full": cache.full,
+                "full": cache.room.full,
                 "table_bytes": cache.entries.nbytes(),
             },
             "reads": self.stats.current(),
@@ -279,8 +279,8 @@ class Daemon:
         try:
             warm = self.cache.adopt()  # checked against the source while serving
             log.info("source %s, cache %s: %d bytes of %d in %d warm entries",
-                     self.source.path, self.cache.directory, self.cache.used,
-                     self.cache.capacity, warm)
+                     self.source.path, self.cache.directory, self.cache.room.used,
+                     self.cache.room.capacity, warm)
             why_not = passthrough.chosen(self.config.passthrough)
             if why_not is not None:  # on or not is known at the kernel's INIT (ops.init)
                 log.log(logging.INFO if self.config.passthrough == "no" else logging.WARNING,

@@ -136,7 +136,7 @@ class PeerHold:
         return queued
 
     def _no_room(self, size: int) -> bool:
-        return self.cache.used + max(size, 1) > self.cache.capacity
+        return self.cache.room.used + max(size, 1) > self.cache.room.capacity
 
     def _peer_for(self, st: os.stat_result, before: list[PeerLink],
                   after: list[PeerLink]) -> PeerLink | None:

@@ -165,7 +165,8 @@ def stat_of(path: bytes) -> SimpleNamespace:
 
 def holding_area(capacity: int) -> tuple[PeerHold, FakePeers]:
     peers = FakePeers()
-    cache = SimpleNamespace(max_file_size=1 << 30, used=0, capacity=1 << 30,
+    cache = SimpleNamespace(max_file_size=1 << 30,
+                            room=SimpleNamespace(used=0, capacity=1 << 30),
                             lookup=lambda _key, _st: None)
     source = SimpleNamespace(lstat=stat_of)
     hold = peers.hold = PeerHold(peers, cache, source, capacity=capacity)  # type: ignore[arg-type]

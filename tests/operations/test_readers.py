@@ -14,7 +14,7 @@ import pytest
 import xxhash
 from inprocess import CHUNK, Mount, ctx, mounted, write_files
 
-from coordlfs.cache import cache as cache_module
+from coordlfs.cache.files import Copier
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.fs.readers import (
     STREAM_WHOLE,
@@ -63,7 +63,7 @@ def test_a_miss_fills_the_cache_and_the_next_open_hits(tmp_path: Path,
                                   "read_hits": requests(len(data)),
                                   "bytes_from_cache": len(data), "file_hits": 1,
                                   "opened_bytes": 2 * len(data)}
-            assert m.cache.data_bytes == len(data)
+            assert m.cache.room.data_bytes == len(data)
 
         m.run(body)
 
@@ -94,7 +94,7 @@ def test_a_failed_fill_hands_its_readers_to_the_source(tmp_path: Path,
     def broken(_copier: object, _offset: int) -> int:
         raise OSError(errno.EIO, "the disk went away")
 
-    monkeypatch.setattr(cache_module._Copier, "step", broken)
+    monkeypatch.setattr(Copier, "step", broken)
     with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch) as m:
         async def body() -> None:
             fh = await m.open("a.bin")
@@ -102,7 +102,7 @@ def test_a_failed_fill_hands_its_readers_to_the_source(tmp_path: Path,
             reader = m.reader(fh)
             assert isinstance(reader, CacheReader) and reader.holds_bytes
             await m.ops.release(fh)
-            assert not m.cache.entries and m.cache.used == 0
+            assert not m.cache.entries and m.cache.room.used == 0
             assert counted(m) == {"read_misses": requests(len(data)), "file_misses": 1,
                                   "bytes_from_source": len(data), "opened_bytes": len(data)}
 
@@ -126,7 +126,7 @@ def test_a_file_larger_than_the_cache_takes_streams_by_ranges(
             await m.ops.release(fh)
             assert counted(m) == {"read_misses": requests(len(data)) + 1, "file_misses": 1,
                                   "bytes_from_source": len(data), "opened_bytes": len(data)}
-            assert m.cache.used == 0 and not m.cache.entries
+            assert m.cache.room.used == 0 and not m.cache.entries
 
         m.run(body)
 
@@ -178,7 +178,7 @@ def test_a_changed_source_file_is_invalidated_dropped_and_read_anew(
             assert not info.keep_cache and m.kernel.invalidated == [attr.st_ino]
             reader = m.reader(info.fh)  # the old version's entry dropped, the new filled at open
             assert isinstance(reader, CacheReader) and reader.entry and reader.entry.complete
-            assert m.cache.data_bytes == len(new)
+            assert m.cache.room.data_bytes == len(new)
             assert await m.read_all(info.fh) == new
             await m.ops.release(info.fh)
 
@@ -206,7 +206,7 @@ def test_an_open_of_a_changed_file_keeps_the_version_it_read(
             assert (await m.ops.getattr(attr.st_ino)).st_size == len(old)
             assert await m.read_file("a.bin") == new  # a new lookup: a new inode
             assert (await m.lookup("a.bin")).st_ino != attr.st_ino
-            assert m.cache.data_bytes == len(new)  # the old version's entry dropped
+            assert m.cache.room.data_bytes == len(new)  # the old version's entry dropped
             assert await m.read_all(kept) == old
             await m.ops.release(kept)
 

@@ -59,7 +59,7 @@ def test_the_cache_fills_until_capacity_and_never_evicts(files: Path, tmp_path: 
     source = Source(str(files))
     cache = _cache(tmp_path, capacity=12288)  # 3 pages: 1000 bytes take 1, 5000 take 2
     assert _fill_all(cache, source, ["f0", "f1", "f2"]) == [True, True, False]
-    assert cache.used == 12288 and cache.counters.bytes_from_source == 6000
+    assert cache.room.used == 12288 and cache.counters.bytes_from_source == 6000
     for entry in cache.entries.values():
         assert entry.complete
         assert cache.data(entry, 0, entry.size) == (files / os.fsdecode(entry.path)).read_bytes()
@@ -85,7 +85,7 @@ def test_restart_finds_cache_warm_and_drops_changed(files: Path, tmp_path: Path)
     again = _cache(tmp_path, capacity=1 << 30)
     assert again.load(source) == 3
     assert {os.fsdecode(e.path) for e in again.entries.values()} == {"f0", "f2", "f3"}
-    assert again.used == pages(1000) + pages(7000) + pages(10_000_001)
+    assert again.room.used == pages(1000) + pages(7000) + pages(10_000_001)
     assert sorted(os.listdir(tmp_path / "cache")) == ["files", "index.jsonl"]
     for entry in again.entries.values():
         assert again.data(entry, 0, entry.size) == (files / os.fsdecode(entry.path)).read_bytes()
@@ -102,7 +102,7 @@ def test_lookup_drops_entry_of_changed_file(files: Path, tmp_path: Path) -> None
     (files / "f0").write_bytes(b"new")
     st = source.lstat(b"f0")
     assert cache.lookup((st.st_dev, st.st_ino), st) is None
-    assert cache.used == 0 and not cache.entries
+    assert cache.room.used == 0 and not cache.entries
     cache.close(keep=False)
 
 
@@ -167,11 +167,11 @@ def test_a_changed_file_gets_a_new_entry_file_and_the_old_one_goes(files: Path,
     cache.released.append(lambda key, entry: released.append(entry.offset))
     (files / "f2").write_bytes(os.urandom(7001))
     st = source.lstat(b"f2")
-    assert cache.lookup((st.st_dev, st.st_ino), st) is None and cache.used == 0
+    assert cache.lookup((st.st_dev, st.st_ino), st) is None and cache.room.used == 0
     assert released == [old.offset] and not os.listdir(tmp_path / "cache" / "files")
     assert _fill_all(cache, source, ["f2"]) == [True]
     new = next(iter(cache.entries.values()))
-    assert new.offset != old.offset and cache.used == 8192
+    assert new.offset != old.offset and cache.room.used == 8192
     assert cache.data(new, 0, new.size) == (files / "f2").read_bytes()
     assert len(os.pread(held, 8000, 0)) == 7000  # the old version, still readable
     os.close(held)
@@ -199,7 +199,7 @@ def test_complete_entries_are_published_and_withdrawn_when_dropped(files: Path,
     _fill_all(cache, source, ["f0", "f1"])
     assert _published(tmp_path, "f0") == (files / "f0").read_bytes()
     assert _published(tmp_path, "f1") == (files / "f1").read_bytes()
-    cache._changed(b"f0", False)  # the watch saw f0 change: withdrawn, still cached
+    cache.publisher.changed(b"f0", False)  # the watch saw f0 change: withdrawn, still cached
     assert _published(tmp_path, "f0") is None and len(cache.entries) == 2
     (files / "f1").write_bytes(b"new")
     st = source.lstat(b"f1")

@@ -64,13 +64,13 @@ def test_the_room_follows_reservations_drops_and_a_full_filesystem(
     assert cache.lookup((st.st_dev, st.st_ino), st) is None  # dropped: its room is back
     assert _room(tmp_path) == _whole(CAPACITY - pages(5000))
     free = ROOM_SLACK + 4096
-    monkeypatch.setattr(cache, "_free", lambda: free)  # what statfs would say
-    cache._note_full(OSError(errno.ENOSPC, "No space left on device"))
-    assert cache.full and _room(tmp_path) == 4096
-    assert cache._fits(4096) and not cache._fits(4097)  # each new file checked
+    monkeypatch.setattr(cache.room, "free", lambda: free)  # what statfs would say
+    cache.room.note_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert cache.room.full and _room(tmp_path) == 4096
+    assert cache.room.fits(4096) and not cache.room.fits(4097)  # each new file checked
     free = ROOM_SLACK + CAPACITY
-    cache._check_room()  # the cache's filesystem has room: noticed
-    assert not cache.full and _room(tmp_path) == _whole(CAPACITY - pages(5000))
+    cache.room.check()  # the cache's filesystem has room: noticed
+    assert not cache.room.full and _room(tmp_path) == _whole(CAPACITY - pages(5000))
     cache.close(keep=True)
     again = WholeFileCache(str(tmp_path / "cache"), CAPACITY, 1 << 20, ReadCounters())
     again.share(source)

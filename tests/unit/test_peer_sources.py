@@ -234,7 +234,8 @@ def test_the_holding_area_lets_go_of_a_peer_that_left() -> None:
     batch in flight to it gets None at once, and the bytes reserved for it are free."""
     peers = _HungPeers()
     stat = SimpleNamespace(st_mode=0o100644, st_size=1000, st_mtime_ns=7, st_dev=1, st_ino=1)
-    cache = SimpleNamespace(max_file_size=1 << 30, used=0, capacity=1 << 30,
+    cache = SimpleNamespace(max_file_size=1 << 30,
+                            room=SimpleNamespace(used=0, capacity=1 << 30),
                             lookup=lambda _key, _st: None)
     hold = PeerHold(peers, cache, SimpleNamespace(lstat=lambda _p: stat))  # type: ignore[arg-type]
     names = [f"f{i}".encode() for i in range(100)]

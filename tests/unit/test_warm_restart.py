@@ -95,10 +95,10 @@ def test_background_check_drops_changed_files_and_publishes_the_rest(tmp_path: P
     cache = _cache(tmp_path)
     cache.share(source)
     cache.adopt()
-    used = cache.used
+    used = cache.room.used
     trio.run(cache.check, source)
     assert len(cache.entries) == len(NAMES) - 3
-    assert cache.used < used
+    assert cache.room.used < used
     reader = IndexReader(str(tmp_path / "cache" / INDEX), str(tmp_path / "cache" / "files"))
     for name in NAMES[3:]:
         found = reader.find(name.encode())
@@ -118,12 +118,12 @@ def test_check_with_a_change_meanwhile_publishes_only_after_its_own_check(
     cache = _cache(tmp_path)
     cache.share(source)
     cache.adopt()
-    checking = cache._checking(cache._unchecked())
+    checking = cache.restart.checking(cache.restart.unchecked())
     stats = [source.lstat(checked.path) for checked in checking]
-    changes = cache._changes
+    changes = cache.publisher.changes
     (Path(source.path) / NAMES[4]).write_bytes(b"changed after the stat")
-    cache._changed(NAMES[4].encode(), False)  # what the watch reports
-    cache._checked(checking, stats, changes)
+    cache.publisher.changed(NAMES[4].encode(), False)  # what the watch reports
+    cache.restart.checked(checking, stats, changes)
     assert len(cache.index) == len(NAMES) - 1  # each published after a fresh lstat
     assert _served(cache, source, NAMES[4]) is None
     cache.close(keep=False)
