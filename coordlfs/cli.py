@@ -253,8 +253,10 @@ def _passthrough_line(state: dict[str, Any] | None, reads: dict[str, int]) -> st
         return "passthrough off: the daemon predates it"
     if not state["on"]:
         return f"passthrough off: {state['why_off']}"
+    lane = state.get("lane")
+    answered = "" if lane is None else f" ({lane['opens']} answered in C by the request lane)"
     return (f"passthrough on: {plural(reads['passthrough_opens'], 'open')} read by the "
-            f"kernel from the cache, {reads['source_opens']} from the source")
+            f"kernel from the cache{answered}, {reads['source_opens']} from the source")
 
 
 def _read_lines(reads: dict[str, int]) -> list[str]:

@@ -55,6 +55,8 @@ class MountConfig:
     cache_tmpfs: bool
     #: FUSE passthrough for complete entries: yes, no or auto (``coordlfs.fs.passthrough``)
     passthrough: str
+    #: hits answered by the request lane in C: yes, no or auto (``coordlfs.fs.lane``)
+    request_lane: str
     allow_other: bool
     log_file: str | None
     debug: bool

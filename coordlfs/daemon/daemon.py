@@ -29,7 +29,7 @@ from coordlfs.daemon.memory import memory_status
 from coordlfs.daemon.metrics import MetricsServer
 from coordlfs.daemon.mounting import open_log, set_read_ahead
 from coordlfs.errors import UserError
-from coordlfs.fs import passthrough
+from coordlfs.fs import lane, passthrough
 from coordlfs.fs.operations import Operations
 from coordlfs.fs.readers import AlignedReads
 from coordlfs.jobs.groups import Groups
@@ -286,6 +286,7 @@ class Daemon:
                 log.log(logging.INFO if self.config.passthrough == "no" else logging.WARNING,
                         "FUSE passthrough off: %s", why_not)
             self.ops.serve_by_passthrough(why_not)
+            no_lane = lane.why_not(self.config.request_lane, why_not)
             options = {"fsname=" + self.source.path, "subtype=coordlfs", "default_permissions"}
             if self.config.allow_other:
                 options.add("allow_other")
@@ -294,6 +295,7 @@ class Daemon:
             except RuntimeError as e:
                 raise UserError(f"cannot mount on {self.config.mountpoint}: {e}") from None
             log.info("mounted on %s", self.config.mountpoint)
+            self._start_lane(no_lane)
             # no walk of the source enters the mount just made (coordlfs.source.walk)
             if device_mounted_at(self.config.mountpoint) is None:
                 log.warning("%s is not in the mount table: a loop through the mount beneath "
@@ -307,6 +309,21 @@ class Daemon:
             self.ops.freshness.close()
             self._close()
             self.prep.close()
+
+    def _start_lane(self, why_not: str | None) -> None:
+        """The request lane, mounted and before serving, unless ``why_not`` (said once)."""
+        if why_not is None:
+            try:
+                started = lane.Lane.start(self.source.root_fd)
+            except OSError as e:
+                why_not = f"it did not start: {e}"
+            else:
+                self.ops.opens.serve_by_lane(started)
+                self.stats.folds.append(started.fold)
+                log.info("request lane on: hits are answered in C")
+                return
+        log.log(logging.INFO if self.config.request_lane == "no" else logging.WARNING,
+                "request lane off: %s", why_not)
 
     def _close(self) -> None:
         """Release what ``__init__`` took first: the cache (and its directory, unless

@@ -258,6 +258,11 @@ OPTIONS: tuple[Option, ...] = (
            "and the pyfuse3 scripts/setup builds; yes fails the mount without them",
            _yes_no_auto, "yes/no/auto", default="auto",
            default_text="auto: on where it can be had"),
+    Option("request_lane", "answer opens of cached files in C, in a thread of the daemon's "
+           "that reads the FUSE requests first, without the Python loop; needs passthrough and "
+           "the library scripts/setup builds; yes fails the mount without them",
+           _yes_no_auto, "yes/no/auto", default="auto",
+           default_text="auto: on where passthrough is"),
     Option("keep_cache", "keep the cached bytes after unmount: the next mount of the same "
            "source starts warm", default=False),
     Option("revalidate", "where the source cannot be watched for changes (network "

@@ -26,6 +26,7 @@ from coordlfs.cache.cache import FILL_CHUNK, Entry, WholeFileCache
 from coordlfs.fs import passthrough
 from coordlfs.fs.backing import Backing, Backings
 from coordlfs.fs.inodes import InodeTable, Key
+from coordlfs.fs.lane import Lane
 from coordlfs.fs.readers import (
     STREAM_WHOLE,
     BackfillReader,
@@ -67,21 +68,52 @@ class FileHandle:
 
 
 @dataclass(slots=True, eq=False)
+class LaneRow:
+    """What the request lane answers opens of an inode with (``coordlfs.fs.lane``): the
+    opens it answered are open files of the inode like the daemon's own."""
+
+    lane: Lane
+    inode: int
+    backing: Backing
+    #: the version its opens read
+    st: os.stat_result
+    #: the lane answers opens (else only counts its opens' releases, given to the daemon)
+    active: bool = True
+
+    def held(self) -> int:
+        return self.lane.held(self.inode)
+
+
+@dataclass(slots=True, eq=False)
 class OpenInode:
     """The open files of one inode: what they read decides what a new open of it may read
     (one backing per inode) and what ``getattr`` shows (one size per inode)."""
 
     key: Key
     handles: list[FileHandle] = field(default_factory=list)
-    #: the file its passthrough opens read; None while none is held
+    #: the file the daemon's passthrough opens read; None while none is held
     backing: Backing | None = None
+    #: the request lane's row, whose opens read ``lane.backing``
+    lane: LaneRow | None = None
 
     def pinned(self) -> os.stat_result | None:
         """The version the open files read, if one is fixed."""
         for handle in self.handles:
             if handle.pinned is not None:
                 return handle.pinned
+        if self.lane is not None and self.lane.held():
+            return self.lane.st
         return None
+
+    def held_backing(self) -> Backing | None:
+        """The file the inode's passthrough opens read, the lane's among them."""
+        if self.backing is None and self.lane is not None and self.lane.held():
+            return self.lane.backing
+        return self.backing
+
+    def idle(self) -> bool:
+        """No open file left, nor a lane row to answer new ones."""
+        return not self.handles and self.lane is None
 
 
 class Opens:
@@ -97,7 +129,11 @@ class Opens:
         self.backings: Backings | None = None
         #: why passthrough is off, None while it is on
         self.passthrough_off: str | None = "not asked for"
+        #: the request lane answering opens of cached files in C, None while off
+        self.lane: Lane | None = None
         self.cache.released.append(self._dropped)
+        self._groups = readers.aligned.groups
+        self._groups.on_change.append(self._members_changed)
 
     # -- the passthrough switch ---------------------------------------------------------
 
@@ -123,18 +159,35 @@ class Opens:
         # of them, so a streamed source file's own pages are the only copy worth keeping
         self.readers.direct_io = backings is not None
 
+    def serve_by_lane(self, lane: Lane) -> None:
+        """Mounted, before serving: ``lane`` answers the hits this daemon offers it."""
+        self.lane = lane
+        self._members_changed()
+
+    def _members_changed(self) -> None:
+        """An aligned group's members' opens are the group's to see (its window, its
+        read-ahead): while there are any, every open comes to the daemon."""
+        if self.lane is not None:
+            self.lane.enable(not self._groups.members)
+
     def passthrough_status(self) -> dict:
         backings = self.backings
         if backings is None:
             return {"on": False, "why_off": self.passthrough_off}
-        held = sum(1 for state in self._open.values() if state.backing is not None)
-        return {"on": True, "why_off": self.passthrough_off, **backings.status(held)}
+        held = sum(1 for state in self._open.values() if state.held_backing() is not None)
+        lane = None if self.lane is None else self.lane.status()
+        return {"on": True, "why_off": self.passthrough_off, **backings.status(held),
+                "lane": lane}
 
     # -- an open, decided ---------------------------------------------------------------
 
     async def open(self, handle: FileHandle, pid: int) -> FileHandle:
         """Serve a new open of a regular file by ``pid``: its reader, counted (every open the
         daemon answers passes here once), then its backing, then what it holds."""
+        state = self._open.get(handle.inode)
+        if state is not None and state.lane is not None and state.lane.active:
+            state.lane.active = False  # this open decides; the lane's held ones count
+            state.lane.lane.suspend(handle.inode)
         handle.reader = reader = await self._reader(handle, pid)
         self.counters.opened(reader.served, 1, handle.st.st_size)
         state = self._open.get(handle.inode)
@@ -149,7 +202,19 @@ class Opens:
         except BaseException:
             self._let_go(handle, state)
             raise
+        self._offer(handle, state)
         return handle
+
+    def _offer(self, handle: FileHandle, state: OpenInode) -> None:
+        """A hit answered by passthrough of a complete entry's file: the lane may answer the
+        inode's next opens alike, while the source file stays this version."""
+        held, lane = state.backing, self.lane
+        if (lane is None or held is None or held.entry is None or not held.entry.complete
+                or handle.backing != held.id or not handle.reader.hit
+                or handle.member is not None or self.inodes.detached(handle.inode) is not None):
+            return
+        if lane.offer(handle.inode, held.id, handle.path, handle.st):
+            state.lane = LaneRow(lane, handle.inode, held, handle.st)
 
     async def _reader(self, handle: FileHandle, pid: int) -> Reader:
         """Where the bytes come from, first found first: the cache entry, the group window,
@@ -267,9 +332,10 @@ class Opens:
         shared mapping of that one would make a passthrough open EIO); None if none is."""
         if any(not other.backing for other in state.handles):
             return 0
-        held = state.backing
+        held = state.held_backing()
         if held is None:
             return None
+        state.backing = held  # the daemon's opens join the lane's
         if entry is None or held.entry is None or entry.offset != held.entry.offset:
             log.info("inode %d opened beside passthrough opens of another backing: "
                      "reads theirs", state.handles[0].inode)
@@ -321,7 +387,7 @@ class Opens:
         last passthrough release."""
         if handle in state.handles:
             state.handles.remove(handle)
-        if not state.handles and self._open.get(handle.inode) is state:
+        if state.idle() and self._open.get(handle.inode) is state:
             del self._open[handle.inode]
         reader = handle.reader
         reader.close()
@@ -331,7 +397,8 @@ class Opens:
         if handle.backing and held is not None and not any(h.backing for h in state.handles):
             state.backing = None
             assert self.backings is not None
-            self.backings.let_go(held)
+            if state.lane is None or not state.lane.held():  # else at the lane's last release
+                self.backings.let_go(held)
             if held.source_fd >= 0:
                 try:
                     self._after_kernel_read(state.key, held)
@@ -355,13 +422,56 @@ class Opens:
         self.counters.bytes_from_source += await in_thread(held_bytes, fd)
 
     def _dropped(self, _key: Key, entry: Entry) -> None:
-        """The cache dropped ``entry``: its backing id goes now, or at the last release of
-        the opens that read it."""
-        if self.backings is not None:
-            held = any(state.backing is not None and state.backing.entry is not None
-                       and state.backing.entry.offset == entry.offset
-                       for state in self._open.values())
-            self.backings.dropped(entry, held)
+        """The cache dropped ``entry``: the lane answers no more opens of it; its backing id
+        goes now, or at the last release of the opens that read it."""
+        if self.backings is None:
+            return
+        for inode, state in list(self._open.items()):
+            row = state.lane
+            if row is not None and row.backing.entry is not None \
+                    and row.backing.entry.offset == entry.offset:
+                self._retire_lane(inode, state)
+        held = False
+        for state in self._open.values():
+            backing = state.held_backing()
+            if backing is not None and backing.entry is not None \
+                    and backing.entry.offset == entry.offset:
+                held = True
+        self.backings.dropped(entry, held)
+
+    def _retire_lane(self, inode: int, state: OpenInode) -> None:
+        """The lane answers no more opens of ``inode``; its row goes now, or at the last
+        release of the opens it answered (``lane_released``)."""
+        row = state.lane
+        assert row is not None
+        row.active = False
+        if not row.lane.drop(inode):
+            state.lane = None
+            if state.idle():
+                del self._open[inode]
+
+    def lane_released(self, inode: int) -> None:
+        """The kernel released an open the lane answered whose row it no longer answers
+        by (suspended while the daemon decided, or retired): at the last, the row goes, and
+        the backing if no other open of the inode holds it."""
+        state = self._open.get(inode)
+        row = None if state is None else state.lane
+        if row is None:
+            log.warning("release of a lane handle of inode %d with no row", inode)
+            return
+        if row.lane.release(inode) or row.active:
+            return
+        assert state is not None
+        self._retire_lane(inode, state)
+        if state.backing is None:
+            assert self.backings is not None
+            self.backings.let_go(row.backing)
+
+    def forgotten(self, inode: int) -> None:
+        """The kernel forgot ``inode`` (it has no open file): its lane row goes."""
+        state = self._open.get(inode)
+        if state is not None and state.lane is not None:
+            self._retire_lane(inode, state)
 
     # -- the kernel's view of an inode with open files -----------------------------------
 
@@ -390,7 +500,7 @@ class Opens:
         """The inodes whose open files read the source file at ``path`` as it is now (no
         version fixed): what they read and what fstat says must follow its changes."""
         return [inode for inode, state in self._open.items()
-                if state.handles[0].path == path and state.pinned() is None]
+                if state.handles and state.handles[0].path == path and state.pinned() is None]
 
     def opened_stat(self, inode: int) -> os.stat_result | None:
         """The attributes of the file the open files of ``inode`` read, whatever its path
@@ -403,6 +513,8 @@ class Opens:
         pinned = state.pinned()
         if pinned is not None:
             return pinned
+        if not state.handles:  # a lane row with no open held
+            return None
         if state.backing is not None and state.backing.source_fd >= 0:
             return os.fstat(state.backing.source_fd)
         for handle in state.handles:
@@ -428,7 +540,7 @@ class Opens:
             return True
         state = self._open.get(inode)
         pinned = None if state is None else state.pinned()
-        held = None if state is None else state.backing
+        held = None if state is None else state.held_backing()
         version = (Version.of(pinned) if pinned is not None
                    else held.version if held is not None else None)
         if version is None or version == Version.of(st):
@@ -441,4 +553,7 @@ class Opens:
         get a new inode, the old one stands for ``version``."""
         log.info("source file %s changed while open: new opens get a new inode",
                  os.fsdecode(path))
+        state = self._open.get(inode)
+        if state is not None and state.lane is not None:
+            self._retire_lane(inode, state)
         self.inodes.detach(inode, version)

@@ -29,6 +29,7 @@ from coordlfs.cache.stats import ReadCounters
 from coordlfs.fs.backing import Backings
 from coordlfs.fs.freshness import WATCHED_TIMEOUT, Freshness
 from coordlfs.fs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable
+from coordlfs.fs.lane import LANE_FH
 from coordlfs.fs.listing import DOTS, Listing
 from coordlfs.fs.opens import FileHandle, Opens
 from coordlfs.fs.readers import AlignedReads, Readers
@@ -209,6 +210,7 @@ class Operations(pyfuse3.Operations):
         for inode, count in inode_list:
             if inode != CONTROL_INODE and self.inodes.forget(inode, count):
                 self.freshness.unwatch(inode)
+                self.opens.forgotten(inode)
 
     @guarded
     async def readlink(self, inode: int, ctx: Any) -> bytes:
@@ -363,6 +365,9 @@ class Operations(pyfuse3.Operations):
 
     @guarded
     async def release(self, fh: int) -> None:
+        if fh & LANE_FH:  # an open the request lane answered, its row no longer answering
+            self.opens.lane_released(fh & ~LANE_FH)
+            return
         handle = self._handles.pop(fh)
         if isinstance(handle, FileHandle):
             self.opens.release(handle)

@@ -96,6 +96,8 @@ class Groups(Memberships[Group, Member]):
         self._readers: dict[int, Member | None] = {}
         #: called with each member that leaves or dies (the read window drops its claims)
         self.on_leave: list[Callable[[Member], None]] = []
+        #: called after a member joins or leaves (the request lane: coordlfs.fs.opens)
+        self.on_change: list[Callable[[], None]] = []
 
     # -- membership -------------------------------------------------------------------
 
@@ -114,6 +116,8 @@ class Groups(Memberships[Group, Member]):
             other.partners.add(job)
         self.enrol(group, member)
         self._readers.clear()
+        for changed in self.on_change:
+            changed()
         return member
 
     def leave(self, member_id: int) -> None:
@@ -123,6 +127,8 @@ class Groups(Memberships[Group, Member]):
         self._readers.clear()
         for callback in self.on_leave:
             callback(member)
+        for changed in self.on_change:
+            changed()
 
     def reap(self) -> list[Member]:
         """Drop members whose process is gone; returns them."""

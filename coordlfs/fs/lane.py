@@ -1,0 +1,140 @@
+"""The request lane: opens of cached files answered in C, without the Python loop.
+
+With passthrough a hit is OPEN and RELEASE at the daemon, and each costs a wake of the trio
+loop and the handlers' Python (docs/design/request-path.md). ``coordlfs/lane/lane.c``, built
+by ``scripts/setup`` beside its source, reads /dev/fuse in a thread of its own: it answers a
+read-only OPEN of an inode whose row says "backing id B while the source file is version V"
+(checked with one openat2 + fstat beneath the source's root), and the RELEASE of a handle it
+made; every other request goes to the patched pyfuse3's loop (``pyfuse3.use_lane``), which
+answers it as before.
+
+The daemon keeps every decision: a row is offered only after an open the daemon answered
+itself with a complete entry's backing (``coordlfs.fs.opens``), suspended while the daemon
+decides another open of the inode, and retired when the entry goes or the inode is detached
+or forgotten. The opens a row holds count as open files of the inode wherever that matters
+(one backing per inode, the version the open files read). Its counts are folded into the
+mount's (``fold``), as the preload library's are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+import pyfuse3
+
+from coordlfs.cache.stats import Outcome, ReadCounters
+from coordlfs.errors import UserError
+
+log = logging.getLogger(__name__)
+
+LIBRARY = Path(__file__).resolve().parent.parent / "lane" / "libcoordlfs-lane.so"
+#: the handles the lane gives out: the inode with the top bit set (the daemon's are small)
+LANE_FH = 1 << 63
+#: the longest path a row takes: longer ones are walked a piece at a time by the daemon
+#: (``coordlfs.source.source``), which the lane's one openat2 does not do
+MAX_PATH = 1024
+
+_i64, _u64 = ctypes.c_int64, ctypes.c_uint64
+
+
+def _load() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(LIBRARY))
+    lib.lane_start.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.lane_offer.argtypes = [_u64, ctypes.c_int32, ctypes.c_char_p, _u64, _u64, _i64, _i64, _i64]
+    for name in ("lane_suspend", "lane_held", "lane_release", "lane_drop"):
+        getattr(lib, name).argtypes = [_u64]
+        getattr(lib, name).restype = _i64
+    lib.lane_enable.argtypes = [ctypes.c_int]
+    lib.lane_counts.argtypes = [ctypes.POINTER(_u64 * 3)]
+    lib.lane_bufsize.restype = ctypes.c_size_t
+    return lib
+
+
+def why_not(mode: str, passthrough_off: str | None) -> str | None:
+    """Settle ``--request-lane`` (yes, no, auto) before mounting: None to start the lane once
+    mounted, else why not; ``yes`` that cannot be had is a one-line UserError."""
+    if mode == "no":
+        why: str | None = "off (--request-lane no)"
+    elif passthrough_off is not None:
+        why = "it answers passthrough opens, and passthrough is off"
+    elif not hasattr(pyfuse3, "use_lane"):
+        why = "pyfuse3 is an older patched build (scripts/setup rebuilds it)"
+    elif not LIBRARY.exists():
+        why = f"{LIBRARY.name} is not built (scripts/setup builds it)"
+    else:
+        why = None
+    if why is not None and mode == "yes":
+        raise UserError(f"--request-lane yes: {why}")
+    return why
+
+
+class Lane:
+    """The lane's rows and counts, over the library's calls (each takes its mutex)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        self._counts = (_u64 * 3)()
+        self._folded = (0, 0)
+
+    @classmethod
+    def start(cls, source_root: int) -> Lane:
+        """Serve the mounted session (after ``pyfuse3.init``, before ``pyfuse3.main``);
+        OSError if the library cannot be loaded or its thread started."""
+        lib = _load()
+        wake = lib.lane_start(pyfuse3.fuse_fd(), source_root)
+        if wake < 0:
+            raise OSError(-wake, os.strerror(-wake))
+        take = ctypes.cast(lib.lane_take, ctypes.c_void_p).value
+        assert take is not None
+        pyfuse3.use_lane(take, wake, lib.lane_bufsize())
+        return cls(lib)
+
+    def offer(self, inode: int, backing: int, path: bytes, st: os.stat_result) -> bool:
+        """Answer read-only opens of ``inode`` with ``backing`` while its source file at
+        ``path`` is the version ``st`` shows; False if the lane cannot (a path too long, opens
+        of another backing held, no memory)."""
+        if len(path) >= MAX_PATH:
+            return False
+        return self._lib.lane_offer(inode, backing, path or b".", st.st_dev, st.st_ino,
+                                    st.st_size, st.st_mtime_ns, st.st_ctime_ns) == 0
+
+    def suspend(self, inode: int) -> int:
+        """No more opens of ``inode`` answered by the lane; the opens its row holds."""
+        return self._lib.lane_suspend(inode)
+
+    def held(self, inode: int) -> int:
+        """The opens of ``inode`` the lane answered and the kernel has not released."""
+        return self._lib.lane_held(inode)
+
+    def release(self, inode: int) -> int:
+        """A release of a lane handle of ``inode`` the daemon was given: the opens left."""
+        return self._lib.lane_release(inode)
+
+    def drop(self, inode: int) -> int:
+        """Remove the row of ``inode``: 0, else the opens it still holds (it stays, suspended)."""
+        return self._lib.lane_drop(inode)
+
+    def enable(self, on: bool) -> None:
+        self._lib.lane_enable(int(on))
+
+    def counts(self) -> tuple[int, int, int]:
+        """Opens answered, their files' bytes, releases answered, since the start."""
+        self._lib.lane_counts(ctypes.byref(self._counts))
+        return self._counts[0], self._counts[1], self._counts[2]
+
+    def status(self) -> dict[str, int]:
+        opens, _, releases = self.counts()
+        return {"opens": opens, "releases": releases}
+
+    def fold(self, reads: ReadCounters) -> None:
+        """Bring the mount's counters up to the lane's: each open it answered a cache hit read
+        by passthrough, as ``Opens`` counts one (``stats.folds``)."""
+        opens, size, _ = self.counts()
+        new_opens, new_bytes = opens - self._folded[0], size - self._folded[1]
+        self._folded = (opens, size)
+        reads.opened(Outcome.HIT, new_opens, new_bytes)
+        reads.passthrough_opens += new_opens
+        reads.bytes_from_cache += new_bytes
