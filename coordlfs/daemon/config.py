@@ -57,6 +57,8 @@ class MountConfig:
     passthrough: str
     #: hits answered by the request lane in C: yes, no or auto (``coordlfs.fs.lane``)
     request_lane: str
+    #: threads of the request lane reading /dev/fuse (the kernel hands a request to one)
+    lane_threads: int
     allow_other: bool
     log_file: str | None
     debug: bool

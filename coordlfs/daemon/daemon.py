@@ -314,7 +314,7 @@ class Daemon:
         """The request lane, mounted and before serving, unless ``why_not`` (said once)."""
         if why_not is None:
             try:
-                started = lane.Lane.start(self.source.root_fd)
+                started = lane.Lane.start(self.source.root_fd, self.config.lane_threads)
             except OSError as e:
                 why_not = f"it did not start: {e}"
             else:

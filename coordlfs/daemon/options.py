@@ -263,6 +263,8 @@ OPTIONS: tuple[Option, ...] = (
            "the library scripts/setup builds; yes fails the mount without them",
            _yes_no_auto, "yes/no/auto", default="auto",
            default_text="auto: on where passthrough is"),
+    Option("lane_threads", "threads of the request lane reading FUSE requests: hits are "
+           "answered on as many cores at once", _number(int, 1, 64), "N", default=1),
     Option("keep_cache", "keep the cached bytes after unmount: the next mount of the same "
            "source starts warm", default=False),
     Option("revalidate", "where the source cannot be watched for changes (network "

@@ -42,7 +42,7 @@ _i64, _u64 = ctypes.c_int64, ctypes.c_uint64
 
 def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(LIBRARY))
-    lib.lane_start.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.lane_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.lane_offer.argtypes = [_u64, ctypes.c_int32, ctypes.c_char_p, _u64, _u64, _i64, _i64, _i64]
     for name in ("lane_suspend", "lane_held", "lane_release", "lane_drop"):
         getattr(lib, name).argtypes = [_u64]
@@ -80,11 +80,11 @@ class Lane:
         self._folded = (0, 0)
 
     @classmethod
-    def start(cls, source_root: int) -> Lane:
-        """Serve the mounted session (after ``pyfuse3.init``, before ``pyfuse3.main``);
-        OSError if the library cannot be loaded or its thread started."""
+    def start(cls, source_root: int, threads: int) -> Lane:
+        """Serve the mounted session (after ``pyfuse3.init``, before ``pyfuse3.main``) in
+        ``threads`` threads; OSError if the library cannot be loaded or no thread started."""
         lib = _load()
-        wake = lib.lane_start(pyfuse3.fuse_fd(), source_root)
+        wake = lib.lane_start(pyfuse3.fuse_fd(), source_root, threads)
         if wake < 0:
             raise OSError(-wake, os.strerror(-wake))
         take = ctypes.cast(lib.lane_take, ctypes.c_void_p).value

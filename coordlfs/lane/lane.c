@@ -100,7 +100,7 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static struct row **buckets;
 static size_t nbuckets, nrows;
 static struct queued *head, *tail;
-static int waiting, ended, enabled = 1;
+static int waiting, ended, enabled = 1, serving;
 static int dev_fd = -1, wake_fd = -1, root_fd = -1;
 static _Atomic uint64_t answered_opens, answered_bytes, answered_releases;
 
@@ -357,7 +357,7 @@ static void *serve(void *unused) {
     }
     free(mem);
     pthread_mutex_lock(&lock);
-    ended = 1;
+    ended = --serving == 0; /* the session's end reaches every reader */
     waiting = 0;
     pthread_mutex_unlock(&lock);
     wake();
@@ -397,8 +397,10 @@ EXPORT size_t lane_bufsize(void) {
 }
 
 /* Start serving the FUSE session `fuse_fd` (the daemon's, after init, before its loop)
- * with source files checked beneath `source_root`: the descriptor to wait on, or -errno. */
-EXPORT int lane_start(int fuse_fd, int source_root) {
+ * with source files checked beneath `source_root`, in `threads` threads (the kernel hands
+ * each request to one reader; the rows' mutex is all they share): the descriptor to wait
+ * on, or -errno. */
+EXPORT int lane_start(int fuse_fd, int source_root, int threads) {
     if (dev_fd >= 0)
         return -EALREADY;
     int dev = fcntl(fuse_fd, F_DUPFD_CLOEXEC, 0);
@@ -422,9 +424,15 @@ EXPORT int lane_start(int fuse_fd, int source_root) {
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    int rc = pthread_create(&thread, &attr, serve, NULL);
+    int rc = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < threads && !rc; i++)
+        if (!(rc = pthread_create(&thread, &attr, serve, NULL)))
+            serving++;
+    int started = serving;
+    pthread_mutex_unlock(&lock);
     pthread_attr_destroy(&attr);
-    if (rc) {
+    if (!started) {
         fcntl(dev, F_SETFL, flags);
         close(dev), close(root), close(efd);
         dev_fd = root_fd = wake_fd = -1;
