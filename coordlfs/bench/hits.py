@@ -118,6 +118,9 @@ CASES = (
          ("coordlfs",)),
     Case("hp", "passthrough_hp (libfuse, C++)", "hp", False, ("hp",)),
     Case("coordlfs_pt", "coordlfs passthrough", "coordlfs_pt", False, ("coordlfs_pt",)),
+    # the same, every request answered by the Python loop (--request-lane no)
+    Case("coordlfs_py", "coordlfs passthrough, no lane", "coordlfs_py", False,
+         ("coordlfs_py",)),
     # readers under `coordlfs run`: the preload library opens the cache's files itself
     Case("run", "coordlfs run (preload library)", "run", False),
     Case("bare_warm", "bare pyfuse3, page cache warm", "memfs", True),
@@ -138,7 +141,7 @@ PASSTHROUGH_HP_GOAL = 0.9
 PASSTHROUGH_CPU_GOAL = 1.3
 #: The cases whose daemon CPU per file is set side by side: coordlfs's passthrough hit, the
 #: C++ daemon's, and each warm.
-CPU_CASES = ("coordlfs_pt", "hp", "coordlfs_pt_warm", "hp_warm")
+CPU_CASES = ("coordlfs_pt", "coordlfs_py", "hp", "coordlfs_pt_warm", "hp_warm")
 #: The goal for readers under ``coordlfs run``: hits at 0.9x tmpfs.
 RUN_GOAL = 0.9
 
@@ -519,6 +522,7 @@ COMPARISONS = {
     "client_vs_coordlfs_cache": ("client", "coordlfs_cache"),
     "coordlfs_passthrough_vs_tmpfs": ("coordlfs_pt", "tmpfs"),
     "coordlfs_passthrough_vs_passthrough_hp": ("coordlfs_pt", "hp"),
+    "coordlfs_no_lane_vs_passthrough_hp": ("coordlfs_py", "hp"),
     "coordlfs_passthrough_vs_classic": ("coordlfs_pt", "coordlfs_cache"),
     "coordlfs_passthrough_warm_vs_tmpfs": ("coordlfs_pt_warm", "tmpfs"),
     "coordlfs_passthrough_warm_vs_passthrough_hp_warm": ("coordlfs_pt_warm", "hp_warm"),
@@ -631,7 +635,8 @@ def _cpu_line(summary: dict[str, Any], label: str, what: str) -> str:
 
     share = summary["passthrough_cpu_vs_passthrough_hp"][label]
     return (f"daemon CPU per file, {what}: coordlfs passthrough {us('coordlfs_pt')} "
-            f"(warm {us('coordlfs_pt_warm')}), passthrough_hp {us('hp')} (warm "
+            f"(warm {us('coordlfs_pt_warm')}; no lane {us('coordlfs_py')}), passthrough_hp "
+            f"{us('hp')} (warm "
             f"{us('hp_warm')}): {'-' if share is None else f'{share:.2f}x'} "
             f"(goal <= {PASSTHROUGH_CPU_GOAL}x)")
 
@@ -787,8 +792,8 @@ class Bench:
 
 
 def _check_memory(dataset: Dataset) -> None:
-    # tmpfs copy + memfs's dict + coordlfs's two caches + page cache of the warm cases
-    need = 6 * dataset.total_bytes
+    # tmpfs copy + memfs's dict + coordlfs's three caches + page cache of the warm cases
+    need = 7 * dataset.total_bytes
     if need > physical_memory():
         raise UserError(f"the dataset ({format_size(dataset.total_bytes)}) is too large for "
                         f"this machine's memory ({format_size(physical_memory())}); the "
@@ -812,7 +817,7 @@ def _start_all(stack: contextlib.ExitStack, settings: Settings, dataset: Dataset
     fio = bigfile.unavailable()
     if fio:
         unavailable["fio"] = fio
-    for system in ("memfs", "passthrough", "coordlfs", "coordlfs_pt", "hp"):
+    for system in ("memfs", "passthrough", "coordlfs", "coordlfs_pt", "coordlfs_py", "hp"):
         mountpoint = os.path.join(work, system)
         os.mkdir(mountpoint)
         stack.callback(os.rmdir, mountpoint)  # runs after the unmount below: an empty dir
@@ -852,7 +857,7 @@ def _serve(system: str, settings: Settings, dataset: Dataset, roots: dict[str, s
                             Path(log)) as pid:
             yield pid
         return
-    if system not in ("coordlfs", "coordlfs_pt"):
+    if system not in ("coordlfs", "coordlfs_pt", "coordlfs_py"):
         with baseline(system, dataset.root, mountpoint, log) as pid:
             yield pid
         return
@@ -860,7 +865,8 @@ def _serve(system: str, settings: Settings, dataset: Dataset, roots: dict[str, s
     # on a tmpfs of its own in huge pages, as a root mount has it by default.
     room = str(dataset.total_bytes + (64 << 20))
     # yes: never a silent fall back to the classic path
-    flags = ("--passthrough", "yes" if system == "coordlfs_pt" else "no")
+    flags = ("--passthrough", "no" if system == "coordlfs" else "yes",
+             "--request-lane", "no" if system == "coordlfs_py" else "auto")
     with contextlib.ExitStack() as stack:
         try:
             daemon = stack.enter_context(mounted(
@@ -947,7 +953,8 @@ def run(args: argparse.Namespace) -> int:
         if "run" not in bench.unavailable:
             bench.preload = run_command.environment([bench.roots["run"]], {}) or {}
         print("filling the coordlfs caches", flush=True)
-        mounts = [s for s in ("coordlfs", "coordlfs_pt") if s not in bench.unavailable]
+        mounts = [s for s in ("coordlfs", "coordlfs_pt", "coordlfs_py")
+                  if s not in bench.unavailable]
         before = {system: bench.warm_coordlfs(system)["reads"] for system in mounts}
         for number in harness.repeated(settings.repeat):
             bench.repeat(number - 1)

@@ -467,6 +467,24 @@ class Opens:
             assert self.backings is not None
             self.backings.let_go(row.backing)
 
+    def looked_up(self, inode: int, st: os.stat_result, path: bytes) -> None:
+        """The kernel was shown ``inode`` (a LOOKUP): if it is a complete cache entry no
+        open holds, the lane answers its first open too. Rows go with the inodes the kernel
+        forgets, so this is what keeps hits in C after the kernel dropped its dentries
+        (memory pressure, drop_caches): each is looked up again before it is opened."""
+        lane, backings = self.lane, self.backings
+        if lane is None or backings is None or inode in self._open \
+                or not stat.S_ISREG(st.st_mode) or self.inodes.detached(inode) is not None:
+            return
+        key = (st.st_dev, st.st_ino)
+        entry = self.cache.lookup(key, st)
+        if entry is None or not entry.complete or entry.to_backfill:
+            return
+        backing = backings.of_entry(entry, st)
+        if backing is not None and lane.offer(inode, backing.id, path, st):
+            state = self._open[inode] = OpenInode(key)
+            state.lane = LaneRow(lane, inode, backing, st)
+
     def forgotten(self, inode: int) -> None:
         """The kernel forgot ``inode`` (it has no open file): its lane row goes."""
         state = self._open.get(inode)

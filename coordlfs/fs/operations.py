@@ -176,6 +176,7 @@ class Operations(pyfuse3.Operations):
             return negative
         inode = self.opens.known(st, path)
         self.inodes.ref(inode)
+        self.opens.looked_up(inode, st, path)
         return self._attr(inode, st)
 
     @guarded
