@@ -267,7 +267,7 @@ class Daemon:
             "memory": memory_status(
                 tables=(self.ops.inodes.nbytes(), cache.entries.nbytes()),
                 rows=(len(self.ops.inodes), len(cache.entries)),
-                file_overhead=cache.file_overhead, passthrough=self.ops.backings is not None),
+                file_overhead=cache.file_overhead, passthrough=self.ops.opens.backings is not None),
             "freshness": self.ops.freshness.status(),
             "marks": [m.name for m in self.stats.marks],
             **self.groups.status(),
@@ -318,7 +318,7 @@ class Daemon:
             except OSError as e:
                 why_not = f"it did not start: {e}"
             else:
-                self.ops.opens.serve_by_lane(started)
+                self.ops.opens.rows.serve_by_lane(started)
                 self.stats.folds.append(started.fold)
                 log.info("request lane on: hits are answered in C")
                 return

@@ -20,13 +20,12 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from dataclasses import dataclass, field
 
 from coordlfs.cache.cache import FILL_CHUNK, Entry, WholeFileCache
 from coordlfs.fs import passthrough
 from coordlfs.fs.backing import Backing, Backings
 from coordlfs.fs.inodes import InodeTable, Key
-from coordlfs.fs.lane import Lane
+from coordlfs.fs.openfiles import FileHandle, OpenInode
 from coordlfs.fs.readers import (
     STREAM_WHOLE,
     BackfillReader,
@@ -38,82 +37,13 @@ from coordlfs.fs.readers import (
     StreamReader,
     WindowReader,
 )
-from coordlfs.jobs.groups import Member
+from coordlfs.fs.rows import LaneRows
 from coordlfs.peers.links import PeerLink
 from coordlfs.source.source import Version
 from coordlfs.source.threads import in_thread
 from coordlfs.system.pagecache import held_bytes
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, eq=False)
-class FileHandle:
-    inode: int
-    path: bytes
-    st: os.stat_result
-    #: where its bytes come from (``coordlfs.fs.readers``); set at open, once the handle exists
-    reader: Reader = field(init=False)
-    #: the aligned-group member that opened it, if any
-    member: Member | None = None
-    #: the backing id its open was answered with (``coordlfs.fs.backing``); 0: none
-    backing: int = 0
-    #: the version its bytes are fixed to (a cache entry's file, by passthrough or kept by
-    #: its reader), as stat showed it; None for bytes read from the source as they are now
-    pinned: os.stat_result | None = None
-
-    @property
-    def key(self) -> Key:
-        return self.st.st_dev, self.st.st_ino
-
-
-@dataclass(slots=True, eq=False)
-class LaneRow:
-    """What the request lane answers opens of an inode with (``coordlfs.fs.lane``): the
-    opens it answered are open files of the inode like the daemon's own."""
-
-    lane: Lane
-    inode: int
-    backing: Backing
-    #: the version its opens read
-    st: os.stat_result
-    #: the lane answers opens (else only counts its opens' releases, given to the daemon)
-    active: bool = True
-
-    def held(self) -> int:
-        return self.lane.held(self.inode)
-
-
-@dataclass(slots=True, eq=False)
-class OpenInode:
-    """The open files of one inode: what they read decides what a new open of it may read
-    (one backing per inode) and what ``getattr`` shows (one size per inode)."""
-
-    key: Key
-    handles: list[FileHandle] = field(default_factory=list)
-    #: the file the daemon's passthrough opens read; None while none is held
-    backing: Backing | None = None
-    #: the request lane's row, whose opens read ``lane.backing``
-    lane: LaneRow | None = None
-
-    def pinned(self) -> os.stat_result | None:
-        """The version the open files read, if one is fixed."""
-        for handle in self.handles:
-            if handle.pinned is not None:
-                return handle.pinned
-        if self.lane is not None and self.lane.held():
-            return self.lane.st
-        return None
-
-    def held_backing(self) -> Backing | None:
-        """The file the inode's passthrough opens read, the lane's among them."""
-        if self.backing is None and self.lane is not None and self.lane.held():
-            return self.lane.backing
-        return self.backing
-
-    def idle(self) -> bool:
-        """No open file left, nor a lane row to answer new ones."""
-        return not self.handles and self.lane is None
 
 
 class Opens:
@@ -129,11 +59,9 @@ class Opens:
         self.backings: Backings | None = None
         #: why passthrough is off, None while it is on
         self.passthrough_off: str | None = "not asked for"
-        #: the request lane answering opens of cached files in C, None while off
-        self.lane: Lane | None = None
+        #: the request lane's rows: the inodes whose opens it answers in C
+        self.rows = LaneRows(self._open, inodes, self.cache, readers.aligned.groups)
         self.cache.released.append(self._dropped)
-        self._groups = readers.aligned.groups
-        self._groups.on_change.append(self._members_changed)
 
     # -- the passthrough switch ---------------------------------------------------------
 
@@ -159,35 +87,20 @@ class Opens:
         # of them, so a streamed source file's own pages are the only copy worth keeping
         self.readers.direct_io = backings is not None
 
-    def serve_by_lane(self, lane: Lane) -> None:
-        """Mounted, before serving: ``lane`` answers the hits this daemon offers it."""
-        self.lane = lane
-        self._members_changed()
-
-    def _members_changed(self) -> None:
-        """An aligned group's members' opens are the group's to see (its window, its
-        read-ahead): while there are any, every open comes to the daemon."""
-        if self.lane is not None:
-            self.lane.enable(not self._groups.members)
-
     def passthrough_status(self) -> dict:
         backings = self.backings
         if backings is None:
             return {"on": False, "why_off": self.passthrough_off}
         held = sum(1 for state in self._open.values() if state.held_backing() is not None)
-        lane = None if self.lane is None else self.lane.status()
         return {"on": True, "why_off": self.passthrough_off, **backings.status(held),
-                "lane": lane}
+                "lane": self.rows.status()}
 
     # -- an open, decided ---------------------------------------------------------------
 
     async def open(self, handle: FileHandle, pid: int) -> FileHandle:
         """Serve a new open of a regular file by ``pid``: its reader, counted (every open the
         daemon answers passes here once), then its backing, then what it holds."""
-        state = self._open.get(handle.inode)
-        if state is not None and state.lane is not None and state.lane.active:
-            state.lane.active = False  # this open decides; the lane's held ones count
-            state.lane.lane.suspend(handle.inode)
+        self.rows.suspend(handle.inode)
         handle.reader = reader = await self._reader(handle, pid)
         self.counters.opened(reader.served, 1, handle.st.st_size)
         state = self._open.get(handle.inode)
@@ -202,19 +115,8 @@ class Opens:
         except BaseException:
             self._let_go(handle, state)
             raise
-        self._offer(handle, state)
+        self.rows.offer(handle, state)
         return handle
-
-    def _offer(self, handle: FileHandle, state: OpenInode) -> None:
-        """A hit answered by passthrough of a complete entry's file: the lane may answer the
-        inode's next opens alike, while the source file stays this version."""
-        held, lane = state.backing, self.lane
-        if (lane is None or held is None or held.entry is None or not held.entry.complete
-                or handle.backing != held.id or not handle.reader.hit
-                or handle.member is not None or self.inodes.detached(handle.inode) is not None):
-            return
-        if lane.offer(handle.inode, held.id, handle.path, handle.st):
-            state.lane = LaneRow(lane, handle.inode, held, handle.st)
 
     async def _reader(self, handle: FileHandle, pid: int) -> Reader:
         """Where the bytes come from, first found first: the cache entry, the group window,
@@ -426,11 +328,7 @@ class Opens:
         goes now, or at the last release of the opens that read it."""
         if self.backings is None:
             return
-        for inode, state in list(self._open.items()):
-            row = state.lane
-            if row is not None and row.backing.entry is not None \
-                    and row.backing.entry.offset == entry.offset:
-                self._retire_lane(inode, state)
+        self.rows.dropped(entry)
         held = False
         for state in self._open.values():
             backing = state.held_backing()
@@ -438,58 +336,6 @@ class Opens:
                     and backing.entry.offset == entry.offset:
                 held = True
         self.backings.dropped(entry, held)
-
-    def _retire_lane(self, inode: int, state: OpenInode) -> None:
-        """The lane answers no more opens of ``inode``; its row goes now, or at the last
-        release of the opens it answered (``lane_released``)."""
-        row = state.lane
-        assert row is not None
-        row.active = False
-        if not row.lane.drop(inode):
-            state.lane = None
-            if state.idle():
-                del self._open[inode]
-
-    def lane_released(self, inode: int) -> None:
-        """The kernel released an open the lane answered whose row it no longer answers
-        by (suspended while the daemon decided, or retired): at the last, the row goes, and
-        the backing if no other open of the inode holds it."""
-        state = self._open.get(inode)
-        row = None if state is None else state.lane
-        if row is None:
-            log.warning("release of a lane handle of inode %d with no row", inode)
-            return
-        if row.lane.release(inode) or row.active:
-            return
-        assert state is not None
-        self._retire_lane(inode, state)
-        if state.backing is None:
-            assert self.backings is not None
-            self.backings.let_go(row.backing)
-
-    def looked_up(self, inode: int, st: os.stat_result, path: bytes) -> None:
-        """The kernel was shown ``inode`` (a LOOKUP): if it is a complete cache entry no
-        open holds, the lane answers its first open too. Rows go with the inodes the kernel
-        forgets, so this is what keeps hits in C after the kernel dropped its dentries
-        (memory pressure, drop_caches): each is looked up again before it is opened."""
-        lane, backings = self.lane, self.backings
-        if lane is None or backings is None or inode in self._open \
-                or not stat.S_ISREG(st.st_mode) or self.inodes.detached(inode) is not None:
-            return
-        key = (st.st_dev, st.st_ino)
-        entry = self.cache.lookup(key, st)
-        if entry is None or not entry.complete or entry.to_backfill:
-            return
-        backing = backings.of_entry(entry, st)
-        if backing is not None and lane.offer(inode, backing.id, path, st):
-            state = self._open[inode] = OpenInode(key)
-            state.lane = LaneRow(lane, inode, backing, st)
-
-    def forgotten(self, inode: int) -> None:
-        """The kernel forgot ``inode`` (it has no open file): its lane row goes."""
-        state = self._open.get(inode)
-        if state is not None and state.lane is not None:
-            self._retire_lane(inode, state)
 
     # -- the kernel's view of an inode with open files -----------------------------------
 
@@ -572,6 +418,6 @@ class Opens:
         log.info("source file %s changed while open: new opens get a new inode",
                  os.fsdecode(path))
         state = self._open.get(inode)
-        if state is not None and state.lane is not None:
-            self._retire_lane(inode, state)
+        if state is not None:
+            self.rows.retire(inode, state)
         self.inodes.detach(inode, version)

@@ -26,7 +26,6 @@ import pyfuse3
 from coordlfs import CONTROL_NAME
 from coordlfs.cache.cache import WholeFileCache
 from coordlfs.cache.stats import ReadCounters
-from coordlfs.fs.backing import Backings
 from coordlfs.fs.freshness import WATCHED_TIMEOUT, Freshness
 from coordlfs.fs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable
 from coordlfs.fs.lane import LANE_FH
@@ -104,11 +103,6 @@ class Operations(pyfuse3.Operations):
     def init(self) -> None:
         self.opens.init()
 
-    @property
-    def backings(self) -> Backings | None:
-        """Who registers backing ids while passthrough is on, None while it is off."""
-        return self.opens.backings
-
     def passthrough_status(self) -> dict[str, Any]:
         return self.opens.passthrough_status()
 
@@ -176,7 +170,7 @@ class Operations(pyfuse3.Operations):
             return negative
         inode = self.opens.known(st, path)
         self.inodes.ref(inode)
-        self.opens.looked_up(inode, st, path)
+        self.opens.rows.looked_up(inode, st, path, self.opens.backings)
         return self._attr(inode, st)
 
     @guarded
@@ -211,7 +205,7 @@ class Operations(pyfuse3.Operations):
         for inode, count in inode_list:
             if inode != CONTROL_INODE and self.inodes.forget(inode, count):
                 self.freshness.unwatch(inode)
-                self.opens.forgotten(inode)
+                self.opens.rows.forgotten(inode)
 
     @guarded
     async def readlink(self, inode: int, ctx: Any) -> bytes:
@@ -367,7 +361,7 @@ class Operations(pyfuse3.Operations):
     @guarded
     async def release(self, fh: int) -> None:
         if fh & LANE_FH:  # an open the request lane answered, its row no longer answering
-            self.opens.lane_released(fh & ~LANE_FH)
+            self.opens.rows.released(fh & ~LANE_FH, self.opens.backings)
             return
         handle = self._handles.pop(fh)
         if isinstance(handle, FileHandle):
