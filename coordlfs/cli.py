@@ -254,9 +254,10 @@ def _passthrough_line(state: dict[str, Any] | None, reads: dict[str, int]) -> st
     if not state["on"]:
         return f"passthrough off: {state['why_off']}"
     lane = state.get("lane")
-    answered = "" if lane is None else f" ({lane['opens']} answered in C by the request lane)"
+    answered = ("; request lane off" if not lane else
+                f"; {lane['opens']} of them answered in C by the request lane")
     return (f"passthrough on: {plural(reads['passthrough_opens'], 'open')} read by the "
-            f"kernel from the cache{answered}, {reads['source_opens']} from the source")
+            f"kernel from the cache, {reads['source_opens']} from the source{answered}")
 
 
 def _read_lines(reads: dict[str, int]) -> list[str]:

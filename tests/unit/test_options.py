@@ -37,8 +37,8 @@ def test_mount_options_mean_their_flags() -> None:
 
 
 SAMPLES = {"listen": "127.0.0.1:7", "peers": "127.0.0.1:7+127.0.0.1:8", "cache_tmpfs": "no",
-           "passthrough": "no", "peers_from": "dns:peers.example:7878", "metrics": "127.0.0.1:9",
-           "cache_size": "7M"}
+           "passthrough": "no", "request_lane": "no", "peers_from": "dns:peers.example:7878",
+           "metrics": "127.0.0.1:9", "cache_size": "7M"}
 
 
 def test_every_mount_option_has_its_flag() -> None:
