@@ -211,7 +211,7 @@ class Opens:
         landed = reader.landed_fd >= 0  # a peer's file: counted as from peers when it came
         source = not landed and handle.member is None and reader.source_file
         entry = reader.entry if not (landed or source) and handle.member is None else None
-        backing = self._beside(state, entry)
+        backing = self._beside(handle.inode, state, entry)
         if backing is None:
             backing = self._new_backing(handle, state, landed, source, entry)
         if not backing or landed:
@@ -228,10 +228,11 @@ class Opens:
                 counters.bytes_from_cache += st.st_size
         return backing
 
-    def _beside(self, state: OpenInode, entry: Entry | None) -> int | None:
-        """The answer the inode's open files decide already: the id of its passthrough opens
-        (any other answer would be EIO), or direct_io while one the daemon serves is held (a
-        shared mapping of that one would make a passthrough open EIO); None if none is."""
+    def _beside(self, inode: int, state: OpenInode, entry: Entry | None) -> int | None:
+        """The answer the open files of ``inode`` decide already: the id of its passthrough
+        opens (any other answer would be EIO), or direct_io while one the daemon serves is
+        held (a shared mapping of that one would make a passthrough open EIO); None if none
+        is. The request lane's opens may be all there is: no handle of the daemon's."""
         if any(not other.backing for other in state.handles):
             return 0
         held = state.held_backing()
@@ -240,7 +241,7 @@ class Opens:
         state.backing = held  # the daemon's opens join the lane's
         if entry is None or held.entry is None or entry.offset != held.entry.offset:
             log.info("inode %d opened beside passthrough opens of another backing: "
-                     "reads theirs", state.handles[0].inode)
+                     "reads theirs", inode)
         return held.id
 
     def _new_backing(self, handle: FileHandle, state: OpenInode, landed: bool, source: bool,
