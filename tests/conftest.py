@@ -164,6 +164,29 @@ def read_at_once(path: Path, readers: int) -> list[bytes]:
     return [p.communicate()[0] for p in procs]
 
 
+def read_all(fd: int) -> bytes:
+    """The descriptor read from its start to EOF, by read(2)."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    pieces = []
+    while piece := os.read(fd, 1 << 17):
+        pieces.append(piece)
+    return b"".join(pieces)
+
+
+def daemons_of(mountpoint: Path) -> list[int]:
+    """The pids of coordlfs daemons started for ``mountpoint`` (it is in their command line:
+    ``coordlfs.daemon.detached``)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # not a process, or gone
+            continue
+        if b"coordlfs.daemon.detached" in argv and os.fsencode(mountpoint) in argv:
+            found.append(int(proc.name))
+    return found
+
+
 def digests(root: Path) -> dict[str, str]:
     """xxhash of every regular file under ``root``, by relative path."""
     out = {}

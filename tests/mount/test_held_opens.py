@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import Mount, wait_for
+from conftest import Mount, read_all, wait_for
 
 #: Sizes that are not a whole number of pages or of FUSE reads.
 SIZES = {"cached": 1536 * 1024 + 4321, "miss": 200 * 1024 + 777,
@@ -66,13 +66,6 @@ def change(src: Path, name: str, how: str) -> bytes | None:
     return new if how in NEW_BYTES else None
 
 
-def read_all(fd: int) -> bytes:
-    """The descriptor read from its start to EOF, by read."""
-    os.lseek(fd, 0, os.SEEK_SET)
-    pieces = []
-    while piece := os.read(fd, 1 << 17):
-        pieces.append(piece)
-    return b"".join(pieces)
 
 
 def whole_version(fd: int) -> bytes | None:

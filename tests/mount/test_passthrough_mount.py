@@ -18,7 +18,15 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import Mount, force_unmount, random_source, run_as_other_user, run_cli, wait_for
+from conftest import (
+    Mount,
+    daemons_of,
+    force_unmount,
+    random_source,
+    run_as_other_user,
+    run_cli,
+    wait_for,
+)
 
 from coordlfs.cache.stats import difference
 from coordlfs.fs import passthrough
@@ -269,18 +277,6 @@ def test_on_the_stock_pyfuse3_yes_is_refused(tmp_path: Path, daemon_logs: list[P
         shutil.rmtree(cache, ignore_errors=True)
 
 
-def daemons_of(mountpoint: Path) -> list[int]:
-    """The pids of coordlfs daemons started for ``mountpoint`` (it is in their command line:
-    ``coordlfs.daemon.detached``)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # not a process, or gone
-            continue
-        if b"coordlfs.daemon.detached" in argv and os.fsencode(mountpoint) in argv:
-            found.append(int(proc.name))
-    return found
 
 
 @needs_passthrough

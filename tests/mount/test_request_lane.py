@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import Mount, drop_caches, force_unmount, run_cli, wait_for
+from conftest import Mount, daemons_of, drop_caches, force_unmount, read_all, run_cli, wait_for
 
 from coordlfs.cache.stats import difference
 from coordlfs.fs import lane, passthrough
@@ -99,13 +99,6 @@ def read_epoch(m: Mount, names: list[str]) -> dict[str, str]:
     return out
 
 
-def read_all(fd: int) -> bytes:
-    """``fd`` read from its start to EOF by read(2)."""
-    os.lseek(fd, 0, os.SEEK_SET)
-    pieces = []
-    while piece := os.read(fd, 1 << 17):
-        pieces.append(piece)
-    return b"".join(pieces)
 
 
 def lane_state(m: Mount) -> dict[str, int] | None:
@@ -125,6 +118,17 @@ def epochs_to_rows(m: Mount, names: list[str], want: dict[str, str]) -> None:
     wait_for(lambda: m.settled()["cache"]["files"] == len(names), "every file cached")
     assert read_epoch(m, names) == want, "epoch 2 (the daemon's hits)"
     m.settled()
+
+def lane_served(tmp: Path, mount, *args: str, **where: Path) -> tuple[Path, list[str],
+                                                                     dict[str, str], Mount]:
+    """A source of ``SIZES`` mounted by passthrough with ``args``, read until the daemon
+    offered its rows (``epochs_to_rows``): the source, its names, their digests, the mount."""
+    src = make_source(tmp)
+    names = sorted(SIZES)
+    want = source_digests(src, names)
+    m = mount(src, "--passthrough", "yes", *args, **where)
+    epochs_to_rows(m, names, want)
+    return src, names, want, m
 
 
 def nothing_open(m: Mount) -> bool:
@@ -284,11 +288,7 @@ def test_a_file_changed_right_after_the_lane_answered_it(tmp_path: Path, mount,
     reopen of its inode through /proc/self/fd too). Afterwards every file is
     byte-exact, and the new version is answered by the lane too once the daemon has offered
     its row."""
-    src = make_source(tmp_path)
-    names = sorted(SIZES)
-    want = source_digests(src, names)
-    m = mount(src, "--passthrough", "yes")
-    epochs_to_rows(m, names, want)
+    src, names, want, m = lane_served(tmp_path, mount)
     old = (src / name).read_bytes()
     before = lane_opens(m)
     assert read_epoch(m, names) == want, "epoch 3"
@@ -385,12 +385,8 @@ def test_a_held_open_outlives_its_dropped_entry(tmp_path: Path, mount, needs_lan
     name = "e.bin"
     seen = {}
     for mode in ("auto", "no"):
-        src = make_source(tmp_path / mode)
-        names = sorted(SIZES)
-        want = source_digests(src, names)
-        m = mount(src, "--passthrough", "yes", "--request-lane", mode,
-                  mountpoint=tmp_path / f"mnt-{mode}")
-        epochs_to_rows(m, names, want)
+        src, names, want, m = lane_served(tmp_path / mode, mount, "--request-lane", mode,
+                                          mountpoint=tmp_path / f"mnt-{mode}")
         seen[mode] = held_through_a_drop(m, name, how, held_first)
         want[name] = digest((src / name).read_bytes())
         assert read_epoch(m, names) == want
@@ -408,17 +404,6 @@ def test_a_held_open_outlives_its_dropped_entry(tmp_path: Path, mount, needs_lan
 # -- 4. --request-lane yes and no --------------------------------------------------------------
 
 
-def daemons_of(mountpoint: Path) -> list[int]:
-    """The pids of coordlfs daemons started for ``mountpoint`` (in their command line)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # not a process, or gone
-            continue
-        if b"coordlfs.daemon.detached" in argv and os.fsencode(mountpoint) in argv:
-            found.append(int(proc.name))
-    return found
 
 
 def test_yes_without_passthrough_is_refused(tmp_path: Path, daemon_logs: list[Path]) -> None:
@@ -498,11 +483,7 @@ def test_a_group_member_turns_the_lane_off_while_it_exists(tmp_path: Path, mount
     group's order to the last file (what the lane's answers would hide from the group), and
     read byte-exact. Once the members leave, the lane answers every open again. The same after
     a member whose process died is reaped."""
-    src = make_source(tmp_path)
-    names = sorted(SIZES)
-    want = source_digests(src, names)
-    m = mount(src, "--passthrough", "yes")
-    epochs_to_rows(m, names, want)
+    _src, names, want, m = lane_served(tmp_path, mount)
     at = lane_opens(m)
     assert read_epoch(m, names) == want
     assert lane_opens(m) - at == len(names), "the lane answers before the member joins"
@@ -622,11 +603,7 @@ def test_rows_come_back_at_lookup_after_the_kernel_forgot_the_inodes(
     """Rows go with the inodes the kernel forgets (drop_caches here, memory pressure in
     life); the next walk looks each name up again, and the daemon offers the row of a
     complete entry's inode there: the very next epoch is the lane's, byte-exact."""
-    src = make_source(tmp_path)
-    names = sorted(SIZES)
-    want = source_digests(src, names)
-    m = mount(src, "--passthrough", "yes")
-    epochs_to_rows(m, names, want)
+    _src, names, want, m = lane_served(tmp_path, mount)
     wait_for(lambda: nothing_open(m), "every open released")
     known = m.status()["inodes"]
     drop_caches()  # the kernel forgets the files' inodes (FORGET comes after, in batches)
@@ -644,11 +621,7 @@ def test_rows_follow_a_directory_renamed_in_the_source(tmp_path: Path, mount,
     again with it (a longer path: the row's memory replaced, the open the lane answered
     before and still held kept in its count); from then on the lane answers them, and the
     held open's release too."""
-    src = make_source(tmp_path)
-    names = sorted(SIZES)
-    want = source_digests(src, names)
-    m = mount(src, "--passthrough", "yes")
-    epochs_to_rows(m, names, want)
+    src, names, want, m = lane_served(tmp_path, mount)
     at = lane_opens(m)
     held = os.open(m.mountpoint / "sub" / "f.bin", os.O_RDONLY)
     try:
