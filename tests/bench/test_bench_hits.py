@@ -177,10 +177,11 @@ def test_table_has_a_row_per_case_and_shares_of_bare() -> None:
 
 def test_a_system_that_cannot_run_is_na_with_why_in_table_and_summary() -> None:
     results = {k: r for k, r in _results((4000,), (3600,)).items()
-               if k[0] not in ("coordlfs_pt", "coordlfs_pt_warm")}
-    table = hits.format_table(results, (1, 4), 0, {"coordlfs_pt": "no --passthrough option"})
+               if k[0] not in ("coordlfs_pt", "coordlfs_pt_warm", "coordlfs_py")}
+    why = "no --passthrough option"
+    table = hits.format_table(results, (1, 4), 0, {"coordlfs_pt": why, "coordlfs_py": why})
     rows = [line for line in table.splitlines() if line.startswith("coordlfs passthrough")]
-    assert len(rows) == 2 and all("n/a: no --passthrough option" in row for row in rows)
+    assert len(rows) == 3 and all(f"n/a: {why}" in row for row in rows)
     summary = hits.summarize(results, (1, 4), False)
     assert summary["coordlfs_passthrough_vs_tmpfs"] == {"1": None, "4": None}
     assert summary["coordlfs_passthrough_vs_passthrough_hp_paired"] == {"1": None, "4": None}
