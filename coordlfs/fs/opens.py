@@ -294,9 +294,13 @@ class Opens:
             del self._open[handle.inode]
         reader = handle.reader
         reader.close()
-        if isinstance(reader, BackfillReader) and not handle.backing:
-            reader.backfill()  # direct_io: no kernel read left pages, the fill reads the source
         held = state.backing
+        if isinstance(reader, BackfillReader) and (held is None or held.backfill is not
+                                                   reader.entry):
+            # no backing hands its entry to the cache at its last release (direct_io, or an
+            # open answered with another's backing: a reopen of an inode held at an older
+            # version): the fill reads the source now, else the entry stays reserved for good
+            reader.backfill()
         if handle.backing and held is not None and not any(h.backing for h in state.handles):
             state.backing = None
             assert self.backings is not None

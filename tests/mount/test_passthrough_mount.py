@@ -156,6 +156,39 @@ def test_a_file_changed_while_open(tmp_path: Path, mount, mode: str, change: str
     assert read_every_way(path) == want
 
 
+@needs_passthrough
+@pytest.mark.parametrize("lane", ["auto", "no"])
+def test_a_reopen_of_a_held_version_leaves_no_fill_behind(tmp_path: Path, mount,
+                                                          lane: str) -> None:
+    """A small cached file held open (its passthrough open pins the old version) is
+    rewritten in place, then reopened through /proc/self/fd before any open by path: the
+    daemon's open of that inode reserves an entry for the new version (a small miss,
+    ``Opens._choose``) but is answered with the held backing, which does not carry it. Once
+    every descriptor is closed nothing is left filling (the entry was backfilled at the
+    reopen's release, not left reserved until an open by path), no ERROR is logged (the
+    test's log check), and an open by path reads the new version byte-exact."""
+    small = 200 * 1024 + 777  # at most one fill step: a miss is backfilled, not filled
+    src = random_source(tmp_path, **{"f.bin": small})
+    old = (src / "f.bin").read_bytes()
+    m = mount(src, "--passthrough", "yes", "--request-lane", lane)
+    cached(m, "f.bin")
+    path = m.mountpoint / "f.bin"
+    with path.open("rb", buffering=0) as held:
+        assert held.read(4096) == old[:4096]
+        new = change_in_place(src / "f.bin", "longer")
+        again = os.open(f"/proc/self/fd/{held.fileno()}", os.O_RDONLY)  # its inode
+        try:
+            assert os.pread(again, 2 * small, 0) == old
+            assert os.fstat(again).st_size == small
+        finally:
+            os.close(again)
+        assert os.pread(held.fileno(), 2 * small, 0) == old
+    wait_for(lambda: m.status()["cache"]["filling"] == 0, "no entry left filling")
+    assert read_every_way(path) == xxhash.xxh64_hexdigest(new)
+    assert path.read_bytes() == new
+    m.settled(seconds=30)
+
+
 @pytest.fixture
 def reachable() -> Iterator[Path]:
     """A directory every user may enter (pytest's tmp_path is mode 700), removed after."""
