@@ -239,7 +239,8 @@ class Opens:
         if held is None:
             return None
         state.backing = held  # the daemon's opens join the lane's
-        if entry is None or held.entry is None or entry.offset != held.entry.offset:
+        theirs = None if held.entry is None else held.entry.offset
+        if (None if entry is None else entry.offset) != theirs:  # both None: the source
             log.info("inode %d opened beside passthrough opens of another backing: "
                      "reads theirs", inode)
         return held.id
