@@ -21,6 +21,9 @@ from coordlfs.peers.placement import owner
 
 MiB = 1 << 20
 
+#: a peer's file lands only for passthrough: asked for, whatever the suite's default
+LANDING = ("--insecure", "--passthrough", "yes", "--cache-size", "64M")
+
 
 def theirs(names: list[str], ports: list[int]) -> list[str]:
     """The names the second node (``ports[1]``) caches."""
@@ -41,7 +44,7 @@ def no_landed_file_open(m: Mount) -> None:
 def test_peer_files_are_read_by_the_kernel_byte_exact(mount, tmp_path: Path) -> None:
     roots, sizes = copies(tmp_path, 2)
     ports = [free_port(), free_port()]
-    a, _b = cluster(mount, roots, "--insecure", "--cache-size", "64M", ports=ports)
+    a, _b = cluster(mount, roots, *LANDING, ports=ports)
     assert a.status()["passthrough"]["on"]
     want = source_digests(roots[0], sizes)
     mine = theirs(sorted(sizes), ports)
@@ -97,7 +100,7 @@ def test_a_peer_file_changed_in_the_source_while_held(mount, tmp_path: Path) -> 
     does meanwhile; a new open reads the new version (from the peer, which has it too)."""
     roots, sizes = copies(tmp_path, 2)
     ports = [free_port(), free_port()]
-    a, _b = cluster(mount, roots, "--insecure", "--cache-size", "64M", ports=ports)
+    a, _b = cluster(mount, roots, *LANDING, ports=ports)
     name = theirs(sorted(sizes), ports)[0]
     old = (roots[0] / name).read_bytes()
     new = os.urandom(len(old) + 4096)
