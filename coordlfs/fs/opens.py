@@ -60,7 +60,8 @@ class Opens:
         #: why passthrough is off, None while it is on
         self.passthrough_off: str | None = "not asked for"
         #: the request lane's rows: the inodes whose opens it answers in C
-        self.rows = LaneRows(self._open, inodes, self.cache, readers.aligned.groups)
+        self.rows = LaneRows(self._open, inodes, self.cache, readers.aligned.groups,
+                             lambda: self.backings)
         self.cache.released.append(self._dropped)
 
     # -- the passthrough switch ---------------------------------------------------------

@@ -170,7 +170,7 @@ class Operations(pyfuse3.Operations):
             return negative
         inode = self.opens.known(st, path)
         self.inodes.ref(inode)
-        self.opens.rows.looked_up(inode, st, path, self.opens.backings)
+        self.opens.rows.looked_up(inode, st, path)
         return self._attr(inode, st)
 
     @guarded
@@ -361,7 +361,7 @@ class Operations(pyfuse3.Operations):
     @guarded
     async def release(self, fh: int) -> None:
         if fh & LANE_FH:  # an open the request lane answered, its row no longer answering
-            self.opens.rows.released(fh & ~LANE_FH, self.opens.backings)
+            self.opens.rows.released(fh & ~LANE_FH)
             return
         handle = self._handles.pop(fh)
         if isinstance(handle, FileHandle):

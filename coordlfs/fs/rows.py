@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from collections.abc import Callable
 
 from coordlfs.cache.cache import Entry, WholeFileCache
 from coordlfs.fs.backing import Backings
@@ -31,8 +32,11 @@ class LaneRows:
     """The rows of the open files table ``open`` (``Opens._open``: inode -> ``OpenInode``)."""
 
     def __init__(self, open_files: dict[int, OpenInode], inodes: InodeTable,
-                 cache: WholeFileCache, groups: Groups) -> None:
+                 cache: WholeFileCache, groups: Groups,
+                 backings: Callable[[], Backings | None]) -> None:
         self._open = open_files
+        #: who registers backing ids now (``Opens.backings``: None once passthrough is off)
+        self._backings = backings
         self.inodes = inodes
         self.cache = cache
         self._groups = groups
@@ -73,13 +77,12 @@ class LaneRows:
         if lane.offer(handle.inode, held.id, handle.path, handle.st):
             state.lane = LaneRow(lane, handle.inode, held, handle.st)
 
-    def looked_up(self, inode: int, st: os.stat_result, path: bytes,
-                  backings: Backings | None) -> None:
+    def looked_up(self, inode: int, st: os.stat_result, path: bytes) -> None:
         """The kernel was shown ``inode`` (a LOOKUP): if it is a complete cache entry no
         open holds, the lane answers its first open too. Rows go with the inodes the kernel
         forgets, so this is what keeps hits in C after the kernel dropped its dentries
         (memory pressure, drop_caches): each is looked up again before it is opened."""
-        lane = self.lane
+        lane, backings = self.lane, self._backings()
         if lane is None or backings is None or inode in self._open \
                 or not stat.S_ISREG(st.st_mode) or self.inodes.detached(inode) is not None:
             return
@@ -112,7 +115,7 @@ class LaneRows:
             if state.idle():
                 del self._open[inode]
 
-    def released(self, inode: int, backings: Backings | None) -> None:
+    def released(self, inode: int) -> None:
         """The kernel released an open the lane answered whose row it no longer answers
         by (suspended while the daemon decided, or retired): at the last, the row goes, and
         the backing if no other open of the inode holds it."""
@@ -123,6 +126,7 @@ class LaneRows:
             return
         if row.lane.release(inode) or row.active:
             return
+        backings = self._backings()
         assert state is not None and backings is not None
         self.retire(inode, state)
         if state.backing is None:

@@ -21,12 +21,13 @@
  * backing id at the last of them. Counters (opens and bytes answered here) are read by the
  * daemon into its own (coordlfs.cache.stats folds).
  *
- * Locking: one mutex over the rows and the queue; the thread holds it for a table probe,
- * never across a system call but the version check's (a few microseconds).
+ * Locking: one mutex over the rows and the queue, held for table probes only: the version
+ * check's system calls run outside it, so several lane threads check at once.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <linux/openat2.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -79,14 +80,19 @@ struct release_in {
 /* An open with any of these the daemon answers (EROFS), as coordlfs.fs.operations does. */
 #define WRITE_FLAGS (O_WRONLY | O_RDWR | O_TRUNC | O_APPEND | O_CREAT)
 
+/* What a row answers opens with, and the source file's version it stands for. */
+struct version {
+    uint64_t dev, ino;
+    int64_t size, mtime_ns, ctime_ns;
+    int32_t backing, zero; /* no padding: versions are compared with memcmp */
+};
+
 struct row {
     struct row *next;
     uint64_t nodeid;
-    int32_t backing;
     int active;
     int64_t opens;
-    uint64_t dev, ino;
-    int64_t size, mtime_ns, ctime_ns;
+    struct version v;
     char path[];
 };
 
@@ -148,7 +154,7 @@ EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path, uint64
     if (nrows >= nbuckets && (rc = grow()) < 0)
         goto out;
     struct row **at = slot_of(nodeid), *r = *at;
-    if (r && r->opens && r->backing != backing) {
+    if (r && r->opens && r->v.backing != backing) {
         rc = -EBUSY;
         goto out;
     }
@@ -167,8 +173,7 @@ EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path, uint64
     }
     memcpy(r->path, path, plen + 1);
     r->nodeid = nodeid;
-    r->backing = backing;
-    r->dev = dev, r->ino = ino, r->size = size, r->mtime_ns = mtime_ns, r->ctime_ns = ctime_ns;
+    r->v = (struct version){dev, ino, size, mtime_ns, ctime_ns, backing, 0};
     r->active = 1;
 out:
     pthread_mutex_unlock(&lock);
@@ -251,34 +256,52 @@ static void reply(uint64_t unique, const void *arg, size_t len) {
     (void)!write(dev_fd, &out, sizeof out.h + len);
 }
 
-/* Whether the source file at the row's path is the row's version now. */
-static int same_version(const struct row *r) {
+/* Whether the source file at `path` (beneath the root) is version `v` now. */
+static int same_version(const char *path, const struct version *v) {
     struct open_how how = {.flags = O_PATH | O_NOFOLLOW | O_CLOEXEC,
                            .resolve = RESOLVE_NO_XDEV | RESOLVE_NO_SYMLINKS};
-    int fd = (int)syscall(SYS_openat2, root_fd, r->path, &how, sizeof how);
+    int fd = (int)syscall(SYS_openat2, root_fd, path, &how, sizeof how);
     if (fd < 0)
         return 0;
     struct stat st;
-    int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (uint64_t)st.st_dev == r->dev &&
-             (uint64_t)st.st_ino == r->ino && st.st_size == r->size &&
-             st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec == r->mtime_ns &&
-             st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec == r->ctime_ns;
+    int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (uint64_t)st.st_dev == v->dev &&
+             (uint64_t)st.st_ino == v->ino && st.st_size == v->size &&
+             st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec == v->mtime_ns &&
+             st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec == v->ctime_ns;
     close(fd);
     return ok;
+}
+
+/* The row of `nodeid` if it answers opens, its version and path copied out (0 if not). */
+static int answering(uint64_t nodeid, struct version *v, char *path) {
+    struct row *r = enabled ? find(nodeid) : NULL;
+    if (!r || !r->active || strlen(r->path) >= PATH_MAX)
+        return 0;
+    *v = r->v;
+    strcpy(path, r->path);
+    return 1;
 }
 
 static int answer_open(const struct in_header *in, const struct open_in *arg) {
     if (arg->flags & WRITE_FLAGS)
         return 0;
+    /* the version checked outside the mutex (system calls: other lane threads answer
+     * meanwhile), the open counted only if the row still says the same after it */
+    struct version v;
+    char path[PATH_MAX];
+    pthread_mutex_lock(&lock);
+    int ok = answering(in->nodeid, &v, path);
+    pthread_mutex_unlock(&lock);
+    if (!ok || !same_version(path, &v))
+        return 0;
+    struct open_out out = {in->nodeid | LANE_FH, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, v.backing};
     pthread_mutex_lock(&lock);
     struct row *r = enabled ? find(in->nodeid) : NULL;
-    int ok = r && r->active && same_version(r);
-    struct open_out out = {in->nodeid | LANE_FH, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, 0};
+    ok = r && r->active && !memcmp(&r->v, &v, sizeof v);
     if (ok) {
         r->opens++;
-        out.backing_id = r->backing;
         atomic_fetch_add(&answered_opens, 1);
-        atomic_fetch_add(&answered_bytes, (uint64_t)r->size);
+        atomic_fetch_add(&answered_bytes, (uint64_t)v.size);
     }
     pthread_mutex_unlock(&lock);
     if (ok)
