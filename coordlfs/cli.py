@@ -255,7 +255,8 @@ def _passthrough_line(state: dict[str, Any] | None, reads: dict[str, int]) -> st
         return f"passthrough off: {state['why_off']}"
     lane = state.get("lane")
     answered = ("; request lane off" if not lane else
-                f"; {lane['opens']} of them answered in C by the request lane")
+                f"; {lane['opens'] + lane.get('source_opens', 0)} of them answered in C by "
+                "the request lane")
     return (f"passthrough on: {plural(reads['passthrough_opens'], 'open')} read by the "
             f"kernel from the cache, {reads['source_opens']} from the source{answered}")
 

@@ -247,7 +247,8 @@ class Daemon:
                 "bytes": cache.room.data_bytes,
                 "files": len(cache.entries) - cache.filling,
                 "kernel_bytes_per_file": cache.file_overhead,
-                "filling": cache.filling,
+                # the lane's misses the cache is about to be handed are fills in flight
+                "filling": cache.filling + self.ops.opens.rows.noting(),
                 "max_file_bytes": cache.max_file_size,
                 "directory": cache.directory,
                 "full": cache.room.full,
@@ -320,7 +321,7 @@ class Daemon:
             else:
                 self.ops.opens.rows.serve_by_lane(started)
                 self.stats.folds.append(started.fold)
-                log.info("request lane on: hits are answered in C")
+                log.info("request lane on: hits and small misses are answered in C")
                 return
         log.log(logging.INFO if self.config.request_lane == "no" else logging.WARNING,
                 "request lane off: %s", why_not)
@@ -343,6 +344,8 @@ class Daemon:
             nursery.start_soon(self.peers.run)
             nursery.start_soon(self.warms.run)
             nursery.start_soon(self.ops.freshness.run)
+            if self.ops.opens.rows.lane is not None:
+                nursery.start_soon(self.ops.opens.rows.take_notes)
             nursery.start_soon(self.cache.run_shared)
             nursery.start_soon(self.cache.check, self.source)
             if self.server is not None:

@@ -42,6 +42,12 @@ class Backing:
     #: the pages the kernel's reads brought in; None for a file no cache keeps
     backfill: Entry | None = None
 
+    def close_source(self) -> None:
+        """The source file's descriptor goes (the kernel keeps its file for open files)."""
+        if self.source_fd >= 0:
+            fd, self.source_fd = self.source_fd, -1
+            os.close(fd)
+
 
 class Backings:
     """The registered backing ids: the entries' kept ones, and registering the others."""
@@ -111,7 +117,7 @@ class Backings:
         """The last open that read ``backing`` is released: its id goes, unless it is an
         entry's the cache still holds (later opens take it again). A source file's
         descriptor stays the caller's, for the pages the kernel read."""
-        if backing.landed or backing.source_fd >= 0:
+        if backing.landed or backing.entry is None:  # a landed file's, a source file's
             self._close(backing.id, backing.path)
         elif backing.entry is not None and backing.entry.failed:  # dropped while held
             self._close(self._ids.pop(backing.entry.offset), backing.path)

@@ -21,12 +21,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyfuse3
 
 from coordlfs.cache.stats import Outcome, ReadCounters
 from coordlfs.errors import UserError
+from coordlfs.source.source import Version
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +46,20 @@ _i64, _u64 = ctypes.c_int64, ctypes.c_uint64
 def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(LIBRARY))
     lib.lane_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    lib.lane_offer.argtypes = [_u64, ctypes.c_int32, ctypes.c_char_p, _u64, _u64, _i64, _i64, _i64]
-    for name in ("lane_suspend", "lane_held", "lane_release", "lane_drop"):
+    lib.lane_offer.argtypes = [_u64, ctypes.c_int32, ctypes.c_char_p, _u64, _u64, _i64, _i64, _i64,
+                               ctypes.c_int, ctypes.c_int]
+    for name in ("lane_held", "lane_release", "lane_drop"):
         getattr(lib, name).argtypes = [_u64]
         getattr(lib, name).restype = _i64
+    lib.lane_suspend.argtypes = [_u64, ctypes.POINTER(ctypes.c_int32),
+                                 ctypes.POINTER(ctypes.c_int)]
+    lib.lane_suspend.restype = _i64
     lib.lane_enable.argtypes = [ctypes.c_int]
-    lib.lane_counts.argtypes = [ctypes.POINTER(_u64 * 3)]
+    lib.lane_counts.argtypes = [ctypes.POINTER(_u64 * 5)]
+    lib.lane_note.argtypes = [ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int),
+                              ctypes.POINTER(_i64 * 5), ctypes.c_char_p, ctypes.c_size_t]
+    lib.lane_note.restype = ctypes.c_ssize_t
+    lib.lane_noting.restype = _i64
     lib.lane_bufsize.restype = ctypes.c_size_t
     return lib
 
@@ -71,13 +82,28 @@ def why_not(mode: str, passthrough_off: str | None) -> str | None:
     return why
 
 
+@dataclass(frozen=True, slots=True)
+class Note:
+    """A source file the lane served opens of, for the cache to keep: the inode, the
+    file's path and version as the lane opened it, and its descriptor (the receiver's)."""
+
+    inode: int
+    path: bytes
+    dev: int
+    version: Version
+    fd: int
+
+
 class Lane:
     """The lane's rows and counts, over the library's calls (each takes its mutex)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        self._counts = (_u64 * 3)()
-        self._folded = (0, 0)
+        self._counts = (_u64 * 5)()
+        self._folded = (0, 0, 0, 0)
+        #: readable while the lane may have source files for the cache (``notes``)
+        self.notes_fd: int = lib.lane_notes_fd()
+        self._note = (_u64(), ctypes.c_int(), (_i64 * 5)(), ctypes.create_string_buffer(4096))
 
     @classmethod
     def start(cls, source_root: int, threads: int) -> Lane:
@@ -96,14 +122,36 @@ class Lane:
         """Answer read-only opens of ``inode`` with ``backing`` while its source file at
         ``path`` is the version ``st`` shows; False if the lane cannot (a path too long, opens
         of another backing held, no memory)."""
+        return self._offer(inode, backing, path, st, source=False, note=False)
+
+    def offer_source(self, inode: int, path: bytes, st: os.stat_result, note: bool) -> bool:
+        """Answer read-only opens of ``inode`` with the source file itself while it is the
+        version ``st`` shows (a miss the kernel reads, as passthrough_hp does); with ``note``,
+        it is handed to the daemon at its last release (``notes``) and the row goes."""
+        return self._offer(inode, 0, path, st, source=True, note=note)
+
+    def _offer(self, inode: int, backing: int, path: bytes, st: os.stat_result, source: bool,
+               note: bool) -> bool:
         if len(path) >= MAX_PATH:
             return False
         return self._lib.lane_offer(inode, backing, path or b".", st.st_dev, st.st_ino,
-                                    st.st_size, st.st_mtime_ns, st.st_ctime_ns) == 0
+                                    st.st_size, st.st_mtime_ns, st.st_ctime_ns, source,
+                                    note) == 0
 
-    def suspend(self, inode: int) -> int:
-        """No more opens of ``inode`` answered by the lane; the opens its row holds."""
-        return self._lib.lane_suspend(inode)
+    def suspend(self, inode: int) -> tuple[int, int, int]:
+        """No more opens of ``inode`` answered by the lane: the opens its row holds, and
+        for a source row the backing id and source descriptor those opens read, from now on
+        the daemon's (else 0 and -1), as their releases are."""
+        backing, fd = ctypes.c_int32(), ctypes.c_int()
+        opens = self._lib.lane_suspend(inode, ctypes.byref(backing), ctypes.byref(fd))
+        return opens, backing.value, fd.value
+
+    def notes(self) -> Iterator[Note]:
+        """The source files the lane has for the cache, taken (read ``notes_fd`` first)."""
+        inode, fd, version, path = self._note
+        while (n := self._lib.lane_note(ctypes.byref(inode), ctypes.byref(fd),
+                                        ctypes.byref(version), path, len(path))) >= 0:
+            yield Note(inode.value, path.raw[:n], version[0], Version(*version[1:]), fd.value)
 
     def held(self, inode: int) -> int:
         """The opens of ``inode`` the lane answered and the kernel has not released."""
@@ -120,21 +168,32 @@ class Lane:
     def enable(self, on: bool) -> None:
         self._lib.lane_enable(int(on))
 
-    def counts(self) -> tuple[int, int, int]:
-        """Opens answered, their files' bytes, releases answered, since the start."""
+    def counts(self) -> tuple[int, int, int, int, int]:
+        """Opens of cache entries answered, their files' bytes, releases answered, opens of
+        source files answered, their bytes, since the start."""
         self._lib.lane_counts(ctypes.byref(self._counts))
-        return self._counts[0], self._counts[1], self._counts[2]
+        return tuple(self._counts)  # type: ignore[return-value]
+
+    def noting(self) -> int:
+        """Source files read by the lane's opens that the cache is about to be handed."""
+        return self._lib.lane_noting()
 
     def status(self) -> dict[str, int]:
-        opens, _, releases = self.counts()
-        return {"opens": opens, "releases": releases}
+        opens, _, releases, source_opens, _ = self.counts()
+        return {"opens": opens, "source_opens": source_opens, "releases": releases}
 
     def fold(self, reads: ReadCounters) -> None:
-        """Bring the mount's counters up to the lane's: each open it answered a cache hit read
-        by passthrough, as ``Opens`` counts one (``stats.folds``)."""
-        opens, size, _ = self.counts()
-        new_opens, new_bytes = opens - self._folded[0], size - self._folded[1]
-        self._folded = (opens, size)
-        reads.opened(Outcome.HIT, new_opens, new_bytes)
-        reads.passthrough_opens += new_opens
-        reads.bytes_from_cache += new_bytes
+        """Bring the mount's counters up to the lane's, as ``Opens`` counts its own opens
+        (``stats.folds``): an entry's open a cache hit read by passthrough, a source file's a
+        miss the kernel read from the source."""
+        opens, size, _, source_opens, source_size = self.counts()
+        was = self._folded
+        self._folded = (opens, size, source_opens, source_size)
+        hits, hit_bytes = opens - was[0], size - was[1]
+        misses, miss_bytes = source_opens - was[2], source_size - was[3]
+        reads.opened(Outcome.HIT, hits, hit_bytes)
+        reads.passthrough_opens += hits
+        reads.bytes_from_cache += hit_bytes
+        reads.opened(Outcome.MISS, misses, miss_bytes)
+        reads.source_opens += misses
+        reads.bytes_from_source += miss_bytes

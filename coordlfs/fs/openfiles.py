@@ -71,8 +71,8 @@ class OpenInode:
         for handle in self.handles:
             if handle.pinned is not None:
                 return handle.pinned
-        if self.lane is not None and self.lane.held():
-            return self.lane.st
+        if self.lane is not None and self.lane.backing.entry is not None and self.lane.held():
+            return self.lane.st  # a cache entry's file (a source file is read as it is now)
         return None
 
     def held_backing(self) -> Backing | None:

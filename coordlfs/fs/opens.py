@@ -60,8 +60,7 @@ class Opens:
         #: why passthrough is off, None while it is on
         self.passthrough_off: str | None = "not asked for"
         #: the request lane's rows: the inodes whose opens it answers in C
-        self.rows = LaneRows(self._open, inodes, self.cache, readers.aligned.groups,
-                             lambda: self.backings)
+        self.rows = LaneRows(self._open, inodes, readers, lambda: self.backings)
         self.cache.released.append(self._dropped)
 
     # -- the passthrough switch ---------------------------------------------------------
@@ -101,7 +100,7 @@ class Opens:
     async def open(self, handle: FileHandle, pid: int) -> FileHandle:
         """Serve a new open of a regular file by ``pid``: its reader, counted (every open the
         daemon answers passes here once), then its backing, then what it holds."""
-        self.rows.suspend(handle.inode)
+        self.rows.suspend(handle.inode, handle.path)
         handle.reader = reader = await self._reader(handle, pid)
         self.counters.opened(reader.served, 1, handle.st.st_size)
         state = self._open.get(handle.inode)
@@ -312,7 +311,7 @@ class Opens:
                 try:
                     self._after_kernel_read(state.key, held)
                 finally:
-                    os.close(held.source_fd)
+                    held.close_source()
 
     def _after_kernel_read(self, key: Key, held: Backing) -> None:
         """The kernel read the source file itself, the daemon saw none of it: the pages it
@@ -409,6 +408,7 @@ class Opens:
             return False  # a reopen of that very inode (/proc/self/fd): it reads theirs
         if (st.st_dev, st.st_ino) != self.inodes[inode].key:
             return True
+        self.rows.suspend(inode, path)  # the lane's opens of it are the daemon's to weigh
         state = self._open.get(inode)
         pinned = None if state is None else state.pinned()
         held = None if state is None else state.held_backing()

@@ -2,47 +2,65 @@
 opens, and what its answered opens hold.
 
 The lane (``coordlfs.fs.lane``) answers an OPEN only as a row says: "this inode is the cache
-entry registered as backing id B, while the source file is version V". The rows are written
-here alone, from decisions ``coordlfs.fs.opens`` made itself: offered after a hit it served
-by passthrough of a complete entry's file (``offer``) or at a LOOKUP of one no open holds
-(``looked_up``); suspended while it decides another open of the inode; retired when the
-entry goes, the inode is detached or forgotten. A row's answered opens are open files of its
-inode (``OpenInode.pinned``, ``held_backing``): a retired row lives on, answering nothing,
-until the last of them is released (``released``).
+entry registered as backing id B" (a hit), or "this inode is read from the source file
+itself" (a miss, as passthrough_hp serves it), "while the source file is version V". The rows
+are written here alone, from decisions ``coordlfs.fs.opens`` made itself: an entry's offered
+after a hit it served by passthrough of a complete entry's file (``offer``) or at a LOOKUP of
+one no open holds (``looked_up``), a source file's at a LOOKUP of a small file the cache does
+not hold; suspended while it decides another open of the inode; retired when the entry goes,
+the inode is detached or forgotten. A row's answered opens are open files of its inode
+(``OpenInode.pinned``, ``held_backing``): a retired row lives on, answering nothing, until
+the last of them is released (``released``).
+
+A source row keeps no state here until the daemon must decide an open of its inode: its
+backing id and descriptor are the lane's, which closes them at the last release and hands
+the file to the cache (``take_notes``: backfilled from the pages the reads brought in, as
+after the daemon's own passthrough miss). When the daemon decides an open of the inode
+(``suspend``), the lane's opens become its own: their backing, their releases.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
 from collections.abc import Callable
 
-from coordlfs.cache.cache import Entry, WholeFileCache
-from coordlfs.fs.backing import Backings
+import trio
+
+from coordlfs.cache.cache import FILL_CHUNK, Entry
+from coordlfs.fs.backing import Backing, Backings
 from coordlfs.fs.inodes import InodeTable
-from coordlfs.fs.lane import Lane
+from coordlfs.fs.lane import Lane, Note
 from coordlfs.fs.openfiles import FileHandle, LaneRow, OpenInode
-from coordlfs.jobs.groups import Groups
+from coordlfs.fs.readers import Readers
+from coordlfs.source.source import Version
 
 log = logging.getLogger(__name__)
+
+#: Seconds the notes of source files read wait for more before they are taken: one reader
+#: closes a small file every 0.5 ms, and each wake of the loop for them costs as much as
+#: taking a few (measured: 5 ms took the loop's CPU per miss from ~300 to ~250 µs). A reopen
+#: meanwhile is a miss the daemon serves from the source as before.
+NOTES_GATHER_S = 0.005
 
 
 class LaneRows:
     """The rows of the open files table ``open`` (``Opens._open``: inode -> ``OpenInode``)."""
 
-    def __init__(self, open_files: dict[int, OpenInode], inodes: InodeTable,
-                 cache: WholeFileCache, groups: Groups,
+    def __init__(self, open_files: dict[int, OpenInode], inodes: InodeTable, readers: Readers,
                  backings: Callable[[], Backings | None]) -> None:
         self._open = open_files
         #: who registers backing ids now (``Opens.backings``: None once passthrough is off)
         self._backings = backings
         self.inodes = inodes
-        self.cache = cache
-        self._groups = groups
+        self.readers = readers
+        self.cache = readers.cache
+        self._groups = readers.aligned.groups
         #: the request lane, None while off
         self.lane: Lane | None = None
-        groups.on_change.append(self._members_changed)
+        self._groups.on_change.append(self._members_changed)
 
     def serve_by_lane(self, lane: Lane) -> None:
         """Mounted, before serving: ``lane`` answers the hits offered to it."""
@@ -58,13 +76,32 @@ class LaneRows:
     def status(self) -> dict[str, int] | None:
         return None if self.lane is None else self.lane.status()
 
-    def suspend(self, inode: int) -> None:
-        """The daemon decides an open of ``inode``: the lane answers none meanwhile (the
-        opens it holds count on)."""
+    def noting(self) -> int:
+        """Files the lane's opens read that the cache is about to be handed (``take_notes``)
+        and has not reserved yet: fills in flight, as far as a caller waiting for them is
+        concerned."""
+        return 0 if self.lane is None else self.lane.noting()
+
+    def suspend(self, inode: int, path: bytes) -> None:
+        """The daemon decides an open of ``inode`` (at ``path``): the lane answers none
+        meanwhile (the opens it holds count on); a source row's opens become the daemon's
+        open files of the inode, read from the backing the lane gives it."""
+        lane = self.lane
         state = self._open.get(inode)
-        if state is not None and state.lane is not None and state.lane.active:
-            state.lane.active = False
-            state.lane.lane.suspend(inode)
+        if lane is None or (state is not None and state.lane is None):
+            return  # a source row is offered only while no open holds the inode
+        if state is not None:
+            assert state.lane is not None
+            if state.lane.active:
+                state.lane.active = False
+                lane.suspend(inode)
+            return
+        _, backing, fd = lane.suspend(inode)
+        if backing > 0:
+            st = os.fstat(fd)
+            state = self._open[inode] = OpenInode((st.st_dev, st.st_ino))
+            state.lane = LaneRow(lane, inode, Backing(path, Version.of(st), backing, None, fd),
+                                 st)
 
     def offer(self, handle: FileHandle, state: OpenInode) -> None:
         """A hit answered by passthrough of a complete entry's file: the lane may answer the
@@ -88,12 +125,53 @@ class LaneRows:
             return
         key = (st.st_dev, st.st_ino)
         entry = self.cache.lookup(key, st)
-        if entry is None or not entry.complete or entry.to_backfill:
+        if entry is None:
+            self._offer_source(lane, inode, st, path)
+            return
+        if not entry.complete or entry.to_backfill:
             return
         backing = backings.of_entry(entry, st)
         if backing is not None and lane.offer(inode, backing.id, path, st):
             state = self._open[inode] = OpenInode(key)
             state.lane = LaneRow(lane, inode, backing, st)
+
+    def _offer_source(self, lane: Lane, inode: int, st: os.stat_result, path: bytes) -> None:
+        """A small file the cache does not hold: its opens are answered with the source file
+        itself, as the daemon answers them (``Opens._choose``), and handed to the cache at the
+        last release if it keeps them. Not while the mount has peers (one of them may hold
+        it), nor for a larger file (filled as it is read) or an empty one."""
+        size = st.st_size
+        if 0 < size <= FILL_CHUNK and not self.readers.peers.links:
+            lane.offer_source(inode, path, st, note=size <= self.cache.max_file_size
+                              and self.cache.room.takes(size))
+
+    async def take_notes(self) -> None:
+        """Hand each source file the lane's opens read to the cache, as they come."""
+        lane = self.lane
+        assert lane is not None
+        while True:
+            await trio.lowlevel.wait_readable(lane.notes_fd)
+            await trio.sleep(NOTES_GATHER_S)
+            with contextlib.suppress(BlockingIOError):
+                os.read(lane.notes_fd, 8)
+            for note in lane.notes():
+                try:
+                    self._noted(note)
+                finally:
+                    os.close(note.fd)
+
+    def _noted(self, note: Note) -> None:
+        """Backfill the file of ``note`` from the pages its reads brought in, if it is still
+        the version they read and the cache has room (storage was read, and counted, once,
+        by the lane's opens)."""
+        st = os.fstat(note.fd)
+        if st.st_dev != note.dev or Version.of(st) != note.version:
+            return
+        key, readers = (st.st_dev, st.st_ino), self.readers
+        entry, new = self.cache.reserve_backfill(key, note.path, st)
+        if entry is not None and new:
+            assert readers.nursery is not None
+            self.cache.backfill(key, entry, readers.source, readers.nursery, note.fd)
 
     def dropped(self, entry: Entry) -> None:
         """The cache dropped ``entry``: the lane answers no more opens of it."""
@@ -131,9 +209,12 @@ class LaneRows:
         self.retire(inode, state)
         if state.backing is None:
             backings.let_go(row.backing)
+            row.backing.close_source()
 
     def forgotten(self, inode: int) -> None:
         """The kernel forgot ``inode`` (it has no open file): its row goes."""
         state = self._open.get(inode)
         if state is not None:
             self.retire(inode, state)
+        elif self.lane is not None:  # a source row's
+            self.lane.drop(inode)

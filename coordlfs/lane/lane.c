@@ -28,6 +28,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <stddef.h>
 #include <linux/openat2.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -35,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -46,6 +48,13 @@
 #define FUSE_RELEASE 18
 #define FOPEN_NOFLUSH (1u << 5)
 #define FOPEN_PASSTHROUGH (1u << 7)
+struct backing_map {
+    int32_t fd;
+    uint32_t flags;
+    uint64_t padding;
+};
+#define BACKING_OPEN _IOW(229, 1, struct backing_map)
+#define BACKING_CLOSE _IOW(229, 2, uint32_t)
 
 struct in_header {
     uint32_t len, opcode;
@@ -87,11 +96,28 @@ struct version {
     int32_t backing, zero; /* no padding: versions are compared with memcmp */
 };
 
+/* A row answers opens with a cache entry's file (its backing registered by the daemon), or
+ * with the source file itself (`source`): a miss the kernel reads from the source, as
+ * libfuse's passthrough_hp serves every open. A source row's file is opened and registered
+ * here at the first of its opens, kept in `fd` while they last, and at the last release its
+ * id closed; with `note`, the row then goes, and the file (still open) is handed to the
+ * daemon (lane_note), which copies the pages the reads brought in into the cache. A row the
+ * daemon `adopted` (it had to decide an open of the inode itself) is the daemon's: its
+ * backing id and descriptor are, and so are its releases. */
 struct row {
     struct row *next;
     uint64_t nodeid;
-    int active;
+    int active, source, note, adopted, fd;
     int64_t opens;
+    struct version v;
+    char path[];
+};
+
+/* A source file read through a row with `note`, for the daemon to keep. */
+struct note {
+    struct note *next;
+    uint64_t nodeid;
+    int fd;
     struct version v;
     char path[];
 };
@@ -108,7 +134,12 @@ static size_t nbuckets, nrows;
 static struct queued *head, *tail;
 static int waiting, ended, enabled = 1, serving;
 static int dev_fd = -1, wake_fd = -1, root_fd = -1;
-static _Atomic uint64_t answered_opens, answered_bytes, answered_releases;
+static struct note *notes, *notes_tail;
+static int notes_fd = -1;
+/* Files the cache is to keep and has not been handed yet: note rows with opens, notes. */
+static int64_t noting;
+static _Atomic uint64_t answered_opens, answered_bytes, answered_releases, source_opens,
+    source_bytes;
 
 /* -- rows --------------------------------------------------------------------------------- */
 
@@ -143,18 +174,21 @@ static int grow(void) {
     return 0;
 }
 
-/* The row of `nodeid`: answer its read-only opens with `backing` while its source file at
- * `path` (beneath the root) is the version given. 0, or -EBUSY when opens of another backing
- * are held (the kernel gives an inode one backing at a time), -ENOMEM. */
+/* The row of `nodeid`: answer its read-only opens with `backing` (0 with `source`: the
+ * source file itself, registered at its first open; `note`: handed to the daemon at its
+ * last release) while its source file at `path` (beneath the root) is the version given.
+ * 0, or -EBUSY when opens of another backing are held (the kernel gives an inode one
+ * backing at a time), -ENOMEM. */
 EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path, uint64_t dev,
-                      uint64_t ino, int64_t size, int64_t mtime_ns, int64_t ctime_ns) {
+                      uint64_t ino, int64_t size, int64_t mtime_ns, int64_t ctime_ns,
+                      int source, int note) {
     size_t plen = strlen(path);
     pthread_mutex_lock(&lock);
     int rc = 0;
     if (nrows >= nbuckets && (rc = grow()) < 0)
         goto out;
     struct row **at = slot_of(nodeid), *r = *at;
-    if (r && r->opens && r->v.backing != backing) {
+    if (r && r->opens && (r->source || source || r->v.backing != backing)) {
         rc = -EBUSY;
         goto out;
     }
@@ -173,19 +207,45 @@ EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path, uint64
     }
     memcpy(r->path, path, plen + 1);
     r->nodeid = nodeid;
-    r->v = (struct version){dev, ino, size, mtime_ns, ctime_ns, backing, 0};
+    r->v = (struct version){dev, ino, size, mtime_ns, ctime_ns, source ? 0 : backing, 0};
     r->active = 1;
+    r->source = source;
+    r->note = note;
+    r->adopted = 0;
+    r->fd = -1;
 out:
     pthread_mutex_unlock(&lock);
     return rc;
 }
 
+static void unlink_row(struct row *r) {
+    struct row **at = slot_of(r->nodeid);
+    *at = r->next;
+    nrows--;
+}
+
 /* No more opens of `nodeid` answered here (the daemon decides them now); the opens the row
- * holds, which go on being counted. */
-EXPORT int64_t lane_suspend(uint64_t nodeid) {
+ * holds, which go on being counted. A source row's opens become the daemon's: their backing
+ * id and the source file's descriptor are given to it (`*backing`, `*fd`; else 0 and -1),
+ * and so are their releases; one with none held goes. */
+EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd) {
+    *backing = 0;
+    *fd = -1;
     pthread_mutex_lock(&lock);
     struct row *r = find(nodeid);
     int64_t opens = r ? (r->active = 0, r->opens) : 0;
+    if (r && r->source && !r->adopted) {
+        if (opens) {
+            noting -= r->note;
+            r->adopted = 1;
+            *backing = r->v.backing;
+            *fd = r->fd;
+            r->fd = -1;
+        } else {
+            unlink_row(r);
+            free(r);
+        }
+    }
     pthread_mutex_unlock(&lock);
     return opens;
 }
@@ -209,20 +269,17 @@ EXPORT int64_t lane_release(uint64_t nodeid) {
     return opens;
 }
 
-/* Remove the row of `nodeid`: 0, or the opens it still holds (then it stays, suspended). */
+/* Remove the row of `nodeid`: 0, or the opens it still holds (then it stays, suspended; a
+ * source row the daemon did not adopt goes at the last of their releases, here). */
 EXPORT int64_t lane_drop(uint64_t nodeid) {
     pthread_mutex_lock(&lock);
-    int64_t opens = 0;
-    if (nbuckets) {
-        struct row **at = slot_of(nodeid), *r = *at;
-        if (r && r->opens) {
-            r->active = 0;
-            opens = r->opens;
-        } else if (r) {
-            *at = r->next;
-            free(r);
-            nrows--;
-        }
+    struct row *r = find(nodeid);
+    int64_t opens = r ? r->opens : 0;
+    if (opens)
+        r->active = 0;
+    else if (r) {
+        unlink_row(r);
+        free(r);
     }
     pthread_mutex_unlock(&lock);
     return opens;
@@ -236,11 +293,55 @@ EXPORT void lane_enable(int on) {
     pthread_mutex_unlock(&lock);
 }
 
-/* What the lane answered since it started: opens, their files' bytes, releases. */
-EXPORT void lane_counts(uint64_t out[3]) {
+/* What the lane answered since it started: opens of cache entries, their files' bytes,
+ * releases, opens of source files, their bytes. */
+EXPORT void lane_counts(uint64_t out[5]) {
     out[0] = atomic_load(&answered_opens);
     out[1] = atomic_load(&answered_bytes);
     out[2] = atomic_load(&answered_releases);
+    out[3] = atomic_load(&source_opens);
+    out[4] = atomic_load(&source_bytes);
+}
+
+/* The next source file read through a row with `note`: its path's length (copied into
+ * `path`, `cap` bytes), its inode, open descriptor (now the caller's) and version
+ * (dev, ino, size, mtime_ns, ctime_ns); -1 if there is none. The descriptor given by
+ * lane_notes_fd is readable while there may be some. */
+EXPORT ssize_t lane_note(uint64_t *nodeid, int *fd, int64_t version[5], char *path, size_t cap) {
+    pthread_mutex_lock(&lock);
+    struct note *n = notes;
+    if (n && strlen(n->path) < cap) {
+        notes = n->next;
+        if (!notes)
+            notes_tail = NULL;
+        noting--;
+    } else if (n)
+        n = NULL; /* a row's path is shorter than any buffer the daemon passes */
+    pthread_mutex_unlock(&lock);
+    if (!n)
+        return -1;
+    *nodeid = n->nodeid;
+    *fd = n->fd;
+    int64_t v[5] = {(int64_t)n->v.dev, (int64_t)n->v.ino, n->v.size, n->v.mtime_ns,
+                    n->v.ctime_ns};
+    memcpy(version, v, sizeof v);
+    size_t len = strlen(n->path);
+    memcpy(path, n->path, len + 1);
+    free(n);
+    return (ssize_t)len;
+}
+
+EXPORT int lane_notes_fd(void) {
+    return notes_fd;
+}
+
+/* Source files read through rows with `note` not yet handed to the daemon, or still open:
+ * files the cache is about to be given, as a fill in flight. */
+EXPORT int64_t lane_noting(void) {
+    pthread_mutex_lock(&lock);
+    int64_t n = noting;
+    pthread_mutex_unlock(&lock);
+    return n;
 }
 
 /* -- answers ------------------------------------------------------------------------------ */
@@ -256,29 +357,55 @@ static void reply(uint64_t unique, const void *arg, size_t len) {
     (void)!write(dev_fd, &out, sizeof out.h + len);
 }
 
-/* Whether the source file at `path` (beneath the root) is version `v` now. */
-static int same_version(const char *path, const struct version *v) {
-    struct open_how how = {.flags = O_PATH | O_NOFOLLOW | O_CLOEXEC,
+/* The source file at `path` (beneath the root) opened with `flags` if it is version `v`
+ * now, else -1. */
+static int open_version(const char *path, const struct version *v, int flags) {
+    struct open_how how = {.flags = (uint64_t)(flags | O_NOFOLLOW | O_CLOEXEC),
                            .resolve = RESOLVE_NO_XDEV | RESOLVE_NO_SYMLINKS};
     int fd = (int)syscall(SYS_openat2, root_fd, path, &how, sizeof how);
     if (fd < 0)
-        return 0;
+        return -1;
     struct stat st;
     int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (uint64_t)st.st_dev == v->dev &&
              (uint64_t)st.st_ino == v->ino && st.st_size == v->size &&
              st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec == v->mtime_ns &&
              st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec == v->ctime_ns;
-    close(fd);
-    return ok;
+    if (!ok) {
+        close(fd);
+        return -1;
+    }
+    return fd;
 }
 
-/* The row of `nodeid` if it answers opens, its version and path copied out (0 if not). */
-static int answering(uint64_t nodeid, struct version *v, char *path) {
+/* The row of `nodeid` if it answers opens, its version and path copied out (NULL if not). */
+static struct row *answering(uint64_t nodeid, struct version *v, char *path) {
     struct row *r = enabled ? find(nodeid) : NULL;
     if (!r || !r->active || strlen(r->path) >= PATH_MAX)
-        return 0;
+        return NULL;
     *v = r->v;
     strcpy(path, r->path);
+    return r;
+}
+
+/* Whether row `r` still stands for `v` (a source row's backing comes and goes with its
+ * opens: not compared). */
+static int same_row(const struct row *r, const struct version *v) {
+    return !memcmp(&r->v, v, r->source ? offsetof(struct version, backing) : sizeof *v);
+}
+
+/* A source row's first open: the file opened as `fd` registered as its backing (the row
+ * keeps `fd`); 0 if the kernel refused it (the row then answers no more opens). Under the
+ * mutex, so that an inode's opens share one backing. */
+static int register_source(struct row *r, int fd) {
+    struct backing_map map = {fd, 0, 0};
+    int id = ioctl(dev_fd, BACKING_OPEN, &map);
+    if (id <= 0) {
+        r->active = 0;
+        return 0;
+    }
+    r->v.backing = id;
+    r->fd = fd;
+    noting += r->note;
     return 1;
 }
 
@@ -290,38 +417,101 @@ static int answer_open(const struct in_header *in, const struct open_in *arg) {
     struct version v;
     char path[PATH_MAX];
     pthread_mutex_lock(&lock);
-    int ok = answering(in->nodeid, &v, path);
+    struct row *r = answering(in->nodeid, &v, path);
+    int source = r ? r->source : 0;
     pthread_mutex_unlock(&lock);
-    if (!ok || !same_version(path, &v))
+    if (!r)
         return 0;
-    struct open_out out = {in->nodeid | LANE_FH, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, v.backing};
+    int fd = open_version(path, &v, source ? O_RDONLY | O_NONBLOCK | O_NOCTTY : O_PATH);
+    if (fd < 0)
+        return 0;
+    if (!source) {
+        close(fd);
+        fd = -1;
+    }
     pthread_mutex_lock(&lock);
-    struct row *r = enabled ? find(in->nodeid) : NULL;
-    ok = r && r->active && !memcmp(&r->v, &v, sizeof v);
+    r = enabled ? find(in->nodeid) : NULL;
+    int ok = r && r->active && r->source == source && same_row(r, &v);
+    if (ok && source && !r->opens && (ok = register_source(r, fd)))
+        fd = -1;
+    struct open_out out = {in->nodeid | LANE_FH, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH,
+                           ok ? r->v.backing : 0};
     if (ok) {
         r->opens++;
-        atomic_fetch_add(&answered_opens, 1);
-        atomic_fetch_add(&answered_bytes, (uint64_t)v.size);
+        atomic_fetch_add(source ? &source_opens : &answered_opens, 1);
+        atomic_fetch_add(source ? &source_bytes : &answered_bytes, (uint64_t)v.size);
     }
     pthread_mutex_unlock(&lock);
+    if (fd >= 0)
+        close(fd);
     if (ok)
         reply(in->unique, &out, sizeof out);
     return ok;
 }
 
+static void push_note(struct note *n) {
+    n->next = NULL;
+    pthread_mutex_lock(&lock);
+    int was_empty = !notes;
+    if (notes_tail)
+        notes_tail->next = n;
+    else
+        notes = n;
+    notes_tail = n;
+    pthread_mutex_unlock(&lock);
+    uint64_t one = 1;
+    if (was_empty)
+        (void)!write(notes_fd, &one, sizeof one);
+}
+
+/* The last release of a source row's opens: its id closed; the row goes if it noted (its
+ * file is handed to the daemon, the note made here) or no longer answers. Under the mutex. */
+static struct note *source_done(struct row *r, int *id, int *fd) {
+    *id = r->v.backing;
+    *fd = r->fd;
+    r->v.backing = 0;
+    r->fd = -1;
+    if (r->active && !r->note)
+        return NULL;
+    struct note *n = r->active ? malloc(sizeof *n + strlen(r->path) + 1) : NULL;
+    if (!n)
+        noting -= r->note;
+    if (n) {
+        n->nodeid = r->nodeid;
+        n->fd = *fd;
+        n->v = r->v;
+        strcpy(n->path, r->path);
+        *fd = -1;
+    }
+    unlink_row(r);
+    free(r);
+    return n;
+}
+
 static int answer_release(const struct in_header *in, const struct release_in *arg) {
     if (!(arg->fh & LANE_FH))
         return 0;
+    int id = 0, fd = -1;
+    struct note *n = NULL;
     pthread_mutex_lock(&lock);
     struct row *r = find(arg->fh & ~LANE_FH);
-    int ok = r && r->active && r->opens > 0;
-    if (ok)
-        r->opens--;
+    /* a row the daemon adopted, or a suspended entry's row: the daemon's release */
+    int ok = r && r->opens > 0 && (r->source ? !r->adopted : r->active);
+    if (ok && !--r->opens && r->source)
+        n = source_done(r, &id, &fd);
     pthread_mutex_unlock(&lock);
-    if (ok) {
-        atomic_fetch_add(&answered_releases, 1);
-        reply(in->unique, NULL, 0);
+    if (!ok)
+        return 0;
+    if (id > 0) {
+        uint32_t closing = (uint32_t)id;
+        (void)!ioctl(dev_fd, BACKING_CLOSE, &closing);
     }
+    if (fd >= 0)
+        close(fd);
+    if (n)
+        push_note(n);
+    atomic_fetch_add(&answered_releases, 1);
+    reply(in->unique, NULL, 0);
     return ok;
 }
 
@@ -429,9 +619,11 @@ EXPORT int lane_start(int fuse_fd, int source_root, int threads) {
     int dev = fcntl(fuse_fd, F_DUPFD_CLOEXEC, 0);
     int root = fcntl(source_root, F_DUPFD_CLOEXEC, 0);
     int efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (notes_fd < 0)
+        notes_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     /* one open file: its flags are the session's too, whose loop no longer reads it */
     int flags = dev >= 0 ? fcntl(dev, F_GETFL) : -1;
-    if (dev < 0 || root < 0 || efd < 0 || flags < 0 ||
+    if (dev < 0 || root < 0 || efd < 0 || notes_fd < 0 || flags < 0 ||
         fcntl(dev, F_SETFL, flags & ~O_NONBLOCK) < 0) {
         int e = errno;
         if (dev >= 0)
