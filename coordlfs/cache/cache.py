@@ -84,6 +84,10 @@ class WholeFileCache:
         self.room = Room(capacity, self.directory, lambda: free_bytes(self.dir_fd))
         #: called with each entry dropped (``_release``), such as to drop its backing id
         self.released: list[Callable[[Key, Entry], None]] = []
+        #: whether ``key``'s file is being read from the source by opens the cache is handed
+        #: after (the request lane's misses, ``LaneRows.claim``): no entry is reserved for it
+        #: then (a fill would read storage twice); else later such opens wait for the fill
+        self.read_elsewhere: Callable[[Key], bool] = lambda key: False
         #: kernel bytes per entry file beside its pages (``file_overhead``)
         self.file_overhead = file_overhead()
         #: a file over ``max_file_size`` was turned away: said once (``_too_large``)
@@ -167,7 +171,7 @@ class WholeFileCache:
 
     def reserve(self, key: Key, path: bytes, st: os.stat_result) -> Entry | None:
         """Claim room for a new entry, or None when the capacity (or the file limit) says no."""
-        if key in self.entries:
+        if key in self.entries or self.read_elsewhere(key):
             return None
         if st.st_size > self.max_file_size:
             self._too_large(path, st.st_size)

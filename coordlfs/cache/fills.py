@@ -328,8 +328,8 @@ class FillQueue:
             if st is None or fill.skip:
                 continue
             key = (st.st_dev, st.st_ino)
-            if cache.lookup(key, st) is not None:
-                fill.skip = "cached"
+            if cache.lookup(key, st) is not None or cache.read_elsewhere(key):
+                fill.skip = "cached"  # or being read, to be cached after
             elif st.st_size > cache.max_file_size:
                 fill.skip = "too_large"
             elif not self.caches_here(fill.path):

@@ -48,7 +48,7 @@ def _load() -> ctypes.CDLL:
     lib.lane_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.lane_offer.argtypes = [_u64, ctypes.c_int32, ctypes.c_char_p, _u64, _u64, _i64, _i64, _i64,
                                ctypes.c_int, ctypes.c_int]
-    for name in ("lane_held", "lane_release", "lane_drop"):
+    for name in ("lane_held", "lane_release", "lane_drop", "lane_claim"):
         getattr(lib, name).argtypes = [_u64]
         getattr(lib, name).restype = _i64
     lib.lane_suspend.argtypes = [_u64, ctypes.POINTER(ctypes.c_int32),
@@ -164,6 +164,11 @@ class Lane:
     def drop(self, inode: int) -> int:
         """Remove the row of ``inode``: 0, else the opens it still holds (it stays, suspended)."""
         return self._lib.lane_drop(inode)
+
+    def claim(self, inode: int) -> bool:
+        """Whether the lane's opens of ``inode`` are reading its source file for the cache
+        to be handed; if not, its source row goes (in one step: no open answered between)."""
+        return self._lib.lane_claim(inode) > 0
 
     def enable(self, on: bool) -> None:
         self._lib.lane_enable(int(on))

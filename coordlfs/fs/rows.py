@@ -31,7 +31,7 @@ import trio
 
 from coordlfs.cache.cache import FILL_CHUNK, Entry
 from coordlfs.fs.backing import Backing, Backings
-from coordlfs.fs.inodes import InodeTable
+from coordlfs.fs.inodes import InodeTable, Key
 from coordlfs.fs.lane import Lane, Note
 from coordlfs.fs.openfiles import FileHandle, LaneRow, OpenInode
 from coordlfs.fs.readers import Readers
@@ -172,6 +172,17 @@ class LaneRows:
         if entry is not None and new:
             assert readers.nursery is not None
             self.cache.backfill(key, entry, readers.source, readers.nursery, note.fd)
+
+    def claim(self, key: Key) -> bool:
+        """The cache is about to reserve an entry for ``key`` (a fill, a prefetch): whether
+        the lane's opens are reading its file from the source, for the cache to be handed at
+        their last release (then it must not: storage would be read twice). Else its source
+        row goes, so that its next open waits for the fill (a hit) instead."""
+        lane = self.lane
+        inode = self.inodes.find(key) if lane is not None else None
+        if lane is None or inode is None or inode in self._open:
+            return False  # no source row: it is offered only while no open holds the inode
+        return lane.claim(inode)
 
     def dropped(self, entry: Entry) -> None:
         """The cache dropped ``entry``: the lane answers no more opens of it."""

@@ -285,6 +285,27 @@ EXPORT int64_t lane_drop(uint64_t nodeid) {
     return opens;
 }
 
+/* The cache is about to fill `nodeid`'s file: 1 if a source row's opens are reading it to
+ * hand it to the cache (then it must not), else 0, and a source row answers no more opens
+ * (it goes now, or at the last release of those it answered). */
+EXPORT int64_t lane_claim(uint64_t nodeid) {
+    pthread_mutex_lock(&lock);
+    struct row *r = find(nodeid);
+    int64_t busy = 0;
+    if (r && r->source && !r->adopted) {
+        if (r->opens && r->note && r->active)
+            busy = 1;
+        else if (r->opens)
+            r->active = 0;
+        else {
+            unlink_row(r);
+            free(r);
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return busy;
+}
+
 /* Whether opens are answered here at all (the daemon turns it off while an aligned group
  * needs to see every open). */
 EXPORT void lane_enable(int on) {

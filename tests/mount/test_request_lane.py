@@ -33,7 +33,6 @@ import xxhash
 from conftest import Mount, daemons_of, drop_caches, force_unmount, read_all, run_cli, wait_for
 
 from coordlfs.cache.stats import difference
-from coordlfs.fs import lane, passthrough
 from coordlfs.system.mounts import mount_at
 from coordlfs.system.processes import process_alive
 
@@ -45,27 +44,6 @@ SIZES = {"a.bin": 4097, "b.bin": 112 * 1024 + 17, "c.bin": 300 * 1024 + 5, "d.bi
          "sub/f.bin": 65 * 1024 + 9, "sub/g.bin": 200 * 1024 + 1, "sub/deeper/h.bin": 8191}
 #: The counters an open answered by passthrough of a cache entry adds to.
 HIT_COUNTERS = ("file_hits", "passthrough_opens", "bytes_from_cache", "opened_bytes")
-
-
-def _lane_missing() -> str | None:
-    """Why the lane cannot be had here (passthrough is its precondition), else None."""
-    why = passthrough.available()
-    if why is not None:
-        return f"no FUSE passthrough: {why}"
-    return lane.why_not("auto", None)
-
-
-@pytest.fixture
-def needs_lane() -> None:
-    """Skip without the lane; but where passthrough is there, under CI=true a lane missing
-    (its library not built, an older pyfuse3) is a failure, as for the other optional
-    builds: the suite is where they are gated."""
-    why = _lane_missing()
-    if why is None:
-        return
-    if os.environ.get("CI") == "true" and passthrough.available() is None:
-        pytest.fail(f"the request lane is not available: {why}", pytrace=False)
-    pytest.skip(f"the request lane is not available: {why}")
 
 
 def make_source(tmp_path: Path, sizes: dict[str, int] = SIZES, seed: int = 1) -> Path:
