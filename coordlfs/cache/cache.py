@@ -186,6 +186,14 @@ class WholeFileCache:
         self.room.changed()
         return entry
 
+    def keeps(self, path: bytes, size: int, headroom: int = 0) -> bool:
+        """Whether a new file of ``size`` at ``path`` would be kept now, with ``headroom``
+        bytes of room to spare; one over ``--max-file-size`` is said once (``_too_large``)."""
+        if size > self.max_file_size:
+            self._too_large(path, size)
+            return False
+        return self.room.takes(size + headroom)
+
     def _too_large(self, path: bytes, size: int) -> None:
         """Say, once per mount, that files over ``--max-file-size`` are read from the source
         and never cached, naming the first and the option: an epoch over such files reads

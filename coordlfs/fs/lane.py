@@ -1,12 +1,14 @@
-"""The request lane: opens of cached files answered in C, without the Python loop.
+"""The request lane: opens of cached files and of small misses answered in C, without the
+Python loop.
 
 With passthrough a hit is OPEN and RELEASE at the daemon, and each costs a wake of the trio
 loop and the handlers' Python (docs/design/request-path.md). ``coordlfs/lane/lane.c``, built
 by ``scripts/setup`` beside its source, reads /dev/fuse in a thread of its own: it answers a
 read-only OPEN of an inode whose row says "backing id B while the source file is version V"
 (checked with one openat2 + fstat beneath the source's root), and the RELEASE of a handle it
-made; every other request goes to the patched pyfuse3's loop (``pyfuse3.use_lane``), which
-answers it as before.
+made; a small miss alike, with the source file itself as the backing, handed to the daemon
+at its last release for the cache (``Note``); every other request goes to the patched
+pyfuse3's loop (``pyfuse3.use_lane``), which answers it as before.
 
 The daemon keeps every decision: a row is offered only after an open the daemon answered
 itself with a complete entry's backing (``coordlfs.fs.opens``), suspended while the daemon
@@ -52,14 +54,15 @@ def _load() -> ctypes.CDLL:
         getattr(lib, name).argtypes = [_u64]
         getattr(lib, name).restype = _i64
     lib.lane_suspend.argtypes = [_u64, ctypes.POINTER(ctypes.c_int32),
-                                 ctypes.POINTER(ctypes.c_int)]
+                                 ctypes.POINTER(ctypes.c_int), ctypes.c_int]
     lib.lane_suspend.restype = _i64
     lib.lane_enable.argtypes = [ctypes.c_int]
-    lib.lane_counts.argtypes = [ctypes.POINTER(_u64 * 5)]
+    lib.lane_counts.argtypes = [ctypes.POINTER(_u64 * 6)]
     lib.lane_note.argtypes = [ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int),
                               ctypes.POINTER(_i64 * 5), ctypes.c_char_p, ctypes.c_size_t]
     lib.lane_note.restype = ctypes.c_ssize_t
     lib.lane_noting.restype = _i64
+    lib.lane_source_fd.argtypes = [_u64]
     lib.lane_bufsize.restype = ctypes.c_size_t
     return lib
 
@@ -99,8 +102,8 @@ class Lane:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        self._counts = (_u64 * 5)()
-        self._folded = (0, 0, 0, 0)
+        self._counts = (_u64 * 6)()
+        self._folded = (0, 0, 0, 0, 0)
         #: readable while the lane may have source files for the cache (``notes``)
         self.notes_fd: int = lib.lane_notes_fd()
         self._note = (_u64(), ctypes.c_int(), (_i64 * 5)(), ctypes.create_string_buffer(4096))
@@ -138,13 +141,26 @@ class Lane:
                                     st.st_size, st.st_mtime_ns, st.st_ctime_ns, source,
                                     note) == 0
 
-    def suspend(self, inode: int) -> tuple[int, int, int]:
+    def suspend(self, inode: int, held_only: bool = False) -> tuple[int, int, int]:
         """No more opens of ``inode`` answered by the lane: the opens its row holds, and
         for a source row the backing id and source descriptor those opens read, from now on
-        the daemon's (else 0 and -1), as their releases are."""
+        the daemon's (else 0 and -1), as their releases are. ``held_only``: only a source
+        row's, and only if it holds opens (else nothing changes)."""
         backing, fd = ctypes.c_int32(), ctypes.c_int()
-        opens = self._lib.lane_suspend(inode, ctypes.byref(backing), ctypes.byref(fd))
+        opens = self._lib.lane_suspend(inode, ctypes.byref(backing), ctypes.byref(fd),
+                                       held_only)
         return opens, backing.value, fd.value
+
+    def source_stat(self, inode: int) -> os.stat_result | None:
+        """The source file the lane's held opens of ``inode`` read, as it is now (an fstat of
+        it), None if it holds none by a source row."""
+        fd = self._lib.lane_source_fd(inode)
+        if fd < 0:
+            return None
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
 
     def notes(self) -> Iterator[Note]:
         """The source files the lane has for the cache, taken (read ``notes_fd`` first)."""
@@ -173,9 +189,10 @@ class Lane:
     def enable(self, on: bool) -> None:
         self._lib.lane_enable(int(on))
 
-    def counts(self) -> tuple[int, int, int, int, int]:
+    def counts(self) -> tuple[int, int, int, int, int, int]:
         """Opens of cache entries answered, their files' bytes, releases answered, opens of
-        source files answered, their bytes, since the start."""
+        source files answered, the bytes read from storage for them (once per file read),
+        their files' bytes (per open), since the start."""
         self._lib.lane_counts(ctypes.byref(self._counts))
         return tuple(self._counts)  # type: ignore[return-value]
 
@@ -184,21 +201,20 @@ class Lane:
         return self._lib.lane_noting()
 
     def status(self) -> dict[str, int]:
-        opens, _, releases, source_opens, _ = self.counts()
+        opens, _, releases, source_opens, _, _ = self.counts()
         return {"opens": opens, "source_opens": source_opens, "releases": releases}
 
     def fold(self, reads: ReadCounters) -> None:
         """Bring the mount's counters up to the lane's, as ``Opens`` counts its own opens
         (``stats.folds``): an entry's open a cache hit read by passthrough, a source file's a
         miss the kernel read from the source."""
-        opens, size, _, source_opens, source_size = self.counts()
+        opens, size, _, source_opens, read, opened = self.counts()
         was = self._folded
-        self._folded = (opens, size, source_opens, source_size)
+        self._folded = (opens, size, source_opens, read, opened)
         hits, hit_bytes = opens - was[0], size - was[1]
-        misses, miss_bytes = source_opens - was[2], source_size - was[3]
         reads.opened(Outcome.HIT, hits, hit_bytes)
         reads.passthrough_opens += hits
         reads.bytes_from_cache += hit_bytes
-        reads.opened(Outcome.MISS, misses, miss_bytes)
-        reads.source_opens += misses
-        reads.bytes_from_source += miss_bytes
+        reads.opened(Outcome.MISS, source_opens - was[2], opened - was[4])
+        reads.source_opens += source_opens - was[2]
+        reads.bytes_from_source += read - was[3]

@@ -81,6 +81,16 @@ class OpenInode:
             return self.lane.backing
         return self.backing
 
+    def source_path(self) -> bytes | None:
+        """The path of the source file the open files read as it is now (no version fixed:
+        the daemon's source reads, or a passthrough of the source file itself), if they do."""
+        if self.pinned() is not None:
+            return None
+        if self.handles:
+            return self.handles[0].path
+        held = self.held_backing()
+        return held.path if held is not None and held.source_fd >= 0 else None
+
     def idle(self) -> bool:
         """No open file left, nor a lane row to answer new ones."""
         return not self.handles and self.lane is None

@@ -17,6 +17,7 @@ nothing more to read, so that is when the pages are handed to the cache
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -369,9 +370,14 @@ class Opens:
 
     def reading_now(self, path: bytes) -> list[int]:
         """The inodes whose open files read the source file at ``path`` as it is now (no
-        version fixed): what they read and what fstat says must follow its changes."""
-        return [inode for inode, state in self._open.items()
-                if state.handles and state.handles[0].path == path and state.pinned() is None]
+        version fixed): what they read and what fstat says must follow its changes. The
+        request lane's are asked for by the file's key (a change in place keeps it)."""
+        with contextlib.suppress(OSError, ValueError):
+            st = self.readers.source.lstat(path)
+            inode = self.inodes.find((st.st_dev, st.st_ino))
+            if inode is not None:
+                self.rows.adopt(inode)
+        return [inode for inode, state in self._open.items() if state.source_path() == path]
 
     def opened_stat(self, inode: int) -> os.stat_result | None:
         """The attributes of the file the open files of ``inode`` read, whatever its path
@@ -379,15 +385,16 @@ class Opens:
         source file they hold, as it is now (a rewrite in place shows at once, as it reads);
         None if none is open."""
         state = self._open.get(inode)
-        if state is None:
-            return None
+        if state is None:  # the lane's opens of a source file, if it holds some
+            return self.rows.source_stat(inode)
         pinned = state.pinned()
         if pinned is not None:
             return pinned
+        held = state.held_backing()
+        if held is not None and held.source_fd >= 0:
+            return os.fstat(held.source_fd)
         if not state.handles:  # a lane row with no open held
             return None
-        if state.backing is not None and state.backing.source_fd >= 0:
-            return os.fstat(state.backing.source_fd)
         for handle in state.handles:
             if handle.reader.source_fd >= 0:
                 return os.fstat(handle.reader.source_fd)

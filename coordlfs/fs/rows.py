@@ -44,6 +44,11 @@ log = logging.getLogger(__name__)
 #: taking a few (measured: 5 ms took the loop's CPU per miss from ~300 to ~250 µs). A reopen
 #: meanwhile is a miss the daemon serves from the source as before.
 NOTES_GATHER_S = 0.005
+#: Room the cache keeps beyond a file for the lane to hand it the file later: the lane's
+#: misses take room only once the daemon takes their notes, so a cache this close to full
+#: reserves each miss at its open instead (``Opens``), and its room, which clients read to
+#: choose between the mount and the source, stays exact.
+NOTE_HEADROOM = 64 << 20
 
 
 class LaneRows:
@@ -85,23 +90,46 @@ class LaneRows:
     def suspend(self, inode: int, path: bytes) -> None:
         """The daemon decides an open of ``inode`` (at ``path``): the lane answers none
         meanwhile (the opens it holds count on); a source row's opens become the daemon's
-        open files of the inode, read from the backing the lane gives it."""
+        open files of the inode (``adopt``)."""
         lane = self.lane
         state = self._open.get(inode)
         if lane is None or (state is not None and state.lane is None):
             return  # a source row is offered only while no open holds the inode
-        if state is not None:
-            assert state.lane is not None
-            if state.lane.active:
-                state.lane.active = False
-                lane.suspend(inode)
-            return
-        _, backing, fd = lane.suspend(inode)
-        if backing > 0:
-            st = os.fstat(fd)
-            state = self._open[inode] = OpenInode((st.st_dev, st.st_ino))
-            state.lane = LaneRow(lane, inode, Backing(path, Version.of(st), backing, None, fd),
-                                 st)
+        if state is None:
+            self._adopt(lane, inode, path, held_only=False)
+        elif state.lane is not None and state.lane.active:
+            state.lane.active = False
+            lane.suspend(inode)
+
+    def source_stat(self, inode: int) -> os.stat_result | None:
+        """The attributes of the source file the lane's held opens of ``inode`` read (a
+        source row's, no open of the daemon's beside), None if it holds none."""
+        if self.lane is None or inode in self._open:
+            return None
+        return self.lane.source_stat(inode)
+
+    def adopt(self, inode: int) -> OpenInode | None:
+        """The open files of ``inode`` if the lane holds opens of it by a source row (the
+        daemon answers for them from now on: their attributes, their releases), else None."""
+        lane = self.lane
+        if lane is None or inode in self._open:
+            return self._open.get(inode)
+        try:
+            path = self.inodes.path(inode)
+        except KeyError:
+            return None
+        return self._adopt(lane, inode, path, held_only=True)
+
+    def _adopt(self, lane: Lane, inode: int, path: bytes, held_only: bool) -> OpenInode | None:
+        """The lane's source row of ``inode`` no longer answers; the opens it holds become the
+        daemon's open files of the inode, read from the backing it gives over."""
+        _, backing, fd = lane.suspend(inode, held_only)
+        if backing <= 0:
+            return None
+        st = os.fstat(fd)
+        state = self._open[inode] = OpenInode((st.st_dev, st.st_ino))
+        state.lane = LaneRow(lane, inode, Backing(path, Version.of(st), backing, None, fd), st)
+        return state
 
     def offer(self, handle: FileHandle, state: OpenInode) -> None:
         """A hit answered by passthrough of a complete entry's file: the lane may answer the
@@ -140,10 +168,13 @@ class LaneRows:
         itself, as the daemon answers them (``Opens._choose``), and handed to the cache at the
         last release if it keeps them. Not while the mount has peers (one of them may hold
         it), nor for a larger file (filled as it is read) or an empty one."""
-        size = st.st_size
-        if 0 < size <= FILL_CHUNK and not self.readers.peers.links:
-            lane.offer_source(inode, path, st, note=size <= self.cache.max_file_size
-                              and self.cache.room.takes(size))
+        size, cache = st.st_size, self.cache
+        if not 0 < size <= FILL_CHUNK or self.readers.peers.links:
+            return
+        if cache.keeps(path, size, NOTE_HEADROOM):
+            lane.offer_source(inode, path, st, note=True)
+        elif size > cache.max_file_size or not cache.room.capacity:  # never kept here
+            lane.offer_source(inode, path, st, note=False)
 
     async def take_notes(self) -> None:
         """Hand each source file the lane's opens read to the cache, as they come."""

@@ -1,4 +1,5 @@
-/* coordlfs request lane: the daemon's cache hits answered in C, without the Python loop.
+/* coordlfs request lane: the daemon's cache hits and small misses answered in C, without the
+ * Python loop.
  *
  * Why: with FUSE passthrough a cache hit costs the daemon only OPEN and RELEASE, but each is
  * a wake of the trio loop and a pass through the Python handlers (84 us of daemon CPU per
@@ -9,16 +10,18 @@
  * read, as passthrough_hp does): an OPEN (read-only) of an inode with an active row whose
  * source file is still version V (one openat2 + fstat beneath the source's root, the rules
  * coordlfs.source.walk uses) is answered at once with B; the RELEASE of a handle it made
- * (fh with LANE_FH set) is answered too. Every other request is queued for the daemon's
- * trio loop, which takes it with lane_take (the patched pyfuse3's loop, part (e) of
- * scripts/pyfuse3-passthrough.patch) and answers it as before, woken by an eventfd only
- * when it was waiting.
+ * (fh with LANE_FH set) is answered too. A small miss alike (a source row, below): the
+ * source file itself is the backing, as passthrough_hp answers every open. Every other
+ * request is queued for the daemon's trio loop, which takes it with lane_take (the patched
+ * pyfuse3's loop, part (e) of scripts/pyfuse3-passthrough.patch) and answers it as before,
+ * woken by an eventfd only when it was waiting.
  *
  * The daemon stays the owner of every decision: a row is only what it decided at an open it
  * answered itself (coordlfs/fs/lane.py); the opens a row holds are counted here and read by
  * the daemon where they matter (one backing per inode, the version its open files read); a
  * RELEASE of a handle whose row is suspended goes to the daemon, which may have to close the
- * backing id at the last of them. Counters (opens and bytes answered here) are read by the
+ * backing id at the last of them (a source row's releases stay here unless the daemon
+ * adopted its opens). Counters (opens and bytes answered here) are read by the
  * daemon into its own (coordlfs.cache.stats folds).
  *
  * Locking: one mutex over the rows and the queue, held for table probes only: the version
@@ -107,7 +110,7 @@ struct version {
 struct row {
     struct row *next;
     uint64_t nodeid;
-    int active, source, note, adopted, fd;
+    int active, source, note, noted, adopted, fd;
     int64_t opens;
     struct version v;
     char path[];
@@ -139,7 +142,7 @@ static int notes_fd = -1;
 /* Files the cache is to keep and has not been handed yet: note rows with opens, notes. */
 static int64_t noting;
 static _Atomic uint64_t answered_opens, answered_bytes, answered_releases, source_opens,
-    source_bytes;
+    source_bytes, source_opened_bytes;
 
 /* -- rows --------------------------------------------------------------------------------- */
 
@@ -192,6 +195,10 @@ EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path, uint64
         rc = -EBUSY;
         goto out;
     }
+    struct version v = {dev, ino, size, mtime_ns, ctime_ns, 0, 0};
+    if (r && r->source && source && r->active && !strcmp(r->path, path) &&
+        !memcmp(&r->v, &v, offsetof(struct version, backing)))
+        goto out; /* offered again (another LOOKUP): it stays as it is (noted, say) */
     if (!r || strlen(r->path) < plen) {
         struct row *fresh = malloc(sizeof *fresh + plen + 1);
         if (!fresh) {
@@ -211,6 +218,7 @@ EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path, uint64
     r->active = 1;
     r->source = source;
     r->note = note;
+    r->noted = 0;
     r->adopted = 0;
     r->fd = -1;
 out:
@@ -227,13 +235,18 @@ static void unlink_row(struct row *r) {
 /* No more opens of `nodeid` answered here (the daemon decides them now); the opens the row
  * holds, which go on being counted. A source row's opens become the daemon's: their backing
  * id and the source file's descriptor are given to it (`*backing`, `*fd`; else 0 and -1),
- * and so are their releases; one with none held goes. */
-EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd) {
+ * and so are their releases; one with none held goes. With `held_only`, only a source row
+ * with opens held is touched (the daemon must answer for them: a getattr, a change). */
+EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd, int held_only) {
     *backing = 0;
     *fd = -1;
     pthread_mutex_lock(&lock);
     struct row *r = find(nodeid);
-    int64_t opens = r ? (r->active = 0, r->opens) : 0;
+    int64_t opens = r ? r->opens : 0;
+    if (r && held_only && (!r->source || r->adopted || !opens))
+        r = NULL;
+    if (r)
+        r->active = 0;
     if (r && r->source && !r->adopted) {
         if (opens) {
             noting -= r->note;
@@ -248,6 +261,16 @@ EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd) {
     }
     pthread_mutex_unlock(&lock);
     return opens;
+}
+
+/* A new descriptor of the source file a source row's held opens read (the caller closes
+ * it), -1 if none is held: what fstat of them shows, the daemon answers with its fstat. */
+EXPORT int lane_source_fd(uint64_t nodeid) {
+    pthread_mutex_lock(&lock);
+    struct row *r = find(nodeid);
+    int fd = r && r->source && r->fd >= 0 ? fcntl(r->fd, F_DUPFD_CLOEXEC, 0) : -1;
+    pthread_mutex_unlock(&lock);
+    return fd;
 }
 
 /* The opens of `nodeid` answered here and not released yet. */
@@ -315,13 +338,15 @@ EXPORT void lane_enable(int on) {
 }
 
 /* What the lane answered since it started: opens of cache entries, their files' bytes,
- * releases, opens of source files, their bytes. */
-EXPORT void lane_counts(uint64_t out[5]) {
+ * releases, opens of source files, the bytes read from storage for them (once per file
+ * read), their files' bytes (per open). */
+EXPORT void lane_counts(uint64_t out[6]) {
     out[0] = atomic_load(&answered_opens);
     out[1] = atomic_load(&answered_bytes);
     out[2] = atomic_load(&answered_releases);
     out[3] = atomic_load(&source_opens);
     out[4] = atomic_load(&source_bytes);
+    out[5] = atomic_load(&source_opened_bytes);
 }
 
 /* The next source file read through a row with `note`: its path's length (copied into
@@ -458,9 +483,14 @@ static int answer_open(const struct in_header *in, const struct open_in *arg) {
     struct open_out out = {in->nodeid | LANE_FH, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH,
                            ok ? r->v.backing : 0};
     if (ok) {
+        /* a source file's bytes are read from storage once for the opens that share its
+         * backing (the first one's), an entry's counted per open as the daemon counts hits */
+        if (!source || (!r->opens && !r->noted))
+            atomic_fetch_add(source ? &source_bytes : &answered_bytes, (uint64_t)v.size);
         r->opens++;
         atomic_fetch_add(source ? &source_opens : &answered_opens, 1);
-        atomic_fetch_add(source ? &source_bytes : &answered_bytes, (uint64_t)v.size);
+        if (source)
+            atomic_fetch_add(&source_opened_bytes, (uint64_t)v.size);
     }
     pthread_mutex_unlock(&lock);
     if (fd >= 0)
@@ -485,27 +515,34 @@ static void push_note(struct note *n) {
         (void)!write(notes_fd, &one, sizeof one);
 }
 
-/* The last release of a source row's opens: its id closed; the row goes if it noted (its
- * file is handed to the daemon, the note made here) or no longer answers. Under the mutex. */
+/* The last release of a source row's opens: its id closed; with `note`, the file (still
+ * open) handed to the daemon (the note made here) once, the row answering on until the
+ * daemon reserves the entry (lane_claim); a row that no longer answers goes. Under the
+ * mutex. */
 static struct note *source_done(struct row *r, int *id, int *fd) {
     *id = r->v.backing;
     *fd = r->fd;
     r->v.backing = 0;
     r->fd = -1;
-    if (r->active && !r->note)
+    if (!r->active) {
+        unlink_row(r);
+        free(r);
         return NULL;
-    struct note *n = r->active ? malloc(sizeof *n + strlen(r->path) + 1) : NULL;
-    if (!n)
-        noting -= r->note;
-    if (n) {
-        n->nodeid = r->nodeid;
-        n->fd = *fd;
-        n->v = r->v;
-        strcpy(n->path, r->path);
-        *fd = -1;
     }
-    unlink_row(r);
-    free(r);
+    if (!r->note)
+        return NULL;
+    r->note = 0;
+    r->noted = 1;
+    struct note *n = malloc(sizeof *n + strlen(r->path) + 1);
+    if (!n) {
+        noting--;
+        return NULL;
+    }
+    n->nodeid = r->nodeid;
+    n->fd = *fd;
+    n->v = r->v;
+    strcpy(n->path, r->path);
+    *fd = -1;
     return n;
 }
 

@@ -167,7 +167,7 @@ def test_rows_without_opens(lib: ctypes.CDLL, source: Path) -> None:
     assert rows.drop(5) == 0
     assert (rows.held(5), rows.release(5), rows.drop(5)) == (0, -1, 0)
     assert (rows.held(6), rows.release(6)) == (0, -1)
-    assert rows.counts() == (0, 0, 0, 0, 0)
+    assert rows.counts() == (0, 0, 0, 0, 0, 0)
 
 
 def test_a_path_too_long_is_not_offered(lib: ctypes.CDLL) -> None:
@@ -211,11 +211,11 @@ def test_an_offered_row_answers_read_only_opens_and_their_releases(
                                              FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, 7)
         assert rows.held(5) == n
         fhs.append(fh)
-    assert rows.counts() == (3, 3 * size, 0, 0, 0)
+    assert rows.counts() == (3, 3 * size, 0, 0, 0, 0)
     for n, fh in enumerate(fhs, 1):
         assert session.release(5, fh) == "answered"
         assert rows.held(5) == 3 - n
-    assert rows.counts() == (3, 3 * size, 3, 0, 0)
+    assert rows.counts() == (3, 3 * size, 3, 0, 0, 0)
 
 
 def test_what_the_lane_leaves_to_the_daemon(session: Session, source: Path) -> None:
@@ -231,7 +231,7 @@ def test_what_the_lane_leaves_to_the_daemon(session: Session, source: Path) -> N
     assert session.send(FUSE_GETATTR, 5, struct.pack("<IIQ", 0, 0, 0))[0] == "queued"
     assert session.release(5, 12) == "queued"  # the daemon's fh
     assert session.release(5, 5 | lane.LANE_FH) == "queued"  # no open held
-    assert rows.held(5) == 0 and rows.counts() == (0, 0, 0, 0, 0)
+    assert rows.held(5) == 0 and rows.counts() == (0, 0, 0, 0, 0, 0)
     assert session.open(5)[0] == "answered"
 
 
