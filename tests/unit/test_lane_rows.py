@@ -361,3 +361,40 @@ def test_lane_start_twice_is_refused(session: Session, source: Path) -> None:
         os.close(root)
     assert offer(session.lane, source, 5, 7, "d/f.bin")
     assert session.open(5)[0] == "answered"
+
+
+# -- source rows (small misses) ----------------------------------------------------------------
+
+
+def test_a_source_row_the_kernel_refuses_goes_to_the_daemon(session: Session,
+                                                            source: Path) -> None:
+    """A source row's first open registers the source file as its backing; on a session
+    that is not /dev/fuse the registration fails, so the open is the daemon's, and so is
+    every later one (the row answers no more): nothing is counted, nothing handed over."""
+    rows = session.lane
+    st = os.lstat(source / "g.bin")
+    assert rows.offer_source(7, b"g.bin", st, note=True)
+    for _ in range(2):
+        assert session.open(7)[0] == "queued"
+    assert rows.counts()[3:] == (0, 0, 0)
+    assert rows.noting() == 0 and list(rows.notes()) == []
+    assert rows.source_stat(7) is None  # it holds no open
+    assert rows.suspend(7) == (0, 0, -1)  # no open to give over: the row goes
+
+
+def test_source_row_calls_without_opens(lib: ctypes.CDLL, source: Path) -> None:
+    """A source row offered over an entry's row with no opens replaces it (and back); a
+    claim of it by a fill says it is not being read and removes it; offering it again for
+    the same version leaves it as it is; held-only suspension touches nothing without
+    opens."""
+    rows = lane.Lane(lib)
+    st = os.lstat(source / "d" / "f.bin")
+    assert offer(rows, source, 5, 7, "d/f.bin")
+    assert rows.offer_source(5, b"d/f.bin", st, note=True)
+    assert rows.offer_source(5, b"d/f.bin", st, note=False)  # the same version: kept
+    assert rows.suspend(5, held_only=True) == (0, 0, -1)
+    assert not rows.claim(5)  # not read now: it goes
+    assert (rows.held(5), rows.release(5)) == (0, -1)
+    assert rows.offer_source(5, b"d/f.bin", st, note=True)
+    assert offer(rows, source, 5, 7, "d/f.bin")  # an entry's row over it
+    assert rows.drop(5) == 0 and rows.release(5) == -1
