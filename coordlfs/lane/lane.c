@@ -226,10 +226,23 @@ out:
     return rc;
 }
 
-static void unlink_row(struct row *r) {
+/* The row goes from the table. Under the mutex. */
+static void remove_row(struct row *r) {
     struct row **at = slot_of(r->nodeid);
     *at = r->next;
     nrows--;
+    free(r);
+}
+
+/* The row answers no more opens: it goes, or, while it holds some, stays to count their
+ * releases. The opens it holds. Under the mutex. */
+static int64_t retire_row(struct row *r) {
+    int64_t opens = r->opens;
+    if (opens)
+        r->active = 0;
+    else
+        remove_row(r);
+    return opens;
 }
 
 /* No more opens of `nodeid` answered here (the daemon decides them now); the opens the row
@@ -254,10 +267,8 @@ EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd, int held
             *backing = r->v.backing;
             *fd = r->fd;
             r->fd = -1;
-        } else {
-            unlink_row(r);
-            free(r);
-        }
+        } else
+            retire_row(r);
     }
     pthread_mutex_unlock(&lock);
     return opens;
@@ -297,13 +308,7 @@ EXPORT int64_t lane_release(uint64_t nodeid) {
 EXPORT int64_t lane_drop(uint64_t nodeid) {
     pthread_mutex_lock(&lock);
     struct row *r = find(nodeid);
-    int64_t opens = r ? r->opens : 0;
-    if (opens)
-        r->active = 0;
-    else if (r) {
-        unlink_row(r);
-        free(r);
-    }
+    int64_t opens = r ? retire_row(r) : 0;
     pthread_mutex_unlock(&lock);
     return opens;
 }
@@ -314,17 +319,9 @@ EXPORT int64_t lane_drop(uint64_t nodeid) {
 EXPORT int64_t lane_claim(uint64_t nodeid) {
     pthread_mutex_lock(&lock);
     struct row *r = find(nodeid);
-    int64_t busy = 0;
-    if (r && r->source && !r->adopted) {
-        if (r->opens && r->note && r->active)
-            busy = 1;
-        else if (r->opens)
-            r->active = 0;
-        else {
-            unlink_row(r);
-            free(r);
-        }
-    }
+    int64_t busy = r && r->source && !r->adopted && r->opens && r->note && r->active;
+    if (r && r->source && !r->adopted && !busy)
+        retire_row(r);
     pthread_mutex_unlock(&lock);
     return busy;
 }
@@ -525,8 +522,7 @@ static struct note *source_done(struct row *r, int *id, int *fd) {
     r->v.backing = 0;
     r->fd = -1;
     if (!r->active) {
-        unlink_row(r);
-        free(r);
+        remove_row(r);
         return NULL;
     }
     if (!r->note)
