@@ -358,6 +358,7 @@ class Daemon:
                 self.metrics.start(trio.lowlevel.current_trio_token())
             ready(self.ops.freshness.summary())
             await pyfuse3.main()
+            self.ops.opens.rows.take_waiting()
             await self.cache.drained(DRAIN_S)
             nursery.cancel_scope.cancel()
 

@@ -185,11 +185,18 @@ class LaneRows:
             await trio.sleep(NOTES_GATHER_S)
             with contextlib.suppress(BlockingIOError):
                 os.read(lane.notes_fd, 8)
-            for note in lane.notes():
-                try:
-                    self._noted(note)
-                finally:
-                    os.close(note.fd)
+            self.take_waiting()
+
+    def take_waiting(self) -> None:
+        """Hand the cache every file the lane has for it now (also at unmount, before the
+        backfills are drained: a file read just before is then in the cache)."""
+        if self.lane is None:
+            return
+        for note in self.lane.notes():
+            try:
+                self._noted(note)
+            finally:
+                os.close(note.fd)
 
     def _noted(self, note: Note) -> None:
         """Backfill the file of ``note`` from the pages its reads brought in, if it is still

@@ -522,6 +522,7 @@ static struct note *source_done(struct row *r, int *id, int *fd) {
     r->v.backing = 0;
     r->fd = -1;
     if (!r->active) {
+        noting -= r->note; /* not handed over: the daemon no longer wants it */
         remove_row(r);
         return NULL;
     }

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from conftest import Mount, read_all, wait_for
+from conftest import Mount, read_all, run_cli, wait_for
 from test_request_lane import (
     SIZES,
     change_source,
@@ -166,3 +166,20 @@ def test_an_open_the_daemon_decides_joins_the_lanes(tmp_path: Path, mount,
     wait_for(lambda: source_files_open(m) == fds_before,
              "the daemon's descriptors of source files back to what they were")
     assert "with no row" not in m.log.read_text()
+
+
+def test_files_read_just_before_an_unmount_are_kept(tmp_path: Path, mount,
+                                                    needs_lane: None) -> None:
+    """The lane hands its files to the cache a few ms after their last close; an unmount
+    right after the reads still keeps every one of them (the daemon takes what the lane has
+    before it drains its fills), and the next mount over the kept cache serves them as
+    hits."""
+    src = make_source(tmp_path)
+    want = source_digests(src, SMALL)
+    m = mount(src, "--passthrough", "yes", "--keep-cache")
+    assert read_epoch(m, SMALL) == want
+    assert run_cli("umount", str(m.mountpoint)).returncode == 0  # at once
+    again = mount(src, "--passthrough", "yes", mountpoint=m.mountpoint, cache_dir=m.cache_dir)
+    assert again.settled()["cache"]["files"] == len(SMALL)
+    assert read_epoch(again, SMALL) == want
+    assert again.status()["reads"]["file_hits"] == len(SMALL)
