@@ -62,6 +62,7 @@ def _load() -> ctypes.CDLL:
                               ctypes.POINTER(_i64 * 5), ctypes.c_char_p, ctypes.c_size_t]
     lib.lane_note.restype = ctypes.c_ssize_t
     lib.lane_noting.restype = _i64
+    lib.lane_sources_held.restype = _i64
     lib.lane_source_fd.argtypes = [_u64]
     lib.lane_bufsize.restype = ctypes.c_size_t
     return lib
@@ -199,6 +200,10 @@ class Lane:
     def noting(self) -> int:
         """Source files read by the lane's opens that the cache is about to be handed."""
         return self._lib.lane_noting()
+
+    def sources_held(self) -> int:
+        """Inodes whose opens the lane holds by a source row."""
+        return self._lib.lane_sources_held()
 
     def status(self) -> dict[str, int]:
         opens, _, releases, source_opens, _, _ = self.counts()

@@ -17,7 +17,6 @@ nothing more to read, so that is when the pages are handed to the cache
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import stat
@@ -370,13 +369,9 @@ class Opens:
 
     def reading_now(self, path: bytes) -> list[int]:
         """The inodes whose open files read the source file at ``path`` as it is now (no
-        version fixed): what they read and what fstat says must follow its changes. The
-        request lane's are asked for by the file's key (a change in place keeps it)."""
-        with contextlib.suppress(OSError, ValueError):
-            st = self.readers.source.lstat(path)
-            inode = self.inodes.find((st.st_dev, st.st_ino))
-            if inode is not None:
-                self.rows.adopt(inode)
+        version fixed): what they read and what fstat says must follow its changes, the
+        request lane's among them (``LaneRows.adopt_at``)."""
+        self.rows.adopt_at(path)
         return [inode for inode, state in self._open.items() if state.source_path() == path]
 
     def opened_stat(self, inode: int) -> os.stat_result | None:

@@ -108,17 +108,21 @@ class LaneRows:
             return None
         return self.lane.source_stat(inode)
 
-    def adopt(self, inode: int) -> OpenInode | None:
-        """The open files of ``inode`` if the lane holds opens of it by a source row (the
-        daemon answers for them from now on: their attributes, their releases), else None."""
+    def adopt_at(self, path: bytes) -> None:
+        """The source file at ``path`` changed (the watch says): if the lane holds opens of
+        it by a source row, they become the daemon's open files (``Opens.reading_now``:
+        their attributes follow the change). A change in place keeps the file's key; asked
+        only while the lane holds some (an lstat per change otherwise)."""
         lane = self.lane
-        if lane is None or inode in self._open:
-            return self._open.get(inode)
+        if lane is None or not lane.sources_held():
+            return
         try:
-            path = self.inodes.path(inode)
-        except KeyError:
-            return None
-        return self._adopt(lane, inode, path, held_only=True)
+            st = self.readers.source.lstat(path)
+        except (OSError, ValueError):
+            return
+        inode = self.inodes.find((st.st_dev, st.st_ino))
+        if inode is not None and inode not in self._open:
+            self._adopt(lane, inode, path, held_only=True)
 
     def _adopt(self, lane: Lane, inode: int, path: bytes, held_only: bool) -> OpenInode | None:
         """The lane's source row of ``inode`` no longer answers; the opens it holds become the

@@ -141,6 +141,8 @@ static struct note *notes, *notes_tail;
 static int notes_fd = -1;
 /* Files the cache is to keep and has not been handed yet: note rows with opens, notes. */
 static int64_t noting;
+/* Source rows whose opens are held here (the daemon has no record of them). */
+static int64_t sources_held;
 static _Atomic uint64_t answered_opens, answered_bytes, answered_releases, source_opens,
     source_bytes, source_opened_bytes;
 
@@ -263,6 +265,7 @@ EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd, int held
     if (r && r->source && !r->adopted) {
         if (opens) {
             noting -= r->note;
+            sources_held--;
             r->adopted = 1;
             *backing = r->v.backing;
             *fd = r->fd;
@@ -387,6 +390,14 @@ EXPORT int64_t lane_noting(void) {
     return n;
 }
 
+/* Inodes whose opens this lane holds by a source row: the daemon asks for them only then. */
+EXPORT int64_t lane_sources_held(void) {
+    pthread_mutex_lock(&lock);
+    int64_t n = sources_held;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+
 /* -- answers ------------------------------------------------------------------------------ */
 
 static void reply(uint64_t unique, const void *arg, size_t len) {
@@ -449,6 +460,7 @@ static int register_source(struct row *r, int fd) {
     r->v.backing = id;
     r->fd = fd;
     noting += r->note;
+    sources_held++;
     return 1;
 }
 
@@ -517,6 +529,7 @@ static void push_note(struct note *n) {
  * daemon reserves the entry (lane_claim); a row that no longer answers goes. Under the
  * mutex. */
 static struct note *source_done(struct row *r, int *id, int *fd) {
+    sources_held--;
     *id = r->v.backing;
     *fd = r->fd;
     r->v.backing = 0;
