@@ -63,6 +63,7 @@ def _load() -> ctypes.CDLL:
     lib.lane_note.restype = ctypes.c_ssize_t
     lib.lane_noting.restype = _i64
     lib.lane_sources_held.restype = _i64
+    lib.lane_rows.restype = _i64
     lib.lane_source_fd.argtypes = [_u64]
     lib.lane_bufsize.restype = ctypes.c_size_t
     return lib
@@ -207,7 +208,8 @@ class Lane:
 
     def status(self) -> dict[str, int]:
         opens, _, releases, source_opens, _, _ = self.counts()
-        return {"opens": opens, "source_opens": source_opens, "releases": releases}
+        return {"opens": opens, "source_opens": source_opens, "releases": releases,
+                "rows": self._lib.lane_rows()}
 
     def fold(self, reads: ReadCounters) -> None:
         """Bring the mount's counters up to the lane's, as ``Opens`` counts its own opens

@@ -362,6 +362,12 @@ class Opens:
         self.inodes.seen(inode, st)
         return inode
 
+    def looked_up(self, inode: int, st: os.stat_result, path: bytes) -> None:
+        """The kernel holds a lookup of ``inode`` now (a LOOKUP, an entry of READDIRPLUS) and
+        may open it next without another: counted, and offered to the request lane."""
+        self.inodes.ref(inode)
+        self.rows.looked_up(inode, st, path)
+
     def pinned(self, inode: int) -> os.stat_result | None:
         """The version the open files of ``inode`` read, if one is fixed."""
         state = self._open.get(inode)

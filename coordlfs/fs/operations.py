@@ -4,10 +4,9 @@ pyfuse3 runs every handler on one trio thread, and any exception other than FUSE
 the whole filesystem; ``guarded`` turns such an exception into EIO for that one request and a
 log line. This module answers metadata and keeps the handle table; how an open file is served
 and what it holds is ``coordlfs.fs.opens``'s, its bytes its reader's (``coordlfs.fs.readers``),
-apart from the cache hit, answered inline.
-Nothing here blocks on data: source reads run in worker threads (see readers.py and
-cache.py), and only metadata calls, which the source's dentry and inode caches answer, run
-inline.
+apart from the cache hit, answered inline. Nothing here blocks on data: source reads run in
+worker threads (see readers.py and cache.py), and only metadata calls, which the source's
+dentry and inode caches answer, run inline.
 """
 
 from __future__ import annotations
@@ -169,8 +168,7 @@ class Operations(pyfuse3.Operations):
             negative.entry_timeout = self.freshness.timeout
             return negative
         inode = self.opens.known(st, path)
-        self.inodes.ref(inode)
-        self.opens.rows.looked_up(inode, st, path)
+        self.opens.looked_up(inode, st, path)
         return self._attr(inode, st)
 
     @guarded
@@ -272,11 +270,12 @@ class Operations(pyfuse3.Operations):
         ``.`` and ``..``). Whether the reply had room."""
         if name in DOTS:
             return pyfuse3.readdir_reply(token, name, self._attr(self._dot_inode(st), st), after)
-        inode = self.opens.known(st, _child(base, name))
+        path = _child(base, name)
+        inode = self.opens.known(st, path)
         if not pyfuse3.readdir_reply(token, name, self._attr(inode, st), after):
             self.inodes.drop_if_unreferenced(inode)
             return False
-        self.inodes.ref(inode)
+        self.opens.looked_up(inode, st, path)
         return True
 
     def _dot_inode(self, st: os.stat_result) -> int:

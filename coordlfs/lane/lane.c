@@ -390,6 +390,14 @@ EXPORT int64_t lane_noting(void) {
     return n;
 }
 
+/* The rows kept (their memory is the lane's share of the daemon's per-file cost). */
+EXPORT int64_t lane_rows(void) {
+    pthread_mutex_lock(&lock);
+    int64_t n = (int64_t)nrows;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+
 /* Inodes whose opens this lane holds by a source row: the daemon asks for them only then. */
 EXPORT int64_t lane_sources_held(void) {
     pthread_mutex_lock(&lock);

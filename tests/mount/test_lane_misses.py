@@ -183,3 +183,21 @@ def test_files_read_just_before_an_unmount_are_kept(tmp_path: Path, mount,
     assert again.settled()["cache"]["files"] == len(SMALL)
     assert read_epoch(again, SMALL) == want
     assert again.status()["reads"]["file_hits"] == len(SMALL)
+
+
+def test_files_listed_then_opened_are_the_lanes(tmp_path: Path, mount,
+                                                needs_lane: None) -> None:
+    """A job that lists its dataset first (ImageFolder's scandir) opens each file with no
+    LOOKUP: the kernel holds the names READDIRPLUS gave it. Their rows are offered as they
+    are listed, so the first epoch's misses are the lane's."""
+    src = make_source(tmp_path)
+    names = sorted(name for name in SMALL if "/" not in name)
+    want = source_digests(src, names)
+    m = mount(src, "--passthrough", "yes")
+    listed = {entry.name for entry in os.scandir(m.mountpoint) if entry.is_file()}
+    assert listed == set(names) | {"big.bin"}
+    assert lane_state(m)["rows"] == len(names)  # the small files, none of them looked up
+    at = source_opens(m)
+    counted = counted_epoch(m, names, want)
+    assert source_opens(m) - at == len(names), "the listed files' misses were not the lane's"
+    assert counted["file_misses"] == len(names), counted
