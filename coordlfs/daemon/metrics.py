@@ -107,8 +107,8 @@ FLAT: tuple[tuple[str, str, str, str, str], ...] = (
      "opens answered with a cache entry's file as backing: their reads never reach the "
      "daemon"),
     ("reads", "source_opens", "passthrough_source_opens", COUNTER,
-     "opens answered with the source file as backing (a file no cache keeps): the kernel "
-     "reads storage itself"),
+     "opens answered with the source file as backing (a miss, copied into the cache after, "
+     "or a file no cache keeps): the kernel reads storage itself"),
     ("cache", "used_bytes", "cache_used_bytes", GAUGE, "bytes cached or reserved for fills"),
     ("cache", "files", "cache_files", GAUGE, "complete files in the cache"),
     ("cache", "filling", "cache_filling_files", GAUGE, "files being filled"),
