@@ -322,7 +322,9 @@ EXPORT int64_t lane_drop(uint64_t nodeid) {
 EXPORT int64_t lane_claim(uint64_t nodeid) {
     pthread_mutex_lock(&lock);
     struct row *r = find(nodeid);
-    int64_t busy = r && r->source && !r->adopted && r->opens && r->note && r->active;
+    /* read for the cache now, or read and its note not taken yet */
+    int64_t busy = r && r->source && !r->adopted && r->active &&
+                   ((r->opens && r->note) || r->noted);
     if (r && r->source && !r->adopted && !busy)
         retire_row(r);
     pthread_mutex_unlock(&lock);
@@ -361,6 +363,9 @@ EXPORT ssize_t lane_note(uint64_t *nodeid, int *fd, int64_t version[5], char *pa
         if (!notes)
             notes_tail = NULL;
         noting--;
+        struct row *r = find(n->nodeid);
+        if (r && r->noted)
+            r->noted = 0; /* the daemon reserves its entry now (lane_claim lets it) */
     } else if (n)
         n = NULL; /* a row's path is shorter than any buffer the daemon passes */
     pthread_mutex_unlock(&lock);

@@ -32,6 +32,7 @@ from test_request_lane import (
 
 from coordlfs.cache.cache import FILL_CHUNK
 from coordlfs.cache.stats import difference
+from coordlfs.client import Dataset
 
 #: The counters an epoch of misses adds to, whoever answers its opens.
 MISS_COUNTERS = ("file_hits", "file_misses", "source_opens", "passthrough_opens",
@@ -201,3 +202,21 @@ def test_files_listed_then_opened_are_the_lanes(tmp_path: Path, mount,
     counted = counted_epoch(m, names, want)
     assert source_opens(m) - at == len(names), "the listed files' misses were not the lane's"
     assert counted["file_misses"] == len(names), counted
+
+
+def test_a_prefetch_right_after_a_read_reads_storage_once(tmp_path: Path, mount,
+                                                          needs_lane: None) -> None:
+    """Files the lane's opens just read, handed over before the daemon took them: a
+    ``prefetch`` of them at once fills none of them again (counted as cached), and each is
+    read from storage once, by its reader."""
+    src = make_source(tmp_path)
+    want = source_digests(src, SMALL)
+    m = mount(src, "--passthrough", "yes")
+    with Dataset(m.mountpoint) as ds:
+        assert read_epoch(m, SMALL) == want
+        ds.prefetch(SMALL)
+        status = m.settled()
+    assert status["cache"]["files"] == len(SMALL), status["cache"]
+    total = sum(SIZES[name] for name in SMALL)
+    assert status["reads"]["bytes_from_source"] == total, status["reads"]
+    assert read_epoch(m, SMALL) == want
