@@ -61,9 +61,7 @@ def _load() -> ctypes.CDLL:
     lib.lane_note.argtypes = [ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int),
                               ctypes.POINTER(_i64 * 5), ctypes.c_char_p, ctypes.c_size_t]
     lib.lane_note.restype = ctypes.c_ssize_t
-    lib.lane_noting.restype = _i64
-    lib.lane_sources_held.restype = _i64
-    lib.lane_rows.restype = _i64
+    lib.lane_gauges.argtypes = [ctypes.POINTER(_i64 * 3)]
     lib.lane_source_fd.argtypes = [_u64]
     lib.lane_bufsize.restype = ctypes.c_size_t
     return lib
@@ -198,18 +196,23 @@ class Lane:
         self._lib.lane_counts(ctypes.byref(self._counts))
         return tuple(self._counts)  # type: ignore[return-value]
 
+    def gauges(self) -> tuple[int, int, int]:
+        """Source files read by the lane's opens that the cache is about to be handed; rows
+        kept; inodes whose opens the lane holds by a source row."""
+        out = (_i64 * 3)()
+        self._lib.lane_gauges(ctypes.byref(out))
+        return out[0], out[1], out[2]
+
     def noting(self) -> int:
-        """Source files read by the lane's opens that the cache is about to be handed."""
-        return self._lib.lane_noting()
+        return self.gauges()[0]
 
     def sources_held(self) -> int:
-        """Inodes whose opens the lane holds by a source row."""
-        return self._lib.lane_sources_held()
+        return self.gauges()[2]
 
     def status(self) -> dict[str, int]:
         opens, _, releases, source_opens, _, _ = self.counts()
         return {"opens": opens, "source_opens": source_opens, "releases": releases,
-                "rows": self._lib.lane_rows()}
+                "rows": self.gauges()[1]}
 
     def fold(self, reads: ReadCounters) -> None:
         """Bring the mount's counters up to the lane's, as ``Opens`` counts its own opens

@@ -386,29 +386,16 @@ EXPORT int lane_notes_fd(void) {
     return notes_fd;
 }
 
-/* Source files read through rows with `note` not yet handed to the daemon, or still open:
- * files the cache is about to be given, as a fill in flight. */
-EXPORT int64_t lane_noting(void) {
+/* What the lane holds now: source files read through rows with `note` and not handed to
+ * the daemon yet, or still open (files the cache is about to be given, as fills in flight);
+ * the rows kept (their memory is the lane's share of the daemon's per-file cost); the
+ * inodes whose opens it holds by a source row (the daemon asks for them only then). */
+EXPORT void lane_gauges(int64_t out[3]) {
     pthread_mutex_lock(&lock);
-    int64_t n = noting;
+    out[0] = noting;
+    out[1] = (int64_t)nrows;
+    out[2] = sources_held;
     pthread_mutex_unlock(&lock);
-    return n;
-}
-
-/* The rows kept (their memory is the lane's share of the daemon's per-file cost). */
-EXPORT int64_t lane_rows(void) {
-    pthread_mutex_lock(&lock);
-    int64_t n = (int64_t)nrows;
-    pthread_mutex_unlock(&lock);
-    return n;
-}
-
-/* Inodes whose opens this lane holds by a source row: the daemon asks for them only then. */
-EXPORT int64_t lane_sources_held(void) {
-    pthread_mutex_lock(&lock);
-    int64_t n = sources_held;
-    pthread_mutex_unlock(&lock);
-    return n;
 }
 
 /* -- answers ------------------------------------------------------------------------------ */
