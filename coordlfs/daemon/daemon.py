@@ -73,14 +73,23 @@ class DroppedReplies(logging.Filter):
     """pyfuse3 logs an ERROR when the kernel refuses a reply with ENOENT, but that only means
     the kernel no longer waits for it: the request was interrupted (a reader killed mid-read)
     or the mount is going away (a release the kernel sent in the background, answered after a
-    lazy unmount). Such a record is kept, as INFO."""
+    lazy unmount). Likewise a name invalidation (a watched source change) its thread submits
+    once the session is closed (EINVAL: there is no session left to tell). Such a record is
+    kept, as INFO, without its traceback."""
 
     _ENOENT = os.strerror(errno.ENOENT)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if (record.levelno == logging.ERROR and record.msg.endswith("fuse_reply_* failed with %s")
-                and record.args and record.args[-1] == self._ENOENT):
+        if record.levelno != logging.ERROR:
+            return True
+        refused = (record.msg.endswith("fuse_reply_* failed with %s") and record.args
+                   and record.args[-1] == self._ENOENT)
+        error = record.exc_info[1] if record.exc_info else None
+        closed = (record.msg.startswith("Failed to submit invalidate_entry request")
+                  and isinstance(error, OSError) and error.errno == errno.EINVAL)
+        if refused or closed:
             record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
         return True
 
 
