@@ -94,7 +94,7 @@ class WholeFileCache:
         self._too_large_said = False
         self.journal = journal.Journal(self.dir_fd, self.directory)
         self.publisher = Publisher(self.entries, self.room, self.dir_fd, self.files.fd,
-                                   self.directory, self._fill_noticed)
+                                   self.directory, self.fill_noticed)
         self.restart = Restart(self.entries, self.room, self.dir, self.journal,
                                self.publisher, self._release)
         self.backfills = BackfillQueue(self.files.fd, self._ended_together, self.end_fill)
@@ -263,12 +263,14 @@ class WholeFileCache:
         entry.to_backfill = False
         self.backfills.add(key, entry, source, nursery, source_fd)
 
-    def _fill_noticed(self, key: Key, path: bytes, st: os.stat_result, source: Source,
-                      nursery: trio.Nursery) -> None:
-        """A file a job under ``coordlfs run`` read from the source, backfilled."""
+    def fill_noticed(self, key: Key, path: bytes, st: os.stat_result, source: Source,
+                     nursery: trio.Nursery, source_fd: int = -1) -> None:
+        """A file someone read from the source without the daemon's reads (a job under
+        ``coordlfs run``, the request lane's opens; ``source_fd``: its descriptor, if
+        kept), backfilled if the cache has room."""
         entry, new = self.reserve_backfill(key, path, st)
         if entry is not None and new:
-            self.backfill(key, entry, source, nursery)
+            self.backfill(key, entry, source, nursery, source_fd)
 
     async def drained(self, seconds: float) -> None:
         """Wait, at most ``seconds``, for the backfills to end: at unmount, the

@@ -209,11 +209,10 @@ class LaneRows:
         st = os.fstat(note.fd)
         if st.st_dev != note.dev or Version.of(st) != note.version:
             return
-        key, readers = (st.st_dev, st.st_ino), self.readers
-        entry, new = self.cache.reserve_backfill(key, note.path, st)
-        if entry is not None and new:
-            assert readers.nursery is not None
-            self.cache.backfill(key, entry, readers.source, readers.nursery, note.fd)
+        readers = self.readers
+        assert readers.nursery is not None
+        self.cache.fill_noticed((st.st_dev, st.st_ino), note.path, st, readers.source,
+                                readers.nursery, note.fd)
 
     def claim(self, key: Key) -> bool:
         """The cache is about to reserve an entry for ``key`` (a fill, a prefetch): whether
