@@ -47,7 +47,6 @@ from coordlfs.cache.files import (
     FromStorage,
     create_file,
     file_name,
-    file_overhead,
     write_all,
 )
 from coordlfs.cache.preloaded import Preloaded
@@ -88,8 +87,6 @@ class WholeFileCache:
         #: after (the request lane's misses, ``LaneRows.claim``): no entry is reserved for it
         #: then (a fill would read storage twice); else later such opens wait for the fill
         self.read_elsewhere: Callable[[Key], bool] = lambda key: False
-        #: kernel bytes per entry file beside its pages (``file_overhead``)
-        self.file_overhead = file_overhead()
         #: a file over ``max_file_size`` was turned away: said once (``_too_large``)
         self._too_large_said = False
         self.journal = journal.Journal(self.dir_fd, self.directory)

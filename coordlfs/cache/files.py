@@ -39,25 +39,9 @@ FILL_CHUNK = 1 << 20
 #: a hit is then a slice of a mapping, no system call and no copy in the daemon (a pread of
 #: the file cost a 112 KB hit 30% of the ceiling's files/s). Least recently read unmapped.
 MAPPED_FILES = 16384
-#: What the kernel keeps per file on tmpfs beside its pages, where /proc/slabinfo cannot be
-#: read: a shmem inode (752 B) and a dentry (192 B), measured on Linux 6.18
-_FILE_OVERHEAD = 752 + 192
-
-
 def file_name(number: int) -> str:
     """The name of entry ``number``'s file in ``FILES``."""
     return f"{number:x}"
-
-
-def file_overhead() -> int:
-    """Bytes the kernel keeps per tmpfs file besides its pages (inode and dentry)."""
-    sizes = {}
-    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/slabinfo") as slabinfo:
-        for line in slabinfo:
-            fields = line.split()
-            if fields[0] in ("shmem_inode_cache", "dentry"):
-                sizes[fields[0]] = int(fields[3])
-    return sum(sizes.values()) if len(sizes) == 2 else _FILE_OVERHEAD
 
 
 def create_file(files_fd: int, number: int) -> int:

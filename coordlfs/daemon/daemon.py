@@ -25,7 +25,7 @@ from coordlfs.cache.fills import register_commands as register_fill_commands
 from coordlfs.cache.held import register_commands as register_held_commands
 from coordlfs.cache.stats import Stats, register_commands
 from coordlfs.daemon.config import SHM_ROOT, MountConfig
-from coordlfs.daemon.memory import memory_status
+from coordlfs.daemon.memory import memory_status, tmpfs_file_bytes
 from coordlfs.daemon.metrics import MetricsServer
 from coordlfs.daemon.mounting import open_log, set_read_ahead
 from coordlfs.errors import UserError
@@ -49,7 +49,7 @@ from coordlfs.peers.warm import answer as answer_warm
 from coordlfs.peers.warm import register_commands as register_warm_commands
 from coordlfs.protocol.server import ControlServer
 from coordlfs.source.source import Source
-from coordlfs.system.mounts import device_mounted_at
+from coordlfs.system.mounts import device_mounted_at, filesystem_type
 
 log = logging.getLogger("coordlfs")
 
@@ -176,6 +176,8 @@ class Daemon:
         self.stats = Stats()
         self.metrics: MetricsServer | None = None
         self.source = Source(config.source)
+        #: its inodes' slab is part of what each file looked up costs (``memory_status``)
+        self.source_fstype = filesystem_type(config.source)
         self.cache = WholeFileCache(config.cache_dir, config.cache_size, config.max_file_size,
                                     self.stats.reads, own_tmpfs=config.cache_tmpfs)
         try:
@@ -255,7 +257,7 @@ class Daemon:
                 "used_bytes": cache.room.used,
                 "bytes": cache.room.data_bytes,
                 "files": len(cache.entries) - cache.filling,
-                "kernel_bytes_per_file": cache.file_overhead,
+                "kernel_bytes_per_file": tmpfs_file_bytes(),
                 # the lane's misses the cache is about to be handed are fills in flight
                 "filling": cache.filling + self.ops.opens.rows.noting(),
                 "max_file_bytes": cache.max_file_size,
@@ -276,8 +278,9 @@ class Daemon:
             "inode_table_bytes": self.ops.inodes.nbytes(),
             "memory": memory_status(
                 tables=(self.ops.inodes.nbytes(), cache.entries.nbytes()),
-                rows=(len(self.ops.inodes), len(cache.entries)),
-                file_overhead=cache.file_overhead, passthrough=self.ops.opens.backings is not None),
+                rows=(len(self.ops.inodes), len(cache.entries)), cached_bytes=cache.room.used,
+                source_fstype=self.source_fstype,
+                passthrough=self.ops.opens.backings is not None),
             "freshness": self.ops.freshness.status(),
             "marks": [m.name for m in self.stats.marks],
             **self.groups.status(),

@@ -9,22 +9,40 @@ their caches from it, ``coordlfs.bench.epochs.Sizing``):
   buffers, not the cache's tmpfs pages it maps) less its per-file tables: what it needs with
   no file known;
 - ``per_inode_bytes``: a file the kernel has looked up through the mount: the daemon's inode
-  table row and the kernel's FUSE inode and dentry (``/proc/slabinfo`` object sizes);
-- ``per_cached_file_bytes``: a cached file beside its pages: the cache's table row, and the
-  kernel's tmpfs inode and dentry and, with passthrough, the open backing file (a ``filp``).
+  table row, the kernel's FUSE inode and dentry, and the source file's own inode and dentry,
+  which the daemon's lookup reads in (charged to the daemon's cgroup: on ext4 they are more
+  than half of the kernel's share; a budget split without them got the mount of a 60,000-file
+  dataset killed for memory);
+- ``per_cached_file_bytes``: a cached file beside its pages: the cache's table row, the
+  kernel's tmpfs inode and dentry, the tree nodes indexing its pages (one per 64 pages) and,
+  with passthrough, the open backing file (a ``filp``).
 
-The tables' figures are their bytes per row now; the kernel's, the slab objects' sizes (the
-fallbacks measured on Linux 6.18 where slabinfo cannot be read).
+Every inode also carries a security blob (``lsm_inode_cache``). The tables' figures are their
+bytes per row now; the kernel's, the slab objects' shares of their slabs' pages from
+``/proc/slabinfo`` (as measured on Linux 6.18 where it cannot be read).
+``tests/mount/test_memory_sizing.py`` holds the figures to what a mount's cgroup is charged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import mmap
 from collections.abc import Iterable
 from typing import Any
 
-#: slab object sizes measured on Linux 6.18, for a kernel that hides /proc/slabinfo
-_SLAB_FALLBACK = {"fuse_inode": 896, "dentry": 192, "filp": 256}
+#: slab objects' shares of their slabs' pages measured on Linux 6.18, for a kernel that hides
+#: /proc/slabinfo (a source filesystem whose inodes are not known here is taken to cost what
+#: ext4's do)
+_SLAB_FALLBACK = {"fuse_inode": 910, "dentry": 195, "filp": 195, "shmem_inode_cache": 780,
+                  "lsm_inode_cache": 32, "radix_tree_node": 585, "ext4_inode_cache": 1170}
+#: the slab of a source filesystem's inodes, by the filesystem's type
+_SOURCE_INODES = {"ext2": "ext4_inode_cache", "ext3": "ext4_inode_cache",
+                  "ext4": "ext4_inode_cache", "xfs": "xfs_inode", "btrfs": "btrfs_inode",
+                  "tmpfs": "shmem_inode_cache", "f2fs": "f2fs_inode_cache",
+                  "nfs": "nfs_inode_cache", "nfs4": "nfs_inode_cache", "overlay": "ovl_inode"}
+#: pages a node of a file's page tree indexes (an xarray node's slots)
+_PAGES_PER_NODE = 64
 
 
 def rss_anon(status: str = "/proc/self/status") -> int:
@@ -37,30 +55,49 @@ def rss_anon(status: str = "/proc/self/status") -> int:
 
 
 def slab_objects(names: Iterable[str]) -> dict[str, int]:
-    """The object size of each named slab cache, from ``/proc/slabinfo`` (root only) or the
-    sizes measured here."""
+    """What an object of each named slab cache costs: its share of its slab's pages (the
+    object and the slab's slack), from ``/proc/slabinfo`` (root only) or as measured here."""
     wanted = set(names)
-    sizes = {name: _SLAB_FALLBACK[name] for name in wanted}
+    sizes = {name: _SLAB_FALLBACK.get(name, _SLAB_FALLBACK["ext4_inode_cache"])
+             for name in wanted}
     with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/slabinfo") as f:
         for line in f:
             fields = line.split()
-            if fields and fields[0] in wanted:
-                sizes[fields[0]] = int(fields[3])
+            if fields and fields[0] in wanted:  # name active total size per-slab pages
+                sizes[fields[0]] = int(fields[5]) * mmap.PAGESIZE // int(fields[4])
     return sizes
 
 
-def memory_status(*, tables: tuple[int, int], rows: tuple[int, int], file_overhead: int,
-                  passthrough: bool) -> dict[str, Any]:
+def source_inode_slab(fstype: str) -> str:
+    """The slab cache holding the inodes of a source on a filesystem of type ``fstype``."""
+    return _SOURCE_INODES.get(fstype, "ext4_inode_cache")
+
+
+def tmpfs_file_bytes() -> int:
+    """What the kernel keeps per tmpfs file besides its pages and their tree: its inode, its
+    security blob and its dentry."""
+    slabs = slab_objects(("shmem_inode_cache", "lsm_inode_cache", "dentry"))
+    return sum(slabs.values())
+
+
+def memory_status(*, tables: tuple[int, int], rows: tuple[int, int], cached_bytes: int,
+                  source_fstype: str, passthrough: bool) -> dict[str, Any]:
     """The status's ``memory``: ``tables`` and ``rows`` are the (inode table, cache table)
-    bytes and rows; ``file_overhead`` the kernel's bytes per tmpfs file (the cache's)."""
+    bytes and rows, ``cached_bytes`` the cache's pages in bytes (their mean per file gives
+    the files' page trees), ``source_fstype`` the type of the source's filesystem."""
     (inode_bytes, entry_bytes), (inodes, entries) = tables, rows
-    slabs = slab_objects(("fuse_inode", "dentry", "filp"))
+    source = source_inode_slab(source_fstype)
+    slabs = slab_objects(("fuse_inode", "dentry", "filp", "lsm_inode_cache",
+                          "radix_tree_node", source))
+    inode_kernel = slabs["dentry"] + slabs["lsm_inode_cache"]  # one file's name and blob
+    mean_pages = cached_bytes / mmap.PAGESIZE / max(1, entries)
+    nodes = math.ceil(mean_pages / _PAGES_PER_NODE) if mean_pages > 1 else 0
     daemon = rss_anon()
     return {
         "daemon_bytes": daemon,
         "itself_bytes": max(0, daemon - inode_bytes - entry_bytes),
-        "per_inode_bytes": round(inode_bytes / max(1, inodes))
-        + slabs["fuse_inode"] + slabs["dentry"],
-        "per_cached_file_bytes": round(entry_bytes / max(1, entries)) + file_overhead
-        + (slabs["filp"] if passthrough else 0),
+        "per_inode_bytes": round(inode_bytes / max(1, inodes)) + slabs["fuse_inode"]
+        + slabs[source] + 2 * inode_kernel,
+        "per_cached_file_bytes": round(entry_bytes / max(1, entries)) + tmpfs_file_bytes()
+        + nodes * slabs["radix_tree_node"] + (slabs["filp"] if passthrough else 0),
     }

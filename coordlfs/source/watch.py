@@ -12,7 +12,6 @@ import ctypes
 import errno
 import logging
 import os
-import re
 import struct
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
@@ -21,6 +20,7 @@ import trio
 
 from coordlfs.source.source import Source, fd_path
 from coordlfs.source.walk import DIRECTORY
+from coordlfs.system.mounts import filesystem_type
 
 log = logging.getLogger(__name__)
 
@@ -52,21 +52,6 @@ _UNWATCHABLE = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lu
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
-
-
-def filesystem_type(path: str) -> str:
-    """The type of the filesystem that holds ``path``, from /proc/self/mountinfo."""
-    path = os.path.realpath(path)
-    best, kind = "", "unknown"
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as info:
-        for line in info:
-            fields = line.split()
-            mountpoint = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
-            fstype = fields[fields.index("-") + 1]
-            inside = path == mountpoint or path.startswith(mountpoint.rstrip("/") + "/")
-            if inside and len(mountpoint) >= len(best):
-                best, kind = mountpoint, fstype
-    return kind
 
 
 def _unwatchable(fstype: str) -> bool:

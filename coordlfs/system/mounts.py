@@ -49,6 +49,18 @@ def mounts() -> list[MountEntry]:
     return entries
 
 
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem that holds ``path``: the deepest mountpoint above it."""
+    path = os.path.realpath(path)
+    best, kind = "", "unknown"
+    for entry in mounts():
+        mountpoint = entry.mountpoint
+        inside = path == mountpoint or path.startswith(mountpoint.rstrip("/") + "/")
+        if inside and len(mountpoint) >= len(best):
+            best, kind = mountpoint, entry.fstype
+    return kind
+
+
 def mount_at(path: str) -> MountEntry | None:
     """The topmost mount whose mountpoint is exactly ``path``."""
     return _topmost(os.path.realpath(path))

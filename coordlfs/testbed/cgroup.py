@@ -122,6 +122,15 @@ class Cgroup:
         """Bytes charged to the group: its processes' memory and the page cache they filled."""
         return int((self.memory / "memory.usage_in_bytes").read_text())
 
+    def memory_held(self) -> int:
+        """Bytes charged to the group beside its file pages: anonymous memory, tmpfs pages and
+        the kernel's objects (inodes, dentries, open files): what a mount's files cost it,
+        unlike the page cache, which the kernel drops when the group is at its limit."""
+        stat = dict(line.split() for line in (self.memory / "memory.stat").read_text()
+                    .splitlines() if not line.startswith("total_"))
+        kernel = int((self.memory / "memory.kmem.usage_in_bytes").read_text())
+        return int(stat["rss"]) + int(stat["shmem"]) + kernel
+
     def peak_memory(self) -> int:
         return int((self.memory / "memory.max_usage_in_bytes").read_text())
 

@@ -1,22 +1,52 @@
 """The status's ``memory`` (``coordlfs.daemon.memory``): figures measured in this process and
-the kernel, from which a memory budget is split between the cache and the mount."""
+the kernel, from which a memory budget is split between the cache and the mount (held to a
+mount's real charge in ``tests/mount/test_memory_sizing.py``)."""
 
 from __future__ import annotations
 
-from coordlfs.daemon.memory import memory_status, rss_anon, slab_objects
+from coordlfs.daemon.memory import (
+    memory_status,
+    rss_anon,
+    slab_objects,
+    source_inode_slab,
+    tmpfs_file_bytes,
+)
 
 
 def test_the_daemon_is_its_anonymous_memory_less_its_tables() -> None:
     held = bytearray(32 << 20)  # touched: resident
-    memory = memory_status(tables=(1 << 20, 2 << 20), rows=(1000, 500), file_overhead=944,
-                           passthrough=True)
+    memory = memory_status(tables=(1 << 20, 2 << 20), rows=(1000, 500),
+                           cached_bytes=500 * 3 * 4096, source_fstype="ext4", passthrough=True)
     assert memory["daemon_bytes"] >= len(held)
     assert memory["itself_bytes"] == memory["daemon_bytes"] - (3 << 20)
-    slabs = slab_objects(("fuse_inode", "dentry", "filp"))
-    assert memory["per_inode_bytes"] == 1049 + slabs["fuse_inode"] + slabs["dentry"]
-    assert memory["per_cached_file_bytes"] == 4194 + 944 + slabs["filp"]
-    without = memory_status(tables=(0, 0), rows=(0, 0), file_overhead=944, passthrough=False)
-    assert without["per_cached_file_bytes"] == 944  # no backing file held open
+    slabs = slab_objects(("fuse_inode", "dentry", "filp", "lsm_inode_cache",
+                          "radix_tree_node", "ext4_inode_cache"))
+    # the mount's inode and the source's, each with its dentry and security blob
+    assert memory["per_inode_bytes"] == (1049 + slabs["fuse_inode"] + slabs["ext4_inode_cache"]
+                                         + 2 * (slabs["dentry"] + slabs["lsm_inode_cache"]))
+    # three pages a file: one node of a page tree
+    assert memory["per_cached_file_bytes"] == (4194 + tmpfs_file_bytes()
+                                               + slabs["radix_tree_node"] + slabs["filp"])
+    without = memory_status(tables=(0, 0), rows=(0, 0), cached_bytes=0, source_fstype="ext4",
+                            passthrough=False)
+    assert without["per_cached_file_bytes"] == tmpfs_file_bytes()  # no backing file, no tree
+
+
+def test_a_page_tree_node_indexes_64_pages() -> None:
+    one_page = memory_status(tables=(0, 0), rows=(0, 10), cached_bytes=10 * 4096,
+                             source_fstype="ext4", passthrough=False)
+    big = memory_status(tables=(0, 0), rows=(0, 1), cached_bytes=640 * 4096,
+                        source_fstype="ext4", passthrough=False)
+    node = slab_objects(("radix_tree_node",))["radix_tree_node"]
+    assert big["per_cached_file_bytes"] - one_page["per_cached_file_bytes"] == 10 * node
+
+
+def test_the_source_inode_follows_its_filesystem() -> None:
+    assert source_inode_slab("xfs") == "xfs_inode"
+    assert source_inode_slab("tmpfs") == "shmem_inode_cache"
+    assert source_inode_slab("somefs") == "ext4_inode_cache"  # unknown: as ext4's cost
+    sizes = slab_objects(("no_such_slab",))
+    assert sizes["no_such_slab"] > 0
 
 
 def test_rss_anon_reads_proc() -> None:
