@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -85,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--large", action="store_true",
                         help=f"a dataset of {LARGE_MAKE} (the budget several GiB: the mount's "
                              "fixed costs at their real share); instead of --make")
+    parser.add_argument("--stacks", default=",".join(KEYS.values()),
+                        help="the stacks to run, comma-separated (default: all of "
+                             f"{', '.join(KEYS.values())})")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="plot storage throughput over time and bytes per epoch")
 
@@ -92,6 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True, slots=True)
 class Settings:
     budget_text: str
+    #: the stacks run (``KEYS``' values), in their order there
+    stacks: tuple[str, ...]
     epochs: int
     readers: int
     batch: int
@@ -103,8 +109,17 @@ class Settings:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     harness.check_training_arguments(args)
-    return Settings(args.budget, args.epochs, args.readers, args.batch, args.compute_ms,
-                    args.seed, harness.parse_throttle(args.throttle), args.repeat)
+    return Settings(args.budget, parse_stacks(args.stacks), args.epochs, args.readers,
+                    args.batch, args.compute_ms, args.seed, harness.parse_throttle(args.throttle),
+                    args.repeat)
+
+
+def parse_stacks(text: str) -> tuple[str, ...]:
+    wanted = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = wanted - set(KEYS.values())
+    if unknown or not wanted:
+        raise UserError(f"bad --stacks {text!r}: choose from {', '.join(KEYS.values())}")
+    return tuple(key for key in KEYS.values() if key in wanted)
 
 
 def budget_bytes(text: str, dataset_bytes: int) -> int:
@@ -511,32 +526,31 @@ def juicefs_volume(juicefs: str, dataset: Dataset, work: Path) -> str:
     return meta
 
 
-def peer_stacks(dataset: Dataset, work: Path, capacity: int) -> dict[str, list[str] | str]:
-    """The peers' mount commands (mountpoint last), their caches of ``capacity`` on
-    /dev/shm, never evicted where they can say so; or why one cannot run here."""
+def peer_stacks(dataset: Dataset, work: Path, capacity: int,
+                chosen: tuple[str, ...]) -> dict[str, list[str] | str]:
+    """The ``chosen`` peers' mount commands (mountpoint last), their caches of ``capacity``
+    on /dev/shm, never evicted where they can say so; or why one cannot run here."""
     stacks: dict[str, list[str] | str] = {}
     juicefs, rclone = program("juicefs"), program("rclone")
-    shm = f"/dev/shm/coordlfs-bench-{os.getpid()}"
-    if juicefs is None:
-        stacks["juicefs"] = "n/a: not installed"
-    else:
-        stacks["juicefs"] = [juicefs, "mount", "--no-usage-report", "--cache-dir",
-                             f"{shm}-juicefs", "--cache-size", str(max(1, capacity >> 20)),
-                             "--cache-eviction", "none", juicefs_volume(juicefs, dataset, work)]
-    if rclone is None:
-        stacks["rclone"] = "n/a: not installed"
-    else:
-        stacks["rclone"] = [rclone, "mount", "--read-only", "--vfs-cache-mode", "full",
-                            "--cache-dir", f"{shm}-rclone", "--vfs-cache-max-size",
-                            f"{max(1, capacity >> 20)}M", str(dataset.root)]
+    shm, cache_mib = f"/dev/shm/coordlfs-bench-{os.getpid()}", max(1, capacity >> 20)
+    if "juicefs" in chosen:
+        stacks["juicefs"] = "n/a: not installed" if juicefs is None else [
+            juicefs, "mount", "--no-usage-report", "--cache-dir", f"{shm}-juicefs",
+            "--cache-size", str(cache_mib), "--cache-eviction", "none",
+            juicefs_volume(juicefs, dataset, work)]
+    if "rclone" in chosen:
+        stacks["rclone"] = "n/a: not installed" if rclone is None else [
+            rclone, "mount", "--read-only", "--vfs-cache-mode", "full", "--cache-dir",
+            f"{shm}-rclone", "--vfs-cache-max-size", f"{cache_mib}M", str(dataset.root)]
     return stacks
 
 
 def run_peers(dataset: Dataset, budget: int, settings: Settings, work: Path,
               capacity: int) -> list[ConfigResult]:
-    """JuiceFS and rclone at the budget, each with a fresh cache, or a row saying why not."""
+    """JuiceFS and rclone, those chosen, at the budget, each with a fresh cache, or a row
+    saying why not."""
     results = []
-    for system, stack in peer_stacks(dataset, work, capacity).items():
+    for system, stack in peer_stacks(dataset, work, capacity, settings.stacks).items():
         if isinstance(stack, str):
             results.append(ConfigResult(system, [], [], failed=stack))
             continue
@@ -653,12 +667,15 @@ def format_table(run: Run) -> str:
 
 def one_run(dataset: Dataset, budget: int, settings: Settings, work: Path,
             sizing: Sizing) -> Run:
-    """Every stack once, one after the other, at the same budget and throttle."""
+    """Every stack chosen once, one after the other, at the same budget and throttle."""
     capacity = cache_size_for(budget, dataset, sizing, settings.readers)
-    results = [run_page_cache(dataset, budget, settings),
-               run_pinning(dataset, budget, settings, work, capacity),
-               *(run_coordlfs(dataset, budget, settings, work, sizing, way)
-                 for way in WAYS.values())]
+    chosen = settings.stacks
+    results = [run() for key, run in (
+        ("page_cache", lambda: run_page_cache(dataset, budget, settings)),
+        ("pinning", lambda: run_pinning(dataset, budget, settings, work, capacity)),
+        *((KEYS[system], functools.partial(run_coordlfs, dataset, budget, settings, work,
+                                           sizing, way)) for system, way in WAYS.items()),
+    ) if key in chosen]
     results += run_peers(dataset, budget, settings, work, capacity)
     return {KEYS[r.system]: r for r in results}
 

@@ -15,6 +15,7 @@ from coordlfs.bench.epochs import (
     budget_bytes,
     cache_size_for,
     measure_sizing,
+    parse_stacks,
     pinned_files,
     program,
     summarize,
@@ -208,3 +209,10 @@ def test_the_split_is_the_probe_mounts_measured_status(tmp_path: Path, monkeypat
     assert sizing == Sizing(memory["itself_bytes"], memory["per_inode_bytes"],
                             memory["per_cached_file_bytes"])
     assert mount_at(str(tmp_path / "mnt")) is None
+
+
+def test_stacks_are_chosen_by_their_json_names() -> None:
+    assert parse_stacks("run, page_cache") == ("page_cache", "run")  # in the order they run
+    for bad in ("", "mount", "page_cache,tmpfs"):
+        with pytest.raises(UserError, match="bad --stacks"):
+            parse_stacks(bad)
