@@ -250,21 +250,15 @@ class Sizing:
     per_inode_bytes: int
     #: a cached file beside its pages: its table row, its tmpfs inode, its backing file
     per_cached_file_bytes: int
-    #: a reader process reading through the mount: its heap's growth and kernel objects,
-    #: measured in a group of its own (the page cache it fills is the kernel's to take back)
-    per_reader_bytes: int
 
 
 #: Files the probe mount caches, for its per-cached-file figure.
 PROBE_FILES = 256
-#: Readers the probe measures, each given half of every batch of the sample, read twice.
-PROBE_READERS = 2
 
 
 def measure_sizing(dataset: Dataset, work: Path) -> Sizing:
     """Mount the dataset, look every file up, cache the first ``PROBE_FILES``, and take the
-    status's ``memory`` (the figures ``coordlfs stats`` states); then what readers of it
-    hold (``reader_bytes``)."""
+    status's ``memory``: the figures ``coordlfs stats`` states."""
     sample = dataset.files[:PROBE_FILES]
     room = str(sum(pages(size) for _name, size in sample))
     mountpoint = work / "mnt"
@@ -275,38 +269,23 @@ def measure_sizing(dataset: Dataset, work: Path) -> Sizing:
         for name, _size in sample:
             (mountpoint / name).read_bytes()
         memory = mount.settled()["memory"]
-        per_reader = reader_bytes(mountpoint, [name for name, _size in sample])
     sizing = Sizing(memory["itself_bytes"], memory["per_inode_bytes"],
-                    memory["per_cached_file_bytes"], per_reader)
+                    memory["per_cached_file_bytes"])
     print(f"the mount needs {format_size(sizing.itself_bytes)} for its daemon, "
           f"{sizing.per_inode_bytes} B per file and {sizing.per_cached_file_bytes} B per "
-          "cached file beside the cached pages (its status, measured on a probe mount); a "
-          f"reader {format_size(per_reader)}", flush=True)
+          "cached file beside the cached pages (its status, measured on a probe mount)",
+          flush=True)
     return sizing
-
-
-def reader_bytes(mountpoint: Path, names: list[str]) -> int:
-    """What a reader process holds while it reads through the mount beside the page cache
-    it fills (its heap's growth, its descriptors and pipes): ``PROBE_READERS`` of them in a
-    memory group of their own, charged from when they join it, as a stack's readers are."""
-    with (memory_cgroup(f"{CGROUP_PREFIX}-{os.getpid()}-readers") as group,
-          running(Readers(PROBE_READERS)) as readers):
-        for pid in readers.pids:
-            group.add(pid)
-        start = group.memory_held()
-        for _pass in range(2):
-            readers.epoch(batch_paths(names, mountpoint, PROBE_READERS * 16), 0)
-        return max(0, group.memory_held() - start) // PROBE_READERS
 
 
 def cache_size_for(budget: int, dataset: Dataset, sizing: Sizing, readers: int,
                    client: bool = False) -> int:
     """What is left of the budget for cached bytes (the capacity counts pages): the budget
     less the daemon itself, every file of the dataset looked up, the cached files' own
-    records (as many as the cache holds at the dataset's mean size), and what each reader
-    holds (more for a client's readers, which copy the bytes out: a margin, not measured).
-    What is left over serves misses from the kernel's LRU."""
-    per_reader = sizing.per_reader_bytes + (
+    records (as many as the cache holds at the dataset's mean size), and room per reader
+    for the kernel's pages of reads in flight (more for a client's readers, which copy the
+    bytes out). What is left over serves misses from the kernel's LRU."""
+    per_reader = harness.PAGE_HEADROOM_PER_READER + (
         harness.CLIENT_HEADROOM_PER_READER if client else 0)
     room = (budget - sizing.itself_bytes - per_reader * readers
             - sizing.per_inode_bytes * len(dataset.files))
