@@ -49,7 +49,11 @@ MOUNT_BYTES_PER_FILE = DAEMON_BYTES_PER_FILE + KERNEL_BYTES_PER_CACHED_FILE
 #: the cache. 1.1 GiB, budget 50%, 4 readers, arena cache: with 4 MiB per reader, epochs 2
 #: and 3 read 0.61 / 0.59 of the dataset (0.55 expected from the capacity), and the daemon's
 #: process read 20% more from storage than the file bytes it fetched (the source's metadata,
-#: reclaimed and read again); 6 MiB read exactly the uncached rest (0.558), as did 8.
+#: reclaimed and read again); 6 MiB read exactly the uncached rest (0.558), as did 8. A reader
+#: itself holds 78-94 KiB beside the page cache (measured 2026-11-28 in a group of its own);
+#: a mount split to that read 0.65 of the dataset per later epoch, against 0.59 with this
+#: room: the mount's lookups read the source's inodes again once reclaimed, each with the
+#: inode table's readahead (128 KiB), and this room is what keeps them (issue 34).
 PAGE_HEADROOM_PER_READER = 6 << 20
 #: More room per reader that reads through ``coordlfs.client``: the bytes it copies out, and
 #: the pages of its misses through the mount. With 6 MiB alone, ``bench epochs --budget 0.5``
