@@ -73,11 +73,14 @@ def source_inode_slab(fstype: str) -> str:
     return _SOURCE_INODES.get(fstype, "ext4_inode_cache")
 
 
-def tmpfs_file_bytes() -> int:
+_TMPFS_FILE = ("shmem_inode_cache", "lsm_inode_cache", "dentry")
+
+
+def tmpfs_file_bytes(slabs: dict[str, int] | None = None) -> int:
     """What the kernel keeps per tmpfs file besides its pages and their tree: its inode, its
-    security blob and its dentry."""
-    slabs = slab_objects(("shmem_inode_cache", "lsm_inode_cache", "dentry"))
-    return sum(slabs.values())
+    security blob and its dentry (from ``slabs`` when the caller read them already)."""
+    slabs = slabs or slab_objects(_TMPFS_FILE)
+    return sum(slabs[name] for name in _TMPFS_FILE)
 
 
 def memory_status(*, tables: tuple[int, int], rows: tuple[int, int], cached_bytes: int,
@@ -87,8 +90,7 @@ def memory_status(*, tables: tuple[int, int], rows: tuple[int, int], cached_byte
     the files' page trees), ``source_fstype`` the type of the source's filesystem."""
     (inode_bytes, entry_bytes), (inodes, entries) = tables, rows
     source = source_inode_slab(source_fstype)
-    slabs = slab_objects(("fuse_inode", "dentry", "filp", "lsm_inode_cache",
-                          "radix_tree_node", source))
+    slabs = slab_objects(("fuse_inode", "filp", "radix_tree_node", source, *_TMPFS_FILE))
     inode_kernel = slabs["dentry"] + slabs["lsm_inode_cache"]  # one file's name and blob
     mean_pages = cached_bytes / mmap.PAGESIZE / max(1, entries)
     nodes = math.ceil(mean_pages / _PAGES_PER_NODE) if mean_pages > 1 else 0
@@ -98,6 +100,6 @@ def memory_status(*, tables: tuple[int, int], rows: tuple[int, int], cached_byte
         "itself_bytes": max(0, daemon - inode_bytes - entry_bytes),
         "per_inode_bytes": round(inode_bytes / max(1, inodes)) + slabs["fuse_inode"]
         + slabs[source] + 2 * inode_kernel,
-        "per_cached_file_bytes": round(entry_bytes / max(1, entries)) + tmpfs_file_bytes()
+        "per_cached_file_bytes": round(entry_bytes / max(1, entries)) + tmpfs_file_bytes(slabs)
         + nodes * slabs["radix_tree_node"] + (slabs["filp"] if passthrough else 0),
     }
