@@ -331,8 +331,13 @@ class Daemon:
             except OSError as e:
                 why_not = f"it did not start: {e}"
             else:
-                self.ops.opens.rows.serve_by_lane(started)
+                rows, freshness = self.ops.opens.rows, self.ops.freshness
+                rows.serve_by_lane(started)
+                started.attr_timeout(freshness.timeout)
+                freshness.gave_up.append(lambda: started.attr_timeout(freshness.timeout))
                 self.stats.folds.append(started.fold)
+                if rows.lane_peers is not None:
+                    self.stats.folds.append(rows.lane_peers.fold)
                 log.info("request lane on: hits and small misses are answered in C")
                 return
         log.log(logging.INFO if self.config.request_lane == "no" else logging.WARNING,

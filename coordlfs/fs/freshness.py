@@ -45,6 +45,8 @@ class Freshness(Watcher[int]):
         #: change (``Operations.changed_open``)
         self.changed = changed
         self.invalidated = 0
+        #: told when the source can no longer be watched (``timeout`` is short from then on)
+        self.gave_up: list[Callable[[], None]] = []
         super().__init__(source)
         self.watch(ROOT_INODE, b"")
 
@@ -57,6 +59,8 @@ class Freshness(Watcher[int]):
         log.info("not watching the source (%s): names and attributes are revalidated every "
                  "%g s", reason, self.revalidate_s)
         super()._give_up(reason)
+        for told in self.gave_up:
+            told()
 
     def watch(self, inode: int, path: bytes) -> None:
         """Watch a directory the kernel is about to cache names under (idempotent).

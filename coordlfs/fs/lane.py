@@ -7,7 +7,9 @@ by ``scripts/setup`` beside its source, reads /dev/fuse in a thread of its own: 
 read-only OPEN of an inode whose row says "backing id B while the source file is version V"
 (checked with one openat2 + fstat beneath the source's root), and the RELEASE of a handle it
 made; a small miss alike, with the source file itself as the backing, handed to the daemon
-at its last release for the cache (``Note``); every other request goes to the patched
+at its last release for the cache (``Note``), and a small file a peer caches, fetched by the
+lane on a connection of its own (``coordlfs.fs.lane_peers``) and landed on the cache's tmpfs;
+every other request goes to the patched
 pyfuse3's loop (``pyfuse3.use_lane``), which answers it as before.
 
 The daemon keeps every decision: a row is offered only after an open the daemon answered
@@ -49,15 +51,20 @@ def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(LIBRARY))
     lib.lane_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.lane_offer.argtypes = [_u64, ctypes.c_int32, ctypes.c_char_p, _u64, _u64, _i64, _i64, _i64,
-                               ctypes.c_int, ctypes.c_int]
+                               ctypes.c_int, ctypes.c_int, ctypes.c_int]
     for name in ("lane_held", "lane_release", "lane_drop", "lane_claim"):
         getattr(lib, name).argtypes = [_u64]
         getattr(lib, name).restype = _i64
     lib.lane_suspend.argtypes = [_u64, ctypes.POINTER(ctypes.c_int32),
-                                 ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+                                 ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
+                                 ctypes.c_int]
     lib.lane_suspend.restype = _i64
     lib.lane_enable.argtypes = [ctypes.c_int]
-    lib.lane_counts.argtypes = [ctypes.POINTER(_u64 * 6)]
+    lib.lane_counts.argtypes = [ctypes.POINTER(_u64 * 10)]
+    lib.lane_attr_timeout.argtypes = [ctypes.c_double]
+    lib.lane_peer_set.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.lane_peer_state.argtypes = [ctypes.c_int, ctypes.POINTER(_u64 * 4)]
+    lib.lane_land_in.argtypes = [ctypes.c_int]
     lib.lane_note.argtypes = [ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int),
                               ctypes.POINTER(_i64 * 5), ctypes.c_char_p, ctypes.c_size_t]
     lib.lane_note.restype = ctypes.c_ssize_t
@@ -102,8 +109,8 @@ class Lane:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        self._counts = (_u64 * 6)()
-        self._folded = (0, 0, 0, 0, 0)
+        self._counts = (_u64 * 10)()
+        self._folded = (0, 0, 0, 0, 0, 0, 0)
         #: readable while the lane may have source files for the cache (``notes``)
         self.notes_fd: int = lib.lane_notes_fd()
         self._note = (_u64(), ctypes.c_int(), (_i64 * 5)(), ctypes.create_string_buffer(4096))
@@ -133,23 +140,48 @@ class Lane:
         it is handed to the daemon at its last release (``notes``) and the row goes."""
         return self._offer(inode, 0, path, st, source=True, note=note)
 
+    def offer_peer(self, inode: int, path: bytes, st: os.stat_result, slot: int) -> bool:
+        """Answer read-only opens of ``inode`` with the file fetched from the peer whose
+        connection is in ``slot`` (``set_peer``) at the first of them, landed here, while the
+        source file is the version ``st`` shows; the row goes if the peer cannot serve it."""
+        return self._offer(inode, 0, path, st, source=True, note=False, peer=slot)
+
     def _offer(self, inode: int, backing: int, path: bytes, st: os.stat_result, source: bool,
-               note: bool) -> bool:
+               note: bool, peer: int = -1) -> bool:
         if len(path) >= MAX_PATH:
             return False
         return self._lib.lane_offer(inode, backing, path or b".", st.st_dev, st.st_ino,
                                     st.st_size, st.st_mtime_ns, st.st_ctime_ns, source,
-                                    note) == 0
+                                    note, peer) == 0
 
-    def suspend(self, inode: int, held_only: bool = False) -> tuple[int, int, int]:
+    def land_in(self, directory_fd: int) -> None:
+        """Land the peers' files in ``directory_fd`` (the cache's tmpfs; a duplicate is kept)."""
+        rc = self._lib.lane_land_in(directory_fd)
+        if rc < 0:
+            raise OSError(-rc, os.strerror(-rc))
+
+    def set_peer(self, slot: int, fd: int) -> None:
+        """The lane's connection to a peer is ``fd`` from now on (authenticated, blocking,
+        its timeouts set; the lane's to close), or none (-1): the one before is closed."""
+        self._lib.lane_peer_set(slot, fd)
+
+    def peer_state(self, slot: int) -> tuple[bool, tuple[int, int, int, int]]:
+        """Whether the connection in ``slot`` is up, and its counts: files fetched, their
+        bytes, files the peer refused, faults (each closed it)."""
+        out = (_u64 * 4)()
+        up = self._lib.lane_peer_state(slot, ctypes.byref(out))
+        return bool(up), (out[0], out[1], out[2], out[3])
+
+    def suspend(self, inode: int, held_only: bool = False) -> tuple[int, int, int, bool]:
         """No more opens of ``inode`` answered by the lane: the opens its row holds, and
-        for a source row the backing id and source descriptor those opens read, from now on
-        the daemon's (else 0 and -1), as their releases are. ``held_only``: only a source
-        row's, and only if it holds opens (else nothing changes)."""
-        backing, fd = ctypes.c_int32(), ctypes.c_int()
+        for a source row the backing id and descriptor those opens read (the source file, or
+        for a peer row the peer's file landed: the last item says which), from now on the
+        daemon's (else 0 and -1), as their releases are. ``held_only``: only a source row's,
+        and only if it holds opens (else nothing changes)."""
+        backing, fd, peer = ctypes.c_int32(), ctypes.c_int(), ctypes.c_int()
         opens = self._lib.lane_suspend(inode, ctypes.byref(backing), ctypes.byref(fd),
-                                       held_only)
-        return opens, backing.value, fd.value
+                                       ctypes.byref(peer), held_only)
+        return opens, backing.value, fd.value, bool(peer.value)
 
     def source_stat(self, inode: int) -> os.stat_result | None:
         """The source file the lane's held opens of ``inode`` read, as it is now (an fstat of
@@ -186,15 +218,21 @@ class Lane:
         to be handed; if not, its source row goes (in one step: no open answered between)."""
         return self._lib.lane_claim(inode) > 0
 
+    def attr_timeout(self, seconds: float) -> None:
+        """Answer GETATTRs of inodes with rows, with attributes the kernel may keep
+        ``seconds`` (the daemon's own replies' timeout, ``Freshness.timeout``)."""
+        self._lib.lane_attr_timeout(seconds)
+
     def enable(self, on: bool) -> None:
         self._lib.lane_enable(int(on))
 
-    def counts(self) -> tuple[int, int, int, int, int, int]:
+    def counts(self) -> tuple[int, ...]:
         """Opens of cache entries answered, their files' bytes, releases answered, opens of
         source files answered, the bytes read from storage for them (once per file read),
-        their files' bytes (per open), since the start."""
+        their files' bytes (per open), opens of peers' files answered, their files' bytes
+        (per open), GETATTRs and IOCTLs answered, since the start."""
         self._lib.lane_counts(ctypes.byref(self._counts))
-        return tuple(self._counts)  # type: ignore[return-value]
+        return tuple(self._counts)
 
     def gauges(self) -> tuple[int, int, int]:
         """Source files read by the lane's opens that the cache is about to be handed; rows
@@ -210,17 +248,19 @@ class Lane:
         return self.gauges()[2]
 
     def status(self) -> dict[str, int]:
-        opens, _, releases, source_opens, _, _ = self.counts()
-        return {"opens": opens, "source_opens": source_opens, "releases": releases,
+        opens, _, releases, source_opens, _, _, peer_opens, _, getattrs, ioctls = self.counts()
+        return {"opens": opens, "source_opens": source_opens, "peer_opens": peer_opens,
+                "releases": releases, "getattrs": getattrs, "ioctls": ioctls,
                 "rows": self.gauges()[1]}
 
     def fold(self, reads: ReadCounters) -> None:
         """Bring the mount's counters up to the lane's, as ``Opens`` counts its own opens
         (``stats.folds``): an entry's open a cache hit read by passthrough, a source file's a
-        miss the kernel read from the source."""
-        opens, size, _, source_opens, read, opened = self.counts()
+        miss the kernel read from the source, a peer's file's a file from a peer (its bytes
+        from peers are counted where they were fetched: ``LanePeers.fold``)."""
+        opens, size, _, source_opens, read, opened, peer_opens, peer_opened = self.counts()[:8]
         was = self._folded
-        self._folded = (opens, size, source_opens, read, opened)
+        self._folded = (opens, size, source_opens, read, opened, peer_opens, peer_opened)
         hits, hit_bytes = opens - was[0], size - was[1]
         reads.opened(Outcome.HIT, hits, hit_bytes)
         reads.passthrough_opens += hits
@@ -228,3 +268,4 @@ class Lane:
         reads.opened(Outcome.MISS, source_opens - was[2], opened - was[4])
         reads.source_opens += source_opens - was[2]
         reads.bytes_from_source += read - was[3]
+        reads.opened(Outcome.PEER_HIT, peer_opens - was[5], peer_opened - was[6])

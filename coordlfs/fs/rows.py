@@ -17,6 +17,11 @@ backing id and descriptor are the lane's, which closes them at the last release 
 the file to the cache (``take_notes``: backfilled from the pages the reads brought in, as
 after the daemon's own passthrough miss). When the daemon decides an open of the inode
 (``suspend``), the lane's opens become its own: their backing, their releases.
+
+A peer row is a source row whose file comes from the peer ranked first for it: the lane asks
+that peer at the first open, on a connection of its own (``coordlfs.fs.lane_peers``), and the
+landed file is the backing, as the daemon's own ``Opens._from_peer`` lands it; a peer that
+cannot serve it sends the open to the daemon, and the row goes.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import logging
 import os
 import stat
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -33,6 +39,7 @@ from coordlfs.cache.cache import FILL_CHUNK, Entry
 from coordlfs.fs.backing import Backing, Backings
 from coordlfs.fs.inodes import InodeTable, Key
 from coordlfs.fs.lane import Lane, Note
+from coordlfs.fs.lane_peers import LanePeers
 from coordlfs.fs.openfiles import FileHandle, LaneRow, OpenInode
 from coordlfs.fs.readers import Readers
 from coordlfs.source.source import Version
@@ -65,11 +72,17 @@ class LaneRows:
         self._groups = readers.aligned.groups
         #: the request lane, None while off
         self.lane: Lane | None = None
+        #: its connections to peers, with it
+        self.lane_peers: LanePeers | None = None
+        #: the attributes peer rows were offered with (their held opens' version, once the
+        #: daemon adopts them: a landed file's own are not the source file's)
+        self._peer_rows: dict[int, os.stat_result] = {}
         self._groups.on_change.append(self._members_changed)
 
     def serve_by_lane(self, lane: Lane) -> None:
         """Mounted, before serving: ``lane`` answers the hits offered to it."""
         self.lane = lane
+        self.lane_peers = LanePeers(lane, self.readers)
         self._members_changed()
 
     def _members_changed(self) -> None:
@@ -78,8 +91,10 @@ class LaneRows:
         if self.lane is not None:
             self.lane.enable(not self._groups.members)
 
-    def status(self) -> dict[str, int] | None:
-        return None if self.lane is None else self.lane.status()
+    def status(self) -> dict[str, Any] | None:
+        if self.lane is None or self.lane_peers is None:
+            return None
+        return {**self.lane.status(), "peers": self.lane_peers.status()}
 
     def noting(self) -> int:
         """Files the lane's opens read that the cache is about to be handed (``take_notes``)
@@ -127,12 +142,18 @@ class LaneRows:
     def _adopt(self, lane: Lane, inode: int, path: bytes, held_only: bool) -> OpenInode | None:
         """The lane's source row of ``inode`` no longer answers; the opens it holds become the
         daemon's open files of the inode, read from the backing it gives over."""
-        _, backing, fd = lane.suspend(inode, held_only)
+        _, backing, fd, peer = lane.suspend(inode, held_only)
+        shown = self._peer_rows.pop(inode, None)
         if backing <= 0:
             return None
-        st = os.fstat(fd)
+        if peer and shown is not None:  # a peer's file landed: the backing id holds it
+            os.close(fd)
+            st, held = shown, Backing(path, Version.of(shown), backing, None, landed=True)
+        else:
+            st = os.fstat(fd)
+            held = Backing(path, Version.of(st), backing, None, fd)
         state = self._open[inode] = OpenInode((st.st_dev, st.st_ino))
-        state.lane = LaneRow(lane, inode, Backing(path, Version.of(st), backing, None, fd), st)
+        state.lane = LaneRow(lane, inode, held, st)
         return state
 
     def offer(self, handle: FileHandle, state: OpenInode) -> None:
@@ -171,14 +192,31 @@ class LaneRows:
         """A small file the cache does not hold: its opens are answered with the source file
         itself, as the daemon answers them (``Opens._choose``), and handed to the cache at the
         last release if it keeps them. Not while the mount has peers (one of them may hold
-        it), nor for a larger file (filled as it is read) or an empty one."""
+        it: ``_offer_peer``), nor for a larger file (filled as it is read) or an empty one."""
         size, cache = st.st_size, self.cache
-        if not 0 < size <= FILL_CHUNK or self.readers.peers.links:
+        if not 0 < size <= FILL_CHUNK:
             return
-        if cache.keeps(path, size, NOTE_HEADROOM):
+        if self.readers.peers.links:
+            self._offer_peer(lane, inode, st, path)
+        elif cache.keeps(path, size, NOTE_HEADROOM):
             lane.offer_source(inode, path, st, note=True)
         elif size > cache.max_file_size or not cache.room.capacity:  # never kept here
             lane.offer_source(inode, path, st, note=False)
+
+    def _offer_peer(self, lane: Lane, inode: int, st: os.stat_result, path: bytes) -> None:
+        """A small file a peer ranked before this node caches (``Opens._choose`` asks that
+        one first too), while the lane has a connection to it: its opens are answered with the
+        file fetched by the lane. Not while the holding area has an order (it may hold the
+        file, fetched ahead), nor for a file this node's cache would not keep either."""
+        peers, lane_peers = self.readers.peers, self.lane_peers
+        hold = peers.hold
+        if lane_peers is None or st.st_size > self.cache.max_file_size or (
+                hold is not None and hold.has_order()):
+            return
+        before, _ = peers.candidates(path)
+        slot = lane_peers.slot(before[0]) if before else None
+        if slot is not None and lane.offer_peer(inode, path, st, slot):
+            self._peer_rows[inode] = st
 
     async def take_notes(self) -> None:
         """Hand each source file the lane's opens read to the cache, as they come."""
@@ -265,6 +303,7 @@ class LaneRows:
 
     def forgotten(self, inode: int) -> None:
         """The kernel forgot ``inode`` (it has no open file): its row goes."""
+        self._peer_rows.pop(inode, None)
         state = self._open.get(inode)
         if state is not None:
             self.retire(inode, state)

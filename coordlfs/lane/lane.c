@@ -11,7 +11,9 @@
  * source file is still version V (one openat2 + fstat beneath the source's root, the rules
  * coordlfs.source.walk uses) is answered at once with B; the RELEASE of a handle it made
  * (fh with LANE_FH set) is answered too. A small miss alike (a source row, below): the
- * source file itself is the backing, as passthrough_hp answers every open. Every other
+ * source file itself is the backing, as passthrough_hp answers every open. A small file a
+ * peer caches alike (a peer row, below): the lane asks the peer for it on a connection of its
+ * own and lands the bytes in an unnamed file on the cache's tmpfs, the backing. Every other
  * request is queued for the daemon's trio loop, which takes it with lane_take (the patched
  * pyfuse3's loop, part (e) of scripts/pyfuse3-passthrough.patch) and answers it as before,
  * woken by an eventfd only when it was waiting.
@@ -40,15 +42,23 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
+
+#define XXH_INLINE_ALL /* the peers' frame checksum (libxxhash-dev's header, no library) */
+#include <xxhash.h>
 
 #define EXPORT __attribute__((visibility("default")))
 
 /* -- the kernel's ABI (linux/fuse.h of 7.40; the system's header may be older) ------------ */
+#define FUSE_GETATTR 3
 #define FUSE_OPEN 14
 #define FUSE_RELEASE 18
+#define FUSE_IOCTL 39
+#define FUSE_IOCTL_DIR (1u << 4)
 #define FOPEN_NOFLUSH (1u << 5)
 #define FOPEN_PASSTHROUGH (1u << 7)
 struct backing_map {
@@ -83,6 +93,21 @@ struct release_in {
     uint32_t flags, release_flags;
     uint64_t lock_owner;
 };
+struct attr {
+    uint64_t ino, size, blocks, atime, mtime, ctime;
+    uint32_t atimensec, mtimensec, ctimensec, mode, nlink, uid, gid, rdev, blksize, flags;
+};
+struct attr_out {
+    uint64_t attr_valid;
+    uint32_t attr_valid_nsec, dummy;
+    struct attr attr;
+};
+struct ioctl_in {
+    uint64_t fh;
+    uint32_t flags, cmd;
+    uint64_t arg;
+    uint32_t in_size, out_size;
+};
 
 /* The handles this lane gives out: the inode's number with the top bit set (the daemon's
  * own are small counters). */
@@ -106,11 +131,14 @@ struct version {
  * id closed; with `note`, the row then goes, and the file (still open) is handed to the
  * daemon (lane_note), which copies the pages the reads brought in into the cache. A row the
  * daemon `adopted` (it had to decide an open of the inode itself) is the daemon's: its
- * backing id and descriptor are, and so are its releases. */
+ * backing id and descriptor are, and so are its releases. A peer row (`peer`: the slot of the
+ * lane's connection to the peer that caches the file, else -1) is a source row whose first
+ * open's file is fetched from that peer and landed here (`fd`: the landed file), never noted:
+ * the file is the peer's to cache. */
 struct row {
     struct row *next;
     uint64_t nodeid;
-    int active, source, note, noted, adopted, fd;
+    int active, source, note, noted, adopted, fd, peer;
     int64_t opens;
     struct version v;
     char path[];
@@ -144,7 +172,201 @@ static int64_t noting;
 /* Source rows whose opens are held here (the daemon has no record of them). */
 static int64_t sources_held;
 static _Atomic uint64_t answered_opens, answered_bytes, answered_releases, source_opens,
-    source_bytes, source_opened_bytes;
+    source_bytes, source_opened_bytes, peer_opens, peer_opened_bytes, answered_getattrs,
+    answered_ioctls;
+/* How long the kernel may keep the attributes a GETATTR is answered with (the daemon's
+ * freshness timeout, lane_attr_timeout); none answered before it is set. */
+static _Atomic uint64_t attr_valid_ns;
+
+/* -- peers: the lane's own connection to each, handshaken by the daemon -------------------- */
+
+/* Slots of connections: placement.MAX_PEERS nodes at most. */
+#define PEER_SLOTS 256
+/* The largest file a peer row asks for: wire.MAX_CHUNK, one GET's reply. */
+#define PEER_MAX (1 << 20)
+/* coordlfs.peers.wire: a frame's header (!4sBBIIQ), a GET's (!QqQI), its path's bound. */
+#define FRAME_HEADER 22
+#define GET_HEADER 28
+#define PEER_PATH_MAX 4096
+enum { KIND_GET = 4, KIND_DATA = 5, KIND_FAIL = 6 };
+
+/* One connection, one request at a time (the mutex held across the round trip): the next
+ * frame on it is the reply. A fault of any kind (a timeout: the daemon set SO_RCVTIMEO and
+ * SO_SNDTIMEO; a closed connection, a frame that breaks the protocol) closes it; the daemon
+ * connects again before it offers the peer's files to the lane. */
+struct peer_link {
+    pthread_mutex_t mu;
+    int fd;
+    uint32_t next_id;
+    uint64_t files, bytes, refused, faults;
+};
+static struct peer_link links[PEER_SLOTS];
+static int land_fd = -1;
+static pthread_once_t links_once = PTHREAD_ONCE_INIT;
+
+static void links_init(void) {
+    for (int i = 0; i < PEER_SLOTS; i++) {
+        pthread_mutex_init(&links[i].mu, NULL);
+        links[i].fd = -1;
+    }
+}
+
+/* The lane's connection to the peer in `slot` is `fd` from now on (an authenticated
+ * connection, the lane's to close), or none (-1); the one before is closed. -EINVAL for a
+ * slot out of range. */
+EXPORT int lane_peer_set(int slot, int fd) {
+    if (slot < 0 || slot >= PEER_SLOTS)
+        return -EINVAL;
+    pthread_once(&links_once, links_init);
+    struct peer_link *l = &links[slot];
+    pthread_mutex_lock(&l->mu);
+    int old = l->fd;
+    l->fd = fd;
+    pthread_mutex_unlock(&l->mu);
+    if (old >= 0)
+        close(old);
+    return 0;
+}
+
+/* Whether the connection in `slot` is up; its counts: files fetched, their bytes, files the
+ * peer refused (FAIL), faults (each closed the connection). */
+EXPORT int lane_peer_state(int slot, uint64_t out[4]) {
+    if (slot < 0 || slot >= PEER_SLOTS)
+        return 0;
+    pthread_once(&links_once, links_init);
+    struct peer_link *l = &links[slot];
+    pthread_mutex_lock(&l->mu);
+    int up = l->fd >= 0;
+    out[0] = l->files, out[1] = l->bytes, out[2] = l->refused, out[3] = l->faults;
+    pthread_mutex_unlock(&l->mu);
+    return up;
+}
+
+/* Land peers' files in directory `dir_fd` (the cache's tmpfs): a duplicate is kept. */
+EXPORT int lane_land_in(int dir_fd) {
+    int fd = fcntl(dir_fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0)
+        return -errno;
+    if (land_fd >= 0)
+        close(land_fd);
+    land_fd = fd;
+    return 0;
+}
+
+static void put_be(unsigned char *at, uint64_t value, int bytes) {
+    for (int i = bytes - 1; i >= 0; i--, value >>= 8)
+        at[i] = (unsigned char)value;
+}
+
+static uint64_t get_be(const unsigned char *at, int bytes) {
+    uint64_t value = 0;
+    for (int i = 0; i < bytes; i++)
+        value = value << 8 | at[i];
+    return value;
+}
+
+static int send_all(int fd, const void *mem, size_t len) {
+    for (const char *p = mem; len;) {
+        ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return -1;
+        p += n, len -= (size_t)n;
+    }
+    return 0;
+}
+
+static int recv_all(int fd, void *mem, size_t len) {
+    for (char *p = mem; len;) {
+        ssize_t n = recv(fd, p, len, 0);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return -1; /* closed, reset, or SO_RCVTIMEO passed */
+        p += n, len -= (size_t)n;
+    }
+    return 0;
+}
+
+static int write_all(int fd, const char *mem, size_t len) {
+    for (off_t at = 0; len;) {
+        ssize_t n = pwrite(fd, mem, len, at);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return -1;
+        mem += n, at += n, len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* A new unnamed file in the landing directory holding `data`, open; -1 if the filesystem
+ * cannot take it (full, say). */
+static int land(const char *data, size_t len) {
+    int fd = openat(land_fd, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+    if (fd >= 0 && write_all(fd, data, len) < 0) {
+        close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
+/* The whole file at `path`, version `v`, from the peer in `slot`, landed: its descriptor,
+ * or -1 (the peer refused it, the connection failed, or nothing could land). The reply is
+ * checked as coordlfs.peers.wire checks one: magic, version, the request's id, DATA of
+ * exactly the file's size, the payload's XXH64. */
+static int fetch(int slot, const char *path, const struct version *v) {
+    static __thread unsigned char *buffer;
+    size_t plen = strlen(path);
+    if (slot < 0 || slot >= PEER_SLOTS || v->size <= 0 || v->size > PEER_MAX ||
+        plen > PEER_PATH_MAX || land_fd < 0)
+        return -1;
+    if (!buffer && !(buffer = malloc(FRAME_HEADER + PEER_MAX + PEER_PATH_MAX)))
+        return -1;
+    pthread_once(&links_once, links_init);
+    struct peer_link *l = &links[slot];
+    pthread_mutex_lock(&l->mu);
+    int fd = -1, fault = 1, sock = l->fd;
+    if (sock < 0) {
+        pthread_mutex_unlock(&l->mu);
+        return -1;
+    }
+    uint32_t id = ++l->next_id ? l->next_id : ++l->next_id; /* id 0 is the handshake's */
+    unsigned char *get = buffer + FRAME_HEADER;
+    put_be(get, (uint64_t)v->size, 8);
+    put_be(get + 8, (uint64_t)v->mtime_ns, 8);
+    put_be(get + 16, 0, 8);
+    put_be(get + 24, (uint64_t)v->size, 4);
+    memcpy(get + GET_HEADER, path, plen);
+    size_t len = GET_HEADER + plen;
+    memcpy(buffer, "CLFP", 4);
+    buffer[4] = 1, buffer[5] = KIND_GET;
+    put_be(buffer + 6, id, 4);
+    put_be(buffer + 10, len, 4);
+    put_be(buffer + 14, XXH64(get, len, 0), 8);
+    unsigned char h[FRAME_HEADER];
+    if (send_all(sock, buffer, FRAME_HEADER + len) < 0 || recv_all(sock, h, sizeof h) < 0)
+        goto out;
+    uint32_t kind = h[5], rid = (uint32_t)get_be(h + 6, 4), length = (uint32_t)get_be(h + 10, 4);
+    if (memcmp(h, "CLFP", 4) || h[4] != 1 || rid != id ||
+        !(kind == KIND_DATA ? length == (uint64_t)v->size : kind == KIND_FAIL && length <= 256) ||
+        recv_all(sock, buffer, length) < 0 || XXH64(buffer, length, 0) != get_be(h + 14, 8))
+        goto out;
+    fault = 0;
+    if (kind == KIND_FAIL)
+        l->refused++;
+    else if ((fd = land((const char *)buffer, length)) >= 0)
+        l->files++, l->bytes += length;
+out:
+    if (fault) {
+        l->faults++;
+        close(sock);
+        l->fd = -1;
+    }
+    pthread_mutex_unlock(&l->mu);
+    return fd;
+}
 
 /* -- rows --------------------------------------------------------------------------------- */
 
@@ -181,12 +403,12 @@ static int grow(void) {
 
 /* The row of `nodeid`: answer its read-only opens with `backing` (0 with `source`: the
  * source file itself, registered at its first open; `note`: handed to the daemon at its
- * last release) while its source file at `path` (beneath the root) is the version given.
- * 0, or -EBUSY when opens of another backing are held (the kernel gives an inode one
+ * last release; `peer` >= 0: fetched from the peer in that slot at its first open, a peer
+ * row) while its source file at `path` (beneath the root) is the version given. 0, or -EBUSY when opens of another backing are held (the kernel gives an inode one
  * backing at a time), -ENOMEM. */
 EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path, uint64_t dev,
                       uint64_t ino, int64_t size, int64_t mtime_ns, int64_t ctime_ns,
-                      int source, int note) {
+                      int source, int note, int peer) {
     size_t plen = strlen(path);
     pthread_mutex_lock(&lock);
     int rc = 0;
@@ -198,7 +420,7 @@ EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path, uint64
         goto out;
     }
     struct version v = {dev, ino, size, mtime_ns, ctime_ns, 0, 0};
-    if (r && r->source && source && r->active && !strcmp(r->path, path) &&
+    if (r && r->source && source && r->active && r->peer == peer && !strcmp(r->path, path) &&
         !memcmp(&r->v, &v, offsetof(struct version, backing)))
         goto out; /* offered again (another LOOKUP): it stays as it is (noted, say) */
     if (!r || strlen(r->path) < plen) {
@@ -219,7 +441,8 @@ EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path, uint64
     r->v = (struct version){dev, ino, size, mtime_ns, ctime_ns, source ? 0 : backing, 0};
     r->active = 1;
     r->source = source;
-    r->note = note;
+    r->note = peer < 0 && note;
+    r->peer = source ? peer : -1;
     r->noted = 0;
     r->adopted = 0;
     r->fd = -1;
@@ -252,9 +475,11 @@ static int64_t retire_row(struct row *r) {
  * id and the source file's descriptor are given to it (`*backing`, `*fd`; else 0 and -1),
  * and so are their releases; one with none held goes. With `held_only`, only a source row
  * with opens held is touched (the daemon must answer for them: a getattr, a change). */
-EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd, int held_only) {
+EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd, int *peer,
+                            int held_only) {
     *backing = 0;
     *fd = -1;
+    *peer = 0;
     pthread_mutex_lock(&lock);
     struct row *r = find(nodeid);
     int64_t opens = r ? r->opens : 0;
@@ -267,6 +492,7 @@ EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd, int held
             noting -= r->note;
             sources_held--;
             r->adopted = 1;
+            *peer = r->peer >= 0;
             *backing = r->v.backing;
             *fd = r->fd;
             r->fd = -1;
@@ -278,11 +504,12 @@ EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd, int held
 }
 
 /* A new descriptor of the source file a source row's held opens read (the caller closes
- * it), -1 if none is held: what fstat of them shows, the daemon answers with its fstat. */
+ * it), -1 if none is held (or they read a peer's file landed here, whose attributes are not
+ * the source's): what fstat of them shows, the daemon answers with its fstat. */
 EXPORT int lane_source_fd(uint64_t nodeid) {
     pthread_mutex_lock(&lock);
     struct row *r = find(nodeid);
-    int fd = r && r->source && r->fd >= 0 ? fcntl(r->fd, F_DUPFD_CLOEXEC, 0) : -1;
+    int fd = r && r->source && r->peer < 0 && r->fd >= 0 ? fcntl(r->fd, F_DUPFD_CLOEXEC, 0) : -1;
     pthread_mutex_unlock(&lock);
     return fd;
 }
@@ -339,16 +566,27 @@ EXPORT void lane_enable(int on) {
     pthread_mutex_unlock(&lock);
 }
 
+/* Answer GETATTR of inodes with rows with attributes the kernel may keep `seconds` (the
+ * daemon's replies' timeout: it changes when the source can no longer be watched). */
+EXPORT void lane_attr_timeout(double seconds) {
+    atomic_store(&attr_valid_ns, (uint64_t)(seconds * 1e9));
+}
+
 /* What the lane answered since it started: opens of cache entries, their files' bytes,
  * releases, opens of source files, the bytes read from storage for them (once per file
- * read), their files' bytes (per open). */
-EXPORT void lane_counts(uint64_t out[6]) {
+ * read), their files' bytes (per open), opens of peers' files, their files' bytes (per open;
+ * what was fetched: lane_peer_state), GETATTRs, IOCTLs. */
+EXPORT void lane_counts(uint64_t out[10]) {
     out[0] = atomic_load(&answered_opens);
     out[1] = atomic_load(&answered_bytes);
     out[2] = atomic_load(&answered_releases);
     out[3] = atomic_load(&source_opens);
     out[4] = atomic_load(&source_bytes);
     out[5] = atomic_load(&source_opened_bytes);
+    out[6] = atomic_load(&peer_opens);
+    out[7] = atomic_load(&peer_opened_bytes);
+    out[8] = atomic_load(&answered_getattrs);
+    out[9] = atomic_load(&answered_ioctls);
 }
 
 /* The next source file read through a row with `note`: its path's length (copied into
@@ -400,30 +638,29 @@ EXPORT void lane_gauges(int64_t out[3]) {
 
 /* -- answers ------------------------------------------------------------------------------ */
 
-static void reply(uint64_t unique, const void *arg, size_t len) {
-    struct {
-        struct out_header h;
-        struct open_out o;
-    } out = {{(uint32_t)(sizeof out.h + len), 0, unique}, {0, 0, 0}};
-    if (len)
-        memcpy(&out.o, arg, len);
+static void reply(uint64_t unique, int error, const void *arg, size_t len) {
+    struct out_header h = {(uint32_t)(sizeof h + len), error, unique};
+    struct iovec iov[2] = {{&h, sizeof h}, {(void *)arg, len}};
     /* ENOENT: the request was interrupted meanwhile, as libfuse ignores it too */
-    (void)!write(dev_fd, &out, sizeof out.h + len);
+    (void)!writev(dev_fd, iov, len ? 2 : 1);
 }
 
 /* The source file at `path` (beneath the root) opened with `flags` if it is version `v`
- * now, else -1. */
-static int open_version(const char *path, const struct version *v, int flags) {
+ * now (its attributes in `st`), else -1. */
+static int open_version(const char *path, const struct version *v, int flags,
+                        struct stat *st) {
     struct open_how how = {.flags = (uint64_t)(flags | O_NOFOLLOW | O_CLOEXEC),
                            .resolve = RESOLVE_NO_XDEV | RESOLVE_NO_SYMLINKS};
     int fd = (int)syscall(SYS_openat2, root_fd, path, &how, sizeof how);
     if (fd < 0)
         return -1;
-    struct stat st;
-    int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (uint64_t)st.st_dev == v->dev &&
-             (uint64_t)st.st_ino == v->ino && st.st_size == v->size &&
-             st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec == v->mtime_ns &&
-             st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec == v->ctime_ns;
+    struct stat mine;
+    if (!st)
+        st = &mine;
+    int ok = fstat(fd, st) == 0 && S_ISREG(st->st_mode) && (uint64_t)st->st_dev == v->dev &&
+             (uint64_t)st->st_ino == v->ino && st->st_size == v->size &&
+             st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec == v->mtime_ns &&
+             st->st_ctim.tv_sec * 1000000000LL + st->st_ctim.tv_nsec == v->ctime_ns;
     if (!ok) {
         close(fd);
         return -1;
@@ -464,6 +701,27 @@ static int register_source(struct row *r, int fd) {
     return 1;
 }
 
+/* The file a source row's first open registers: the source file (`fd`, opened by the
+ * version check), or for a peer row the peer's file fetched and landed now (the check's `fd`
+ * closed); -1 if there is none. */
+static int first_file(int peer, const char *path, const struct version *v, int fd) {
+    if (peer < 0)
+        return fd;
+    close(fd);
+    return fetch(peer, path, v);
+}
+
+/* A peer row whose file could not be had (refused, the connection failed, nothing landed)
+ * answers no more opens: the daemon decides them (it asks the peer again, or reads the
+ * source). */
+static void give_up(uint64_t nodeid, const struct version *v) {
+    pthread_mutex_lock(&lock);
+    struct row *r = find(nodeid);
+    if (r && r->peer >= 0 && !r->opens && same_row(r, v))
+        retire_row(r);
+    pthread_mutex_unlock(&lock);
+}
+
 static int answer_open(const struct in_header *in, const struct open_in *arg) {
     if (arg->flags & WRITE_FLAGS)
         return 0;
@@ -473,28 +731,43 @@ static int answer_open(const struct in_header *in, const struct open_in *arg) {
     char path[PATH_MAX];
     pthread_mutex_lock(&lock);
     struct row *r = answering(in->nodeid, &v, path);
-    int source = r ? r->source : 0;
+    int source = r ? r->source : 0, peer = r ? r->peer : -1, first = r && !r->opens;
     pthread_mutex_unlock(&lock);
     if (!r)
         return 0;
-    int fd = open_version(path, &v, source ? O_RDONLY | O_NONBLOCK | O_NOCTTY : O_PATH);
+    int fd = open_version(path, &v, source && peer < 0 ? O_RDONLY | O_NONBLOCK | O_NOCTTY
+                                                       : O_PATH, NULL);
     if (fd < 0)
         return 0;
     if (!source) {
         close(fd);
         fd = -1;
+    } else if (first && (fd = first_file(peer, path, &v, fd)) < 0) {
+        give_up(in->nodeid, &v);
+        return 0;
     }
     pthread_mutex_lock(&lock);
     r = enabled ? find(in->nodeid) : NULL;
-    int ok = r && r->active && r->source == source && same_row(r, &v);
-    if (ok && source && !r->opens && (ok = register_source(r, fd)))
-        fd = -1;
+    int ok = r && r->active && r->source == source && r->peer == peer && same_row(r, &v);
+    int fetched = 0; /* this open registered the file: its bytes were read for it */
+    if (ok && source && !r->opens) {
+        /* a peer row's opens all went since it looked: it has no file */
+        ok = (first || peer < 0) && register_source(r, fd);
+        if (ok) {
+            fetched = 1;
+            fd = -1;
+        }
+    }
     struct open_out out = {in->nodeid | LANE_FH, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH,
                            ok ? r->v.backing : 0};
-    if (ok) {
+    if (ok && peer >= 0) {
+        r->opens++;
+        atomic_fetch_add(&peer_opens, 1);
+        atomic_fetch_add(&peer_opened_bytes, (uint64_t)v.size);
+    } else if (ok) {
         /* a source file's bytes are read from storage once for the opens that share its
          * backing (the first one's), an entry's counted per open as the daemon counts hits */
-        if (!source || (!r->opens && !r->noted))
+        if (!source || (fetched && !r->noted))
             atomic_fetch_add(source ? &source_bytes : &answered_bytes, (uint64_t)v.size);
         r->opens++;
         atomic_fetch_add(source ? &source_opens : &answered_opens, 1);
@@ -505,7 +778,7 @@ static int answer_open(const struct in_header *in, const struct open_in *arg) {
     if (fd >= 0)
         close(fd);
     if (ok)
-        reply(in->unique, &out, sizeof out);
+        reply(in->unique, 0, &out, sizeof out);
     return ok;
 }
 
@@ -579,8 +852,42 @@ static int answer_release(const struct in_header *in, const struct release_in *a
     if (n)
         push_note(n);
     atomic_fetch_add(&answered_releases, 1);
-    reply(in->unique, NULL, 0);
+    reply(in->unique, 0, NULL, 0);
     return ok;
+}
+
+/* A GETATTR of an inode with a row, while the source file is the row's version: its
+ * attributes now, as the daemon answers (its getattr shows the version the inode's open
+ * files read, which is the row's, and that is the source file's now). */
+static int answer_getattr(const struct in_header *in) {
+    uint64_t valid = atomic_load(&attr_valid_ns);
+    struct version v;
+    char path[PATH_MAX];
+    pthread_mutex_lock(&lock);
+    struct row *r = valid ? answering(in->nodeid, &v, path) : NULL;
+    pthread_mutex_unlock(&lock);
+    struct stat st;
+    int fd = r ? open_version(path, &v, O_PATH, &st) : -1;
+    if (fd < 0)
+        return 0;
+    close(fd);
+    struct attr_out out = {valid / 1000000000u, (uint32_t)(valid % 1000000000u), 0, {
+        in->nodeid, (uint64_t)st.st_size, (uint64_t)st.st_blocks, (uint64_t)st.st_atim.tv_sec,
+        (uint64_t)st.st_mtim.tv_sec, (uint64_t)st.st_ctim.tv_sec, (uint32_t)st.st_atim.tv_nsec,
+        (uint32_t)st.st_mtim.tv_nsec, (uint32_t)st.st_ctim.tv_nsec, st.st_mode,
+        (uint32_t)st.st_nlink, st.st_uid, st.st_gid, (uint32_t)st.st_rdev,
+        (uint32_t)st.st_blksize, 0}};
+    atomic_fetch_add(&answered_getattrs, 1);
+    reply(in->unique, 0, &out, sizeof out);
+    return 1;
+}
+
+/* An IOCTL (isatty's TCGETS, at every open by Python's io.open): the daemon has no ioctl,
+ * and libfuse answers ENOSYS (ENOTTY for a directory's, the capability not asked for). */
+static int answer_ioctl(const struct in_header *in, const struct ioctl_in *arg) {
+    atomic_fetch_add(&answered_ioctls, 1);
+    reply(in->unique, arg->flags & FUSE_IOCTL_DIR ? -ENOTTY : -ENOSYS, NULL, 0);
+    return 1;
 }
 
 static int answered(const char *mem, ssize_t len) {
@@ -588,6 +895,10 @@ static int answered(const char *mem, ssize_t len) {
     if (len < (ssize_t)sizeof *in)
         return 0;
     const void *arg = mem + sizeof *in;
+    if (in->opcode == FUSE_GETATTR)
+        return answer_getattr(in);
+    if (in->opcode == FUSE_IOCTL && len >= (ssize_t)(sizeof *in + sizeof(struct ioctl_in)))
+        return answer_ioctl(in, arg);
     if (in->opcode == FUSE_OPEN && len >= (ssize_t)(sizeof *in + sizeof(struct open_in)))
         return answer_open(in, arg);
     if (in->opcode == FUSE_RELEASE && len >= (ssize_t)(sizeof *in + sizeof(struct release_in)))

@@ -135,6 +135,10 @@ class PeerHold:
         self._poke()
         return queued
 
+    def has_order(self) -> bool:
+        """Whether files of an order are queued, on their way or held here."""
+        return bool(self.items)
+
     def _no_room(self, size: int) -> bool:
         return self.cache.room.used + max(size, 1) > self.cache.room.capacity
 

@@ -76,6 +76,8 @@ class Hold(Protocol):
 
     def forget_link(self, link: PeerLink) -> None: ...
 
+    def has_order(self) -> bool: ...
+
     async def run(self) -> None: ...
 
     def status(self) -> dict[str, Any]: ...
@@ -242,6 +244,27 @@ class PeerLink:
             self._backoff = 0.0
             return stream, pending.kind, pending.payload
         raise AssertionError("unreachable")
+
+    async def dial(self) -> FrameStream:
+        """A new authenticated connection to the peer that is not the link's (the request
+        lane's own: ``coordlfs.fs.lane_peers``), its first frame (the features) read, so that
+        the next frame on it is a reply. PeerDown if the peer is down or turns it away."""
+        if self.retired or self._down_until > time.monotonic():
+            raise PeerDown(self.stats.last_error or LEFT)
+        try:
+            with trio.fail_after(self.timeout):
+                stream = FrameStream(await self._open(), frame_timeout=self.timeout)
+                try:
+                    await client_handshake(stream, self.secret)
+                    first = await stream.receive()
+                    if first is None or first.kind != Kind.DATA or first.request_id != 0:
+                        raise ProtocolError("no features frame after the handshake")
+                except BaseException:
+                    await trio.aclose_forcefully(stream.stream)
+                    raise
+        except Exception as e:
+            raise PeerDown(_describe(e)) from None
+        return stream
 
     async def _lied(self, stream: FrameStream, reason: str) -> NoReturn:
         """The reply breaks the protocol: the peer goes down, its bytes are not used."""
