@@ -563,7 +563,8 @@ def test_many_readers_at_once_then_a_clean_unmount(tmp_path: Path, mount, needs_
     assert reads["file_hits"] == reads["passthrough_opens"] == opens, reads
     assert reads["bytes_from_cache"] == READERS * 2 * sum(SIZES.values()), reads
     stats = json.loads(run_cli("stats", "--json", str(m.mountpoint)).stdout)
-    assert stats["passthrough"]["lane"] == lane_state(m)
+    # (each read of the status opens the control file: an isatty ioctl more each)
+    assert {**stats["passthrough"]["lane"], "ioctls": 0} == {**lane_state(m), "ioctls": 0}
     started = time.monotonic()
     out = run_cli("umount", str(m.mountpoint))
     took = time.monotonic() - started
