@@ -63,7 +63,7 @@ def _load() -> ctypes.CDLL:
     lib.lane_counts.argtypes = [ctypes.POINTER(_u64 * 10)]
     lib.lane_attr_timeout.argtypes = [ctypes.c_double]
     lib.lane_peer_set.argtypes = [ctypes.c_int, ctypes.c_int]
-    lib.lane_peer_state.argtypes = [ctypes.c_int, ctypes.POINTER(_u64 * 4)]
+    lib.lane_peer_state.argtypes = [ctypes.c_int, ctypes.POINTER(_u64 * 5)]
     lib.lane_land_in.argtypes = [ctypes.c_int]
     lib.lane_note.argtypes = [ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int),
                               ctypes.POINTER(_i64 * 5), ctypes.c_char_p, ctypes.c_size_t]
@@ -165,12 +165,13 @@ class Lane:
         its timeouts set; the lane's to close), or none (-1): the one before is closed."""
         self._lib.lane_peer_set(slot, fd)
 
-    def peer_state(self, slot: int) -> tuple[bool, tuple[int, int, int, int]]:
+    def peer_state(self, slot: int) -> tuple[bool, tuple[int, ...]]:
         """Whether the connection in ``slot`` is up, and its counts: files fetched, their
-        bytes, files the peer refused, faults (each closed it)."""
-        out = (_u64 * 4)()
+        bytes, files the peer refused, faults (each closed it), closes by the peer found
+        before a request."""
+        out = (_u64 * 5)()
         up = self._lib.lane_peer_state(slot, ctypes.byref(out))
-        return bool(up), (out[0], out[1], out[2], out[3])
+        return bool(up), tuple(out)
 
     def suspend(self, inode: int, held_only: bool = False) -> tuple[int, int, int, bool]:
         """No more opens of ``inode`` answered by the lane: the opens its row holds, and

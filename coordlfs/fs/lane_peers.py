@@ -15,7 +15,9 @@ it asks, so the timeout is short: a peer slower than that costs its connection (
 it at any fault), and the open goes to the daemon, which asks again with the link's own timeout
 or reads the source. A connection found down is dialled again at the next offer of the peer's
 files, at most once per ``REDIAL_S``. They are one more connection per peer on each side,
-beside the link's (the server's cap counts them; the node's ``--peer-connections`` does not).
+beside the link's, so the lane has them only while a connection to every peer both ways
+fits the node's ``--peer-connections`` (peers at most half of it: 32 at the default 64),
+which then bounds all of them together; a server's own cap counts them too.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class LanePeers:
         slot = self._slots.get(link.address)
         if slot is not None and self.lane.peer_state(slot)[0]:
             return slot
+        if 2 * len(self.peers.links) > self.peers.budget.limit:
+            return None  # see the module: within --peer-connections, with the links'
         now = time.monotonic()
         nursery = self._readers.nursery
         if nursery is None or now - self._dialled_at.get(link.address, -REDIAL_S) < REDIAL_S:
@@ -99,7 +103,7 @@ class LanePeers:
         the links' counts and the landings'. (Its opens are counted by ``Lane.fold``.)"""
         links = {link.address: link for link in self.peers.links.values()}
         for address, slot in self._slots.items():
-            _, (files, size, refused, _) = self.lane.peer_state(slot)
+            files, size, refused = self.lane.peer_state(slot)[1][:3]
             was = self._folded.get(slot, (0, 0, 0))
             self._folded[slot] = (files, size, refused)
             reads.bytes_from_peers += size - was[1]
@@ -113,11 +117,11 @@ class LanePeers:
 
     def status(self) -> dict[str, int]:
         """The lane's connections to peers now up, and what they did in all."""
-        up = files = size = refused = faults = 0
+        totals = [0] * 5
+        up = 0
         for slot in self._slots.values():
             on, counts = self.lane.peer_state(slot)
             up += on
-            files, size = files + counts[0], size + counts[1]
-            refused, faults = refused + counts[2], faults + counts[3]
-        return {"connections": up, "files": files, "bytes": size, "refused": refused,
-                "faults": faults}
+            totals = [a + b for a, b in zip(totals, counts, strict=True)]
+        return {"connections": up, **dict(zip(("files", "bytes", "refused", "faults",
+                                               "closed_by_peer"), totals, strict=True))}

@@ -35,6 +35,7 @@
 #include <limits.h>
 #include <stddef.h>
 #include <linux/openat2.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -198,7 +199,7 @@ struct peer_link {
     pthread_mutex_t mu;
     int fd;
     uint32_t next_id;
-    uint64_t files, bytes, refused, faults;
+    uint64_t files, bytes, refused, faults, closed;
 };
 static struct peer_link links[PEER_SLOTS];
 static int land_fd = -1;
@@ -229,8 +230,9 @@ EXPORT int lane_peer_set(int slot, int fd) {
 }
 
 /* Whether the connection in `slot` is up; its counts: files fetched, their bytes, files the
- * peer refused (FAIL), faults (each closed the connection). */
-EXPORT int lane_peer_state(int slot, uint64_t out[4]) {
+ * peer refused (FAIL), faults (each closed the connection), connections found closed by the
+ * peer (idle, or for room) before a request. */
+EXPORT int lane_peer_state(int slot, uint64_t out[5]) {
     if (slot < 0 || slot >= PEER_SLOTS)
         return 0;
     pthread_once(&links_once, links_init);
@@ -238,6 +240,7 @@ EXPORT int lane_peer_state(int slot, uint64_t out[4]) {
     pthread_mutex_lock(&l->mu);
     int up = l->fd >= 0;
     out[0] = l->files, out[1] = l->bytes, out[2] = l->refused, out[3] = l->faults;
+    out[4] = l->closed;
     pthread_mutex_unlock(&l->mu);
     return up;
 }
@@ -328,6 +331,14 @@ static int fetch(int slot, const char *path, const struct version *v) {
     struct peer_link *l = &links[slot];
     pthread_mutex_lock(&l->mu);
     int fd = -1, fault = 1, sock = l->fd;
+    /* nothing is due on an idle connection: readable now, the peer closed it (its idle
+     * timeout, room for another); no request is lost, no fault */
+    struct pollfd idle = {sock, POLLIN | POLLRDHUP, 0};
+    if (sock >= 0 && poll(&idle, 1, 0) != 0) {
+        close(sock);
+        l->fd = sock = -1;
+        l->closed++;
+    }
     if (sock < 0) {
         pthread_mutex_unlock(&l->mu);
         return -1;

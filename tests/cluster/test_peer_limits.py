@@ -354,12 +354,13 @@ def test_a_node_listening_on_every_address_serves_ipv6_and_ipv4_peers(mount,
 def test_idle_connections_closed_by_either_side_are_no_fault(mount, tmp_path: Path) -> None:
     """A's --peer-timeout is short: its link to B closes itself after idle_timeout(0.3)/2, and
     its server closes B's idle link (B's own limit is far longer) after idle_timeout(0.3).
-    Neither close marks a peer down; the next miss reconnects."""
+    Neither close marks a peer down; the next miss reconnects. (Without the request lane,
+    whose own connections would serve the misses: test_lane_peers.)"""
     roots, sizes = copies(tmp_path, 2)
     ports = [free_port(), free_port()]
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     nodes = [mount(root, "--listen", f"127.0.0.1:{port}", "--peers", peers, "--insecure",
-                   "--peer-timeout", timeout)
+                   "--peer-timeout", timeout, "--request-lane", "no")
              for root, port, timeout in zip(roots, ports, ("0.3", "5"), strict=True)]
     others = [f"127.0.0.1:{ports[1]}", f"127.0.0.1:{ports[0]}"]
 
