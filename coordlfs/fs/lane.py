@@ -68,7 +68,7 @@ def _load() -> ctypes.CDLL:
     lib.lane_note.argtypes = [ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int),
                               ctypes.POINTER(_i64 * 5), ctypes.c_char_p, ctypes.c_size_t]
     lib.lane_note.restype = ctypes.c_ssize_t
-    lib.lane_gauges.argtypes = [ctypes.POINTER(_i64 * 3)]
+    lib.lane_gauges.argtypes = [ctypes.POINTER(_i64 * 5)]
     lib.lane_source_fd.argtypes = [_u64]
     lib.lane_bufsize.restype = ctypes.c_size_t
     return lib
@@ -235,12 +235,13 @@ class Lane:
         self._lib.lane_counts(ctypes.byref(self._counts))
         return tuple(self._counts)
 
-    def gauges(self) -> tuple[int, int, int]:
+    def gauges(self) -> tuple[int, ...]:
         """Source files read by the lane's opens that the cache is about to be handed; rows
-        kept; inodes whose opens the lane holds by a source row."""
-        out = (_i64 * 3)()
+        kept; inodes whose opens the lane holds by a source row; of those, peers' files
+        landed, and their bytes."""
+        out = (_i64 * 5)()
         self._lib.lane_gauges(ctypes.byref(out))
-        return out[0], out[1], out[2]
+        return tuple(out)
 
     def noting(self) -> int:
         return self.gauges()[0]

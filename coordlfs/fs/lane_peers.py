@@ -54,6 +54,8 @@ class LanePeers:
         self._slots: dict[Address, int] = {}
         self._dialled_at: dict[Address, float] = {}
         self._folded: dict[int, tuple[int, int, int]] = {}
+        #: the lane's landed files open at the last fold, and their bytes
+        self._held = (0, 0)
 
     def slot(self, link: PeerLink) -> int | None:
         """The slot of the lane's connection to ``link``'s peer if it is up; else None, and a
@@ -100,15 +102,21 @@ class LanePeers:
 
     def fold(self, reads: ReadCounters) -> None:
         """The files the lane fetched since the last fold, into the mount's bytes from peers,
-        the links' counts and the landings'. (Its opens are counted by ``Lane.fold``.)"""
+        the links' counts and the landings' (its landed files open now among theirs). (Its
+        opens are counted by ``Lane.fold``.)"""
+        landings = self.peers.landings
+        held = self.lane.gauges()[3:5]
+        landings.open_files += held[0] - self._held[0]
+        landings.open_bytes += held[1] - self._held[1]
+        self._held = held
         links = {link.address: link for link in self.peers.links.values()}
         for address, slot in self._slots.items():
             files, size, refused = self.lane.peer_state(slot)[1][:3]
             was = self._folded.get(slot, (0, 0, 0))
             self._folded[slot] = (files, size, refused)
             reads.bytes_from_peers += size - was[1]
-            self.peers.landings.files += files - was[0]
-            self.peers.landings.bytes += size - was[1]
+            landings.files += files - was[0]
+            landings.bytes += size - was[1]
             link = links.get(address)
             if link is not None:
                 link.stats.files += files - was[0]

@@ -71,8 +71,10 @@ class OpenInode:
         for handle in self.handles:
             if handle.pinned is not None:
                 return handle.pinned
-        if self.lane is not None and self.lane.backing.entry is not None and self.lane.held():
-            return self.lane.st  # a cache entry's file (a source file is read as it is now)
+        row = self.lane
+        if row is not None and (row.backing.entry is not None or row.backing.landed) \
+                and row.held():
+            return row.st  # a cache entry's file, a peer's (a source file is read as it is now)
         return None
 
     def held_backing(self) -> Backing | None:

@@ -118,10 +118,14 @@ class LaneRows:
 
     def source_stat(self, inode: int) -> os.stat_result | None:
         """The attributes of the source file the lane's held opens of ``inode`` read (a
-        source row's, no open of the daemon's beside), None if it holds none."""
+        source row's, no open of the daemon's beside; a peer row's: the version it was
+        offered at, which its landed file is), None if it holds none."""
         if self.lane is None or inode in self._open:
             return None
-        return self.lane.source_stat(inode)
+        st = self.lane.source_stat(inode)
+        if st is None and inode in self._peer_rows and self.lane.held(inode):
+            return self._peer_rows[inode]
+        return st
 
     def adopt_at(self, path: bytes) -> None:
         """The source file at ``path`` changed (the watch says): if the lane holds opens of

@@ -172,6 +172,8 @@ static int notes_fd = -1;
 static int64_t noting;
 /* Source rows whose opens are held here (the daemon has no record of them). */
 static int64_t sources_held;
+/* Of those, peer rows: their landed files and those files' bytes (memory beside the cache). */
+static int64_t landed_held, landed_held_bytes;
 static _Atomic uint64_t answered_opens, answered_bytes, answered_releases, source_opens,
     source_bytes, source_opened_bytes, peer_opens, peer_opened_bytes, answered_getattrs,
     answered_ioctls;
@@ -462,6 +464,14 @@ out:
     return rc;
 }
 
+/* A peer row's landed file is held here (1) or no longer (-1). Under the mutex. */
+static void held_landed(const struct row *r, int64_t change) {
+    if (r->peer >= 0) {
+        landed_held += change;
+        landed_held_bytes += change * r->v.size;
+    }
+}
+
 /* The row goes from the table. Under the mutex. */
 static void remove_row(struct row *r) {
     struct row **at = slot_of(r->nodeid);
@@ -502,6 +512,7 @@ EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd, int *pee
         if (opens) {
             noting -= r->note;
             sources_held--;
+            held_landed(r, -1);
             r->adopted = 1;
             *peer = r->peer >= 0;
             *backing = r->v.backing;
@@ -638,12 +649,15 @@ EXPORT int lane_notes_fd(void) {
 /* What the lane holds now: source files read through rows with `note` and not handed to
  * the daemon yet, or still open (files the cache is about to be given, as fills in flight);
  * the rows kept (their memory is the lane's share of the daemon's per-file cost); the
- * inodes whose opens it holds by a source row (the daemon asks for them only then). */
-EXPORT void lane_gauges(int64_t out[3]) {
+ * inodes whose opens it holds by a source row (the daemon asks for them only then); of
+ * those, peer rows' landed files, and their bytes. */
+EXPORT void lane_gauges(int64_t out[5]) {
     pthread_mutex_lock(&lock);
     out[0] = noting;
     out[1] = (int64_t)nrows;
     out[2] = sources_held;
+    out[3] = landed_held;
+    out[4] = landed_held_bytes;
     pthread_mutex_unlock(&lock);
 }
 
@@ -709,6 +723,7 @@ static int register_source(struct row *r, int fd) {
     r->fd = fd;
     noting += r->note;
     sources_held++;
+    held_landed(r, 1);
     return 1;
 }
 
@@ -814,6 +829,7 @@ static void push_note(struct note *n) {
  * mutex. */
 static struct note *source_done(struct row *r, int *id, int *fd) {
     sources_held--;
+    held_landed(r, -1);
     *id = r->v.backing;
     *fd = r->fd;
     r->v.backing = 0;

@@ -8,6 +8,9 @@ The ``many-*`` modes say they serve GETMANY, answer a GET with FAIL MISS (the ri
 zeros would be a lie no protocol can see) and lie in every FILES reply: a file one byte short
 (``many-badlen``), a bad checksum (``many-badsum``), one file fewer (``many-short``), or a
 DATA frame instead of FILES (``many-kind``).
+
+A ``lane-`` prefix (``lane-badsum``...) sends the features frame too, as a real peer does, so
+that the request lane dials it (``coordlfs.fs.lane_peers``), then lies as the mode says.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ async def answer(stream: trio.SocketStream, mode: str) -> None:
     if mode == "silent":  # accepts, never speaks: the client must time out
         await trio.sleep_forever()
     await server_handshake(frames, b"badsecret" if mode == "badauth" else b"")
-    if mode.startswith("many-"):
+    if mode.startswith(("many-", "lane-")):  # lane-*: says what it serves, as peers do
         await send_features(frames)
+        mode = mode.removeprefix("lane-")
     while (frame := await frames.receive()) is not None:
         if mode.startswith("many-"):
             await lie_about_many(frames, frame, mode)
