@@ -160,18 +160,19 @@ class Lane:
         if rc < 0:
             raise OSError(-rc, os.strerror(-rc))
 
-    def set_peer(self, slot: int, fd: int) -> None:
-        """The lane's connection to a peer is ``fd`` from now on (authenticated, blocking,
-        its timeouts set; the lane's to close), or none (-1): the one before is closed."""
-        self._lib.lane_peer_set(slot, fd)
+    def set_peer(self, slot: int, fd: int) -> int:
+        """One more connection to the peer of ``slot``: ``fd`` (authenticated, blocking, its
+        timeouts set), the lane's to close from now on; -errno (the slot's pool is full, say)
+        and it stays the caller's."""
+        return self._lib.lane_peer_set(slot, fd)
 
-    def peer_state(self, slot: int) -> tuple[bool, tuple[int, ...]]:
-        """Whether the connection in ``slot`` is up, and its counts: files fetched, their
-        bytes, files the peer refused, faults (each closed it), closes by the peer found
-        before a request."""
+    def peer_state(self, slot: int) -> tuple[int, tuple[int, ...]]:
+        """How many connections of ``slot`` are up, and their counts together: files
+        fetched, their bytes, files the peer refused, faults (each closed one), closes by the
+        peer found before a request."""
         out = (_u64 * 5)()
         up = self._lib.lane_peer_state(slot, ctypes.byref(out))
-        return bool(up), tuple(out)
+        return up, tuple(out)
 
     def suspend(self, inode: int, held_only: bool = False) -> tuple[int, int, int, bool]:
         """No more opens of ``inode`` answered by the lane: the opens its row holds, and

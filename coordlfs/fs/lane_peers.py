@@ -1,23 +1,24 @@
 """The request lane's own connections to the peers: a peer's small file fetched in C.
 
 A file a peer caches costs the daemon LOOKUP, OPEN (the request to the peer, its reply, the
-landing) and RELEASE in Python: 600-1,000 µs of the asking daemon's CPU per 110 KB file, most
-of it the trio loop's passes (docs/benchmarks/cluster.md). With a peer row (``LaneRows``) the
-lane answers the OPEN itself: it sends the GET on a connection of its own to that peer, checks
-the reply as ``coordlfs.peers.wire`` does (the request's id, DATA of the file's size, the
-payload's XXH64), lands the bytes in an unnamed file on the cache's tmpfs and answers with it as
-the backing, as the daemon does (``coordlfs.peers.landing``); the RELEASE closes it.
+landing) and RELEASE in Python: 700-900 µs of the asking daemon's CPU per 110 KB file, most of
+it the trio loop's passes (docs/benchmarks/cluster.md). With a peer row (``LaneRows``) the
+lane answers the OPEN itself, on a fetcher thread of its own (the threads that read /dev/fuse
+go on meanwhile): it sends the GET on a connection of its own to that peer, checks the reply as
+``coordlfs.peers.wire`` does (the request's id, DATA of the file's size, the payload's XXH64),
+lands the bytes in an unnamed file on the cache's tmpfs and answers with it as the backing, as
+the daemon does (``coordlfs.peers.landing``); the RELEASE closes it.
 
 The connections are dialled and authenticated here, with the link's address, secret and
-handshake (``PeerLink.dial``), then handed to the lane: blocking, with send and receive timeouts
-of ``LANE_TIMEOUT_S`` at most, one request at a time. A lane thread waits for the peer while
-it asks, so the timeout is short: a peer slower than that costs its connection (the lane closes
-it at any fault), and the open goes to the daemon, which asks again with the link's own timeout
-or reads the source. A connection found down is dialled again at the next offer of the peer's
-files, at most once per ``REDIAL_S``. They are one more connection per peer on each side,
-beside the link's, so the lane has them only while a connection to every peer both ways
-fits the node's ``--peer-connections`` (peers at most half of it: 32 at the default 64),
-which then bounds all of them together; a server's own cap counts them too.
+handshake (``PeerLink.dial``), then handed to the lane: blocking, with send and receive
+timeouts of the peer timeout, one request at a time each, up to ``POOL`` per peer so that
+several fetches overlap. Any fault closes one (the open goes to the daemon, which asks again on
+its link or reads the source), and so does a close by the peer (its idle timeout) found before
+a request; more are dialled at the next offers of the peer's files, after a failed dial at most
+once per ``REDIAL_S``. They are connections beside the links, so the lane has them only as far
+as a link and its pool to every peer fit the node's ``--peer-connections``: the pool shrinks
+with more peers and is none past half the limit (32 peers at the default 64); a server's own
+cap counts them too.
 """
 
 from __future__ import annotations
@@ -35,15 +36,15 @@ from coordlfs.peers.placement import MAX_PEERS, Address
 
 log = logging.getLogger(__name__)
 
-#: Seconds a lane thread waits at most for a peer to take a request or send its reply.
-LANE_TIMEOUT_S = 1.0
-#: Seconds between two dials of a peer whose connection is down.
+#: Connections per peer at most (lane.c's PEER_POOL).
+POOL = 4
+#: Seconds after a failed dial before the next one to the same peer.
 REDIAL_S = 1.0
 
 
 class LanePeers:
-    """Which lane connection is which peer's (a slot per address, kept for the mount's life:
-    rows name slots), dialling them, and their counts folded into the mount's."""
+    """Which lane connections are which peer's (a slot per address, kept for the mount's
+    life: rows name slots), dialling them, and their counts folded into the mount's."""
 
     def __init__(self, lane: Lane, readers: Readers) -> None:
         self.lane = lane
@@ -52,42 +53,48 @@ class LanePeers:
         self._readers = readers
         lane.land_in(readers.cache.files_fd)
         self._slots: dict[Address, int] = {}
-        self._dialled_at: dict[Address, float] = {}
+        self._dialling: set[Address] = set()
+        self._failed_at: dict[Address, float] = {}
         self._folded: dict[int, tuple[int, int, int]] = {}
         #: the lane's landed files open at the last fold, and their bytes
-        self._held = (0, 0)
+        self._held: tuple[int, ...] = (0, 0)
+
+    def pool(self) -> int:
+        """Connections per peer the budget leaves the lane: a link and the pool to every
+        peer within ``--peer-connections``."""
+        peers = max(1, len(self.peers.links))
+        return min(POOL, self.peers.budget.limit // peers - 1)
 
     def slot(self, link: PeerLink) -> int | None:
-        """The slot of the lane's connection to ``link``'s peer if it is up; else None, and a
-        dial starts (unless one did within ``REDIAL_S``)."""
+        """The slot of the lane's connections to ``link``'s peer if one is up, else None;
+        another is dialled while the pool has room (one dial at a time per peer)."""
         slot = self._slots.get(link.address)
-        if slot is not None and self.lane.peer_state(slot)[0]:
-            return slot
-        if 2 * len(self.peers.links) > self.peers.budget.limit:
-            return None  # see the module: within --peer-connections, with the links'
-        now = time.monotonic()
-        nursery = self._readers.nursery
-        if nursery is None or now - self._dialled_at.get(link.address, -REDIAL_S) < REDIAL_S:
-            return None
-        if slot is None and len(self._slots) >= MAX_PEERS:
-            return None  # slots are never reused; more peers than that in a mount's life
-        self._dialled_at[link.address] = now
-        nursery.start_soon(self._dial, link)
-        return None
+        up = 0 if slot is None else self.lane.peer_state(slot)[0]
+        pool = self.pool()
+        if up < pool and link.address not in self._dialling and (
+                slot is not None or len(self._slots) < MAX_PEERS):  # slots are never reused
+            nursery = self._readers.nursery
+            failed = self._failed_at.get(link.address)
+            if nursery is not None and (failed is None or
+                                        time.monotonic() - failed >= REDIAL_S):
+                self._dialling.add(link.address)
+                nursery.start_soon(self._dial, link)
+        return slot if up and pool >= 1 else None
 
     async def _dial(self, link: PeerLink) -> None:
         try:
             stream = await link.dial()
         except PeerDown as e:
+            self._failed_at[link.address] = time.monotonic()
             log.debug("peer %s: no lane connection: %s", link.address, e)
             return
-        sock = stream.stream.socket
-        fd = sock.detach()  # the trio socket lets go of it; the connection stays
-        raw = socket.socket(fileno=fd)
+        finally:
+            self._dialling.discard(link.address)
+        self._failed_at.pop(link.address, None)
+        raw = socket.socket(fileno=stream.stream.socket.detach())  # the trio socket lets go
         try:
             raw.setblocking(True)
-            wait = min(LANE_TIMEOUT_S, link.timeout)
-            timeval = struct.pack("ll", int(wait), int(wait % 1 * 1e6))
+            timeval = struct.pack("ll", int(link.timeout), int(link.timeout % 1 * 1e6))
             raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
             raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         except OSError as e:
@@ -98,7 +105,10 @@ class LanePeers:
             raw.close()
             return
         slot = self._slots.setdefault(link.address, len(self._slots))
-        self.lane.set_peer(slot, raw.detach())
+        if self.lane.set_peer(slot, raw.fileno()) < 0:  # its pool is full
+            raw.close()
+        else:
+            raw.detach()
 
     def fold(self, reads: ReadCounters) -> None:
         """The files the lane fetched since the last fold, into the mount's bytes from peers,

@@ -193,58 +193,89 @@ static _Atomic uint64_t attr_valid_ns;
 #define PEER_PATH_MAX 4096
 enum { KIND_GET = 4, KIND_DATA = 5, KIND_FAIL = 6 };
 
-/* One connection, one request at a time (the mutex held across the round trip): the next
- * frame on it is the reply. A fault of any kind (a timeout: the daemon set SO_RCVTIMEO and
- * SO_SNDTIMEO; a closed connection, a frame that breaks the protocol) closes it; the daemon
- * connects again before it offers the peer's files to the lane. */
+/* Connections per peer at most: a request waits for its reply on one (the mutex held across
+ * the round trip, so the next frame on it is the reply), so several let several fetches of one
+ * peer's files overlap, as the daemon's link has several requests in flight. A fault of any
+ * kind (a timeout: the daemon set SO_RCVTIMEO and SO_SNDTIMEO; a closed connection, a frame
+ * that breaks the protocol) closes one; the daemon dials again before it offers the peer's
+ * files to the lane. */
+#define PEER_POOL 4
 struct peer_link {
     pthread_mutex_t mu;
     int fd;
     uint32_t next_id;
     uint64_t files, bytes, refused, faults, closed;
 };
-static struct peer_link links[PEER_SLOTS];
+static struct peer_link links[PEER_SLOTS][PEER_POOL];
 static int land_fd = -1;
 static pthread_once_t links_once = PTHREAD_ONCE_INIT;
 
 static void links_init(void) {
-    for (int i = 0; i < PEER_SLOTS; i++) {
-        pthread_mutex_init(&links[i].mu, NULL);
-        links[i].fd = -1;
-    }
+    for (int i = 0; i < PEER_SLOTS; i++)
+        for (int k = 0; k < PEER_POOL; k++) {
+            pthread_mutex_init(&links[i][k].mu, NULL);
+            links[i][k].fd = -1;
+        }
 }
 
-/* The lane's connection to the peer in `slot` is `fd` from now on (an authenticated
- * connection, the lane's to close), or none (-1); the one before is closed. -EINVAL for a
- * slot out of range. */
+/* One more connection to the peer in `slot`: `fd` (authenticated, the lane's to close from
+ * now on); its place in the slot's pool, or -ENOSPC when the pool is full (the caller closes
+ * it), -EINVAL for a slot out of range. */
 EXPORT int lane_peer_set(int slot, int fd) {
     if (slot < 0 || slot >= PEER_SLOTS)
         return -EINVAL;
     pthread_once(&links_once, links_init);
-    struct peer_link *l = &links[slot];
-    pthread_mutex_lock(&l->mu);
-    int old = l->fd;
-    l->fd = fd;
-    pthread_mutex_unlock(&l->mu);
-    if (old >= 0)
-        close(old);
-    return 0;
+    for (int k = 0; k < PEER_POOL; k++) {
+        struct peer_link *l = &links[slot][k];
+        pthread_mutex_lock(&l->mu);
+        int free = l->fd < 0;
+        if (free)
+            l->fd = fd;
+        pthread_mutex_unlock(&l->mu);
+        if (free)
+            return k;
+    }
+    return -ENOSPC;
 }
 
-/* Whether the connection in `slot` is up; its counts: files fetched, their bytes, files the
- * peer refused (FAIL), faults (each closed the connection), connections found closed by the
- * peer (idle, or for room) before a request. */
+/* The connections to the peer in `slot` that are up (a busy one counts); their counts
+ * together: files fetched, their bytes, files the peer refused (FAIL), faults (each closed a
+ * connection), connections found closed by the peer (idle, or for room) before a request. */
 EXPORT int lane_peer_state(int slot, uint64_t out[5]) {
+    memset(out, 0, 5 * sizeof *out);
     if (slot < 0 || slot >= PEER_SLOTS)
         return 0;
     pthread_once(&links_once, links_init);
-    struct peer_link *l = &links[slot];
-    pthread_mutex_lock(&l->mu);
-    int up = l->fd >= 0;
-    out[0] = l->files, out[1] = l->bytes, out[2] = l->refused, out[3] = l->faults;
-    out[4] = l->closed;
-    pthread_mutex_unlock(&l->mu);
+    int up = 0;
+    for (int k = 0; k < PEER_POOL; k++) {
+        struct peer_link *l = &links[slot][k];
+        pthread_mutex_lock(&l->mu);
+        up += l->fd >= 0;
+        out[0] += l->files, out[1] += l->bytes, out[2] += l->refused, out[3] += l->faults;
+        out[4] += l->closed;
+        pthread_mutex_unlock(&l->mu);
+    }
     return up;
+}
+
+/* A connection of the slot's pool to ask on, locked: a free one, else (all busy) the first
+ * that is up, waited for; NULL if none is up. */
+static struct peer_link *take_link(int slot) {
+    struct peer_link *pool = links[slot];
+    for (int k = 0; k < PEER_POOL; k++) {
+        if (pthread_mutex_trylock(&pool[k].mu))
+            continue;
+        if (pool[k].fd >= 0)
+            return &pool[k];
+        pthread_mutex_unlock(&pool[k].mu);
+    }
+    for (int k = 0; k < PEER_POOL; k++) {
+        pthread_mutex_lock(&pool[k].mu);
+        if (pool[k].fd >= 0)
+            return &pool[k];
+        pthread_mutex_unlock(&pool[k].mu);
+    }
+    return NULL;
 }
 
 /* Land peers' files in directory `dir_fd` (the cache's tmpfs): a duplicate is kept. */
@@ -330,8 +361,9 @@ static int fetch(int slot, const char *path, const struct version *v) {
     if (!buffer && !(buffer = malloc(FRAME_HEADER + PEER_MAX + PEER_PATH_MAX)))
         return -1;
     pthread_once(&links_once, links_init);
-    struct peer_link *l = &links[slot];
-    pthread_mutex_lock(&l->mu);
+    struct peer_link *l = take_link(slot);
+    if (!l)
+        return -1;
     int fd = -1, fault = 1, sock = l->fd;
     /* nothing is due on an idle connection: readable now, the peer closed it (its idle
      * timeout, room for another); no request is lost, no fault */
@@ -748,7 +780,15 @@ static void give_up(uint64_t nodeid, const struct version *v) {
     pthread_mutex_unlock(&lock);
 }
 
-static int answer_open(const struct in_header *in, const struct open_in *arg) {
+static int defer_fetch(const char *mem, size_t len);
+
+/* An OPEN (`mem`, `len` bytes): answered (1), else 0 (the daemon's). A peer row's first open
+ * is answered by a fetcher thread (`fetching`): the thread that read it goes on reading
+ * /dev/fuse meanwhile, so no request waits behind a peer's round trip. */
+static int answer_open(const char *mem, size_t len, int fetching) {
+    const struct in_header *in = (const void *)mem;
+    const struct open_in *arg = (const void *)(mem + sizeof *in);
+    (void)len;
     if (arg->flags & WRITE_FLAGS)
         return 0;
     /* the version checked outside the mutex (system calls: other lane threads answer
@@ -761,6 +801,8 @@ static int answer_open(const struct in_header *in, const struct open_in *arg) {
     pthread_mutex_unlock(&lock);
     if (!r)
         return 0;
+    if (peer >= 0 && first && !fetching)
+        return defer_fetch(mem, len);
     int fd = open_version(path, &v, source && peer < 0 ? O_RDONLY | O_NONBLOCK | O_NOCTTY
                                                        : O_PATH, NULL);
     if (fd < 0)
@@ -927,7 +969,7 @@ static int answered(const char *mem, ssize_t len) {
     if (in->opcode == FUSE_IOCTL && len >= (ssize_t)(sizeof *in + sizeof(struct ioctl_in)))
         return answer_ioctl(in, arg);
     if (in->opcode == FUSE_OPEN && len >= (ssize_t)(sizeof *in + sizeof(struct open_in)))
-        return answer_open(in, arg);
+        return answer_open(mem, (size_t)len, 0);
     if (in->opcode == FUSE_RELEASE && len >= (ssize_t)(sizeof *in + sizeof(struct release_in)))
         return answer_release(in, arg);
     return 0;
@@ -960,6 +1002,69 @@ static void enqueue(const char *mem, size_t len) {
     pthread_mutex_unlock(&lock);
     if (was_waiting)
         wake();
+}
+
+/* -- fetchers: peer rows' first opens, off the threads that read /dev/fuse ---------------- */
+
+/* Threads that fetch at once: the peers' pools' connections in all (PEER_POOL each) are
+ * what bounds the fetches in flight; these are started at the first peer row's open. */
+#define FETCHERS 8
+static pthread_mutex_t fetch_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t fetch_ready = PTHREAD_COND_INITIALIZER;
+static struct queued *fetch_head, *fetch_tail;
+static int fetchers;
+
+static void *fetcher(void *unused) {
+    (void)unused;
+    for (;;) {
+        pthread_mutex_lock(&fetch_lock);
+        while (!fetch_head)
+            pthread_cond_wait(&fetch_ready, &fetch_lock);
+        struct queued *q = fetch_head;
+        fetch_head = q->next;
+        if (!fetch_head)
+            fetch_tail = NULL;
+        pthread_mutex_unlock(&fetch_lock);
+        if (!answer_open(q->mem, q->len, 1))
+            enqueue(q->mem, q->len);
+        free(q);
+    }
+    return NULL;
+}
+
+/* Hand an OPEN to the fetchers: 1, or 0 (no memory, no thread: the daemon answers it). */
+static int defer_fetch(const char *mem, size_t len) {
+    struct queued *q = malloc(sizeof *q + len);
+    if (!q)
+        return 0;
+    q->next = NULL;
+    q->len = len;
+    memcpy(q->mem, mem, len);
+    pthread_mutex_lock(&fetch_lock);
+    while (fetchers < FETCHERS) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&thread, &attr, fetcher, NULL);
+        pthread_attr_destroy(&attr);
+        if (rc)
+            break;
+        fetchers++;
+    }
+    int ok = fetchers > 0;
+    if (ok) {
+        if (fetch_tail)
+            fetch_tail->next = q;
+        else
+            fetch_head = q;
+        fetch_tail = q;
+        pthread_cond_signal(&fetch_ready);
+    }
+    pthread_mutex_unlock(&fetch_lock);
+    if (!ok)
+        free(q);
+    return ok;
 }
 
 static void *serve(void *unused) {

@@ -17,7 +17,6 @@ from conftest import Mount, drop_caches, wait_for
 from test_peer_landing import landed, no_landed_file_open, theirs
 from test_peers import cluster, copies, fake_peer, free_port, read_files, reads, source_digests
 
-from coordlfs.fs.lane_peers import LANE_TIMEOUT_S
 
 #: the lane and passthrough asked for, whatever the suite's defaults
 LANE = ("--insecure", "--passthrough", "yes", "--request-lane", "yes", "--cache-size", "64M")
@@ -31,7 +30,7 @@ def connected(a: Mount, name: str) -> None:
     """A LOOKUP of a peer's file (a stat) makes A dial the lane's connection to that peer;
     the files looked up after it are the lane's."""
     os.stat(a.mountpoint / name)
-    wait_for(lambda: lane(a)["peers"]["connections"] == 1, "the lane's peer connection")
+    wait_for(lambda: lane(a)["peers"]["connections"] >= 1, "the lane's peer connection")
 
 
 def test_peer_files_answered_by_the_lane_byte_exact(mount, tmp_path: Path) -> None:
@@ -90,8 +89,8 @@ def test_a_lying_peer_never_fails_a_read_by_the_lane(mount, tmp_path: Path, mode
             started = time.monotonic()
             assert xxhash.xxh64_hexdigest((a.mountpoint / name).read_bytes()) == want[name]
             slowest = max(slowest, time.monotonic() - started)
-        # the lane's wait, then the daemon's, plus a loaded machine's slack
-        assert slowest < LANE_TIMEOUT_S + 0.5 + 1.5
+        # the lane's wait (the peer timeout), then the daemon's, plus a loaded machine's slack
+        assert slowest < 0.5 + 0.5 + 1.5
         peers = lane(a)["peers"]
         assert peers["faults"] >= 1 and peers["files"] == 0, peers
         assert reads(a)["bytes_from_peers"] == 0
@@ -117,7 +116,7 @@ def test_a_lane_connection_the_peer_closed_is_dialled_again(mount, tmp_path: Pat
     assert read_files(a.mountpoint, first) == {n: want[n] for n in first}
     wait_for(lambda: b.status()["served"]["idle_closed"] >= 1, "B closing the idle connection")
     assert read_files(a.mountpoint, second) == {n: want[n] for n in second}
-    wait_for(lambda: lane(a)["peers"]["connections"] == 1, "the lane's connection again")
+    wait_for(lambda: lane(a)["peers"]["connections"] >= 1, "the lane's connections again")
     files = lane(a)["peers"]["files"]
     assert read_files(a.mountpoint, third) == {n: want[n] for n in third}
     peers = lane(a)["peers"]
