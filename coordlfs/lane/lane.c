@@ -219,18 +219,20 @@ static void links_init(void) {
 }
 
 /* One more connection to the peer in `slot`: `fd` (authenticated, the lane's to close from
- * now on); its place in the slot's pool, or -ENOSPC when the pool is full (the caller closes
- * it), -EINVAL for a slot out of range. */
+ * now on); its place in the slot's pool, or -ENOSPC when the pool has no free place (the
+ * caller closes it), -EINVAL for a slot out of range. Never waits for a fetch: the daemon's
+ * loop calls it. */
 EXPORT int lane_peer_set(int slot, int fd) {
     if (slot < 0 || slot >= PEER_SLOTS)
         return -EINVAL;
     pthread_once(&links_once, links_init);
     for (int k = 0; k < PEER_POOL; k++) {
         struct peer_link *l = &links[slot][k];
-        pthread_mutex_lock(&l->mu);
+        if (pthread_mutex_trylock(&l->mu))
+            continue; /* asking on it now */
         int free = l->fd < 0;
         if (free)
-            l->fd = fd;
+            __atomic_store_n(&l->fd, fd, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&l->mu);
         if (free)
             return k;
@@ -247,13 +249,14 @@ EXPORT int lane_peer_state(int slot, uint64_t out[5]) {
         return 0;
     pthread_once(&links_once, links_init);
     int up = 0;
+    /* read without the connections' mutexes, which fetches hold across their round trips:
+     * the daemon's loop calls this */
     for (int k = 0; k < PEER_POOL; k++) {
         struct peer_link *l = &links[slot][k];
-        pthread_mutex_lock(&l->mu);
-        up += l->fd >= 0;
-        out[0] += l->files, out[1] += l->bytes, out[2] += l->refused, out[3] += l->faults;
-        out[4] += l->closed;
-        pthread_mutex_unlock(&l->mu);
+        up += __atomic_load_n(&l->fd, __ATOMIC_RELAXED) >= 0;
+        uint64_t *counts[5] = {&l->files, &l->bytes, &l->refused, &l->faults, &l->closed};
+        for (int i = 0; i < 5; i++)
+            out[i] += __atomic_load_n(counts[i], __ATOMIC_RELAXED);
     }
     return up;
 }
@@ -370,8 +373,8 @@ static int fetch(int slot, const char *path, const struct version *v) {
     struct pollfd idle = {sock, POLLIN | POLLRDHUP, 0};
     if (sock >= 0 && poll(&idle, 1, 0) != 0) {
         close(sock);
-        l->fd = sock = -1;
-        l->closed++;
+        __atomic_store_n(&l->fd, sock = -1, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&l->closed, 1, __ATOMIC_RELAXED);
     }
     if (sock < 0) {
         pthread_mutex_unlock(&l->mu);
@@ -400,14 +403,16 @@ static int fetch(int slot, const char *path, const struct version *v) {
         goto out;
     fault = 0;
     if (kind == KIND_FAIL)
-        l->refused++;
-    else if ((fd = land((const char *)buffer, length)) >= 0)
-        l->files++, l->bytes += length;
+        __atomic_fetch_add(&l->refused, 1, __ATOMIC_RELAXED);
+    else if ((fd = land((const char *)buffer, length)) >= 0) {
+        __atomic_fetch_add(&l->files, 1, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&l->bytes, length, __ATOMIC_RELAXED);
+    }
 out:
     if (fault) {
-        l->faults++;
+        __atomic_fetch_add(&l->faults, 1, __ATOMIC_RELAXED);
         close(sock);
-        l->fd = -1;
+        __atomic_store_n(&l->fd, -1, __ATOMIC_RELAXED);
     }
     pthread_mutex_unlock(&l->mu);
     return fd;

@@ -314,7 +314,6 @@ class PeerServer:
                 admitted = await self._admit(frames, peer)
                 self._handshaking.pop(served, None)
                 if admitted:
-                    await send_features(frames)
                     async with trio.open_nursery() as requests:
                         await self._serve_frames(frames, requests, peer, served)
             except Exception:  # a bug here must cost one connection, never the mount
@@ -363,7 +362,8 @@ class PeerServer:
         # one scope for the connection, its deadline moved on (at most once a second) as
         # frames come: a scope of its own for every wait cost each request a few per cent
         watch = trio.CancelScope(deadline=trio.current_time() + idle)
-        try:
+        try:  # the features first: a client gone right after its handshake is lost, no bug
+            await send_features(frames)
             with watch:
                 await self._requests(frames, requests, peer, served, limit, watch, idle)
         except ProtocolError as e:
