@@ -6,8 +6,11 @@ digest; the daemon's own path (the lane declining) serves whatever the lane cann
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import shutil
+import termios
 import time
 from pathlib import Path
 
@@ -16,7 +19,6 @@ import xxhash
 from conftest import Mount, drop_caches, wait_for
 from test_peer_landing import landed, no_landed_file_open, theirs
 from test_peers import cluster, copies, fake_peer, free_port, read_files, reads, source_digests
-
 
 #: the lane and passthrough asked for, whatever the suite's defaults
 LANE = ("--insecure", "--passthrough", "yes", "--request-lane", "yes", "--cache-size", "64M")
@@ -63,11 +65,18 @@ def test_peer_files_answered_by_the_lane_byte_exact(mount, tmp_path: Path) -> No
             [getattr(source, f) for f in ("st_mode", "st_size", "st_mtime_ns", "st_uid",
                                           "st_gid", "st_nlink")]
     assert lane(a)["getattrs"] > getattrs
-    # a second open beside a held one shares its landed file
+    # a second open beside a held one shares its landed file; an ioctl is refused as the
+    # daemon refused it (no ioctl: libfuse's ENOSYS, which the kernel gives as ENOTTY)
+    ioctls = lane(a)["ioctls"]
     with open(a.mountpoint / rest[0], "rb") as one, open(a.mountpoint / rest[0], "rb") as two:
         assert xxhash.xxh64_hexdigest(one.read()) == xxhash.xxh64_hexdigest(two.read()) \
             == want[rest[0]]
         assert landed(a)["open_files"] == 1
+        assert not os.isatty(one.fileno())
+        with pytest.raises(OSError) as refused:
+            fcntl.ioctl(one.fileno(), termios.TCGETS, bytes(64))
+        assert refused.value.errno == errno.ENOTTY
+    assert lane(a)["ioctls"] > ioctls
     no_landed_file_open(a)
 
 
