@@ -12,8 +12,10 @@
  * coordlfs.source.walk uses) is answered at once with B; the RELEASE of a handle it made
  * (fh with LANE_FH set) is answered too. A small miss alike (a source row, below): the
  * source file itself is the backing, as passthrough_hp answers every open. A small file a
- * peer caches alike (a peer row, below): the lane asks the peer for it on a connection of its
- * own and lands the bytes in an unnamed file on the cache's tmpfs, the backing. Every other
+ * peer caches alike (a peer row, below): a fetcher thread asks the peer for it on a connection
+ * of the lane's own and lands the bytes in an unnamed file on the cache's tmpfs, the backing.
+ * A GETATTR of an inode with a row is answered while its source file is the row's version, and
+ * an IOCTL as libfuse answers it for the daemon (it has none). Every other
  * request is queued for the daemon's trio loop, which takes it with lane_take (the patched
  * pyfuse3's loop, part (e) of scripts/pyfuse3-passthrough.patch) and answers it as before,
  * woken by an eventfd only when it was waiting.
@@ -989,19 +991,32 @@ static void wake(void) {
 
 /* Hand a request to the daemon. Without memory for it the lane waits for some: a request
  * dropped would leave its reader hanging. */
+/* A copy of the request `mem` (`len` bytes) to queue, NULL without memory. */
+static struct queued *copied(const char *mem, size_t len) {
+    struct queued *q = malloc(sizeof *q + len);
+    if (q) {
+        q->next = NULL;
+        q->len = len;
+        memcpy(q->mem, mem, len);
+    }
+    return q;
+}
+
+/* `q` at the end of the queue from `*first` to `*last` (under its mutex). */
+static void append(struct queued **first, struct queued **last, struct queued *q) {
+    if (*last)
+        (*last)->next = q;
+    else
+        *first = q;
+    *last = q;
+}
+
 static void enqueue(const char *mem, size_t len) {
     struct queued *q;
-    while (!(q = malloc(sizeof *q + len)))
+    while (!(q = copied(mem, len)))
         usleep(1000);
-    q->next = NULL;
-    q->len = len;
-    memcpy(q->mem, mem, len);
     pthread_mutex_lock(&lock);
-    if (tail)
-        tail->next = q;
-    else
-        head = q;
-    tail = q;
+    append(&head, &tail, q);
     int was_waiting = waiting;
     waiting = 0;
     pthread_mutex_unlock(&lock);
@@ -1039,12 +1054,9 @@ static void *fetcher(void *unused) {
 
 /* Hand an OPEN to the fetchers: 1, or 0 (no memory, no thread: the daemon answers it). */
 static int defer_fetch(const char *mem, size_t len) {
-    struct queued *q = malloc(sizeof *q + len);
+    struct queued *q = copied(mem, len);
     if (!q)
         return 0;
-    q->next = NULL;
-    q->len = len;
-    memcpy(q->mem, mem, len);
     pthread_mutex_lock(&fetch_lock);
     while (fetchers < FETCHERS) {
         pthread_t thread;
@@ -1059,11 +1071,7 @@ static int defer_fetch(const char *mem, size_t len) {
     }
     int ok = fetchers > 0;
     if (ok) {
-        if (fetch_tail)
-            fetch_tail->next = q;
-        else
-            fetch_head = q;
-        fetch_tail = q;
+        append(&fetch_head, &fetch_tail, q);
         pthread_cond_signal(&fetch_ready);
     }
     pthread_mutex_unlock(&fetch_lock);
