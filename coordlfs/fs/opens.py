@@ -62,7 +62,6 @@ class Opens:
         #: the request lane's rows: the inodes whose opens it answers in C
         self.rows = LaneRows(self._open, inodes, readers, lambda: self.backings)
         self.cache.released.append(self._dropped)
-        self.cache.completed.append(self.rows.completed)
         self.cache.read_elsewhere = self.rows.claim
 
     # -- the passthrough switch ---------------------------------------------------------

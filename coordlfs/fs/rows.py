@@ -185,35 +185,11 @@ class LaneRows:
         if entry is None:
             self._offer_source(lane, inode, st, path)
             return
-        self._offer_entry(lane, backings, inode, entry, st, path)
-
-    def completed(self, key: Key, entry: Entry) -> None:
-        """The cache completed ``entry`` (a fill, a backfill at the last release): if the
-        kernel holds its inode and no open does, the lane answers its next open, as after a
-        LOOKUP; so a later epoch's first open of a file filled in this one is a hit in C, the
-        kernel keeping its name."""
-        lane, backings = self.lane, self._backings()
-        inode = None if lane is None else self.inodes.find(key)
-        if lane is None or backings is None or inode is None or inode in self._open \
-                or self.inodes.detached(inode) is not None:
-            return
-        path = self.inodes.path(inode)
-        try:
-            st = self.readers.source.lstat(path)
-        except (OSError, ValueError):
-            return
-        found = self.cache.lookup(key, st) if (st.st_dev, st.st_ino) == key else None
-        if found is not None and found.offset == entry.offset:
-            self._offer_entry(lane, backings, inode, entry, st, path)
-
-    def _offer_entry(self, lane: Lane, backings: Backings, inode: int, entry: Entry,
-                     st: os.stat_result, path: bytes) -> None:
-        """A complete entry no open holds: the lane answers the inode's opens with it."""
         if not entry.complete or entry.to_backfill:
             return
         backing = backings.of_entry(entry, st)
         if backing is not None and lane.offer(inode, backing.id, path, st):
-            state = self._open[inode] = OpenInode((st.st_dev, st.st_ino))
+            state = self._open[inode] = OpenInode(key)
             state.lane = LaneRow(lane, inode, backing, st)
 
     def _offer_source(self, lane: Lane, inode: int, st: os.stat_result, path: bytes) -> None:
