@@ -335,9 +335,7 @@ class Daemon:
                 rows.serve_by_lane(started)
                 started.attr_timeout(freshness.timeout)
                 freshness.gave_up.append(lambda: started.attr_timeout(freshness.timeout))
-                self.stats.folds.append(started.fold)
-                if rows.lane_peers is not None:
-                    self.stats.folds.append(rows.lane_peers.fold)
+                self.stats.folds.append(rows.fold)
                 log.info("request lane on: hits and small misses are answered in C")
                 return
         log.log(logging.INFO if self.config.request_lane == "no" else logging.WARNING,

@@ -36,6 +36,7 @@ from typing import Any
 import trio
 
 from coordlfs.cache.cache import FILL_CHUNK, Entry
+from coordlfs.cache.stats import ReadCounters
 from coordlfs.fs.backing import Backing, Backings
 from coordlfs.fs.inodes import InodeTable, Key
 from coordlfs.fs.lane import Lane, Note
@@ -90,6 +91,13 @@ class LaneRows:
         read-ahead): while there are any, every open comes to the daemon."""
         if self.lane is not None:
             self.lane.enable(not self._groups.members)
+
+    def fold(self, reads: ReadCounters) -> None:
+        """Bring the mount's counters up to the lane's (``stats.folds``): its opens, and
+        the files its peer connections fetched."""
+        if self.lane is not None and self.lane_peers is not None:
+            self.lane.fold(reads)
+            self.lane_peers.fold(reads)
 
     def status(self) -> dict[str, Any] | None:
         if self.lane is None or self.lane_peers is None:

@@ -456,8 +456,9 @@ static int grow(void) {
 /* The row of `nodeid`: answer its read-only opens with `backing` (0 with `source`: the
  * source file itself, registered at its first open; `note`: handed to the daemon at its
  * last release; `peer` >= 0: fetched from the peer in that slot at its first open, a peer
- * row) while its source file at `path` (beneath the root) is the version given. 0, or -EBUSY when opens of another backing are held (the kernel gives an inode one
- * backing at a time), -ENOMEM. */
+ * row) while its source file at `path` (beneath the root) is the version given. 0, or
+ * -EBUSY when opens of another backing are held (the kernel gives an inode one backing at a
+ * time), -ENOMEM. */
 EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path, uint64_t dev,
                       uint64_t ino, int64_t size, int64_t mtime_ns, int64_t ctime_ns,
                       int source, int note, int peer) {
@@ -795,7 +796,6 @@ static int defer_fetch(const char *mem, size_t len);
 static int answer_open(const char *mem, size_t len, int fetching) {
     const struct in_header *in = (const void *)mem;
     const struct open_in *arg = (const void *)(mem + sizeof *in);
-    (void)len;
     if (arg->flags & WRITE_FLAGS)
         return 0;
     /* the version checked outside the mutex (system calls: other lane threads answer
@@ -989,8 +989,6 @@ static void wake(void) {
     (void)!write(wake_fd, &one, sizeof one);
 }
 
-/* Hand a request to the daemon. Without memory for it the lane waits for some: a request
- * dropped would leave its reader hanging. */
 /* A copy of the request `mem` (`len` bytes) to queue, NULL without memory. */
 static struct queued *copied(const char *mem, size_t len) {
     struct queued *q = malloc(sizeof *q + len);
@@ -1011,6 +1009,32 @@ static void append(struct queued **first, struct queued **last, struct queued *q
     *last = q;
 }
 
+/* The first of the queue from `*first` to `*last`, taken off it (under its mutex); NULL if
+ * it is empty. */
+static struct queued *pop(struct queued **first, struct queued **last) {
+    struct queued *q = *first;
+    if (q && !(*first = q->next))
+        *last = NULL;
+    return q;
+}
+
+/* Start `threads` detached threads running `run`: how many started; the error of the first
+ * that did not in `*rc`. */
+static int spawn(void *(*run)(void *), int threads, int *rc) {
+    pthread_t thread;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int started = 0;
+    *rc = 0;
+    while (started < threads && !(*rc = pthread_create(&thread, &attr, run, NULL)))
+        started++;
+    pthread_attr_destroy(&attr);
+    return started;
+}
+
+/* Hand a request to the daemon. Without memory for it the lane waits for some: a request
+ * dropped would leave its reader hanging. */
 static void enqueue(const char *mem, size_t len) {
     struct queued *q;
     while (!(q = copied(mem, len)))
@@ -1040,10 +1064,7 @@ static void *fetcher(void *unused) {
         pthread_mutex_lock(&fetch_lock);
         while (!fetch_head)
             pthread_cond_wait(&fetch_ready, &fetch_lock);
-        struct queued *q = fetch_head;
-        fetch_head = q->next;
-        if (!fetch_head)
-            fetch_tail = NULL;
+        struct queued *q = pop(&fetch_head, &fetch_tail);
         pthread_mutex_unlock(&fetch_lock);
         if (!answer_open(q->mem, q->len, 1))
             enqueue(q->mem, q->len);
@@ -1058,17 +1079,9 @@ static int defer_fetch(const char *mem, size_t len) {
     if (!q)
         return 0;
     pthread_mutex_lock(&fetch_lock);
-    while (fetchers < FETCHERS) {
-        pthread_t thread;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int rc = pthread_create(&thread, &attr, fetcher, NULL);
-        pthread_attr_destroy(&attr);
-        if (rc)
-            break;
-        fetchers++;
-    }
+    int rc;
+    if (fetchers < FETCHERS)
+        fetchers += spawn(fetcher, FETCHERS - fetchers, &rc);
     int ok = fetchers > 0;
     if (ok) {
         append(&fetch_head, &fetch_tail, q);
@@ -1106,12 +1119,7 @@ static void *serve(void *unused) {
  * readable, then ask again). */
 EXPORT ssize_t lane_take(void *mem, size_t cap) {
     pthread_mutex_lock(&lock);
-    struct queued *q = head;
-    if (q) {
-        head = q->next;
-        if (!head)
-            tail = NULL;
-    }
+    struct queued *q = pop(&head, &tail);
     int done = ended;
     if (!q && !done) {
         uint64_t count;
@@ -1159,18 +1167,10 @@ EXPORT int lane_start(int fuse_fd, int source_root, int threads) {
         return -e;
     }
     dev_fd = dev, root_fd = root, wake_fd = efd;
-    pthread_t thread;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    int rc = 0;
-    pthread_mutex_lock(&lock);
-    for (int i = 0; i < threads && !rc; i++)
-        if (!(rc = pthread_create(&thread, &attr, serve, NULL)))
-            serving++;
-    int started = serving;
+    int rc;
+    pthread_mutex_lock(&lock); /* a thread that ends at once counts itself off after */
+    int started = serving += spawn(serve, threads, &rc);
     pthread_mutex_unlock(&lock);
-    pthread_attr_destroy(&attr);
     if (!started) {
         fcntl(dev, F_SETFL, flags);
         close(dev), close(root), close(efd);

@@ -253,9 +253,8 @@ class PeerLink:
             raise PeerDown(self.stats.last_error or LEFT)
         try:
             with trio.fail_after(self.timeout):
-                stream = FrameStream(await self._open(), frame_timeout=self.timeout)
+                stream = await self._handshaken()
                 try:
-                    await client_handshake(stream, self.secret)
                     first = await stream.receive()
                     if first is None or first.kind != Kind.DATA or first.request_id != 0:
                         raise ProtocolError("no features frame after the handshake")
@@ -264,6 +263,16 @@ class PeerLink:
                     raise
         except Exception as e:
             raise PeerDown(_describe(e)) from None
+        return stream
+
+    async def _handshaken(self) -> FrameStream:
+        """A new connection to the peer, authenticated (closed again if that fails)."""
+        stream = FrameStream(await self._open(), frame_timeout=self.timeout)
+        try:
+            await client_handshake(stream, self.secret)
+        except BaseException:
+            await trio.aclose_forcefully(stream.stream)
+            raise
         return stream
 
     async def _lied(self, stream: FrameStream, reason: str) -> NoReturn:
@@ -306,12 +315,7 @@ class PeerLink:
         """A new authenticated connection, the link's from now on."""
         try:
             with trio.fail_after(self.timeout):
-                stream = FrameStream(await self._open(), frame_timeout=self.timeout)
-                try:
-                    await client_handshake(stream, self.secret)
-                except BaseException:
-                    await trio.aclose_forcefully(stream.stream)
-                    raise
+                stream = await self._handshaken()
         except TurnedAway as e:  # no room there now: this file only reads local storage
             self.stats.turned_away += 1
             log.debug("peer %s: %s", self.address, e)
