@@ -83,6 +83,8 @@ class WholeFileCache:
         self.room = Room(capacity, self.directory, lambda: free_bytes(self.dir_fd))
         #: called with each entry dropped (``_release``), such as to drop its backing id
         self.released: list[Callable[[Key, Entry], None]] = []
+        #: called with each entry completed (``_complete``), such as to offer it to the lane
+        self.completed: list[Callable[[Key, Entry], None]] = []
         #: whether ``key``'s file is being read from the source by opens the cache is handed
         #: after (the request lane's misses, ``LaneRows.claim``): no entry is reserved for it
         #: then (a fill would read storage twice); else later such opens wait for the fill
@@ -370,6 +372,8 @@ class WholeFileCache:
         entry.complete = True
         self.entries.completed(key, entry)
         self.publisher.publish(key, entry)
+        for tell in self.completed:
+            tell(key, entry)
 
     def _give_up(self, key: Key, entry: Entry, error: BaseException) -> None:
         if no_room(error):

@@ -15,7 +15,9 @@ their caches from it, ``coordlfs.bench.epochs.Sizing``):
   dataset killed for memory);
 - ``per_cached_file_bytes``: a cached file beside its pages: the cache's table row, the
   kernel's tmpfs inode and dentry, the tree nodes indexing its pages (one per 64 pages) and,
-  with passthrough, the open backing file (a ``filp``).
+  with passthrough, the open backing file (a ``filp``) and, with the request lane, its row
+  and the backing id it keeps (``LaneRows.census``: every cached file the kernel knows has
+  one once it was filled or hit).
 
 Every inode also carries a security blob (``lsm_inode_cache``). The tables' figures are their
 bytes per row now; the kernel's, the slab objects' shares of their slabs' pages from
@@ -84,10 +86,11 @@ def tmpfs_file_bytes(slabs: dict[str, int] | None = None) -> int:
 
 
 def memory_status(*, tables: tuple[int, int], rows: tuple[int, int], cached_bytes: int,
-                  source_fstype: str, passthrough: bool) -> dict[str, Any]:
+                  source_fstype: str, passthrough: bool, lane_row: int) -> dict[str, Any]:
     """The status's ``memory``: ``tables`` and ``rows`` are the (inode table, cache table)
     bytes and rows, ``cached_bytes`` the cache's pages in bytes (their mean per file gives
-    the files' page trees), ``source_fstype`` the type of the source's filesystem."""
+    the files' page trees), ``source_fstype`` the type of the source's filesystem,
+    ``lane_row`` what a row of the request lane costs (0 without it)."""
     (inode_bytes, entry_bytes), (inodes, entries) = tables, rows
     source = source_inode_slab(source_fstype)
     slabs = slab_objects(("fuse_inode", "filp", "radix_tree_node", source, *_TMPFS_FILE))
@@ -101,5 +104,5 @@ def memory_status(*, tables: tuple[int, int], rows: tuple[int, int], cached_byte
         "per_inode_bytes": round(inode_bytes / max(1, inodes)) + slabs["fuse_inode"]
         + slabs[source] + 2 * inode_kernel,
         "per_cached_file_bytes": round(entry_bytes / max(1, entries)) + tmpfs_file_bytes(slabs)
-        + nodes * slabs["radix_tree_node"] + (slabs["filp"] if passthrough else 0),
+        + nodes * slabs["radix_tree_node"] + (slabs["filp"] if passthrough else 0) + lane_row,
     }

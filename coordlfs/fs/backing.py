@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import pyfuse3
@@ -22,6 +23,9 @@ from coordlfs.cache.cache import Entry, WholeFileCache
 from coordlfs.source.source import Source, Version
 
 log = logging.getLogger(__name__)
+
+#: a Python int of an entry's number or a backing id
+_INT_BYTES = sys.getsizeof(1 << 20)
 
 
 @dataclass(slots=True)
@@ -61,13 +65,26 @@ class Backings:
 
     def of_entry(self, entry: Entry, st: os.stat_result) -> Backing | None:
         """The complete ``entry``'s file (the open saw ``st``), None if the kernel refused it."""
+        backing = self.entry_id(entry)
+        return Backing(entry.path, Version.of(st), backing, entry) if backing else None
+
+    def entry_id(self, entry: Entry) -> int:
+        """The complete ``entry``'s backing id, registered now if it is not yet (kept until
+        the cache drops the entry); 0 if the kernel refused it."""
         number = entry.offset
-        if number not in self._ids:
+        backing = self._ids.get(number)
+        if backing is None:
             backing = self._register(self.cache.entry_fd(entry), entry.path)
             if not backing:
-                return None
+                return 0
             self._ids[number] = backing
-        return Backing(entry.path, Version.of(st), self._ids[number], entry)
+        return backing
+
+    def id_bytes(self) -> int:
+        """What an entry's kept id costs: its share of the table here, the entry's number and
+        its id, and the kernel's record of it (a ``fuse_backing``, from kmalloc-64; the file
+        it holds is the open backing file ``coordlfs.daemon.memory`` counts)."""
+        return sys.getsizeof(self._ids) // max(1, len(self._ids)) + 2 * _INT_BYTES + 64
 
     def of_source(self, path: bytes, st: os.stat_result) -> Backing | None:
         """The source file ``path`` itself, kept open, if it is still the file ``st`` shows

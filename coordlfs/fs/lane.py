@@ -23,7 +23,9 @@ mount's (``fold``), as the preload library's are.
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
+import operator
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,20 +47,46 @@ LANE_FH = 1 << 63
 MAX_PATH = 1024
 
 _i64, _u64 = ctypes.c_int64, ctypes.c_uint64
+#: a row's version and the attributes its held opens show, in lane.c's order (STAT_FIELDS)
+_STAT_FIELDS = ("st_dev", "st_ino", "st_size", "st_mtime_ns", "st_ctime_ns", "st_atime_ns",
+                "st_blocks", "st_mode", "st_nlink", "st_uid", "st_gid", "st_rdev", "st_blksize")
+_Stat = _i64 * len(_STAT_FIELDS)
+_fields_of = operator.attrgetter(*_STAT_FIELDS)
+
+
+class Kind(enum.IntEnum):
+    """What a row answers opens with (lane.c's KIND_*)."""
+
+    NONE = 0
+    ENTRY = 1
+    SOURCE = 2
+    PEER = 3
+
+
+def _stat_result(fields: _Stat) -> os.stat_result:
+    """The ``os.stat_result`` a row's fields stand for (the integer seconds and the float
+    times made from the nanoseconds, as ``os.stat`` makes them)."""
+    dev, ino, size, mtime, ctime, atime, blocks, mode, nlink, uid, gid, rdev, blksize = fields
+    times = (atime, mtime, ctime)
+    return os.stat_result((mode, ino, dev, nlink, uid, gid, size,
+                           *(t // 1_000_000_000 for t in times), *(t / 1e9 for t in times),
+                           *times, blksize, blocks, rdev))
 
 
 def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(LIBRARY))
     lib.lane_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    lib.lane_offer.argtypes = [_u64, ctypes.c_int32, ctypes.c_char_p, _u64, _u64, _i64, _i64, _i64,
+    lib.lane_offer.argtypes = [_u64, ctypes.c_int32, ctypes.c_char_p, ctypes.POINTER(_Stat),
                                ctypes.c_int, ctypes.c_int, ctypes.c_int]
     for name in ("lane_held", "lane_release", "lane_drop", "lane_claim"):
         getattr(lib, name).argtypes = [_u64]
         getattr(lib, name).restype = _i64
     lib.lane_suspend.argtypes = [_u64, ctypes.POINTER(ctypes.c_int32),
                                  ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
-                                 ctypes.c_int]
+                                 ctypes.POINTER(_Stat), ctypes.c_int]
     lib.lane_suspend.restype = _i64
+    lib.lane_held_stat.argtypes = [_u64, ctypes.POINTER(_Stat)]
+    lib.lane_census.argtypes = [ctypes.POINTER(_i64 * 2)]
     lib.lane_enable.argtypes = [ctypes.c_int]
     lib.lane_counts.argtypes = [ctypes.POINTER(_u64 * 10)]
     lib.lane_attr_timeout.argtypes = [ctypes.c_double]
@@ -90,6 +118,18 @@ def why_not(mode: str, passthrough_off: str | None) -> str | None:
     if why is not None and mode == "yes":
         raise UserError(f"--request-lane yes: {why}")
     return why
+
+
+@dataclass(frozen=True, slots=True)
+class Adopted:
+    """Opens a row held, now the daemon's (``Lane.suspend``): what they read (``kind``), the
+    backing id, for a source row the source file's descriptor (the receiver's; else -1), and
+    the version the row was offered at."""
+
+    kind: Kind
+    backing: int
+    fd: int
+    st: os.stat_result
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +190,9 @@ class Lane:
                note: bool, peer: int = -1) -> bool:
         if len(path) >= MAX_PATH:
             return False
-        return self._lib.lane_offer(inode, backing, path or b".", st.st_dev, st.st_ino,
-                                    st.st_size, st.st_mtime_ns, st.st_ctime_ns, source,
-                                    note, peer) == 0
+        fields = _Stat(*_fields_of(st))
+        return self._lib.lane_offer(inode, backing, path or b".", fields, source, note,
+                                    peer) == 0
 
     def land_in(self, directory_fd: int) -> None:
         """Land the peers' files in ``directory_fd`` (the cache's tmpfs; a duplicate is kept)."""
@@ -174,16 +214,30 @@ class Lane:
         up = self._lib.lane_peer_state(slot, ctypes.byref(out))
         return up, tuple(out)
 
-    def suspend(self, inode: int, held_only: bool = False) -> tuple[int, int, int, bool]:
-        """No more opens of ``inode`` answered by the lane: the opens its row holds, and
-        for a source row the backing id and descriptor those opens read (the source file, or
-        for a peer row the peer's file landed: the last item says which), from now on the
-        daemon's (else 0 and -1), as their releases are. ``held_only``: only a source row's,
-        and only if it holds opens (else nothing changes)."""
-        backing, fd, peer = ctypes.c_int32(), ctypes.c_int(), ctypes.c_int()
-        opens = self._lib.lane_suspend(inode, ctypes.byref(backing), ctypes.byref(fd),
-                                       ctypes.byref(peer), held_only)
-        return opens, backing.value, fd.value, bool(peer.value)
+    def suspend(self, inode: int, held_only: bool = False) -> Adopted | None:
+        """No more opens of ``inode`` answered by the lane: the opens its row holds, from
+        now on the daemon's, as their releases are; None if it holds none (the row goes).
+        ``held_only``: a row without opens held stays as it is."""
+        backing, fd, kind, fields = ctypes.c_int32(), ctypes.c_int(), ctypes.c_int(), _Stat()
+        self._lib.lane_suspend(inode, ctypes.byref(backing), ctypes.byref(fd),
+                               ctypes.byref(kind), fields, held_only)
+        if kind.value == Kind.NONE:
+            return None
+        return Adopted(Kind(kind.value), backing.value, fd.value, _stat_result(fields))
+
+    def held_stat(self, inode: int) -> tuple[Kind, os.stat_result | None]:
+        """What the opens of ``inode`` the lane holds read: ``Kind.NONE`` if none; an
+        entry's or a peer's file's version, as the row was offered (fixed); for a source
+        file, None (it is read as it is now: ``source_stat``)."""
+        fields = _Stat()
+        kind = Kind(self._lib.lane_held_stat(inode, fields))
+        return kind, _stat_result(fields) if kind in (Kind.ENTRY, Kind.PEER) else None
+
+    def census(self) -> tuple[int, int]:
+        """Entry rows whose opens the lane holds, and the bytes a row takes."""
+        out = (_i64 * 2)()
+        self._lib.lane_census(ctypes.byref(out))
+        return out[0], out[1]
 
     def source_stat(self, inode: int) -> os.stat_result | None:
         """The source file the lane's held opens of ``inode`` read, as it is now (an fstat of

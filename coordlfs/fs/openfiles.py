@@ -39,16 +39,14 @@ class FileHandle:
 
 @dataclass(slots=True, eq=False)
 class LaneRow:
-    """What the request lane answers opens of an inode with (``coordlfs.fs.lane``): the
-    opens it answered are open files of the inode like the daemon's own."""
+    """Opens the request lane answered (``coordlfs.fs.lane``), adopted by the daemon
+    (``coordlfs.fs.rows``): open files of the inode like its own, their releases its own."""
 
     lane: Lane
     inode: int
     backing: Backing
     #: the version its opens read
     st: os.stat_result
-    #: the lane answers opens (else only counts its opens' releases, given to the daemon)
-    active: bool = True
 
     def held(self) -> int:
         return self.lane.held(self.inode)

@@ -62,6 +62,7 @@ class Opens:
         #: the request lane's rows: the inodes whose opens it answers in C
         self.rows = LaneRows(self._open, inodes, readers, lambda: self.backings)
         self.cache.released.append(self._dropped)
+        self.cache.completed.append(self.rows.completed)
         self.cache.read_elsewhere = self.rows.claim
 
     # -- the passthrough switch ---------------------------------------------------------
@@ -93,6 +94,7 @@ class Opens:
         if backings is None:
             return {"on": False, "why_off": self.passthrough_off}
         held = sum(1 for state in self._open.values() if state.held_backing() is not None)
+        held += self.rows.census()[0]
         return {"on": True, "why_off": self.passthrough_off, **backings.status(held),
                 "lane": self.rows.status()}
 
@@ -330,12 +332,12 @@ class Opens:
     async def _count_held(self, fd: int) -> None:
         self.counters.bytes_from_source += await in_thread(held_bytes, fd)
 
-    def _dropped(self, _key: Key, entry: Entry) -> None:
+    def _dropped(self, key: Key, entry: Entry) -> None:
         """The cache dropped ``entry``: the lane answers no more opens of it; its backing id
         goes now, or at the last release of the opens that read it."""
         if self.backings is None:
             return
-        self.rows.dropped(entry)
+        self.rows.dropped(key, entry)
         held = False
         for state in self._open.values():
             backing = state.held_backing()
@@ -371,7 +373,7 @@ class Opens:
     def pinned(self, inode: int) -> os.stat_result | None:
         """The version the open files of ``inode`` read, if one is fixed."""
         state = self._open.get(inode)
-        return None if state is None else state.pinned()
+        return self.rows.pinned(inode) if state is None else state.pinned()
 
     def reading_now(self, path: bytes) -> list[int]:
         """The inodes whose open files read the source file at ``path`` as it is now (no
@@ -433,7 +435,5 @@ class Opens:
         get a new inode, the old one stands for ``version``."""
         log.info("source file %s changed while open: new opens get a new inode",
                  os.fsdecode(path))
-        state = self._open.get(inode)
-        if state is not None:
-            self.rows.retire(inode, state)
+        self.rows.detached(inode, path)
         self.inodes.detach(inode, version)

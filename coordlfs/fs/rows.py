@@ -5,18 +5,23 @@ The lane (``coordlfs.fs.lane``) answers an OPEN only as a row says: "this inode 
 entry registered as backing id B" (a hit), or "this inode is read from the source file
 itself" (a miss, as passthrough_hp serves it), "while the source file is version V". The rows
 are written here alone, from decisions ``coordlfs.fs.opens`` made itself: an entry's offered
-after a hit it served by passthrough of a complete entry's file (``offer``) or at a LOOKUP of
-one no open holds (``looked_up``), a source file's at a LOOKUP of a small file the cache does
-not hold; suspended while it decides another open of the inode; retired when the entry goes,
-the inode is detached or forgotten. A row's answered opens are open files of its inode
-(``OpenInode.pinned``, ``held_backing``): a retired row lives on, answering nothing, until
-the last of them is released (``released``).
+after a hit it served by passthrough of a complete entry's file (``offer``), at a LOOKUP of
+one no open holds (``looked_up``) or when the cache completes one the kernel knows
+(``completed``), a source file's at a LOOKUP of a small file the cache does not hold; taken
+back while it decides another open of the inode; retired when the entry goes, the inode is
+detached or forgotten.
 
-A source row keeps no state here until the daemon must decide an open of its inode: its
-backing id and descriptor are the lane's, which closes them at the last release and hands
-the file to the cache (``take_notes``: backfilled from the pages the reads brought in, as
-after the daemon's own passthrough miss). When the daemon decides an open of the inode
-(``suspend``), the lane's opens become its own: their backing, their releases.
+A row keeps no state here, only the lane's (a few hundred bytes in C per cached file the
+kernel knows, counted in the status's memory figures): the opens it answered, the backing
+they read, the version it was offered at. Where those matter (a getattr of an inode whose
+open files read a fixed version: ``pinned``, ``opened_stat``) the lane is asked. When the
+daemon must decide an open of the inode (``suspend``), or the row must go while opens are
+held (its entry dropped, the inode detached), the lane's opens become the daemon's open files
+of the inode (``_adopt``: an ``OpenInode`` with a ``LaneRow``), their releases its own, which
+retire the row at the last (``released``). A source row's backing id and descriptor are the
+lane's until then, which closes them at the last release and hands the file to the cache
+(``take_notes``: backfilled from the pages the reads brought in, as after the daemon's own
+passthrough miss).
 
 A peer row is a source row whose file comes from the peer ranked first for it: the lane asks
 that peer at the first open, on a connection of its own (``coordlfs.fs.lane_peers``), and the
@@ -39,7 +44,7 @@ from coordlfs.cache.cache import FILL_CHUNK, Entry
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.fs.backing import Backing, Backings
 from coordlfs.fs.inodes import InodeTable, Key
-from coordlfs.fs.lane import Lane, Note
+from coordlfs.fs.lane import Kind, Lane, Note
 from coordlfs.fs.lane_peers import LanePeers
 from coordlfs.fs.openfiles import FileHandle, LaneRow, OpenInode
 from coordlfs.fs.readers import Readers
@@ -75,9 +80,6 @@ class LaneRows:
         self.lane: Lane | None = None
         #: its connections to peers, with it
         self.lane_peers: LanePeers | None = None
-        #: the attributes peer rows were offered with (their held opens' version, once the
-        #: daemon adopts them: a landed file's own are not the source file's)
-        self._peer_rows: dict[int, os.stat_result] = {}
         self._groups.on_change.append(self._members_changed)
 
     def serve_by_lane(self, lane: Lane) -> None:
@@ -110,30 +112,35 @@ class LaneRows:
         concerned."""
         return 0 if self.lane is None else self.lane.noting()
 
+    def census(self) -> tuple[int, int]:
+        """Inodes whose opens the lane holds by an entry's row (the daemon has no record of
+        them), and the bytes a row costs (0 without the lane): its own, the backing id it
+        keeps registered (``Backings.id_bytes``)."""
+        lane, backings = self.lane, self._backings()
+        if lane is None or backings is None:
+            return 0, 0
+        held, row = lane.census()
+        return held, row + backings.id_bytes()
+
     def suspend(self, inode: int, path: bytes) -> None:
         """The daemon decides an open of ``inode`` (at ``path``): the lane answers none
-        meanwhile (the opens it holds count on); a source row's opens become the daemon's
-        open files of the inode (``adopt``)."""
-        lane = self.lane
-        state = self._open.get(inode)
-        if lane is None or (state is not None and state.lane is None):
-            return  # a source row is offered only while no open holds the inode
-        if state is None:
-            self._adopt(lane, inode, path, held_only=False)
-        elif state.lane is not None and state.lane.active:
-            state.lane.active = False
-            lane.suspend(inode)
+        meanwhile, and the opens it holds become the daemon's open files of the inode."""
+        if self.lane is not None:
+            self._adopt(self.lane, inode, path, held_only=False)
+
+    def pinned(self, inode: int) -> os.stat_result | None:
+        """The version the lane's held opens of ``inode`` read, if fixed (an entry's file, a
+        peer's), as its row was offered (no open of the daemon's beside: ``OpenInode``)."""
+        return None if self.lane is None else self.lane.held_stat(inode)[1]
 
     def source_stat(self, inode: int) -> os.stat_result | None:
-        """The attributes of the source file the lane's held opens of ``inode`` read (a
-        source row's, no open of the daemon's beside; a peer row's: the version it was
-        offered at, which its landed file is), None if it holds none."""
-        if self.lane is None or inode in self._open:
+        """The attributes of the file the lane's held opens of ``inode`` read (no open of the
+        daemon's beside): a source file's as it is now, else the version fixed; None if it
+        holds none."""
+        if self.lane is None:
             return None
-        st = self.lane.source_stat(inode)
-        if st is None and inode in self._peer_rows and self.lane.held(inode):
-            return self._peer_rows[inode]
-        return st
+        kind, st = self.lane.held_stat(inode)
+        return self.lane.source_stat(inode) if kind is Kind.SOURCE else st
 
     def adopt_at(self, path: bytes) -> None:
         """The source file at ``path`` changed (the watch says): if the lane holds opens of
@@ -151,54 +158,86 @@ class LaneRows:
         if inode is not None and inode not in self._open:
             self._adopt(lane, inode, path, held_only=True)
 
-    def _adopt(self, lane: Lane, inode: int, path: bytes, held_only: bool) -> OpenInode | None:
-        """The lane's source row of ``inode`` no longer answers; the opens it holds become the
-        daemon's open files of the inode, read from the backing it gives over."""
-        _, backing, fd, peer = lane.suspend(inode, held_only)
-        shown = self._peer_rows.pop(inode, None)
-        if backing <= 0:
-            return None
-        if peer and shown is not None:  # a peer's file landed: the backing id holds it
-            os.close(fd)
-            st, held = shown, Backing(path, Version.of(shown), backing, None, landed=True)
+    def _adopt(self, lane: Lane, inode: int, path: bytes, held_only: bool,
+               entry: Entry | None = None) -> None:
+        """The lane's row of ``inode`` no longer answers (``held_only``: if it holds opens);
+        the opens it holds become the daemon's open files of the inode, read from the backing
+        it gives over (an entry's: ``entry``, or the cache's of the version they read)."""
+        taken = lane.suspend(inode, held_only)
+        if taken is None:
+            return
+        st = taken.st
+        if taken.kind is Kind.SOURCE:
+            st = os.fstat(taken.fd)
+            held = Backing(path, Version.of(st), taken.backing, None, taken.fd)
+        elif taken.kind is Kind.PEER:  # the landed file: the backing id holds it
+            os.close(taken.fd)
+            held = Backing(path, Version.of(st), taken.backing, None, landed=True)
         else:
-            st = os.fstat(fd)
-            held = Backing(path, Version.of(st), backing, None, fd)
-        state = self._open[inode] = OpenInode((st.st_dev, st.st_ino))
+            held = Backing(path, Version.of(st), taken.backing,
+                           entry or self.cache.lookup((st.st_dev, st.st_ino), st))
+            if held.entry is None:  # not found: its id closed at the last release
+                log.info("opens of inode %d read an entry the cache no longer has", inode)
+        state = self._open.get(inode)
+        if state is None:
+            state = self._open[inode] = OpenInode((st.st_dev, st.st_ino))
         state.lane = LaneRow(lane, inode, held, st)
-        return state
 
     def offer(self, handle: FileHandle, state: OpenInode) -> None:
         """A hit answered by passthrough of a complete entry's file: the lane may answer the
-        inode's next opens alike, while the source file stays this version."""
+        inode's next opens alike, while the source file stays this version (the opens it
+        held before, the daemon's since, are its own again)."""
         held, lane = state.backing, self.lane
         if (lane is None or held is None or held.entry is None or not held.entry.complete
                 or handle.backing != held.id or not handle.reader.hit
                 or handle.member is not None or self.inodes.detached(handle.inode) is not None):
             return
         if lane.offer(handle.inode, held.id, handle.path, handle.st):
-            state.lane = LaneRow(lane, handle.inode, held, handle.st)
+            state.lane = None
 
     def looked_up(self, inode: int, st: os.stat_result, path: bytes) -> None:
         """The kernel was shown ``inode`` (a LOOKUP): if it is a complete cache entry no
         open holds, the lane answers its first open too. Rows go with the inodes the kernel
         forgets, so this is what keeps hits in C after the kernel dropped its dentries
         (memory pressure, drop_caches): each is looked up again before it is opened."""
-        lane, backings = self.lane, self._backings()
-        if lane is None or backings is None or inode in self._open \
-                or not stat.S_ISREG(st.st_mode) or self.inodes.detached(inode) is not None:
+        lane = self.lane
+        if lane is None or inode in self._open or not stat.S_ISREG(st.st_mode) \
+                or self.inodes.detached(inode) is not None:
             return
-        key = (st.st_dev, st.st_ino)
-        entry = self.cache.lookup(key, st)
+        entry = self.cache.lookup((st.st_dev, st.st_ino), st)
         if entry is None:
             self._offer_source(lane, inode, st, path)
+        else:
+            self._offer_entry(lane, inode, entry, st, path)
+
+    def completed(self, key: Key, entry: Entry) -> None:
+        """The cache completed ``entry`` (a fill, a backfill at the last release): if the
+        kernel knows its inode and no open holds it, the lane answers its next open, as after
+        a LOOKUP; so a later epoch's first open of a file filled in this one is a hit in C
+        (the kernel keeps the name: no LOOKUP comes)."""
+        lane = self.lane
+        inode = None if lane is None else self.inodes.find(key)
+        if lane is None or inode is None or inode in self._open \
+                or self.inodes.detached(inode) is not None:
             return
-        if not entry.complete or entry.to_backfill:
+        path = self.inodes.path(inode)
+        try:
+            st = self.readers.source.lstat(path)
+        except (OSError, ValueError):
             return
-        backing = backings.of_entry(entry, st)
-        if backing is not None and lane.offer(inode, backing.id, path, st):
-            state = self._open[inode] = OpenInode(key)
-            state.lane = LaneRow(lane, inode, backing, st)
+        found = self.cache.lookup(key, st) if (st.st_dev, st.st_ino) == key else None
+        if found is not None and found.offset == entry.offset:
+            self._offer_entry(lane, inode, entry, st, path)
+
+    def _offer_entry(self, lane: Lane, inode: int, entry: Entry, st: os.stat_result,
+                     path: bytes) -> None:
+        """A complete entry no open holds: the lane answers the inode's opens with it."""
+        backings = self._backings()
+        if backings is None or not entry.complete or entry.to_backfill:
+            return
+        backing = backings.entry_id(entry)
+        if backing:
+            lane.offer(inode, backing, path, st)
 
     def _offer_source(self, lane: Lane, inode: int, st: os.stat_result, path: bytes) -> None:
         """A small file the cache does not hold: its opens are answered with the source file
@@ -227,8 +266,8 @@ class LaneRows:
             return
         before, _ = peers.candidates(path)
         slot = lane_peers.slot(before[0]) if before else None
-        if slot is not None and lane.offer_peer(inode, path, st, slot):
-            self._peer_rows[inode] = st
+        if slot is not None:
+            lane.offer_peer(inode, path, st, slot)
 
     async def take_notes(self) -> None:
         """Hand each source file the lane's opens read to the cache, as they come."""
@@ -275,36 +314,47 @@ class LaneRows:
             return False  # no source row: it is offered only while no open holds the inode
         return lane.claim(inode)
 
-    def dropped(self, entry: Entry) -> None:
-        """The cache dropped ``entry``: the lane answers no more opens of it."""
+    def dropped(self, key: Key, entry: Entry) -> None:
+        """The cache dropped ``entry`` (of ``key``): the lane answers no more opens of it;
+        opens held become the daemon's (their backing id goes at the last release)."""
+        lane = self.lane
+        inode = None if lane is None else self.inodes.find(key)
+        if lane is not None and inode is not None:
+            self._adopt(lane, inode, self.inodes.path(inode), held_only=True, entry=entry)
+            lane.drop(inode)
         for inode, state in list(self._open.items()):
             row = state.lane
             if row is not None and row.backing.entry is not None \
                     and row.backing.entry.offset == entry.offset:
                 self.retire(inode, state)
 
+    def detached(self, inode: int, path: bytes) -> None:
+        """``inode`` stands for an old version now (``Opens.detach``): the lane answers no
+        more opens of it; those held become the daemon's."""
+        if self.lane is not None:
+            self._adopt(self.lane, inode, path, held_only=False)
+        state = self._open.get(inode)
+        if state is not None:
+            self.retire(inode, state)
+
     def retire(self, inode: int, state: OpenInode) -> None:
-        """The lane answers no more opens of ``inode``; its row goes now, or at the last
-        release of the opens it answered (``released``)."""
+        """The opens the lane held of ``inode``, adopted by the daemon, are gone, or the row
+        must go: it goes now, or at the last release of those opens (``released``)."""
         row = state.lane
-        if row is None:
-            return
-        row.active = False
-        if not row.lane.drop(inode):
+        if row is not None and not row.lane.drop(inode):
             state.lane = None
             if state.idle():
                 del self._open[inode]
 
     def released(self, inode: int) -> None:
-        """The kernel released an open the lane answered whose row it no longer answers
-        by (suspended while the daemon decided, or retired): at the last, the row goes, and
-        the backing if no other open of the inode holds it."""
+        """The kernel released an open the lane answered whose row the daemon adopted: at
+        the last, the row goes, and the backing if no other open of the inode holds it."""
         state = self._open.get(inode)
         row = None if state is None else state.lane
         if row is None:
             log.warning("release of a lane handle of inode %d with no row", inode)
             return
-        if row.lane.release(inode) or row.active:
+        if row.lane.release(inode):
             return
         backings = self._backings()
         assert state is not None and backings is not None
@@ -315,9 +365,8 @@ class LaneRows:
 
     def forgotten(self, inode: int) -> None:
         """The kernel forgot ``inode`` (it has no open file): its row goes."""
-        self._peer_rows.pop(inode, None)
         state = self._open.get(inode)
         if state is not None:
             self.retire(inode, state)
-        elif self.lane is not None:  # a source row's
+        elif self.lane is not None:
             self.lane.drop(inode)

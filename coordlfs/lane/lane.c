@@ -22,10 +22,10 @@
  *
  * The daemon stays the owner of every decision: a row is only what it decided at an open it
  * answered itself (coordlfs/fs/lane.py); the opens a row holds are counted here and read by
- * the daemon where they matter (one backing per inode, the version its open files read); a
- * RELEASE of a handle whose row is suspended goes to the daemon, which may have to close the
- * backing id at the last of them (a source row's releases stay here unless the daemon
- * adopted its opens). Counters (opens and bytes answered here) are read by the
+ * the daemon where they matter (one backing per inode, the version its open files read),
+ * and the daemon keeps nothing per row until it must decide an open of the inode itself:
+ * then it adopts the opens held (lane_suspend), and the RELEASEs of their handles go to it,
+ * which may have to close the backing id at the last of them. Counters (opens and bytes answered here) are read by the
  * daemon into its own (coordlfs.cache.stats folds).
  *
  * Locking: one mutex over the rows and the queue, held for table probes only: the version
@@ -35,6 +35,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <malloc.h>
 #include <stddef.h>
 #include <linux/openat2.h>
 #include <poll.h>
@@ -55,6 +56,8 @@
 #include <xxhash.h>
 
 #define EXPORT __attribute__((visibility("default")))
+/* glibc's bookkeeping per allocation, beside what malloc_usable_size says */
+#define MALLOC_HEADER 8
 
 /* -- the kernel's ABI (linux/fuse.h of 7.40; the system's header may be older) ------------ */
 #define FUSE_GETATTR 3
@@ -138,12 +141,27 @@ struct version {
  * lane's connection to the peer that caches the file, else -1) is a source row whose first
  * open's file is fetched from that peer and landed here (`fd`: the landed file), never noted:
  * the file is the peer's to cache. */
+/* The attributes besides the version the source file had when the row was offered: what a
+ * held open of an entry's or a peer's file shows (the daemon's getattr of an inode whose open
+ * files read a fixed version), so that the daemon keeps nothing of its own per row. */
+struct shown {
+    int64_t atime_ns, blocks, mode, nlink, uid, gid, rdev, blksize;
+};
+
+/* The fields lane_offer takes and lane_suspend and lane_held_stat give, in this order: the
+ * version's (without its backing), then the shown ones. */
+#define STAT_FIELDS 13
+
+/* What a row answers opens with; kinds as lane_suspend and lane_held_stat give them. */
+enum { KIND_NONE, KIND_ENTRY, KIND_SOURCE, KIND_PEER };
+
 struct row {
     struct row *next;
     uint64_t nodeid;
     int active, source, note, noted, adopted, fd, peer;
     int64_t opens;
     struct version v;
+    struct shown shown;
     char path[];
 };
 
@@ -456,12 +474,14 @@ static int grow(void) {
 /* The row of `nodeid`: answer its read-only opens with `backing` (0 with `source`: the
  * source file itself, registered at its first open; `note`: handed to the daemon at its
  * last release; `peer` >= 0: fetched from the peer in that slot at its first open, a peer
- * row) while its source file at `path` (beneath the root) is the version given. 0, or
- * -EBUSY when opens of another backing are held (the kernel gives an inode one backing at a
- * time), -ENOMEM. */
-EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path, uint64_t dev,
-                      uint64_t ino, int64_t size, int64_t mtime_ns, int64_t ctime_ns,
-                      int source, int note, int peer) {
+ * row) while its source file at `path` (beneath the root) is the version `st` gives (its
+ * STAT_FIELDS). 0, or -EBUSY when opens of another backing are held (the kernel gives an
+ * inode one backing at a time), -ENOMEM. An entry's row offered again while the daemon holds
+ * its opens (adopted) takes them back: their releases are answered here again. */
+EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path,
+                      const int64_t st[STAT_FIELDS], int source, int note, int peer) {
+    uint64_t dev = (uint64_t)st[0], ino = (uint64_t)st[1];
+    int64_t size = st[2], mtime_ns = st[3], ctime_ns = st[4];
     size_t plen = strlen(path);
     pthread_mutex_lock(&lock);
     int rc = 0;
@@ -492,6 +512,7 @@ EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path, uint64
     memcpy(r->path, path, plen + 1);
     r->nodeid = nodeid;
     r->v = (struct version){dev, ino, size, mtime_ns, ctime_ns, source ? 0 : backing, 0};
+    memcpy(&r->shown, st + 5, sizeof r->shown);
     r->active = 1;
     r->source = source;
     r->note = peer < 0 && note;
@@ -531,38 +552,85 @@ static int64_t retire_row(struct row *r) {
     return opens;
 }
 
-/* No more opens of `nodeid` answered here (the daemon decides them now); the opens the row
- * holds, which go on being counted. A source row's opens become the daemon's: their backing
- * id and the source file's descriptor are given to it (`*backing`, `*fd`; else 0 and -1),
- * and so are their releases; one with none held goes. With `held_only`, only a source row
- * with opens held is touched (the daemon must answer for them: a getattr, a change). */
-EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd, int *peer,
-                            int held_only) {
+/* What the row answers opens with. */
+static int kind_of(const struct row *r) {
+    return !r->source ? KIND_ENTRY : r->peer >= 0 ? KIND_PEER : KIND_SOURCE;
+}
+
+/* The row's version and shown attributes, as lane_offer took them. */
+static void stat_of(const struct row *r, int64_t st[STAT_FIELDS]) {
+    int64_t v[5] = {(int64_t)r->v.dev, (int64_t)r->v.ino, r->v.size, r->v.mtime_ns,
+                    r->v.ctime_ns};
+    memcpy(st, v, sizeof v);
+    memcpy(st + 5, &r->shown, sizeof r->shown);
+}
+
+/* No more opens of `nodeid` answered here (the daemon decides them now): the opens the row
+ * holds become the daemon's (`adopted`), the backing id they read given to it (`*backing`;
+ * for a source row also the file's descriptor, `*fd`; else 0 and -1), with what the row
+ * answered them with (`*kind`) and the version it was offered at (`st`), and so are their
+ * releases; a row with none held goes. The opens held, which go on being counted. With
+ * `held_only`, only a row with opens held is touched (the daemon must answer for them: a
+ * getattr, a change, its entry dropped). */
+EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd, int *kind,
+                            int64_t st[STAT_FIELDS], int held_only) {
     *backing = 0;
     *fd = -1;
-    *peer = 0;
+    *kind = KIND_NONE;
     pthread_mutex_lock(&lock);
     struct row *r = find(nodeid);
     int64_t opens = r ? r->opens : 0;
-    if (r && held_only && (!r->source || r->adopted || !opens))
+    if (r && (r->adopted || (held_only && !opens)))
         r = NULL;
-    if (r)
-        r->active = 0;
-    if (r && r->source && !r->adopted) {
-        if (opens) {
+    if (r && opens) {
+        if (r->source) {
             noting -= r->note;
             sources_held--;
             held_landed(r, -1);
-            r->adopted = 1;
-            *peer = r->peer >= 0;
-            *backing = r->v.backing;
-            *fd = r->fd;
-            r->fd = -1;
-        } else
-            retire_row(r);
-    }
+        }
+        r->active = 0;
+        r->adopted = 1;
+        *kind = kind_of(r);
+        *backing = r->v.backing;
+        *fd = r->fd;
+        r->fd = -1;
+        stat_of(r, st);
+    } else if (r)
+        remove_row(r);
     pthread_mutex_unlock(&lock);
     return opens;
+}
+
+/* What the opens of `nodeid` answered here and still held here read: KIND_NONE if there are
+ * none; for an entry's or a peer's file the version they read (`st`, as offered), fixed; a
+ * source file is read as it is now (lane_source_fd). */
+EXPORT int lane_held_stat(uint64_t nodeid, int64_t st[STAT_FIELDS]) {
+    pthread_mutex_lock(&lock);
+    struct row *r = find(nodeid);
+    int kind = r && r->opens && !r->adopted ? kind_of(r) : KIND_NONE;
+    if (kind != KIND_NONE)
+        stat_of(r, st);
+    pthread_mutex_unlock(&lock);
+    return kind;
+}
+
+/* Entry rows whose opens are held here (the daemon counts them among the inodes open by
+ * passthrough), and the bytes a row takes with its share of the table's (the lane's share
+ * of what a cached file costs the daemon; with no row, one with a 64-byte path). */
+EXPORT void lane_census(int64_t out[2]) {
+    int64_t held = 0, bytes = 0;
+    pthread_mutex_lock(&lock);
+    for (size_t i = 0; i < nbuckets; i++)
+        for (const struct row *r = buckets[i]; r; r = r->next) {
+            held += !r->source && r->opens && !r->adopted;
+            bytes += (int64_t)malloc_usable_size((void *)r) + MALLOC_HEADER;
+        }
+    bytes += (int64_t)(nbuckets * sizeof *buckets);
+    size_t rows = nrows;
+    pthread_mutex_unlock(&lock);
+    out[0] = held;
+    out[1] = rows ? bytes / (int64_t)rows
+                  : (int64_t)(sizeof(struct row) + 64 + MALLOC_HEADER + sizeof *buckets);
 }
 
 /* A new descriptor of the source file a source row's held opens read (the caller closes
@@ -912,10 +980,12 @@ static int answer_release(const struct in_header *in, const struct release_in *a
     struct note *n = NULL;
     pthread_mutex_lock(&lock);
     struct row *r = find(arg->fh & ~LANE_FH);
-    /* a row the daemon adopted, or a suspended entry's row: the daemon's release */
-    int ok = r && r->opens > 0 && (r->source ? !r->adopted : r->active);
+    /* a row the daemon adopted: the daemon's release */
+    int ok = r && r->opens > 0 && !r->adopted;
     if (ok && !--r->opens && r->source)
         n = source_done(r, &id, &fd);
+    else if (ok && !r->opens && !r->active)
+        remove_row(r); /* an entry's row retired while its opens were held */
     pthread_mutex_unlock(&lock);
     if (!ok)
         return 0;

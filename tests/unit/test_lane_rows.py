@@ -156,14 +156,18 @@ def offer(row_lane: lane.Lane, source: Path, inode: int, backing: int, name: str
 
 
 def test_rows_without_opens(lib: ctypes.CDLL, source: Path) -> None:
-    """With no open answered: an offered row holds none; suspend says 0; a release says 0
-    for a row, -1 for none; drop removes the row at once (a release then says -1); calls
-    about rows never offered (before any was, and after) say 0 or -1."""
+    """With no open answered: an offered row holds none; a suspend gives nothing over and
+    removes it, a held-only one leaves it; a release says 0 for a row, -1 for none; drop
+    removes the row at once (a release then says -1); calls about rows never offered (before
+    any was, and after) say 0, -1 or nothing."""
     rows = lane.Lane(lib)
-    assert (rows.held(5), rows.suspend(5)[0], rows.release(5), rows.drop(5)) == (0, 0, -1, 0)
+    assert (rows.held(5), rows.suspend(5), rows.release(5), rows.drop(5)) == (0, None, -1, 0)
+    assert rows.held_stat(5) == (lane.Kind.NONE, None)
     assert offer(rows, source, 5, 7, "d/f.bin")
-    assert (rows.held(5), rows.suspend(5)[0], rows.release(5)) == (0, 0, 0)
-    assert offer(rows, source, 5, 7, "d/f.bin")  # offered again: active again
+    assert (rows.suspend(5, held_only=True), rows.release(5)) == (None, 0)
+    assert (rows.held(5), rows.suspend(5), rows.release(5)) == (0, None, -1)
+    assert offer(rows, source, 5, 7, "d/f.bin")  # offered again
+    assert rows.held_stat(5) == (lane.Kind.NONE, None)  # no open held
     assert rows.drop(5) == 0
     assert (rows.held(5), rows.release(5), rows.drop(5)) == (0, -1, 0)
     assert (rows.held(6), rows.release(6)) == (0, -1)
@@ -272,32 +276,48 @@ def test_an_open_of_a_changed_source_file_goes_to_the_daemon(session: Session, s
 
 
 def test_suspend(session: Session, source: Path) -> None:
-    """Suspended (the daemon decides an open of the inode): no OPEN answered, the opens held
-    counted on and said; a RELEASE of one of them goes to the daemon, which tells the lane
-    (``release``: the opens left). Offered again, the lane answers again."""
+    """Suspended (the daemon decides an open of the inode): no OPEN answered; the opens held
+    are given over (adopted): what they read, the backing id, the version and attributes the
+    row was offered with, which the lane also says while it holds them (``held_stat``). A
+    RELEASE of one of them goes to the daemon, which tells the lane (``release``: the opens
+    left). Offered again, the lane answers again, and takes back the releases."""
     rows = session.lane
+    st = os.lstat(source / "d" / "f.bin")
     assert offer(rows, source, 5, 7, "d/f.bin")
     fh = session.open(5)[1][0]
     assert session.open(5)[0] == "answered"
-    assert rows.suspend(5)[0] == 2
+    assert rows.held_stat(5) == (lane.Kind.ENTRY, st)
+    taken = rows.suspend(5)
+    assert taken == lane.Adopted(lane.Kind.ENTRY, 7, -1, st)
+    assert (taken.st.st_mtime, taken.st.st_atime_ns, taken.st[8]) == (st.st_mtime, st.st_atime_ns,
+                                                                      st[8])
+    assert rows.held_stat(5) == (lane.Kind.NONE, None)  # the daemon's now
     assert session.open(5)[0] == "queued"
     assert rows.held(5) == 2
     assert session.release(5, fh) == "queued"
     assert rows.release(5) == 1
-    assert rows.suspend(5)[0] == 1  # again: the same
+    assert rows.suspend(5) is None  # again: nothing more to give over
     assert offer(rows, source, 5, 7, "d/f.bin")
     assert session.open(5)[0] == "answered" and rows.held(5) == 2
     assert session.release(5, fh) == "answered" and rows.held(5) == 1
 
 
 def test_drop_with_opens_held(session: Session, source: Path) -> None:
-    """A row dropped (its entry gone, its inode detached or forgotten) while opens it
-    answered are held stays, suspended: drop says how many; OPENs and those RELEASEs go to
-    the daemon; the last release says 0, and then the row goes with a drop."""
+    """A row dropped while opens it answered are held stays, answering no OPEN: drop says
+    how many; the lane answers their RELEASEs, and the row goes at the last. Adopted by the
+    daemon first (its entry gone, its inode detached), those RELEASEs go to the daemon; the
+    last release says 0, and then the row goes with a drop."""
     rows = session.lane
     assert offer(rows, source, 5, 7, "d/f.bin")
     fh = session.open(5)[1][0]
+    assert rows.drop(5) == 1
+    assert session.open(5)[0] == "queued"
+    assert session.release(5, fh) == "answered"
+    assert (rows.held(5), rows.release(5)) == (0, -1)  # gone
+    assert offer(rows, source, 5, 7, "d/f.bin")
     session.open(5)
+    session.open(5)
+    assert rows.suspend(5, held_only=True) is not None
     assert rows.drop(5) == 2
     assert rows.held(5) == 2
     assert session.open(5)[0] == "queued"
@@ -323,8 +343,10 @@ def test_another_backing_while_opens_are_held(session: Session, source: Path,
     assert offer(rows, source, 5, 7, "d/f.bin")
     fh = session.open(5)[1][0]
     assert not offer(rows, source, 5, 8, "d/f.bin")
-    assert lib.lane_offer(5, 8, b"d/f.bin", st.st_dev, st.st_ino, st.st_size,
-                          st.st_mtime_ns, st.st_ctime_ns, 0, 0, -1) == -errno.EBUSY
+    fields = (ctypes.c_int64 * 13)(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                                   st.st_ctime_ns, st.st_atime_ns, st.st_blocks, st.st_mode,
+                                   st.st_nlink, st.st_uid, st.st_gid, st.st_rdev, st.st_blksize)
+    assert lib.lane_offer(5, 8, b"d/f.bin", fields, 0, 0, -1) == -errno.EBUSY
     assert session.open(5)[1][2] == 7
     rows.suspend(5)
     assert not offer(rows, source, 5, 8, "d/f.bin")
@@ -379,7 +401,7 @@ def test_a_source_row_the_kernel_refuses_goes_to_the_daemon(session: Session,
     assert rows.counts()[3:6] == (0, 0, 0)
     assert rows.noting() == 0 and list(rows.notes()) == []
     assert rows.source_stat(7) is None  # it holds no open
-    assert rows.suspend(7) == (0, 0, -1, False)  # no open to give over: the row goes
+    assert rows.suspend(7) is None  # no open to give over: the row goes
 
 
 def test_source_row_calls_without_opens(lib: ctypes.CDLL, source: Path) -> None:
@@ -392,7 +414,7 @@ def test_source_row_calls_without_opens(lib: ctypes.CDLL, source: Path) -> None:
     assert offer(rows, source, 5, 7, "d/f.bin")
     assert rows.offer_source(5, b"d/f.bin", st, note=True)
     assert rows.offer_source(5, b"d/f.bin", st, note=False)  # the same version: kept
-    assert rows.suspend(5, held_only=True) == (0, 0, -1, False)
+    assert rows.suspend(5, held_only=True) is None
     assert not rows.claim(5)  # not read now: it goes
     assert (rows.held(5), rows.release(5)) == (0, -1)
     assert rows.offer_source(5, b"d/f.bin", st, note=True)

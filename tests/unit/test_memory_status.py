@@ -16,7 +16,8 @@ from coordlfs.daemon.memory import (
 def test_the_daemon_is_its_anonymous_memory_less_its_tables() -> None:
     held = bytearray(32 << 20)  # touched: resident
     memory = memory_status(tables=(1 << 20, 2 << 20), rows=(1000, 500),
-                           cached_bytes=500 * 3 * 4096, source_fstype="ext4", passthrough=True)
+                           cached_bytes=500 * 3 * 4096, source_fstype="ext4", passthrough=True,
+                           lane_row=300)
     assert memory["daemon_bytes"] >= len(held)
     assert memory["itself_bytes"] == memory["daemon_bytes"] - (3 << 20)
     slabs = slab_objects(("fuse_inode", "dentry", "filp", "lsm_inode_cache",
@@ -24,19 +25,19 @@ def test_the_daemon_is_its_anonymous_memory_less_its_tables() -> None:
     # the mount's inode and the source's, each with its dentry and security blob
     assert memory["per_inode_bytes"] == (1049 + slabs["fuse_inode"] + slabs["ext4_inode_cache"]
                                          + 2 * (slabs["dentry"] + slabs["lsm_inode_cache"]))
-    # three pages a file: one node of a page tree
+    # three pages a file: one node of a page tree; the lane's row
     assert memory["per_cached_file_bytes"] == (4194 + tmpfs_file_bytes()
-                                               + slabs["radix_tree_node"] + slabs["filp"])
+                                               + slabs["radix_tree_node"] + slabs["filp"] + 300)
     without = memory_status(tables=(0, 0), rows=(0, 0), cached_bytes=0, source_fstype="ext4",
-                            passthrough=False)
+                            passthrough=False, lane_row=0)
     assert without["per_cached_file_bytes"] == tmpfs_file_bytes()  # no backing file, no tree
 
 
 def test_a_page_tree_node_indexes_64_pages() -> None:
     one_page = memory_status(tables=(0, 0), rows=(0, 10), cached_bytes=10 * 4096,
-                             source_fstype="ext4", passthrough=False)
+                             source_fstype="ext4", passthrough=False, lane_row=0)
     big = memory_status(tables=(0, 0), rows=(0, 1), cached_bytes=640 * 4096,
-                        source_fstype="ext4", passthrough=False)
+                        source_fstype="ext4", passthrough=False, lane_row=0)
     node = slab_objects(("radix_tree_node",))["radix_tree_node"]
     assert big["per_cached_file_bytes"] - one_page["per_cached_file_bytes"] == 10 * node
 
