@@ -324,25 +324,36 @@ static uint64_t get_be(const unsigned char *at, int bytes) {
     return value;
 }
 
+/* What a failed send or receive of a whole frame says: the peer closed the connection
+ * before any of the frame passed (its idle close crossed the request: no fault), or another
+ * failure (a timeout, a close midway). */
+enum { CLOSED_FIRST = -2, FAILED = -1 };
+
+static int gone(ssize_t n, int untouched) {
+    return untouched && (n == 0 || errno == ECONNRESET || errno == EPIPE) ? CLOSED_FIRST : FAILED;
+}
+
 static int send_all(int fd, const void *mem, size_t len) {
+    size_t all = len;
     for (const char *p = mem; len;) {
         ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
         if (n < 0 && errno == EINTR)
             continue;
         if (n <= 0)
-            return -1;
+            return gone(n, len == all);
         p += n, len -= (size_t)n;
     }
     return 0;
 }
 
 static int recv_all(int fd, void *mem, size_t len) {
+    size_t all = len;
     for (char *p = mem; len;) {
         ssize_t n = recv(fd, p, len, 0);
         if (n < 0 && errno == EINTR)
             continue;
         if (n <= 0)
-            return -1; /* closed, reset, or SO_RCVTIMEO passed */
+            return gone(n, len == all); /* closed, reset, or SO_RCVTIMEO passed */
         p += n, len -= (size_t)n;
     }
     return 0;
@@ -414,7 +425,15 @@ static int fetch(int slot, const char *path, const struct version *v) {
     put_be(buffer + 10, len, 4);
     put_be(buffer + 14, XXH64(get, len, 0), 8);
     unsigned char h[FRAME_HEADER];
-    if (send_all(sock, buffer, FRAME_HEADER + len) < 0 || recv_all(sock, h, sizeof h) < 0)
+    int sent = send_all(sock, buffer, FRAME_HEADER + len);
+    int rc = sent < 0 ? sent : recv_all(sock, h, sizeof h);
+    if (rc == CLOSED_FIRST) { /* closed as it was asked: as one found closed by the poll */
+        fault = 0;
+        __atomic_fetch_add(&l->closed, 1, __ATOMIC_RELAXED);
+        close(sock);
+        __atomic_store_n(&l->fd, -1, __ATOMIC_RELAXED);
+    }
+    if (rc < 0)
         goto out;
     uint32_t kind = h[5], rid = (uint32_t)get_be(h + 6, 4), length = (uint32_t)get_be(h + 10, 4);
     if (memcmp(h, "CLFP", 4) || h[4] != 1 || rid != id ||
