@@ -154,6 +154,10 @@ class Lane:
         #: readable while the lane may have source files for the cache (``notes``)
         self.notes_fd: int = lib.lane_notes_fd()
         self._note = (_u64(), ctypes.c_int(), (_i64 * 5)(), ctypes.create_string_buffer(4096))
+        #: buffers of the calls made per LOOKUP, allocated once (a ctypes array per call was
+        #: a tenth of a LOOKUP's Python); the daemon's loop is their one caller
+        self._fields = _Stat()
+        self._peer = (_u64 * 5)()
 
     @classmethod
     def start(cls, source_root: int, threads: int) -> Lane:
@@ -190,7 +194,8 @@ class Lane:
                note: bool, peer: int = -1) -> bool:
         if len(path) >= MAX_PATH:
             return False
-        fields = _Stat(*_fields_of(st))
+        fields = self._fields
+        fields[:] = _fields_of(st)
         return self._lib.lane_offer(inode, backing, path or b".", fields, source, note,
                                     peer) == 0
 
@@ -210,8 +215,8 @@ class Lane:
         """How many connections of ``slot`` are up, and their counts together: files
         fetched, their bytes, files the peer refused, faults (each closed one), closes by the
         peer found before a request."""
-        out = (_u64 * 5)()
-        up = self._lib.lane_peer_state(slot, ctypes.byref(out))
+        out = self._peer
+        up = self._lib.lane_peer_state(slot, out)
         return up, tuple(out)
 
     def suspend(self, inode: int, held_only: bool = False) -> Adopted | None:
@@ -229,9 +234,11 @@ class Lane:
         """What the opens of ``inode`` the lane holds read: ``Kind.NONE`` if none; an
         entry's or a peer's file's version, as the row was offered (fixed); for a source
         file, None (it is read as it is now: ``source_stat``)."""
-        fields = _Stat()
-        kind = Kind(self._lib.lane_held_stat(inode, fields))
-        return kind, _stat_result(fields) if kind in (Kind.ENTRY, Kind.PEER) else None
+        raw = self._lib.lane_held_stat(inode, self._fields)
+        if not raw:
+            return Kind.NONE, None
+        kind = Kind(raw)
+        return kind, _stat_result(self._fields) if kind is not Kind.SOURCE else None
 
     def census(self) -> tuple[int, int]:
         """Entry rows whose opens the lane holds, and the bytes a row takes."""

@@ -357,7 +357,7 @@ class Opens:
         old version's for its open files (``InodeTable.detach``)."""
         key, is_dir = (st.st_dev, st.st_ino), stat.S_ISDIR(st.st_mode)
         inode = self.inodes.inode_for(key, path, is_dir)
-        pinned = self.pinned(inode)
+        pinned = None if is_dir else self.pinned(inode)
         if pinned is not None and Version.of(pinned) != Version.of(st):
             self.detach(inode, Version.of(pinned), path)
             inode = self.inodes.inode_for(key, path, is_dir)
