@@ -593,6 +593,29 @@ def test_rows_come_back_at_lookup_after_the_kernel_forgot_the_inodes(
     assert lane_opens(m) - at == len(names), "the epoch after the forgets not all the lane's"
 
 
+def test_a_file_cached_after_its_last_release_is_a_hit_in_c_at_its_next_open(
+        tmp_path: Path, mount, needs_lane: None) -> None:
+    """A small file read once (a miss) is cached after its last release; the kernel keeps
+    its name, so no LOOKUP comes before its next open: the row is offered when the cache
+    completes the entry (``LaneRows.completed``), and the next epoch's opens are all the
+    lane's, byte-exact, counted as hits. The daemon keeps nothing of its own per row."""
+    small = {name: size for name, size in SIZES.items() if size <= 1 << 20}
+    src = make_source(tmp_path, small)
+    names = sorted(small)
+    want = source_digests(src, names)
+    m = mount(src, "--passthrough", "yes")
+    for name in names:
+        os.lstat(m.mountpoint / name)  # the names the kernel keeps, before the epoch
+    assert read_epoch(m, names) == want
+    wait_for(lambda: m.settled()["cache"]["files"] == len(names), "every file cached")
+    wait_for(lambda: nothing_open(m), "every open released")
+    at, hits = lane_opens(m), m.status()["reads"]["file_hits"]
+    assert read_epoch(m, names) == want
+    assert lane_opens(m) - at == len(names), "a file cached after its release not the lane's"
+    assert m.status()["reads"]["file_hits"] - hits == len(names)
+    assert m.status()["passthrough"]["lane"]["rows"] >= len(names)
+
+
 def test_rows_follow_a_directory_renamed_in_the_source(tmp_path: Path, mount,
                                                        needs_lane: None) -> None:
     """A directory renamed in the source (the files in it unchanged: same inode, size and

@@ -193,6 +193,8 @@ def test_many_rows(lib: ctypes.CDLL, source: Path) -> None:
     for inode in inodes[::3]:
         assert rows.offer(inode, inode % 1000 + 1, b"./././g.bin", st)  # a longer path
     assert all(rows.release(inode) == 0 for inode in inodes)
+    held, row_bytes = rows.census()  # a row, its path and its share of the table
+    assert held == 0 and 120 <= row_bytes <= 400, row_bytes
     assert all(rows.drop(inode) == 0 for inode in inodes)
     assert all(rows.release(inode) == -1 for inode in inodes)
 
@@ -287,11 +289,13 @@ def test_suspend(session: Session, source: Path) -> None:
     fh = session.open(5)[1][0]
     assert session.open(5)[0] == "answered"
     assert rows.held_stat(5) == (lane.Kind.ENTRY, st)
+    assert rows.census()[0] == 1  # an inode open by passthrough the daemon has no record of
     taken = rows.suspend(5)
     assert taken == lane.Adopted(lane.Kind.ENTRY, 7, -1, st)
     assert (taken.st.st_mtime, taken.st.st_atime_ns, taken.st[8]) == (st.st_mtime, st.st_atime_ns,
                                                                       st[8])
     assert rows.held_stat(5) == (lane.Kind.NONE, None)  # the daemon's now
+    assert rows.census()[0] == 0
     assert session.open(5)[0] == "queued"
     assert rows.held(5) == 2
     assert session.release(5, fh) == "queued"
