@@ -94,7 +94,8 @@ class Opens:
         if backings is None:
             return {"on": False, "why_off": self.passthrough_off}
         held = sum(1 for state in self._open.values() if state.held_backing() is not None)
-        held += self.rows.census()[0]
+        held += self.rows.census()[0] - sum(1 for inode, state in self._open.items()
+                                            if state.lane is None and self.rows.held(inode))
         return {"on": True, "why_off": self.passthrough_off, **backings.status(held),
                 "lane": self.rows.status()}
 

@@ -122,6 +122,11 @@ class LaneRows:
         held, row = lane.census()
         return held, row + backings.id_bytes()
 
+    def held(self, inode: int) -> bool:
+        """Whether the lane holds opens of ``inode`` it answered, not adopted (the daemon has
+        no record of them beside its own: ``census`` counts them)."""
+        return self.lane is not None and self.lane.held_stat(inode)[0] is not Kind.NONE
+
     def suspend(self, inode: int, path: bytes) -> None:
         """The daemon decides an open of ``inode`` (at ``path``): the lane answers none
         meanwhile, and the opens it holds become the daemon's open files of the inode."""
