@@ -65,12 +65,13 @@ class Kind(enum.IntEnum):
 
 def _stat_result(fields: _Stat) -> os.stat_result:
     """The ``os.stat_result`` a row's fields stand for (the integer seconds and the float
-    times made from the nanoseconds, as ``os.stat`` makes them)."""
+    times made from the nanoseconds as ``os.stat`` makes them: seconds + nanoseconds * 1e-9,
+    which rounds otherwise than nanoseconds / 1e9)."""
     dev, ino, size, mtime, ctime, atime, blocks, mode, nlink, uid, gid, rdev, blksize = fields
-    times = (atime, mtime, ctime)
-    return os.stat_result((mode, ino, dev, nlink, uid, gid, size,
-                           *(t // 1_000_000_000 for t in times), *(t / 1e9 for t in times),
-                           *times, blksize, blocks, rdev))
+    split = [divmod(t, 1_000_000_000) for t in (atime, mtime, ctime)]
+    return os.stat_result((mode, ino, dev, nlink, uid, gid, size, *(s for s, _ in split),
+                           *(s + ns * 1e-9 for s, ns in split), atime, mtime, ctime,
+                           blksize, blocks, rdev))
 
 
 def _load() -> ctypes.CDLL:
