@@ -83,8 +83,9 @@ class WholeFileCache:
         self.room = Room(capacity, self.directory, lambda: free_bytes(self.dir_fd))
         #: called with each entry dropped (``_release``), such as to drop its backing id
         self.released: list[Callable[[Key, Entry], None]] = []
-        #: called with each entry completed (``_complete``), such as to offer it to the lane
-        self.completed: list[Callable[[Key, Entry], None]] = []
+        #: called with each entry completed (``_complete``) and the source's stat that showed
+        #: it whole, such as to offer it to the lane
+        self.completed: list[Callable[[Key, Entry, os.stat_result], None]] = []
         #: whether ``key``'s file is being read from the source by opens the cache is handed
         #: after (the request lane's misses, ``LaneRows.claim``): no entry is reserved for it
         #: then (a fill would read storage twice); else later such opens wait for the fill
@@ -320,7 +321,8 @@ class WholeFileCache:
             error = self._verdict(key, entry, final, error)
             if error is None:
                 self.journal.append(journal.added(key, entry))
-                self._complete(key, entry)
+                assert final is not None  # no error: the verdict saw it
+                self._complete(key, entry, final)
             else:
                 self._give_up(key, entry, error)
             return error
@@ -350,7 +352,8 @@ class WholeFileCache:
         for item, error in zip(batch, errors, strict=True):
             try:
                 if error is None:
-                    self._complete(item.key, item.entry)
+                    assert item.final is not None  # no error: the verdict saw it
+                    self._complete(item.key, item.entry, item.final)
                 else:
                     self._give_up(item.key, item.entry, error)
             finally:
@@ -367,13 +370,14 @@ class WholeFileCache:
             return OSError(errno.EIO, "source file changed while being cached")
         return error
 
-    def _complete(self, key: Key, entry: Entry) -> None:
-        """A filled entry, journaled, is complete: readers, passthrough and clients take it."""
+    def _complete(self, key: Key, entry: Entry, final: os.stat_result) -> None:
+        """A filled entry, journaled, is complete (the source showed its version in ``final``):
+        readers, passthrough and clients take it."""
         entry.complete = True
         self.entries.completed(key, entry)
         self.publisher.publish(key, entry)
         for tell in self.completed:
-            tell(key, entry)
+            tell(key, entry, final)
 
     def _give_up(self, key: Key, entry: Entry, error: BaseException) -> None:
         if no_room(error):

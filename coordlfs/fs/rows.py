@@ -206,8 +206,7 @@ class LaneRows:
         forgets, so this is what keeps hits in C after the kernel dropped its dentries
         (memory pressure, drop_caches): each is looked up again before it is opened."""
         lane = self.lane
-        if lane is None or inode in self._open or not stat.S_ISREG(st.st_mode) \
-                or self.inodes.detached(inode) is not None:
+        if lane is None or not stat.S_ISREG(st.st_mode) or not self._offerable(inode):
             return
         entry = self.cache.lookup((st.st_dev, st.st_ino), st)
         if entry is None:
@@ -215,24 +214,22 @@ class LaneRows:
         else:
             self._offer_entry(lane, inode, entry, st, path)
 
-    def completed(self, key: Key, entry: Entry) -> None:
-        """The cache completed ``entry`` (a fill, a backfill at the last release): if the
-        kernel knows its inode and no open holds it, the lane answers its next open, as after
-        a LOOKUP; so a later epoch's first open of a file filled in this one is a hit in C
-        (the kernel keeps the name: no LOOKUP comes)."""
+    def completed(self, key: Key, entry: Entry, st: os.stat_result) -> None:
+        """The cache completed ``entry`` (a fill, a backfill at the last release), the source
+        showing its version in ``st``: if the kernel knows its inode and no open holds it,
+        the lane answers its next open, as after a LOOKUP; so a later epoch's first open of a
+        file filled in this one is a hit in C (the kernel keeps the name: no LOOKUP comes).
+        The lane checks the file at the inode's path per open, as for every row."""
         lane = self.lane
         inode = None if lane is None else self.inodes.find(key)
-        if lane is None or inode is None or inode in self._open \
-                or self.inodes.detached(inode) is not None:
-            return
-        path = self.inodes.path(inode)
-        try:
-            st = self.readers.source.lstat(path)
-        except (OSError, ValueError):
-            return
-        found = self.cache.lookup(key, st) if (st.st_dev, st.st_ino) == key else None
-        if found is not None and found.offset == entry.offset:
-            self._offer_entry(lane, inode, entry, st, path)
+        if lane is not None and inode is not None and self._offerable(inode):
+            self._offer_entry(lane, inode, entry, st, self.inodes.path(inode))
+
+    def _offerable(self, inode: int) -> bool:
+        """Whether a row may be offered for ``inode``: no open holds it (rows of held inodes
+        are offered by ``offer``, after the daemon's own hit), and it stands for the file as
+        it is (not detached)."""
+        return inode not in self._open and self.inodes.detached(inode) is None
 
     def _offer_entry(self, lane: Lane, inode: int, entry: Entry, st: os.stat_result,
                      path: bytes) -> None:
