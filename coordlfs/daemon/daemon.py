@@ -43,10 +43,12 @@ from coordlfs.peers.links import Peers
 from coordlfs.peers.placement import find_self, parse_address, read_secret
 from coordlfs.peers.server import PeerServer, connection_cap, listen_socket
 from coordlfs.peers.server import register_commands as register_peer_commands
+from coordlfs.peers.serving import Serving
 from coordlfs.peers.sources import Membership, peer_source
 from coordlfs.peers.warm import WarmRelays
 from coordlfs.peers.warm import answer as answer_warm
 from coordlfs.peers.warm import register_commands as register_warm_commands
+from coordlfs.peers.wire import idle_timeout
 from coordlfs.protocol.server import ControlServer
 from coordlfs.source.source import Source
 from coordlfs.system.mounts import device_mounted_at, filesystem_type
@@ -238,6 +240,10 @@ class Daemon:
                         "others", listen, source.name)
         server = PeerServer(listen_socket(listen), secret, config.peer_timeout, self.source,
                             self.cache, connection_cap(config.peer_connections))
+        if config.request_lane != "no":  # peers' request lanes served in C too
+            server.serving = Serving.start(
+                self.source.root_fd, self.cache.dir_fd, self.cache.files_fd,
+                config.peer_timeout, idle_timeout(config.peer_timeout), server.budget.limit)
         peers = Peers(nodes, me, secret, config.peer_timeout, self.stats.reads, listen,
                       source.name, config.peer_connections)
         self.membership = Membership(source, peers)

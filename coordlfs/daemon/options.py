@@ -260,7 +260,8 @@ OPTIONS: tuple[Option, ...] = (
            default_text="auto: on where it can be had"),
     Option("request_lane", "answer opens of cached files in C, in a thread of the daemon's "
            "that reads the FUSE requests first, without the Python loop; needs passthrough and "
-           "the library scripts/setup builds; yes fails the mount without them",
+           "the library scripts/setup builds; yes fails the mount without them. Peers' request "
+           "lanes are served in C too, unless no",
            _yes_no_auto, "yes/no/auto", default="auto",
            default_text="auto: on where passthrough is"),
     Option("lane_threads", "threads of the request lane reading FUSE requests: hits are "

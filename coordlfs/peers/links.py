@@ -45,6 +45,7 @@ from coordlfs.peers.budget import DEFAULT_LIMIT, Budget
 from coordlfs.peers.landing import Landings
 from coordlfs.peers.placement import Address, Resolved, find_self, owner, ranking, resolve
 from coordlfs.peers.wire import (
+    LANE_READY,
     MAX_CHUNK,
     Fail,
     FrameStream,
@@ -247,8 +248,9 @@ class PeerLink:
 
     async def dial(self) -> FrameStream:
         """A new authenticated connection to the peer that is not the link's (the request
-        lane's own: ``coordlfs.fs.lane_peers``), its first frame (the features) read, so that
-        the next frame on it is a reply. PeerDown if the peer is down or turns it away."""
+        lane's own: ``coordlfs.fs.lane_peers``), its first frame (the features) read and, to a
+        server that lists ``lane``, LANE said and answered, so that the next frame on it is a
+        reply. PeerDown if the peer is down or turns it away."""
         if self.retired or self._down_until > time.monotonic():
             raise PeerDown(self.stats.last_error or LEFT)
         try:
@@ -258,6 +260,12 @@ class PeerLink:
                     first = await stream.receive()
                     if first is None or first.kind != Kind.DATA or first.request_id != 0:
                         raise ProtocolError("no features frame after the handshake")
+                    if b"lane" in decode_features(first.payload):
+                        await stream.send(Kind.LANE, 0, b"")
+                        ready = await stream.receive()
+                        if ready is None or (ready.kind, ready.request_id,
+                                             bytes(ready.payload)) != (Kind.DATA, 0, LANE_READY):
+                            raise ProtocolError("LANE not answered")
                 except BaseException:
                     await trio.aclose_forcefully(stream.stream)
                     raise

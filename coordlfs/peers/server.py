@@ -45,7 +45,9 @@ from coordlfs.errors import UserError
 from coordlfs.peers.budget import DEFAULT_LIMIT, Budget
 from coordlfs.peers.links import Peers
 from coordlfs.peers.placement import Address, resolve
+from coordlfs.peers.serving import Serving
 from coordlfs.peers.wire import (
+    LANE_READY,
     Fail,
     FilePart,
     FrameStream,
@@ -254,6 +256,9 @@ class PeerServer:
         self.nursery: trio.Nursery | None = None
         #: answers a peer's WARM (``coordlfs.peers.warm.answer``); set by the daemon
         self.warm: Callable[[bytes | bytearray], Answer] | None = None
+        #: the C path that serves peers' request lanes (``coordlfs.peers.serving``); set by
+        #: the daemon where it can be had
+        self.serving: Serving | None = None
         self._refused = RateLimitedLog(log, logging.WARNING, LOG_INTERVAL_S)
         self._digests = Digests()
 
@@ -261,6 +266,8 @@ class PeerServer:
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self.sock))
         async with trio.open_nursery() as nursery:
             self.nursery = nursery  # fills started for peers outlive their request
+            if self.serving is not None:
+                nursery.start_soon(self._tickets, self.serving)
             async with trio.open_nursery() as connections:
                 while True:
                     if len(self.budget) >= self.budget.limit:  # room before a new descriptor
@@ -400,6 +407,10 @@ class PeerServer:
                                         limit, token, peer, served)
                 else:
                     await _send(frames, frame.request_id, answer)
+            elif frame.kind == Kind.LANE:
+                await frames.send(Kind.DATA, 0, LANE_READY)
+                if self._hand_over(frames):
+                    return
             elif frame.kind == Kind.WARM and self.warm is not None:
                 try:
                     kind, payload = self.warm(frame.payload)
@@ -408,6 +419,48 @@ class PeerServer:
                 await frames.send(kind, frame.request_id, payload)
             else:
                 raise ProtocolError(f"unexpected {frame.kind.name} frame")
+
+    def _hand_over(self, frames: FrameStream) -> bool:
+        """A request lane's connection, served in C from now on if the C path takes it (it
+        has room, and nothing of a next frame was read here): a descriptor of its own, this
+        one closed by the connection's handler."""
+        if self.serving is None or frames.unread:
+            return False
+        fd = os.dup(frames.stream.socket.fileno())
+        if self.serving.hand(fd):
+            return True
+        os.close(fd)
+        return False
+
+    async def _tickets(self, serving: Serving) -> None:
+        """Answer the GETs the C path hands here, as those of a connection of this loop's."""
+        while True:
+            await trio.lowlevel.wait_readable(serving.fd)
+            for ticket, payload in serving.take():
+                try:
+                    answer = self._answer_now(Kind.GET, payload)
+                except Exception as e:  # a bug answering one request fails that request only
+                    log.exception("answering a peer request failed")
+                    answer = Kind.FAIL, encode_fail(Fail.ERROR, str(e))
+                if isinstance(answer, _Later):
+                    assert self.nursery is not None
+                    self.nursery.start_soon(self._ticket_later, serving, ticket, answer)
+                else:
+                    _give(serving, ticket, answer)
+
+    async def _ticket_later(self, serving: Serving, ticket: int, later: _Later) -> None:
+        answer: Answer = (Kind.FAIL, encode_fail(Fail.ERROR, "not answered"))
+        try:
+            (waiting,) = later.parts  # a GET's one part
+            if isinstance(waiting, _Waiting):
+                await self.cache.wait_for(waiting.entry,
+                                          waiting.request.offset + waiting.request.length)
+            answer = self._reply(later)
+        except Exception as e:  # a bug answering one request fails that request only
+            log.exception("answering a peer request failed")
+            answer = Kind.FAIL, encode_fail(Fail.ERROR, str(e))
+        finally:  # the C path's thread waits for it, cancelled or not
+            _give(serving, ticket, answer)
 
     def _broken(self, peer: str, e: ProtocolError) -> None:
         self.stats.refused += 1
@@ -528,10 +581,20 @@ class PeerServer:
         return st
 
     def status(self) -> dict[str, Any]:
+        """The server's counts; with the C path, what it did too (``in_c``), counted among
+        the server's: its files and bytes among ``requests`` and ``bytes``, its faults among
+        ``refused``, its idle closes and open connections among theirs."""
         self.stats.open_connections = len(self.budget)
         self.stats.max_connections = self.budget.limit
         self.stats.evicted = self.budget.evicted
-        return asdict(self.stats)
+        status = asdict(self.stats)
+        if self.serving is not None:
+            in_c = status["in_c"] = self.serving.counts()
+            for mine, its in (("requests", "files"), ("bytes", "bytes"), ("refused", "faults"),
+                              ("idle_closed", "idle_closed"),
+                              ("open_connections", "open_connections")):
+                status[mine] += in_c[its]
+        return status
 
 
 async def _send(frames: FrameStream, request_id: int, answer: Answer) -> None:
@@ -543,6 +606,18 @@ async def _send(frames: FrameStream, request_id: int, answer: Answer) -> None:
         for part in payload if isinstance(payload, list) else [payload]:
             if isinstance(part, FilePart):
                 os.close(part.fd)
+
+
+def _give(serving: Serving, ticket: int, answer: Answer) -> None:
+    """The C path's GET answered (a copy of its bytes: a cache file's range mapped), the
+    descriptors of cache files it served closed."""
+    kind, part = answer
+    assert not isinstance(part, list)  # a GET's answer is one part
+    try:
+        serving.answer(ticket, kind, bytes(part.view if isinstance(part, FilePart) else part))
+    finally:
+        if isinstance(part, FilePart):
+            os.close(part.fd)
 
 
 def _name(stream: trio.SocketStream) -> str:

@@ -37,6 +37,12 @@ come, cancel drops what the peer still has queued of it. Its reply is a DATA fra
 of ``coordlfs.protocol.spec.WARM_COUNTS``. A malformed WARM is answered FAIL REFUSED; one the
 peer cannot take now (too many warms at once), FAIL BUSY.
 
+LANE (request id 0, no payload) says the connection is a request lane's
+(``coordlfs.fs.lane_peers``): from now on one GET at a time, each of a whole file. The server
+answers DATA with request id 0 (``LANE_READY``) when nothing of a next frame has come, and may
+then serve the connection on a path of its own (``coordlfs.peers.serving``); the client sends
+its first GET only after that reply, and LANE only to a server that lists ``lane``.
+
 Features, without a new version: a server that knows GETMANY sends, right after WELCOME, a
 DATA frame with request id 0 (never a request's id) whose payload lists what it serves
 (``FEATURES``, space-separated). A client of version 1 before GETMANY ignores it (a reply
@@ -140,7 +146,9 @@ WARM_CANCEL = 1
 #: A WARM's reply: paths taken, then ``WARM_COUNTS``.
 WARM_REPLY = struct.Struct(f"!Q{len(WARM_COUNTS)}Q")
 #: What this side serves beyond GET, sent after WELCOME (see the module's docstring).
-FEATURES = (b"getmany", b"warm")
+FEATURES = (b"getmany", b"warm", b"lane")
+#: The server's reply to LANE.
+LANE_READY = b"lane"
 NONCE_SIZE = 32
 #: Bytes a frame's header is read with: a request or a failure comes whole in one read, and
 #: no more than this of a large payload is copied on its way into the payload's own buffer.
@@ -168,6 +176,7 @@ class Kind(enum.IntEnum):
     GETMANY = 7
     FILES = 8
     WARM = 9
+    LANE = 10
 
 
 class Fail(enum.IntEnum):

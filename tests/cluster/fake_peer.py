@@ -10,7 +10,8 @@ zeros would be a lie no protocol can see) and lie in every FILES reply: a file o
 DATA frame instead of FILES (``many-kind``).
 
 A ``lane-`` prefix (``lane-badsum``...) sends the features frame too, as a real peer does, so
-that the request lane dials it (``coordlfs.fs.lane_peers``), then lies as the mode says.
+that the request lane dials it (``coordlfs.fs.lane_peers``; its LANE answered as a real peer
+answers it), then lies as the mode says.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import xxhash
 
 from coordlfs.peers.wire import (
     HEADER,
+    LANE_READY,
     MAGIC,
     VERSION,
     Fail,
@@ -51,6 +53,9 @@ async def answer(stream: trio.SocketStream, mode: str) -> None:
         await send_features(frames)
         mode = mode.removeprefix("lane-")
     while (frame := await frames.receive()) is not None:
+        if frame.kind == Kind.LANE:  # a request lane's connection: ready, as peers say
+            await frames.send(Kind.DATA, 0, LANE_READY)
+            continue
         if mode.startswith("many-"):
             await lie_about_many(frames, frame, mode)
             continue

@@ -107,9 +107,9 @@ def test_a_lying_peer_never_fails_a_read_by_the_lane(mount, tmp_path: Path, mode
 
 
 def test_a_lane_connection_the_peer_closed_is_dialled_again(mount, tmp_path: Path) -> None:
-    """B's server closes A's idle lane connection (B's --peer-timeout 0.3: idle after 3 s):
-    A's lane finds it closed before its next request (no fault), the daemon serves that open,
-    and the next files are the lane's again on a new connection."""
+    """B's server closes A's idle lane connections (B's --peer-timeout 0.3: idle after 3 s):
+    A's lane finds them closed before its next request (no fault), the daemon serves that
+    open, and the next files are the lane's again on a new connection."""
     roots, sizes = copies(tmp_path, 2, files=200)
     ports = [free_port(), free_port()]
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
@@ -123,7 +123,10 @@ def test_a_lane_connection_the_peer_closed_is_dialled_again(mount, tmp_path: Pat
     connected(a, mine[0])
     first, second, third = mine[1:20], mine[20:40], mine[40:]
     assert read_files(a.mountpoint, first) == {n: want[n] for n in first}
-    wait_for(lambda: b.status()["served"]["idle_closed"] >= 1, "B closing the idle connection")
+    # B serves the lane's connections in C, each on its own idle timer: all of them closed
+    up = lane(a)["peers"]["connections"]
+    wait_for(lambda: b.status()["served"]["in_c"]["idle_closed"] >= up,
+             "B closing the idle connections")
     assert read_files(a.mountpoint, second) == {n: want[n] for n in second}
     wait_for(lambda: lane(a)["peers"]["connections"] >= 1, "the lane's connections again")
     files = lane(a)["peers"]["files"]

@@ -1,0 +1,489 @@
+/* coordlfs peer serving in C: a peer's GET of a whole file this node has cached, answered
+ * without the daemon's Python loop.
+ *
+ * Why: a file from a peer cost the serving daemon about 200 us of CPU in its trio loop
+ * (docs/benchmarks/cluster-lane.md): the frame's receive, the request's decoding, the
+ * source's lstat, the entry's lookup, the reply's send, each a pass of the loop. Nothing in it
+ * needs a decision once the cache holds the file: the daemon already publishes every complete
+ * entry, withdrawn the moment its source file may have changed, in the index the preload
+ * library reads (coordlfs/cache/published.py, read here through published.h).
+ *
+ * So a connection of a peer's request lane (coordlfs.fs.lane_peers: one request at a time,
+ * whole small files) is handed here by the daemon once it is authenticated and has asked for
+ * it (wire Kind.LANE), and a thread of its own serves it: a GET of a whole file that the index
+ * holds at the version asked, whose source file still is that version (one openat2 + fstat
+ * beneath the source's root, no link followed), is answered with a DATA frame: the header,
+ * then the cache entry's file by sendfile, its XXH64 taken from a mapping of the same file
+ * (a complete entry's file never changes: one dropped is unlinked, and the open descriptor
+ * keeps its bytes). Every other GET (not cached here yet, another version, a range, a path
+ * the daemon refuses) is handed to the daemon as a ticket (serving_take), which answers it as
+ * it answers its own connections' (coordlfs.peers.server: it may start a fill and wait for
+ * it) and gives the reply back (serving_answer); this thread sends it.
+ *
+ * Everything a peer sends is hostile until proven otherwise, as in the daemon: a frame's
+ * header is checked (magic, version, kind GET, a bounded length) before its payload is read,
+ * and its checksum before it is used; anything else closes the connection. Connections are
+ * capped (serving_connection refuses one past the cap: the daemon serves it in Python), each
+ * is closed when no frame starts within the idle timeout, and a frame that trickles in or a
+ * reply the peer does not read is bounded by the socket's SO_RCVTIMEO and SO_SNDTIMEO (the
+ * peer timeout, set by the daemon).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/sendfile.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#define XXH_INLINE_ALL /* the frame checksum (libxxhash-dev's header, no library) */
+#include <xxhash.h>
+
+#include "../cache/published.h"
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* coordlfs.peers.wire: a frame's header (!4sBBIIQ), a GET's (!QqQI), a path's bound, the
+ * largest range one GET asks for (MAX_CHUNK). */
+#define FRAME_HEADER 22
+#define GET_HEADER 28
+#define MAX_PATH 4096
+#define MAX_CHUNK (1 << 20)
+enum { KIND_GET = 4, KIND_DATA = 5 };
+/* The index's name in the cache directory (published.INDEX). */
+#define INDEX_NAME "published"
+
+static int root_fd = -1, dir_fd = -1, files_fd = -1, tickets_fd = -1;
+static _Atomic int idle_ms, cap;
+static long timeout_us;
+static _Atomic int64_t open_now;
+/* Counters, in serving_counts' order. */
+enum { CONNECTIONS, FILES, BYTES, DEFERRED, FAULTS, IDLE_CLOSED, COUNTS };
+static _Atomic uint64_t counts[COUNTS];
+
+/* -- the index, mapped; mapped again when the daemon grows it (the old one is retired) ---- */
+
+static pthread_rwlock_t index_lock = PTHREAD_RWLOCK_INITIALIZER;
+static const unsigned char *index_map;
+static size_t index_length;
+static uint64_t index_mask;
+
+/* Map the index anew (under the write lock): 0, or -1 if there is none to map. */
+static int remap(void) {
+    if (index_map) {
+        munmap((void *)index_map, index_length);
+        index_map = NULL;
+    }
+    int fd = openat(dir_fd, INDEX_NAME, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    struct stat st;
+    void *map = MAP_FAILED;
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size >= HEADER_SIZE)
+        map = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (map == MAP_FAILED)
+        return -1;
+    uint64_t slots = index_slots(map, (size_t)st.st_size);
+    if (!slots) {
+        munmap(map, (size_t)st.st_size);
+        return -1;
+    }
+    index_map = map, index_length = (size_t)st.st_size, index_mask = slots - 1;
+    return 0;
+}
+
+/* The index's entry for `path` (`length` bytes) in `f`: 1, else 0. */
+static int look_up(const char *path, size_t length, struct found *f) {
+    uint64_t h[2];
+    path_hash(path, length, h);
+    for (int attempt = 0; attempt < 2; attempt++) {
+        pthread_rwlock_rdlock(&index_lock);
+        int fresh = index_map && !word_at(index_map, RETIRED_AT);
+        int hit = fresh && index_probe(index_map, index_mask, h, f);
+        pthread_rwlock_unlock(&index_lock);
+        if (fresh)
+            return hit;
+        pthread_rwlock_wrlock(&index_lock);
+        if (!index_map || word_at(index_map, RETIRED_AT))
+            remap();
+        pthread_rwlock_unlock(&index_lock);
+    }
+    return 0;
+}
+
+/* Whether `f` is still published (not withdrawn, its slot not rewritten) in the index it was
+ * found in. */
+static int still_published(const struct found *f) {
+    pthread_rwlock_rdlock(&index_lock);
+    int same = index_map && !word_at(index_map, RETIRED_AT) && f->at < index_length &&
+               word_at(index_map, f->at) == f->word;
+    pthread_rwlock_unlock(&index_lock);
+    return same;
+}
+
+/* -- the socket --------------------------------------------------------------------------- */
+
+static void put_be(unsigned char *at, uint64_t value, int bytes) {
+    for (int i = bytes - 1; i >= 0; i--, value >>= 8)
+        at[i] = (unsigned char)value;
+}
+
+static uint64_t get_be(const unsigned char *at, int bytes) {
+    uint64_t value = 0;
+    for (int i = 0; i < bytes; i++)
+        value = value << 8 | at[i];
+    return value;
+}
+
+/* Receive exactly `len` bytes: 0, 1 if the peer closed before the first, -1 on a failure
+ * (closed midway, reset, SO_RCVTIMEO passed). */
+static int recv_all(int fd, void *mem, size_t len) {
+    size_t all = len;
+    for (char *p = mem; len;) {
+        ssize_t n = recv(fd, p, len, 0);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return n == 0 && len == all ? 1 : -1;
+        p += n, len -= (size_t)n;
+    }
+    return 0;
+}
+
+static int send_all(int fd, const void *mem, size_t len, int more) {
+    for (const char *p = mem; len;) {
+        ssize_t n = send(fd, p, len, MSG_NOSIGNAL | (more ? MSG_MORE : 0));
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return -1;
+        p += n, len -= (size_t)n;
+    }
+    return 0;
+}
+
+static void frame_header(unsigned char h[FRAME_HEADER], int kind, uint32_t id, uint64_t len,
+                         uint64_t digest) {
+    memcpy(h, "CLFP", 4);
+    h[4] = 1, h[5] = (unsigned char)kind;
+    put_be(h + 6, id, 4);
+    put_be(h + 10, len, 4);
+    put_be(h + 14, digest, 8);
+}
+
+/* -- a GET answered here ------------------------------------------------------------------ */
+
+/* A path the daemon would serve: relative, no empty, "." or ".." component, no NUL
+ * (wire._path_problem); any other goes to the daemon, which refuses it. */
+static int plain_path(const char *path, size_t length) {
+    if (!length || length > MAX_PATH || memchr(path, 0, length) || path[0] == '/')
+        return 0;
+    for (size_t at = 0; at <= length;) {
+        const char *end = memchr(path + at, '/', length - at);
+        size_t part = (end ? (size_t)(end - path) : length) - at;
+        if (!part || (part == 1 && path[at] == '.') ||
+            (part == 2 && path[at] == '.' && path[at + 1] == '.'))
+            return 0;
+        at += part + 1;
+    }
+    return 1;
+}
+
+/* Whether the source file at `path` is the version `f` holds now: a regular file, reached
+ * beneath the root through no link and no other filesystem, of its inode, size and times. */
+static int source_is(const char *path, const struct found *f) {
+    struct open_how how = {.flags = O_PATH | O_NOFOLLOW | O_CLOEXEC,
+                           .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV};
+    int fd = (int)syscall(SYS_openat2, root_fd, path, &how, sizeof how);
+    if (fd < 0)
+        return 0;
+    struct stat st;
+    int same = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (uint64_t)st.st_ino == f->ino &&
+               (uint64_t)st.st_size == f->size &&
+               st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec == f->mtime_ns &&
+               st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec == f->ctime_ns;
+    close(fd);
+    return same;
+}
+
+/* The cache entry's file of `f`, open, if it holds `f->size` bytes; else -1. */
+static int entry_file(const struct found *f) {
+    char name[32];
+    snprintf(name, sizeof name, "%llx", (unsigned long long)f->number);
+    int fd = openat(files_fd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    struct stat st;
+    if (fd >= 0 && (fstat(fd, &st) || !S_ISREG(st.st_mode) || (uint64_t)st.st_size != f->size)) {
+        close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
+/* The DATA frame of the whole file `fd` (`size` bytes): 1 sent, 0 not (nothing went out: the
+ * daemon answers), -1 the connection failed. */
+static int send_file(int sock, uint32_t id, int fd, size_t size) {
+    void *map = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED)
+        return 0;
+    uint64_t digest = XXH64(map, size, 0);
+    munmap(map, size);
+    unsigned char h[FRAME_HEADER];
+    frame_header(h, KIND_DATA, id, size, digest);
+    if (send_all(sock, h, sizeof h, 1) < 0)
+        return -1;
+    for (off_t at = 0; (size_t)at < size;) {
+        ssize_t n = sendfile(sock, fd, &at, size - (size_t)at);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return -1; /* a short file cannot be: its size was checked, and it never changes */
+    }
+    return 1;
+}
+
+/* A GET (`get`, `len` bytes, checksum checked) of a whole file the index holds at the version
+ * asked, whose source still is that version, answered: 1; 0 if not (the daemon answers it);
+ * -1 if the connection failed. */
+static int answer_here(int sock, uint32_t id, const unsigned char *get, size_t len) {
+    uint64_t size = get_be(get, 8), offset = get_be(get + 16, 8), length = get_be(get + 24, 4);
+    int64_t mtime_ns = (int64_t)get_be(get + 8, 8);
+    const char *path = (const char *)get + GET_HEADER;
+    size_t plen = len - GET_HEADER;
+    char name[MAX_PATH + 1];
+    struct found f;
+    if (offset || length != size || !size || size > MAX_CHUNK || !plain_path(path, plen))
+        return 0;
+    memcpy(name, path, plen);
+    name[plen] = 0;
+    if (!look_up(name, plen, &f) || f.size != size || f.mtime_ns != mtime_ns ||
+        !source_is(name, &f))
+        return 0;
+    int fd = entry_file(&f);
+    if (fd < 0)
+        return 0;
+    int rc = still_published(&f) ? send_file(sock, id, fd, size) : 0;
+    close(fd);
+    if (rc > 0) {
+        atomic_fetch_add(&counts[FILES], 1);
+        atomic_fetch_add(&counts[BYTES], size);
+    }
+    return rc;
+}
+
+/* -- a GET handed to the daemon ----------------------------------------------------------- */
+
+/* A GET the daemon answers: queued until it takes it (serving_take), then waited for until
+ * it answers (serving_answer). */
+struct ticket {
+    struct ticket *next;
+    uint64_t id;
+    int taken, done, kind;
+    unsigned char *answer;
+    size_t answer_len, len;
+    const unsigned char *payload;
+};
+
+static pthread_mutex_t tickets_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t tickets_cv = PTHREAD_COND_INITIALIZER;
+static struct ticket *tickets;
+static uint64_t next_ticket;
+
+/* The daemon's answer to the GET `get` (`len` bytes), sent as the reply to `id`: 0, -1 if the
+ * connection failed (or there was no memory for the answer: the connection closes, and the
+ * peer reads its own storage). */
+static int answer_by_daemon(int sock, uint32_t id, const unsigned char *get, size_t len) {
+    struct ticket t = {.payload = get, .len = len};
+    pthread_mutex_lock(&tickets_mu);
+    t.id = ++next_ticket;
+    t.next = tickets;
+    tickets = &t;
+    pthread_mutex_unlock(&tickets_mu);
+    uint64_t one = 1;
+    (void)!write(tickets_fd, &one, sizeof one);
+    atomic_fetch_add(&counts[DEFERRED], 1);
+    pthread_mutex_lock(&tickets_mu);
+    while (!t.done)
+        pthread_cond_wait(&tickets_cv, &tickets_mu);
+    for (struct ticket **at = &tickets; *at; at = &(*at)->next)
+        if (*at == &t) {
+            *at = t.next;
+            break;
+        }
+    pthread_mutex_unlock(&tickets_mu);
+    int rc = -1;
+    if (t.answer) {
+        unsigned char h[FRAME_HEADER];
+        frame_header(h, t.kind, id, t.answer_len, XXH64(t.answer, t.answer_len, 0));
+        rc = send_all(sock, h, sizeof h, 1) || send_all(sock, t.answer, t.answer_len, 0) ? -1
+                                                                                         : 0;
+        free(t.answer);
+    }
+    return rc;
+}
+
+/* The next GET for the daemon: its payload copied into `mem` (`room` bytes), its length, its
+ * ticket in `*ticket`; -EAGAIN if there is none (wait for serving_start's descriptor). */
+EXPORT ssize_t serving_take(uint64_t *ticket, void *mem, size_t room) {
+    uint64_t count;
+    (void)!read(tickets_fd, &count, sizeof count); /* non-blocking */
+    pthread_mutex_lock(&tickets_mu);
+    struct ticket *t = tickets;
+    while (t && t->taken)
+        t = t->next;
+    ssize_t len = -EAGAIN;
+    if (t && t->len <= room) {
+        t->taken = 1;
+        *ticket = t->id;
+        memcpy(mem, t->payload, t->len);
+        len = (ssize_t)t->len;
+    }
+    pthread_mutex_unlock(&tickets_mu);
+    return len;
+}
+
+/* The daemon's reply to `ticket`: a frame of `kind` with `payload` (`len` bytes, copied);
+ * 0, -ENOENT for no such ticket waiting, -ENOMEM (the connection then closes). */
+EXPORT int serving_answer(uint64_t ticket, int kind, const void *payload, size_t len) {
+    unsigned char *copy = malloc(len ? len : 1);
+    pthread_mutex_lock(&tickets_mu);
+    struct ticket *t = tickets;
+    while (t && !(t->id == ticket && t->taken && !t->done))
+        t = t->next;
+    if (t) {
+        if (copy)
+            memcpy(copy, payload, len);
+        t->answer = copy, t->answer_len = len, t->kind = kind, t->done = 1;
+        copy = NULL;
+        pthread_cond_broadcast(&tickets_cv);
+    }
+    pthread_mutex_unlock(&tickets_mu);
+    int rc = !t ? -ENOENT : !t->answer ? -ENOMEM : 0;
+    free(copy);
+    return rc;
+}
+
+/* -- a connection ------------------------------------------------------------------------- */
+
+/* A frame's header received, when one starts within the idle timeout: 0; 1 the connection is
+ * to close without a fault (the peer closed it, or it was idle); -1 a fault. */
+static int next_header(int sock, unsigned char h[FRAME_HEADER]) {
+    struct pollfd p = {sock, POLLIN, 0};
+    int n;
+    while ((n = poll(&p, 1, atomic_load(&idle_ms))) < 0 && errno == EINTR)
+        ;
+    if (n == 0) {
+        atomic_fetch_add(&counts[IDLE_CLOSED], 1);
+        return 1;
+    }
+    return n < 0 ? -1 : recv_all(sock, h, FRAME_HEADER);
+}
+
+static void *serve_connection(void *arg) {
+    int sock = (int)(intptr_t)arg;
+    unsigned char h[FRAME_HEADER], *get = malloc(GET_HEADER + MAX_PATH);
+    int rc = get ? 0 : -1;
+    while (!rc && !(rc = next_header(sock, h))) {
+        uint32_t id = (uint32_t)get_be(h + 6, 4);
+        uint64_t len = get_be(h + 10, 4);
+        if (memcmp(h, "CLFP", 4) || h[4] != 1 || h[5] != KIND_GET || len <= GET_HEADER ||
+            len > GET_HEADER + MAX_PATH || recv_all(sock, get, len) ||
+            XXH64(get, len, 0) != get_be(h + 14, 8)) {
+            rc = -1;
+            break;
+        }
+        if (!(rc = answer_here(sock, id, get, len)))
+            rc = answer_by_daemon(sock, id, get, len);
+        else if (rc > 0)
+            rc = 0;
+    }
+    if (rc < 0)
+        atomic_fetch_add(&counts[FAULTS], 1);
+    free(get);
+    close(sock);
+    atomic_fetch_sub(&open_now, 1);
+    return NULL;
+}
+
+/* Serve the connection `sock` (authenticated, nothing of a next frame read) on a thread of
+ * its own, made blocking with the peer timeout as its SO_RCVTIMEO and SO_SNDTIMEO: 0, and the
+ * descriptor is this library's; -ENOSPC at the cap, or -errno (the caller keeps it, as it
+ * was). */
+EXPORT int serving_connection(int sock) {
+    if (tickets_fd < 0)
+        return -EINVAL;
+    if (atomic_fetch_add(&open_now, 1) >= atomic_load(&cap)) {
+        atomic_fetch_sub(&open_now, 1);
+        return -ENOSPC;
+    }
+    /* one open file with the daemon's descriptor, which it closes without another use */
+    int flags = fcntl(sock, F_GETFL);
+    struct timeval tv = {timeout_us / 1000000, timeout_us % 1000000};
+    if (flags < 0 || fcntl(sock, F_SETFL, flags & ~O_NONBLOCK) ||
+        setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) ||
+        setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv)) {
+        int e = errno;
+        atomic_fetch_sub(&open_now, 1);
+        return -e;
+    }
+    pthread_t thread;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 256 * 1024);
+    int rc = pthread_create(&thread, &attr, serve_connection, (void *)(intptr_t)sock);
+    pthread_attr_destroy(&attr);
+    if (rc) {
+        fcntl(sock, F_SETFL, flags);
+        atomic_fetch_sub(&open_now, 1);
+        return -rc;
+    }
+    atomic_fetch_add(&counts[CONNECTIONS], 1);
+    return 0;
+}
+
+/* Serve from the cache directory `cache_dir` (its index) and its `files` directory, checking
+ * source files beneath `source_root`; connections at most `connections`, a frame bounded by
+ * `timeout_s` (the peer timeout), a connection closed after `idle_s` seconds without one: the
+ * descriptor that is readable when GETs wait for the daemon (serving_take), or -errno. */
+EXPORT int serving_start(int source_root, int cache_dir, int files_dir, double timeout_s,
+                         double idle_s, int connections) {
+    if (tickets_fd >= 0)
+        return -EALREADY;
+    int fds[4] = {fcntl(source_root, F_DUPFD_CLOEXEC, 0), fcntl(cache_dir, F_DUPFD_CLOEXEC, 0),
+                  fcntl(files_dir, F_DUPFD_CLOEXEC, 0), eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)};
+    for (int i = 0; i < 4; i++)
+        if (fds[i] < 0) {
+            int e = errno;
+            for (int k = 0; k < 4; k++)
+                if (fds[k] >= 0)
+                    close(fds[k]);
+            return -e;
+        }
+    root_fd = fds[0], dir_fd = fds[1], files_fd = fds[2];
+    atomic_store(&idle_ms, idle_s * 1000 > INT32_MAX ? INT32_MAX : (int)(idle_s * 1000));
+    atomic_store(&cap, connections);
+    double us = timeout_s * 1e6;
+    timeout_us = us > 1e12 ? (long)1e12 : us < 1000 ? 1000 : (long)us;
+    tickets_fd = fds[3];
+    return tickets_fd;
+}
+
+/* The counts (serving.py's COUNTS order) into `out`; the connections open now. */
+EXPORT int64_t serving_counts(uint64_t out[COUNTS]) {
+    for (int i = 0; i < COUNTS; i++)
+        out[i] = atomic_load(&counts[i]);
+    return atomic_load(&open_now);
+}
