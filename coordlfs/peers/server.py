@@ -422,9 +422,10 @@ class PeerServer:
 
     def _hand_over(self, frames: FrameStream) -> bool:
         """A request lane's connection, served in C from now on if the C path takes it (it
-        has room, and nothing of a next frame was read here): a descriptor of its own, this
-        one closed by the connection's handler."""
-        if self.serving is None or frames.unread:
+        has room, and nothing of a next frame was read here: what waits in the socket is the
+        C path's to read): a descriptor of its own, this one closed by the connection's
+        handler."""
+        if self.serving is None or frames.buffered:
             return False
         fd = os.dup(frames.stream.socket.fileno())
         if self.serving.hand(fd):

@@ -424,10 +424,16 @@ class FrameStream:
                 raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
 
     @property
+    def buffered(self) -> bool:
+        """Whether bytes of a frame were read from the socket and not yet handed out: being
+        received, or buffered here."""
+        return self._in_frame or self._start != self._end
+
+    @property
     def unread(self) -> bool:
         """Whether a frame is on its way in: being received, buffered, or waiting in the
         socket."""
-        if self._in_frame or self._start != self._end:
+        if self.buffered:
             return True
         fd = -1 if self._socket is None else self._socket.fileno()
         if fd < 0:
