@@ -452,14 +452,7 @@ class PeerServer:
     async def _ticket_later(self, serving: Serving, ticket: int, later: _Later) -> None:
         answer: Answer = (Kind.FAIL, encode_fail(Fail.ERROR, "not answered"))
         try:
-            (waiting,) = later.parts  # a GET's one part
-            if isinstance(waiting, _Waiting):
-                await self.cache.wait_for(waiting.entry,
-                                          waiting.request.offset + waiting.request.length)
-            answer = self._reply(later)
-        except Exception as e:  # a bug answering one request fails that request only
-            log.exception("answering a peer request failed")
-            answer = Kind.FAIL, encode_fail(Fail.ERROR, str(e))
+            answer = await self._answered(later)
         finally:  # the C path's thread waits for it, cancelled or not
             _give(serving, ticket, answer)
 
@@ -471,25 +464,30 @@ class PeerServer:
                        limit: trio.CapacityLimiter, token: object, peer: str,
                        served: _Served) -> None:
         try:
-            try:
-                for part in later.parts:  # every fill it waits for has come (or failed);
-                    if isinstance(part, _Waiting):  # an entry dropped meanwhile has failed
-                        await self.cache.wait_for(part.entry,
-                                                  part.request.offset + part.request.length)
-                kind, payload = self._reply(later)
-            except Exception as e:  # a bug answering one request fails that request only
-                log.exception("answering a peer request failed")
-                kind, payload = Kind.FAIL, encode_fail(Fail.ERROR, str(e))
+            answer = await self._answered(later)
             # a peer that is gone is noticed by its connection handler
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError,
                                      OSError):
-                await _send(frames, request_id, (kind, payload))
+                await _send(frames, request_id, answer)
         except FrameTimeout as e:  # it does not read: closing ends its connection handler
             self._broken(peer, e)
             await trio.aclose_forcefully(frames.stream)
         finally:
             served.busy -= 1
             limit.release_on_behalf_of(token)
+
+    async def _answered(self, later: _Later) -> Answer:
+        """The reply once every fill it waits for has come (or failed: an entry dropped
+        meanwhile has failed); a bug answering one request fails that request only."""
+        try:
+            for part in later.parts:
+                if isinstance(part, _Waiting):
+                    await self.cache.wait_for(part.entry,
+                                              part.request.offset + part.request.length)
+            return self._reply(later)
+        except Exception as e:
+            log.exception("answering a peer request failed")
+            return Kind.FAIL, encode_fail(Fail.ERROR, str(e))
 
     def _answer_now(self, kind: Kind, payload: bytes | bytearray) -> Answer | _Later:
         """Everything about a request that needs no waiting, on the event loop: the answer,
