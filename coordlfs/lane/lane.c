@@ -55,6 +55,8 @@
 #define XXH_INLINE_ALL /* the peers' frame checksum (libxxhash-dev's header, no library) */
 #include <xxhash.h>
 
+#include "../peers/wire.h"
+
 #define EXPORT __attribute__((visibility("default")))
 /* glibc's bookkeeping per allocation, beside what malloc_usable_size says */
 #define MALLOC_HEADER 8
@@ -205,14 +207,6 @@ static _Atomic uint64_t attr_valid_ns;
 
 /* Slots of connections: placement.MAX_PEERS nodes at most. */
 #define PEER_SLOTS 256
-/* The largest file a peer row asks for: wire.MAX_CHUNK, one GET's reply. */
-#define PEER_MAX (1 << 20)
-/* coordlfs.peers.wire: a frame's header (!4sBBIIQ), a GET's (!QqQI), its path's bound. */
-#define FRAME_HEADER 22
-#define GET_HEADER 28
-#define PEER_PATH_MAX 4096
-enum { KIND_GET = 4, KIND_DATA = 5, KIND_FAIL = 6 };
-
 /* Connections per peer at most: a request waits for its reply on one (the mutex held across
  * the round trip, so the next frame on it is the reply), so several let several fetches of one
  * peer's files overlap, as the daemon's link has several requests in flight. A fault of any
@@ -312,53 +306,6 @@ EXPORT int lane_land_in(int dir_fd) {
     return 0;
 }
 
-static void put_be(unsigned char *at, uint64_t value, int bytes) {
-    for (int i = bytes - 1; i >= 0; i--, value >>= 8)
-        at[i] = (unsigned char)value;
-}
-
-static uint64_t get_be(const unsigned char *at, int bytes) {
-    uint64_t value = 0;
-    for (int i = 0; i < bytes; i++)
-        value = value << 8 | at[i];
-    return value;
-}
-
-/* What a failed send or receive of a whole frame says: the peer closed the connection
- * before any of the frame passed (its idle close crossed the request: no fault), or another
- * failure (a timeout, a close midway). */
-enum { CLOSED_FIRST = -2, FAILED = -1 };
-
-static int gone(ssize_t n, int untouched) {
-    return untouched && (n == 0 || errno == ECONNRESET || errno == EPIPE) ? CLOSED_FIRST : FAILED;
-}
-
-static int send_all(int fd, const void *mem, size_t len) {
-    size_t all = len;
-    for (const char *p = mem; len;) {
-        ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return gone(n, len == all);
-        p += n, len -= (size_t)n;
-    }
-    return 0;
-}
-
-static int recv_all(int fd, void *mem, size_t len) {
-    size_t all = len;
-    for (char *p = mem; len;) {
-        ssize_t n = recv(fd, p, len, 0);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return gone(n, len == all); /* closed, reset, or SO_RCVTIMEO passed */
-        p += n, len -= (size_t)n;
-    }
-    return 0;
-}
-
 static int write_all(int fd, const char *mem, size_t len) {
     for (off_t at = 0; len;) {
         ssize_t n = pwrite(fd, mem, len, at);
@@ -419,13 +366,9 @@ static int fetch(int slot, const char *path, const struct version *v) {
     put_be(get + 24, (uint64_t)v->size, 4);
     memcpy(get + GET_HEADER, path, plen);
     size_t len = GET_HEADER + plen;
-    memcpy(buffer, "CLFP", 4);
-    buffer[4] = 1, buffer[5] = KIND_GET;
-    put_be(buffer + 6, id, 4);
-    put_be(buffer + 10, len, 4);
-    put_be(buffer + 14, XXH64(get, len, 0), 8);
+    frame_header(buffer, KIND_GET, id, len, XXH64(get, len, 0));
     unsigned char h[FRAME_HEADER];
-    int sent = send_all(sock, buffer, FRAME_HEADER + len);
+    int sent = send_all(sock, buffer, FRAME_HEADER + len, 0);
     int rc = sent < 0 ? sent : recv_all(sock, h, sizeof h);
     if (rc == CLOSED_FIRST) { /* closed as it was asked: as one found closed by the poll */
         fault = 0;

@@ -52,16 +52,10 @@
 #include <xxhash.h>
 
 #include "../cache/published.h"
+#include "wire.h"
 
 #define EXPORT __attribute__((visibility("default")))
 
-/* coordlfs.peers.wire: a frame's header (!4sBBIIQ), a GET's (!QqQI), a path's bound, the
- * largest range one GET asks for (MAX_CHUNK). */
-#define FRAME_HEADER 22
-#define GET_HEADER 28
-#define MAX_PATH 4096
-#define MAX_CHUNK (1 << 20)
-enum { KIND_GET = 4, KIND_DATA = 5 };
 /* The index's name in the cache directory (published.INDEX). */
 #define INDEX_NAME "published"
 
@@ -134,62 +128,12 @@ static int still_published(const struct found *f) {
     return same;
 }
 
-/* -- the socket --------------------------------------------------------------------------- */
-
-static void put_be(unsigned char *at, uint64_t value, int bytes) {
-    for (int i = bytes - 1; i >= 0; i--, value >>= 8)
-        at[i] = (unsigned char)value;
-}
-
-static uint64_t get_be(const unsigned char *at, int bytes) {
-    uint64_t value = 0;
-    for (int i = 0; i < bytes; i++)
-        value = value << 8 | at[i];
-    return value;
-}
-
-/* Receive exactly `len` bytes: 0, 1 if the peer closed before the first, -1 on a failure
- * (closed midway, reset, SO_RCVTIMEO passed). */
-static int recv_all(int fd, void *mem, size_t len) {
-    size_t all = len;
-    for (char *p = mem; len;) {
-        ssize_t n = recv(fd, p, len, 0);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return n == 0 && len == all ? 1 : -1;
-        p += n, len -= (size_t)n;
-    }
-    return 0;
-}
-
-static int send_all(int fd, const void *mem, size_t len, int more) {
-    for (const char *p = mem; len;) {
-        ssize_t n = send(fd, p, len, MSG_NOSIGNAL | (more ? MSG_MORE : 0));
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return -1;
-        p += n, len -= (size_t)n;
-    }
-    return 0;
-}
-
-static void frame_header(unsigned char h[FRAME_HEADER], int kind, uint32_t id, uint64_t len,
-                         uint64_t digest) {
-    memcpy(h, "CLFP", 4);
-    h[4] = 1, h[5] = (unsigned char)kind;
-    put_be(h + 6, id, 4);
-    put_be(h + 10, len, 4);
-    put_be(h + 14, digest, 8);
-}
-
 /* -- a GET answered here ------------------------------------------------------------------ */
 
 /* A path the daemon would serve: relative, no empty, "." or ".." component, no NUL
  * (wire._path_problem); any other goes to the daemon, which refuses it. */
 static int plain_path(const char *path, size_t length) {
-    if (!length || length > MAX_PATH || memchr(path, 0, length) || path[0] == '/')
+    if (!length || length > PEER_PATH_MAX || memchr(path, 0, length) || path[0] == '/')
         return 0;
     for (size_t at = 0; at <= length;) {
         const char *end = memchr(path + at, '/', length - at);
@@ -242,7 +186,7 @@ static int send_file(int sock, uint32_t id, int fd, size_t size) {
     munmap(map, size);
     unsigned char h[FRAME_HEADER];
     frame_header(h, KIND_DATA, id, size, digest);
-    if (send_all(sock, h, sizeof h, 1) < 0)
+    if (send_all(sock, h, sizeof h, MSG_MORE) < 0)
         return -1;
     for (off_t at = 0; (size_t)at < size;) {
         ssize_t n = sendfile(sock, fd, &at, size - (size_t)at);
@@ -262,9 +206,9 @@ static int answer_here(int sock, uint32_t id, const unsigned char *get, size_t l
     int64_t mtime_ns = (int64_t)get_be(get + 8, 8);
     const char *path = (const char *)get + GET_HEADER;
     size_t plen = len - GET_HEADER;
-    char name[MAX_PATH + 1];
+    char name[PEER_PATH_MAX + 1];
     struct found f;
-    if (offset || length != size || !size || size > MAX_CHUNK || !plain_path(path, plen))
+    if (offset || length != size || !size || size > PEER_MAX || !plain_path(path, plen))
         return 0;
     memcpy(name, path, plen);
     name[plen] = 0;
@@ -327,8 +271,8 @@ static int answer_by_daemon(int sock, uint32_t id, const unsigned char *get, siz
     if (t.answer) {
         unsigned char h[FRAME_HEADER];
         frame_header(h, t.kind, id, t.answer_len, XXH64(t.answer, t.answer_len, 0));
-        rc = send_all(sock, h, sizeof h, 1) || send_all(sock, t.answer, t.answer_len, 0) ? -1
-                                                                                         : 0;
+        rc = send_all(sock, h, sizeof h, MSG_MORE) || send_all(sock, t.answer, t.answer_len, 0)
+                 ? -1 : 0;
         free(t.answer);
     }
     return rc;
@@ -388,18 +332,19 @@ static int next_header(int sock, unsigned char h[FRAME_HEADER]) {
         atomic_fetch_add(&counts[IDLE_CLOSED], 1);
         return 1;
     }
-    return n < 0 ? -1 : recv_all(sock, h, FRAME_HEADER);
+    int rc = n < 0 ? FAILED : recv_all(sock, h, FRAME_HEADER);
+    return rc == CLOSED_FIRST ? 1 : rc < 0 ? -1 : 0;
 }
 
 static void *serve_connection(void *arg) {
     int sock = (int)(intptr_t)arg;
-    unsigned char h[FRAME_HEADER], *get = malloc(GET_HEADER + MAX_PATH);
+    unsigned char h[FRAME_HEADER], *get = malloc(GET_HEADER + PEER_PATH_MAX);
     int rc = get ? 0 : -1;
     while (!rc && !(rc = next_header(sock, h))) {
         uint32_t id = (uint32_t)get_be(h + 6, 4);
         uint64_t len = get_be(h + 10, 4);
         if (memcmp(h, "CLFP", 4) || h[4] != 1 || h[5] != KIND_GET || len <= GET_HEADER ||
-            len > GET_HEADER + MAX_PATH || recv_all(sock, get, len) ||
+            len > GET_HEADER + PEER_PATH_MAX || recv_all(sock, get, len) ||
             XXH64(get, len, 0) != get_be(h + 14, 8)) {
             rc = -1;
             break;

@@ -12,6 +12,7 @@ import os
 import shutil
 import termios
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,14 +36,34 @@ def connected(a: Mount, name: str) -> None:
     wait_for(lambda: lane(a)["peers"]["connections"] >= 1, "the lane's peer connection")
 
 
-def test_peer_files_answered_by_the_lane_byte_exact(mount, tmp_path: Path) -> None:
+@dataclass(frozen=True)
+class Pair:
+    """Two lane mounts over copies of one dataset: A asks, B caches ``mine`` (B's files)."""
+
+    a: Mount
+    b: Mount
+    roots: list[Path]
+    sizes: dict[str, int]
+    want: dict[str, str]
+    mine: list[str]
+
+
+def lane_pair(mount, tmp_path: Path, cached: bool = True) -> Pair:
+    """A ``Pair``; with ``cached``, B has read (and cached) its files."""
     roots, sizes = copies(tmp_path, 2)
     ports = [free_port(), free_port()]
     a, b = cluster(mount, roots, *LANE, ports=ports)
-    want = source_digests(roots[0], sizes)
-    mine = theirs(sorted(sizes), ports)
-    assert read_files(b.mountpoint, mine) == {n: want[n] for n in mine}  # B caches them
-    b.settled()
+    pair = Pair(a, b, roots, sizes, source_digests(roots[0], sizes),
+                theirs(sorted(sizes), ports))
+    if cached:
+        assert read_files(b.mountpoint, pair.mine) == {n: pair.want[n] for n in pair.mine}
+        b.settled()
+    return pair
+
+
+def test_peer_files_answered_by_the_lane_byte_exact(mount, tmp_path: Path) -> None:
+    pair = lane_pair(mount, tmp_path)
+    a, roots, sizes, want, mine = pair.a, pair.roots, pair.sizes, pair.want, pair.mine
     connected(a, mine[0])
     rest, before, was = mine[1:], reads(a), lane(a)
     assert read_files(a.mountpoint, rest) == {n: want[n] for n in rest}
@@ -144,12 +165,8 @@ def test_a_peer_file_held_by_the_lane_survives_its_source_changing(mount,
     """An open the lane answered with a peer's file reads the version it opened to its end,
     whatever the source does meanwhile; a new open reads the new version; an unchanged file
     opened after it is still the lane's."""
-    roots, sizes = copies(tmp_path, 2)
-    ports = [free_port(), free_port()]
-    a, b = cluster(mount, roots, *LANE, ports=ports)
-    mine = theirs(sorted(sizes), ports)
-    read_files(b.mountpoint, mine)
-    b.settled()
+    pair = lane_pair(mount, tmp_path)
+    a, roots, mine = pair.a, pair.roots, pair.mine
     connected(a, mine[0])
     name = mine[1]
     old = (roots[0] / name).read_bytes()
@@ -167,6 +184,6 @@ def test_a_peer_file_held_by_the_lane_survives_its_source_changing(mount,
     no_landed_file_open(a)
     assert (a.mountpoint / name).read_bytes() == new
     drop_caches()
-    want = source_digests(roots[0], sizes)
+    want = pair.want
     assert read_files(a.mountpoint, mine[2:6]) == {n: want[n] for n in mine[2:6]}
     assert lane(a)["peer_opens"] >= opens + 5

@@ -10,8 +10,7 @@ from pathlib import Path
 import trio
 import xxhash
 from conftest import wait_for
-from test_lane_peers import LANE, connected, lane
-from test_peer_landing import theirs
+from test_lane_peers import LANE, connected, lane, lane_pair
 from test_peers import cluster, copies, free_port, read_files, reads, source_digests
 
 from coordlfs.peers.wire import (
@@ -38,11 +37,8 @@ def in_c(m: Mount) -> dict[str, int]:
 def test_cached_files_are_served_in_c_the_rest_by_the_daemon(mount, tmp_path: Path) -> None:
     """B has cached none of its files when A first reads them: each GET goes to B's daemon,
     which fills and answers it. Read again, every one is answered in C. Every byte right."""
-    roots, sizes = copies(tmp_path, 2)
-    ports = [free_port(), free_port()]
-    a, b = cluster(mount, roots, *LANE, ports=ports)
-    want = source_digests(roots[0], sizes)
-    mine = theirs(sorted(sizes), ports)
+    pair = lane_pair(mount, tmp_path, cached=False)
+    a, b, sizes, want, mine = pair.a, pair.b, pair.sizes, pair.want, pair.mine
     connected(a, mine[0])
     rest = mine[1:]
     assert read_files(a.mountpoint, rest) == {n: want[n] for n in rest}
@@ -65,13 +61,8 @@ def test_a_file_changed_at_its_owner_is_not_served_from_its_old_copy(mount,
     """B cached a file, then its source changed there (A's copy did not): A's lane asks for
     A's version; B's C path finds its source another version and hands the GET to the daemon,
     which answers STALE; A reads its own storage."""
-    roots, sizes = copies(tmp_path, 2)
-    ports = [free_port(), free_port()]
-    a, b = cluster(mount, roots, *LANE, ports=ports)
-    want = source_digests(roots[0], sizes)
-    mine = theirs(sorted(sizes), ports)
-    assert read_files(b.mountpoint, mine) == {n: want[n] for n in mine}  # B caches them
-    b.settled()
+    pair = lane_pair(mount, tmp_path)
+    a, b, roots, sizes, want, mine = pair.a, pair.b, pair.roots, pair.sizes, pair.want, pair.mine
     changed = mine[1]
     (roots[1] / changed).write_bytes(os.urandom(sizes[changed] + 100))
     connected(a, mine[0])
