@@ -190,3 +190,46 @@ def test_lane_connections_past_the_cap_are_served_by_the_daemon(mount, tmp_path:
     assert trio.run(three) == [want[name]] * 3
     counts = in_c(b)
     assert counts["connections"] == 2 and counts["files"] == 2, counts
+
+
+def test_files_published_after_the_index_grew_are_served_in_c(mount, tmp_path: Path) -> None:
+    """The daemon moves its index to a larger file past 2,048 entries (``published``): the C
+    path, which mapped the first one, maps the new one and serves files published before and
+    after the move."""
+    root = tmp_path / "src"
+    root.mkdir()
+    names = [f"f{i:05d}" for i in range(2100)]
+    for i, name in enumerate(names):
+        (root / name).write_bytes(i.to_bytes(4, "big") * 256)
+    port = free_port()
+    (b,) = cluster(mount, [root], *LANE, ports=[port])
+
+    def cache(part: list[str]) -> None:
+        for name in part:
+            (b.mountpoint / name).read_bytes()
+        b.settled()
+
+    async def ask(asked: list[str]) -> list[str]:
+        frames = await _lane_connection(port)
+        got = []
+        with trio.fail_after(30):
+            for i, name in enumerate(asked, 1):
+                st = (root / name).stat()
+                await frames.send(Kind.GET, i, Get(name.encode(), st.st_size, st.st_mtime_ns,
+                                                   0, st.st_size).encode())
+                reply = await frames.receive()
+                assert reply is not None and reply.kind == Kind.DATA
+                got.append(xxhash.xxh64_hexdigest(reply.payload))
+        await frames.aclose()
+        return got
+
+    def digests(asked: list[str]) -> list[str]:
+        return [xxhash.xxh64_hexdigest((root / n).read_bytes()) for n in asked]
+
+    cache(names[:100])
+    assert trio.run(ask, names[:1]) == digests(names[:1])  # the first index, mapped
+    cache(names[100:])
+    assert b.status()["shared"]["published"] == len(names)  # past 2,048: moved once
+    asked = [names[0], names[1000], names[-1]]
+    assert trio.run(ask, asked) == digests(asked)
+    assert in_c(b)["files"] == 1 + len(asked) and in_c(b)["deferred"] == 0
