@@ -143,6 +143,12 @@ FLAT: tuple[tuple[str, str, str, str, str], ...] = (
     ("served", "open_connections", "served_open_connections", GAUGE,
      "peer connections open"),
     ("served", "max_connections", "served_max_connections", GAUGE, "peer connection cap"),
+    ("served_in_c", "files", "served_in_c_files", COUNTER,
+     "files sent to peers' request lanes by the C path (among served_requests)"),
+    ("served_in_c", "deferred", "served_in_c_deferred", COUNTER,
+     "requests the C path handed to the daemon (not cached here, another version, refused)"),
+    ("served_in_c", "open_connections", "served_in_c_open_connections", GAUGE,
+     "peer lane connections the C path serves (among served_open_connections)"),
     ("read_window", "capacity_bytes", "read_window_capacity_bytes", GAUGE,
      "bytes the aligned groups' read window may hold"),
     ("read_window", "used_bytes", "read_window_used_bytes", GAUGE, "bytes in the read window"),
@@ -249,6 +255,8 @@ def _sections(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
     sections["staging"] = status["prep"]["staging"]
     if status["peers"]["held"] is not None:
         sections["held"] = status["peers"]["held"]
+    if (served := status.get("served")) and "in_c" in served:
+        sections["served_in_c"] = served["in_c"]
     return sections
 
 

@@ -189,4 +189,4 @@ def test_every_series_the_dashboard_asks_for_is_emitted(mount, dataset) -> None:
              for name in SERIES.findall(target["expr"])}
     assert asked - emitted == set()
     assert {"coordlfs_peer_state", "coordlfs_served_bytes_total", "coordlfs_group_members",
-            "coordlfs_prep_group_staged_batches"} <= emitted
+            "coordlfs_prep_group_staged_batches", "coordlfs_served_in_c_files_total"} <= emitted
