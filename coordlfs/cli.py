@@ -376,7 +376,8 @@ def _peer_lines(status: dict[str, Any]) -> list[str]:
                      f"{plural(link['misses'], 'miss')}, {link['stale']} stale, "
                      f"{plural(link['failures'], 'failure')}{error}")
     if served is not None:
-        lines.append(f"served   {plural(served['requests'], 'request')}, "
+        in_c = "" if served.get("in_c") is None else f" ({served['in_c']['files']} sent in C)"
+        lines.append(f"served   {plural(served['requests'], 'request')}{in_c}, "
                      f"{format_size(served['bytes'])} "
                      f"to peers, {served['refused']} refused")
     return lines

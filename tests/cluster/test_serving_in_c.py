@@ -5,6 +5,8 @@ byte checked by its digest; a hostile client on a real connection."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import trio
@@ -54,6 +56,9 @@ def test_cached_files_are_served_in_c_the_rest_by_the_daemon(mount, tmp_path: Pa
     assert b.status()["served"]["requests"] >= 2 * len(rest)
     assert lane(a)["peers"]["faults"] == 0
     assert reads(a)["bytes_from_peers"] == 2 * sum(sizes[n] for n in rest)
+    stats = subprocess.run([sys.executable, "-m", "coordlfs", "stats", str(b.mountpoint)],
+                           capture_output=True, text=True, check=True).stdout
+    assert f"({len(rest)} sent in C)" in stats, stats
 
 
 def test_a_file_changed_at_its_owner_is_not_served_from_its_old_copy(mount,
