@@ -7,6 +7,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import trio
@@ -238,3 +241,43 @@ def test_files_published_after_the_index_grew_are_served_in_c(mount, tmp_path: P
     asked = [names[0], names[1000], names[-1]]
     assert trio.run(ask, asked) == digests(asked)
     assert in_c(b)["files"] == 1 + len(asked) and in_c(b)["deferred"] == 0
+
+
+def test_files_changing_at_their_owner_while_served_in_c_never_serve_another_version(
+        mount, tmp_path: Path) -> None:
+    """Four readers on A read B's files round after round while B's copies of some of them are
+    rewritten (another size, another mtime): every read is A's own version, byte for byte,
+    whether B's C path served it, B's daemon, or A's storage after B said STALE."""
+    pair = lane_pair(mount, tmp_path)
+    a, roots, sizes, want, mine = pair.a, pair.roots, pair.sizes, pair.want, pair.mine
+    connected(a, mine[0])
+    changing = mine[1::4]
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        n = 0
+        while not stop.is_set():
+            name = changing[n % len(changing)]
+            (roots[1] / name).write_bytes(os.urandom(sizes[name] + 1 + n % 7))
+            n += 1
+            time.sleep(0.005)
+
+    def read(part: list[str]) -> dict[str, str]:
+        wrong = {}
+        for _ in range(3):
+            for name, digest in read_files(a.mountpoint, part).items():
+                if digest != want[name]:
+                    wrong[name] = digest
+        return wrong
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            wrong = [w for w in pool.map(read, [mine[i::4] for i in range(4)]) if w]
+    finally:
+        stop.set()
+        writer.join()
+    assert wrong == []
+    assert in_c(pair.b)["files"] > 0 and in_c(pair.b)["faults"] == 0
+    assert lane(a)["peers"]["faults"] == 0
