@@ -368,8 +368,9 @@ static int fetch(int slot, const char *path, const struct version *v) {
     size_t len = GET_HEADER + plen;
     frame_header(buffer, KIND_GET, id, len, XXH64(get, len, 0));
     unsigned char h[FRAME_HEADER];
-    int sent = send_all(sock, buffer, FRAME_HEADER + len, 0);
-    int rc = sent < 0 ? sent : recv_all(sock, h, sizeof h);
+    struct frame_clock out_clock = frame_clock(sock), in_clock = out_clock;
+    int sent = send_all(sock, buffer, FRAME_HEADER + len, 0, &out_clock);
+    int rc = sent < 0 ? sent : recv_all(sock, h, sizeof h, &in_clock);
     if (rc == CLOSED_FIRST) { /* closed as it was asked: as one found closed by the poll */
         fault = 0;
         __atomic_fetch_add(&l->closed, 1, __ATOMIC_RELAXED);
@@ -381,7 +382,7 @@ static int fetch(int slot, const char *path, const struct version *v) {
     uint32_t kind = h[5], rid = (uint32_t)get_be(h + 6, 4), length = (uint32_t)get_be(h + 10, 4);
     if (memcmp(h, "CLFP", 4) || h[4] != 1 || rid != id ||
         !(kind == KIND_DATA ? length == (uint64_t)v->size : kind == KIND_FAIL && length <= 256) ||
-        recv_all(sock, buffer, length) < 0 || XXH64(buffer, length, 0) != get_be(h + 14, 8))
+        recv_all(sock, buffer, length, &in_clock) < 0 || XXH64(buffer, length, 0) != get_be(h + 14, 8))
         goto out;
     fault = 0;
     if (kind == KIND_FAIL)

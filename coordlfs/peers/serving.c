@@ -24,9 +24,9 @@
  * header is checked (magic, version, kind GET, a bounded length) before its payload is read,
  * and its checksum before it is used; anything else closes the connection. Connections are
  * capped (serving_connection refuses one past the cap: the daemon serves it in Python), each
- * is closed when no frame starts within the idle timeout, and a frame that trickles in or a
- * reply the peer does not read is bounded by the socket's SO_RCVTIMEO and SO_SNDTIMEO (the
- * peer timeout, set by the daemon).
+ * is closed when no frame starts within the idle timeout, and one whose frame, once started,
+ * takes longer than the peer timeout to come in or go out (wire.h's frame_clock: a peer that
+ * trickles bytes, or does not read).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -219,9 +219,12 @@ static int send_file(int sock, uint32_t id, uint64_t number, int fd, size_t size
         return 0;
     unsigned char h[FRAME_HEADER];
     frame_header(h, KIND_DATA, id, size, digest);
-    if (send_all(sock, h, sizeof h, MSG_MORE) < 0)
+    struct frame_clock clock = frame_clock(sock);
+    if (send_all(sock, h, sizeof h, MSG_MORE, &clock) < 0)
         return -1;
     for (off_t at = 0; (size_t)at < size;) {
+        if (late(&clock, 0))
+            return -1;
         ssize_t n = sendfile(sock, fd, &at, size - (size_t)at);
         if (n < 0 && errno == EINTR)
             continue;
@@ -329,8 +332,9 @@ static int answer_by_daemon(int sock, uint32_t id, const unsigned char *get, siz
             remember(f.number, digest);
         unsigned char h[FRAME_HEADER];
         frame_header(h, t.kind, id, t.answer_len, digest);
-        rc = send_all(sock, h, sizeof h, MSG_MORE) || send_all(sock, t.answer, t.answer_len, 0)
-                 ? -1 : 0;
+        struct frame_clock clock = frame_clock(sock);
+        rc = send_all(sock, h, sizeof h, MSG_MORE, &clock) ||
+                 send_all(sock, t.answer, t.answer_len, 0, &clock) ? -1 : 0;
         free(t.answer);
     }
     return rc;
@@ -379,9 +383,10 @@ EXPORT int serving_answer(uint64_t ticket, int kind, const void *payload, size_t
 
 /* -- a connection ------------------------------------------------------------------------- */
 
-/* A frame's header received, when one starts within the idle timeout: 0; 1 the connection is
- * to close without a fault (the peer closed it, or it was idle); -1 a fault. */
-static int next_header(int sock, unsigned char h[FRAME_HEADER]) {
+/* A frame's header received on `clock`, when one starts within the idle timeout: 0; 1 the
+ * connection is to close without a fault (the peer closed it, or it was idle); -1 a fault. */
+static int next_header(int sock, unsigned char h[FRAME_HEADER], struct frame_clock *clock) {
+    clock->deadline = 0; /* a new frame */
     struct pollfd p = {sock, POLLIN, 0};
     int n;
     while ((n = poll(&p, 1, atomic_load(&idle_ms))) < 0 && errno == EINTR)
@@ -390,7 +395,7 @@ static int next_header(int sock, unsigned char h[FRAME_HEADER]) {
         atomic_fetch_add(&counts[IDLE_CLOSED], 1);
         return 1;
     }
-    int rc = n < 0 ? FAILED : recv_all(sock, h, FRAME_HEADER);
+    int rc = n < 0 ? FAILED : recv_all(sock, h, FRAME_HEADER, clock);
     return rc == CLOSED_FIRST ? 1 : rc < 0 ? -1 : 0;
 }
 
@@ -399,11 +404,12 @@ static void *serve_connection(void *arg) {
     unsigned char h[FRAME_HEADER], *get = malloc(GET_HEADER + PEER_PATH_MAX);
     struct get g;
     int rc = get ? 0 : -1;
-    while (!rc && !(rc = next_header(sock, h))) {
+    struct frame_clock clock = frame_clock(sock);
+    while (!rc && !(rc = next_header(sock, h, &clock))) {
         uint32_t id = (uint32_t)get_be(h + 6, 4);
         uint64_t len = get_be(h + 10, 4);
         if (memcmp(h, "CLFP", 4) || h[4] != 1 || h[5] != KIND_GET || len <= GET_HEADER ||
-            len > GET_HEADER + PEER_PATH_MAX || recv_all(sock, get, len) ||
+            len > GET_HEADER + PEER_PATH_MAX || recv_all(sock, get, len, &clock) ||
             XXH64(get, len, 0) != get_be(h + 14, 8)) {
             rc = -1;
             break;

@@ -12,7 +12,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/types.h>
+#include <time.h>
 
 /* A frame's header (!4sBBIIQ: magic, version, kind, request id, payload length, XXH64), a
  * GET's (!QqQI: size, mtime_ns, offset, length), a path's bound, the most one GET asks for
@@ -55,28 +57,62 @@ static int gone(ssize_t n, int untouched) {
     return untouched && (n == 0 || errno == ECONNRESET || errno == EPIPE) ? CLOSED_FIRST : FAILED;
 }
 
-/* Move all `len` bytes of `mem` to (`sending`) or from the socket: 0, or why not (closed,
- * reset, or SO_SNDTIMEO / SO_RCVTIMEO passed). */
-static int whole(int fd, char *mem, size_t len, int flags, int sending) {
+static uint64_t monotonic_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* The clock of one frame's bytes, sent or received in one or more calls: the socket's
+ * SO_RCVTIMEO (the peer timeout, which its owner set) from its first byte, as wire.py bounds a
+ * frame. SO_RCVTIMEO and SO_SNDTIMEO bound each call only, so a peer that trickled a byte at a
+ * time within them would hold the connection for ever without it. */
+struct frame_clock {
+    uint64_t timeout_ns, deadline; /* deadline 0: no byte yet */
+};
+
+static struct frame_clock frame_clock(int fd) {
+    struct timeval tv = {0, 0};
+    socklen_t size = sizeof tv;
+    if (getsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, &size) || (!tv.tv_sec && !tv.tv_usec))
+        tv.tv_sec = 60;
+    return (struct frame_clock){(uint64_t)tv.tv_sec * 1000000000ULL + (uint64_t)tv.tv_usec * 1000,
+                                0};
+}
+
+/* Whether the frame on `c` is past its time; its clock started if `moved` bytes just went. */
+static int late(struct frame_clock *c, ssize_t moved) {
+    uint64_t now = c->deadline || moved > 0 ? monotonic_ns() : 0;
+    if (!c->deadline && moved > 0)
+        c->deadline = now + c->timeout_ns;
+    return c->deadline && now > c->deadline;
+}
+
+/* Move all `len` bytes of `mem` to (`sending`) or from the socket, within the frame's clock:
+ * 0, or why not (closed, reset, SO_SNDTIMEO / SO_RCVTIMEO or the frame's time passed). */
+static int whole(int fd, char *mem, size_t len, int flags, int sending, struct frame_clock *c) {
     size_t all = len;
     while (len) {
+        if (late(c, 0))
+            return FAILED;
         ssize_t n = sending ? send(fd, mem, len, MSG_NOSIGNAL | flags) : recv(fd, mem, len, 0);
         if (n < 0 && errno == EINTR)
             continue;
         if (n <= 0)
-            return gone(n, len == all);
+            return gone(n, len == all && !c->deadline);
+        late(c, n);
         mem += n, len -= (size_t)n;
     }
     return 0;
 }
 
 /* Send all `len` bytes (`flags`: MSG_MORE when more of the frame follows). */
-static int send_all(int fd, const void *mem, size_t len, int flags) {
-    return whole(fd, (char *)mem, len, flags, 1);
+static int send_all(int fd, const void *mem, size_t len, int flags, struct frame_clock *c) {
+    return whole(fd, (char *)mem, len, flags, 1, c);
 }
 
 /* Receive exactly `len` bytes. */
-static int recv_all(int fd, void *mem, size_t len) {
-    return whole(fd, mem, len, 0, 0);
+static int recv_all(int fd, void *mem, size_t len, struct frame_clock *c) {
+    return whole(fd, mem, len, 0, 0, c);
 }
 #endif

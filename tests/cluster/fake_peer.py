@@ -73,6 +73,10 @@ async def answer(stream: trio.SocketStream, mode: str) -> None:
             return
         elif mode == "hang":  # authenticated, then never answers a request
             continue
+        elif mode == "trickle":  # a byte at a time, each well within the timeout
+            for byte in header(Kind.DATA, frame.request_id, good) + good:
+                await stream.send_all(bytes([byte]))
+                await trio.sleep(0.05)
 
 
 async def lie_about_many(frames: FrameStream, frame: Frame, mode: str) -> None:

@@ -102,7 +102,7 @@ def test_peer_files_answered_by_the_lane_byte_exact(mount, tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("mode", ["lane-badsum", "lane-badlen", "lane-midframe", "lane-hang",
-                                  "lane-garbage"])
+                                  "lane-garbage", "lane-trickle"])
 def test_a_lying_peer_never_fails_a_read_by_the_lane(mount, tmp_path: Path, mode: str) -> None:
     """The peer says it serves, then lies to the lane's request: the lane lands nothing,
     closes its connection and leaves the open to the daemon, which reads local storage."""

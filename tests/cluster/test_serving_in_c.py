@@ -281,3 +281,35 @@ def test_files_changing_at_their_owner_while_served_in_c_never_serve_another_ver
     assert wrong == []
     assert in_c(pair.b)["files"] > 0 and in_c(pair.b)["faults"] == 0
     assert lane(a)["peers"]["faults"] == 0
+
+
+def test_a_lane_client_that_trickles_its_frame_is_closed_within_the_peer_timeout(
+        mount, tmp_path: Path) -> None:
+    """Each byte within the socket's timeout, the frame as a whole far slower: the C path
+    closes the connection once the frame has taken longer than --peer-timeout (0.5 s)."""
+    roots, sizes = copies(tmp_path, 1)
+    port = free_port()
+    (b,) = cluster(mount, roots, *LANE, "--peer-timeout", "0.5", ports=[port])
+    name = sorted(sizes)[0]
+    st = (roots[0] / name).stat()
+    frame = encode_frame(Kind.GET, 1, Get(name.encode(), st.st_size, st.st_mtime_ns, 0,
+                                          st.st_size).encode())
+
+    async def trickle() -> float:
+        frames = await _lane_connection(port)
+        started = trio.current_time()
+        with trio.fail_after(30):
+            try:
+                for byte in frame:
+                    await frames.stream.send_all(bytes([byte]))
+                    await trio.sleep(0.1)
+                closed = await frames.receive() is None
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                closed = True
+        await frames.aclose()
+        assert closed
+        return trio.current_time() - started
+
+    assert trio.run(trickle) < 0.5 + 0.1 + 2.0  # the timeout, a byte's pause, a loaded machine
+    wait_for(lambda: in_c(b)["faults"] == 1, "the trickling connection closed for a fault")
+    assert in_c(b)["files"] == 0
