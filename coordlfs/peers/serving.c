@@ -368,7 +368,8 @@ EXPORT int serving_answer(uint64_t ticket, int kind, const void *payload, size_t
     struct ticket *t = tickets;
     while (t && !(t->id == ticket && t->taken && !t->done))
         t = t->next;
-    if (t) {
+    int rc = !t ? -ENOENT : !copy ? -ENOMEM : 0;
+    if (t) { /* its thread may return the moment the mutex goes: nothing of it read after */
         if (copy)
             memcpy(copy, payload, len);
         t->answer = copy, t->answer_len = len, t->kind = kind, t->done = 1;
@@ -376,7 +377,6 @@ EXPORT int serving_answer(uint64_t ticket, int kind, const void *payload, size_t
         pthread_cond_broadcast(&tickets_cv);
     }
     pthread_mutex_unlock(&tickets_mu);
-    int rc = !t ? -ENOENT : !t->answer ? -ENOMEM : 0;
     free(copy);
     return rc;
 }
