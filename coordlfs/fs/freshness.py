@@ -34,6 +34,17 @@ log = logging.getLogger(__name__)
 #: source: changes reach it through invalidations, not expiry.
 WATCHED_TIMEOUT = 3600.0
 
+def invalidate_attributes(inode: int) -> None:
+    """Drop the kernel's attributes of ``inode``. The kernel may have forgotten it since we
+    looked (its last reader closed, its dentry went): then there is nothing to drop, where
+    pyfuse3 raises ENOENT."""
+    try:
+        pyfuse3.invalidate_inode(inode, attr_only=True)
+    except OSError as e:
+        if e.errno != errno.ENOENT:
+            raise
+
+
 class Freshness(Watcher[int]):
     batch_s = BATCH_S
 
@@ -104,11 +115,7 @@ class Freshness(Watcher[int]):
         return self.inodes.find((st.st_dev, st.st_ino))
 
     def _invalidate_attributes(self, inode: int) -> None:
-        try:
-            pyfuse3.invalidate_inode(inode, attr_only=True)
-        except OSError as e:  # the kernel forgot it meanwhile: nothing to drop
-            if e.errno != errno.ENOENT:
-                raise
+        invalidate_attributes(inode)
         self.invalidated += 1
 
     def _handle(self, events: list[Event]) -> None:

@@ -25,7 +25,7 @@ import pyfuse3
 from coordlfs import CONTROL_NAME
 from coordlfs.cache.cache import WholeFileCache
 from coordlfs.cache.stats import ReadCounters
-from coordlfs.fs.freshness import WATCHED_TIMEOUT, Freshness
+from coordlfs.fs.freshness import WATCHED_TIMEOUT, Freshness, invalidate_attributes
 from coordlfs.fs.inodes import CONTROL_INODE, ROOT_INODE, InodeTable
 from coordlfs.fs.lane import LANE_FH
 from coordlfs.fs.listing import DOTS, Listing
@@ -140,7 +140,7 @@ class Operations(pyfuse3.Operations):
         its bytes as they are now (no version pinned) show its new attributes, so that what
         they read and what fstat says agree. The kernel asks ``getattr`` again."""
         for inode in self.opens.reading_now(path):
-            pyfuse3.invalidate_inode(inode, attr_only=True)
+            invalidate_attributes(inode)
 
     def _node_path(self, inode: int) -> bytes:
         try:
@@ -315,7 +315,7 @@ class Operations(pyfuse3.Operations):
             # sees this open succeed (attributes only here; keep_cache=False drops the pages).
             log.info("source file %s changed; invalidating", os.fsdecode(path))
             self.inodes.seen(inode, st)
-            pyfuse3.invalidate_inode(inode, attr_only=True)
+            invalidate_attributes(inode)
         handle = await self.opens.open(FileHandle(inode, path, st), ctx.pid)
         fh = self._new_handle(handle)
         if self.opens.backings is None:
