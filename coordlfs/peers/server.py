@@ -441,8 +441,7 @@ class PeerServer:
                 try:
                     answer = self._answer_now(Kind.GET, payload)
                 except Exception as e:  # a bug answering one request fails that request only
-                    log.exception("answering a peer request failed")
-                    answer = Kind.FAIL, encode_fail(Fail.ERROR, str(e))
+                    answer = _failed(e)
                 if isinstance(answer, _Later):
                     assert self.nursery is not None
                     self.nursery.start_soon(self._ticket_later, serving, ticket, answer)
@@ -486,8 +485,7 @@ class PeerServer:
                                               part.request.offset + part.request.length)
             return self._reply(later)
         except Exception as e:
-            log.exception("answering a peer request failed")
-            return Kind.FAIL, encode_fail(Fail.ERROR, str(e))
+            return _failed(e)
 
     def _answer_now(self, kind: Kind, payload: bytes | bytearray) -> Answer | _Later:
         """Everything about a request that needs no waiting, on the event loop: the answer,
@@ -605,6 +603,12 @@ async def _send(frames: FrameStream, request_id: int, answer: Answer) -> None:
         for part in payload if isinstance(payload, list) else [payload]:
             if isinstance(part, FilePart):
                 os.close(part.fd)
+
+
+def _failed(e: Exception) -> Answer:
+    """A bug answering one request: logged, and that request alone fails."""
+    log.exception("answering a peer request failed")
+    return Kind.FAIL, encode_fail(Fail.ERROR, str(e))
 
 
 def _give(serving: Serving, ticket: int, answer: Answer) -> None:

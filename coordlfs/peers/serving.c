@@ -99,10 +99,8 @@ static int remap(void) {
     return 0;
 }
 
-/* The index's entry for `path` (`length` bytes) in `f`: 1, else 0. */
-static int look_up(const char *path, size_t length, struct found *f) {
-    uint64_t h[2];
-    path_hash(path, length, h);
+/* The index's entry for the path whose key is `h` in `f`: 1, else 0. */
+static int look_up(const uint64_t h[2], struct found *f) {
     for (int attempt = 0; attempt < 2; attempt++) {
         pthread_rwlock_rdlock(&index_lock);
         int fresh = index_map && !word_at(index_map, RETIRED_AT);
@@ -213,17 +211,18 @@ static int digest_of(uint64_t number, int fd, size_t size, uint64_t *digest) {
 
 /* The DATA frame of the whole file `fd` (`size` bytes), the entry numbered `number`: 1 sent,
  * 0 not (nothing went out: the daemon answers), -1 the connection failed. */
-static int send_file(int sock, uint32_t id, uint64_t number, int fd, size_t size) {
+static int send_file(int sock, uint32_t id, uint64_t number, int fd, size_t size,
+                     struct frame_clock *clock) {
     uint64_t digest;
     if (digest_of(number, fd, size, &digest))
         return 0;
     unsigned char h[FRAME_HEADER];
     frame_header(h, KIND_DATA, id, size, digest);
-    struct frame_clock clock = frame_clock(sock);
-    if (send_all(sock, h, sizeof h, MSG_MORE, &clock) < 0)
+    clock->deadline = 0; /* a new frame */
+    if (send_all(sock, h, sizeof h, MSG_MORE, clock) < 0)
         return -1;
     for (off_t at = 0; (size_t)at < size;) {
-        if (late(&clock, 0))
+        if (late(clock, 0))
             return -1;
         ssize_t n = sendfile(sock, fd, &at, size - (size_t)at);
         if (n < 0 && errno == EINTR)
@@ -241,6 +240,7 @@ struct get {
     uint64_t size;
     int64_t mtime_ns;
     int whole;
+    uint64_t h[2]; /* the path's key in the index, when whole */
     size_t plen;
     char path[PEER_PATH_MAX + 1];
 };
@@ -255,24 +255,26 @@ static void read_get(const unsigned char *get, size_t len, struct get *g) {
     g->path[g->plen] = 0;
     g->whole = !offset && length == g->size && g->size && g->size <= PEER_MAX &&
                plain_path(g->path, g->plen);
+    if (g->whole)
+        path_hash(g->path, g->plen, g->h);
 }
 
 /* The entry the index holds for the version `g` asks, in `f`: 1, else 0. */
 static int published_as_asked(const struct get *g, struct found *f) {
-    return g->whole && look_up(g->path, g->plen, f) && f->size == g->size &&
+    return g->whole && look_up(g->h, f) && f->size == g->size &&
            f->mtime_ns == g->mtime_ns;
 }
 
 /* `g`, a GET of a whole file the index holds at the version asked, whose source still is
  * that version, answered: 1; 0 if not (the daemon answers it); -1 if the connection failed. */
-static int answer_here(int sock, uint32_t id, const struct get *g) {
+static int answer_here(int sock, uint32_t id, const struct get *g, struct frame_clock *clock) {
     struct found f;
     if (!published_as_asked(g, &f) || !source_is(g->path, &f))
         return 0;
     int fd = entry_file(&f);
     if (fd < 0)
         return 0;
-    int rc = still_published(&f) ? send_file(sock, id, f.number, fd, g->size) : 0;
+    int rc = still_published(&f) ? send_file(sock, id, f.number, fd, g->size, clock) : 0;
     close(fd);
     if (rc > 0) {
         atomic_fetch_add(&counts[FILES], 1);
@@ -305,7 +307,7 @@ static uint64_t next_ticket;
  * for the entry the index now holds at that version (its fill has ended: published), so that
  * the next epoch's first GET of it here takes no mapping of the file. */
 static int answer_by_daemon(int sock, uint32_t id, const unsigned char *get, size_t len,
-                            const struct get *g) {
+                            const struct get *g, struct frame_clock *clock) {
     struct ticket t = {.payload = get, .len = len};
     pthread_mutex_lock(&tickets_mu);
     t.id = ++next_ticket;
@@ -332,9 +334,9 @@ static int answer_by_daemon(int sock, uint32_t id, const unsigned char *get, siz
             remember(f.number, digest);
         unsigned char h[FRAME_HEADER];
         frame_header(h, t.kind, id, t.answer_len, digest);
-        struct frame_clock clock = frame_clock(sock);
-        rc = send_all(sock, h, sizeof h, MSG_MORE, &clock) ||
-                 send_all(sock, t.answer, t.answer_len, 0, &clock) ? -1 : 0;
+        clock->deadline = 0; /* a new frame */
+        rc = send_all(sock, h, sizeof h, MSG_MORE, clock) ||
+                 send_all(sock, t.answer, t.answer_len, 0, clock) ? -1 : 0;
         free(t.answer);
     }
     return rc;
@@ -415,8 +417,8 @@ static void *serve_connection(void *arg) {
             break;
         }
         read_get(get, len, &g);
-        if (!(rc = answer_here(sock, id, &g)))
-            rc = answer_by_daemon(sock, id, get, len, &g);
+        if (!(rc = answer_here(sock, id, &g, &clock)))
+            rc = answer_by_daemon(sock, id, get, len, &g, &clock);
         else if (rc > 0)
             rc = 0;
     }
