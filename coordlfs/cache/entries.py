@@ -14,6 +14,7 @@ import weakref
 from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
@@ -64,6 +65,15 @@ class Columns:
     paths: bytes
 
 
+class KeyHolder(Protocol):
+    """Told each key the table holds, as it comes and goes (the request lane must leave a
+    LOOKUP of a cached file, or of one being filled, to the daemon: ``coordlfs.fs.lane_nodes``)."""
+
+    def hold(self, key: Key) -> None: ...
+
+    def let_go(self, key: Key) -> None: ...
+
+
 class EntryTable(Rows, Mapping[Key, Entry]):
     """Entries by key, as a read-only mapping (``get``, ``values``, ``len``); changed only
     through ``add``, ``completed`` and ``remove``."""
@@ -76,6 +86,13 @@ class EntryTable(Rows, Mapping[Key, Entry]):
         self._objects: weakref.WeakValueDictionary[int, Entry] = weakref.WeakValueDictionary()
         #: entries being filled, held here until their fill ends
         self._filling: dict[int, Entry] = {}
+        self._holder: KeyHolder | None = None
+
+    def held_by(self, holder: KeyHolder) -> None:
+        """Tell ``holder`` every key held now, and each as it comes and goes."""
+        self._holder = holder
+        for row in self.rows():
+            holder.hold(self.keys.key(row))
 
     @property
     def filling(self) -> int:
@@ -110,6 +127,8 @@ class EntryTable(Rows, Mapping[Key, Entry]):
     def add(self, key: Key, entry: Entry) -> None:
         """A new entry for ``key``, which has none; one not complete is filling."""
         row = self.new_row(key, entry.path)
+        if self._holder is not None:
+            self._holder.hold(key)
         self.size[row], self.mtime_ns[row], self.ctime_ns[row] = (
             entry.size, entry.mtime_ns, entry.ctime_ns)
         self.offset[row] = entry.offset
@@ -140,6 +159,8 @@ class EntryTable(Rows, Mapping[Key, Entry]):
         return True, flags
 
     def remove_row(self, row: int) -> None:
+        if self._holder is not None:
+            self._holder.let_go(self.keys.key(row))
         self._filling.pop(row, None)
         self._objects.pop(row, None)
         self.free_row(row)

@@ -55,8 +55,9 @@ class Room:
         #: bytes of files handed over for filling and not reserved yet (``promise``)
         self.promised = 0
         self._no_room_warned = False
-        #: told the room for a new file whenever it changes (the published index's)
-        self.tell: Callable[[int], None] | None = None
+        #: told the room for a new file whenever it changes (the published index, the request
+        #: lane's LOOKUPs)
+        self.told: list[Callable[[int], None]] = []
 
     def take(self, size: int) -> None:
         self.used += pages(size)
@@ -118,11 +119,12 @@ class Room:
         the source themselves (through the mount it would only be streamed). Room promised
         to files handed over for filling is not theirs (the mount's own readers still take
         what comes first, as the cache does)."""
-        if self.tell is not None:
+        if self.told:
             room = self.capacity - self.used - self.promised
             if self.full:
                 room = min(room, self.free() - ROOM_SLACK)
             # in whole pages, as a file is charged: a client's ``size <= room`` then says
             # what ``reserve`` will (a file a few bytes under the room went through the mount
             # and was not cached)
-            self.tell(max(0, room) // pages(1) * pages(1))
+            for tell in self.told:
+                tell(max(0, room) // pages(1) * pages(1))

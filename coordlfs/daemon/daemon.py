@@ -30,6 +30,7 @@ from coordlfs.daemon.metrics import MetricsServer
 from coordlfs.daemon.mounting import open_log, set_read_ahead
 from coordlfs.errors import UserError
 from coordlfs.fs import lane, passthrough
+from coordlfs.fs.inodes import ROOT_INODE
 from coordlfs.fs.operations import Operations
 from coordlfs.fs.readers import AlignedReads
 from coordlfs.jobs.groups import Groups
@@ -287,7 +288,8 @@ class Daemon:
                 rows=(len(self.ops.inodes), len(cache.entries)), cached_bytes=cache.room.used,
                 source_fstype=self.source_fstype,
                 passthrough=self.ops.opens.backings is not None,
-                lane_row=self.ops.opens.rows.census()[1]),
+                lane_row=self.ops.opens.rows.census()[1],
+                lane_key=self.ops.opens.rows.key_bytes()),
             "freshness": self.ops.freshness.status(),
             "marks": [m.name for m in self.stats.marks],
             **self.groups.status(),
@@ -339,11 +341,14 @@ class Daemon:
                 why_not = f"it did not start: {e}"
             else:
                 rows, freshness = self.ops.opens.rows, self.ops.freshness
-                rows.serve_by_lane(started)
+                rows.serve_by_lane(started, lookups=freshness.watching)
                 started.attr_timeout(freshness.timeout)
                 freshness.gave_up.append(lambda: started.attr_timeout(freshness.timeout))
+                freshness.gave_up.append(rows.no_lookups)
+                freshness.watched.append(rows.watched)
+                rows.watched(ROOT_INODE, b"")
                 self.stats.folds.append(rows.fold)
-                log.info("request lane on: hits and small misses are answered in C")
+                log.info("request lane on: hits, small misses and their lookups are answered in C")
                 return
         log.log(logging.INFO if self.config.request_lane == "no" else logging.WARNING,
                 "request lane off: %s", why_not)

@@ -19,6 +19,9 @@ their caches from it, ``coordlfs.bench.epochs.Sizing``):
   and the backing id it keeps (``LaneRows.census``: every cached file the kernel knows has
   one once it was filled or hit).
 
+With the request lane each inode and each cached file also holds its key in the lane
+(``lane_key``: the lane numbers no node for a key the daemon holds, ``coordlfs.fs.lane_nodes``).
+
 Every inode also carries a security blob (``lsm_inode_cache``). The tables' figures are their
 bytes per row now; the kernel's, the slab objects' shares of their slabs' pages from
 ``/proc/slabinfo`` (as measured on Linux 6.18 where it cannot be read).
@@ -86,11 +89,13 @@ def tmpfs_file_bytes(slabs: dict[str, int] | None = None) -> int:
 
 
 def memory_status(*, tables: tuple[int, int], rows: tuple[int, int], cached_bytes: int,
-                  source_fstype: str, passthrough: bool, lane_row: int) -> dict[str, Any]:
+                  source_fstype: str, passthrough: bool, lane_row: int,
+                  lane_key: int = 0) -> dict[str, Any]:
     """The status's ``memory``: ``tables`` and ``rows`` are the (inode table, cache table)
     bytes and rows, ``cached_bytes`` the cache's pages in bytes (their mean per file gives
     the files' page trees), ``source_fstype`` the type of the source's filesystem,
-    ``lane_row`` what a row of the request lane costs (0 without it)."""
+    ``lane_row`` what a row of the request lane costs and ``lane_key`` a key it is told is
+    held (0 without it)."""
     (inode_bytes, entry_bytes), (inodes, entries) = tables, rows
     source = source_inode_slab(source_fstype)
     slabs = slab_objects(("fuse_inode", "filp", "radix_tree_node", source, *_TMPFS_FILE))
@@ -102,7 +107,8 @@ def memory_status(*, tables: tuple[int, int], rows: tuple[int, int], cached_byte
         "daemon_bytes": daemon,
         "itself_bytes": max(0, daemon - inode_bytes - entry_bytes),
         "per_inode_bytes": round(inode_bytes / max(1, inodes)) + slabs["fuse_inode"]
-        + slabs[source] + 2 * inode_kernel,
+        + slabs[source] + 2 * inode_kernel + lane_key,
         "per_cached_file_bytes": round(entry_bytes / max(1, entries)) + tmpfs_file_bytes(slabs)
-        + nodes * slabs["radix_tree_node"] + (slabs["filp"] if passthrough else 0) + lane_row,
+        + nodes * slabs["radix_tree_node"] + (slabs["filp"] if passthrough else 0) + lane_row
+        + lane_key,
     }

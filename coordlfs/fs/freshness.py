@@ -58,6 +58,9 @@ class Freshness(Watcher[int]):
         self.invalidated = 0
         #: told when the source can no longer be watched (``timeout`` is short from then on)
         self.gave_up: list[Callable[[], None]] = []
+        #: told each directory (inode, path) watched as a name in it is asked for: a change of
+        #: a name in it will reach the kernel (the request lane may answer its LOOKUPs)
+        self.watched: list[Callable[[int, bytes], None]] = []
         super().__init__(source)
         self.watch(ROOT_INODE, b"")
 
@@ -80,11 +83,15 @@ class Freshness(Watcher[int]):
         the answer and the watch. Failing to watch one directory switches the whole mount to
         revalidation: replies from now on carry the short timeout.
         """
-        if self.fd < 0 or inode in self._wd_of:
+        if self.fd < 0:
             return
-        wd = self._add_watch(path)
-        if wd is not None:
+        if inode not in self._wd_of:
+            wd = self._add_watch(path)
+            if wd is None:
+                return
             self._remember(inode, wd)
+        for tell in self.watched:
+            tell(inode, path)
 
     def unwatch(self, inode: int) -> None:
         """The kernel forgot the directory: nothing it caches depends on it any more."""
@@ -142,6 +149,7 @@ class Freshness(Watcher[int]):
     def _every_known_name(self) -> set[tuple[int, bytes]]:
         """(parent inode, name) of every node the kernel holds whose parent it holds too:
         invalidating a directory's entry also drops all names cached beneath it."""
+        self.inodes.adopt_all()  # the request lane's nodes among them
         by_path = {node.path: inode for inode, node in self.inodes.items()}
         names = set()
         for _inode, node in self.inodes.items():

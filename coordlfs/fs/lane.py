@@ -35,6 +35,7 @@ import pyfuse3
 
 from coordlfs.cache.stats import Outcome, ReadCounters
 from coordlfs.errors import UserError
+from coordlfs.fs.lane_nodes import LaneNodes
 from coordlfs.source.source import Version
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def _load() -> ctypes.CDLL:
     lib.lane_held_stat.argtypes = [_u64, ctypes.POINTER(_Stat)]
     lib.lane_census.argtypes = [ctypes.POINTER(_i64 * 2)]
     lib.lane_enable.argtypes = [ctypes.c_int]
-    lib.lane_counts.argtypes = [ctypes.POINTER(_u64 * 10)]
+    lib.lane_counts.argtypes = [ctypes.POINTER(_u64 * 12)]
     lib.lane_attr_timeout.argtypes = [ctypes.c_double]
     lib.lane_peer_set.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.lane_peer_state.argtypes = [ctypes.c_int, ctypes.POINTER(_u64 * 5)]
@@ -150,7 +151,7 @@ class Lane:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        self._counts = (_u64 * 10)()
+        self._counts = (_u64 * 12)()
         self._folded = (0, 0, 0, 0, 0, 0, 0)
         #: readable while the lane may have source files for the cache (``notes``)
         self.notes_fd: int = lib.lane_notes_fd()
@@ -159,6 +160,8 @@ class Lane:
         #: a tenth of a LOOKUP's Python); the daemon's loop is their one caller
         self._fields = _Stat()
         self._peer = (_u64 * 5)()
+        #: the nodes it numbers at the LOOKUPs it answers
+        self.nodes = LaneNodes(lib)
 
     @classmethod
     def start(cls, source_root: int, threads: int) -> Lane:
@@ -294,7 +297,7 @@ class Lane:
         """Opens of cache entries answered, their files' bytes, releases answered, opens of
         source files answered, the bytes read from storage for them (once per file read),
         their files' bytes (per open), opens of peers' files answered, their files' bytes
-        (per open), GETATTRs and IOCTLs answered, since the start."""
+        (per open), GETATTRs, IOCTLs, LOOKUPs and FORGETs answered, since the start."""
         self._lib.lane_counts(ctypes.byref(self._counts))
         return tuple(self._counts)
 
@@ -313,10 +316,13 @@ class Lane:
         return self.gauges()[2]
 
     def status(self) -> dict[str, int]:
-        opens, _, releases, source_opens, _, _, peer_opens, _, getattrs, ioctls = self.counts()
+        (opens, _, releases, source_opens, _, _, peer_opens, _, getattrs, ioctls, lookups,
+         forgets) = self.counts()
+        nodes, keys, directories, _ = self.nodes.gauges()
         return {"opens": opens, "source_opens": source_opens, "peer_opens": peer_opens,
                 "releases": releases, "getattrs": getattrs, "ioctls": ioctls,
-                "rows": self.gauges()[1]}
+                "lookups": lookups, "forgets": forgets, "rows": self.gauges()[1],
+                "nodes": nodes, "keys_held": keys, "directories": directories}
 
     def fold(self, reads: ReadCounters) -> None:
         """Bring the mount's counters up to the lane's, as ``Opens`` counts its own opens

@@ -40,6 +40,7 @@ from typing import Any
 
 import trio
 
+from coordlfs import CONTROL_NAME
 from coordlfs.cache.cache import FILL_CHUNK, Entry
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.fs.backing import Backing, Backings
@@ -80,13 +81,47 @@ class LaneRows:
         self.lane: Lane | None = None
         #: its connections to peers, with it
         self.lane_peers: LanePeers | None = None
+        #: whether it may answer LOOKUPs (the source is watched)
+        self._lookups = False
         self._groups.on_change.append(self._members_changed)
 
-    def serve_by_lane(self, lane: Lane) -> None:
-        """Mounted, before serving: ``lane`` answers the hits offered to it."""
+    def serve_by_lane(self, lane: Lane, lookups: bool) -> None:
+        """Mounted, before serving: ``lane`` answers the hits offered to it, and with
+        ``lookups`` (the source is watched) LOOKUPs of small files the daemon holds nothing
+        for (``coordlfs.fs.lane_nodes``), each with its source row."""
         self.lane = lane
         self.lane_peers = LanePeers(lane, self.readers)
         self._members_changed()
+        nodes, cache = lane.nodes, self.cache
+        self.inodes.serve_lane_nodes(nodes)
+        cache.entries.held_by(nodes)
+        cache.room.told.append(nodes.room)
+        cache.room.changed()
+        self._lookups = lookups
+        self.readers.peers.told.append(self._lookup_policy)
+        self._lookup_policy()
+
+    def _lookup_policy(self) -> None:
+        """The lane answers LOOKUPs of small files by ``_offer_source``'s rule: not while the
+        cluster has peers (one of them may hold the file: the daemon offers a peer row)."""
+        lane, cache = self.lane, self.cache
+        if lane is not None:
+            lane.nodes.policy(self._lookups and not self.readers.peers.links,
+                              cache.max_file_size, FILL_CHUNK, NOTE_HEADROOM,
+                              not cache.room.capacity, CONTROL_NAME.encode())
+
+    def no_lookups(self) -> None:
+        """The source is no longer watched: LOOKUPs are the daemon's (names revalidate)."""
+        if self.lane is not None:
+            self._lookups = False
+            self._lookup_policy()
+            self.lane.nodes.clear_directories()
+
+    def watched(self, inode: int, path: bytes) -> None:
+        """The daemon watches directory ``inode`` at ``path``: the lane may answer LOOKUPs of
+        names in it (a change of one reaches the kernel as an invalidation, as for ours)."""
+        if self.lane is not None and self._lookups:
+            self.lane.nodes.directory(inode, path)
 
     def _members_changed(self) -> None:
         """An aligned group's members' opens are the group's to see (its window, its
@@ -121,6 +156,10 @@ class LaneRows:
             return 0, 0
         held, row = lane.census()
         return held, row + backings.id_bytes()
+
+    def key_bytes(self) -> int:
+        """What a key the lane is told is held costs (0 without the lane)."""
+        return 0 if self.lane is None else self.lane.nodes.gauges()[3]
 
     def held(self, inode: int) -> bool:
         """Whether the lane holds opens of ``inode`` it answered, not adopted (the daemon has

@@ -57,65 +57,7 @@
 
 #include "../peers/wire.h"
 
-#define EXPORT __attribute__((visibility("default")))
-/* glibc's bookkeeping per allocation, beside what malloc_usable_size says */
-#define MALLOC_HEADER 8
-
-/* -- the kernel's ABI (linux/fuse.h of 7.40; the system's header may be older) ------------ */
-#define FUSE_GETATTR 3
-#define FUSE_OPEN 14
-#define FUSE_RELEASE 18
-#define FUSE_IOCTL 39
-#define FUSE_IOCTL_DIR (1u << 4)
-#define FOPEN_NOFLUSH (1u << 5)
-#define FOPEN_PASSTHROUGH (1u << 7)
-struct backing_map {
-    int32_t fd;
-    uint32_t flags;
-    uint64_t padding;
-};
-#define BACKING_OPEN _IOW(229, 1, struct backing_map)
-#define BACKING_CLOSE _IOW(229, 2, uint32_t)
-
-struct in_header {
-    uint32_t len, opcode;
-    uint64_t unique, nodeid;
-    uint32_t uid, gid, pid;
-    uint16_t total_extlen, padding;
-};
-struct out_header {
-    uint32_t len;
-    int32_t error;
-    uint64_t unique;
-};
-struct open_in {
-    uint32_t flags, open_flags;
-};
-struct open_out {
-    uint64_t fh;
-    uint32_t open_flags;
-    int32_t backing_id;
-};
-struct release_in {
-    uint64_t fh;
-    uint32_t flags, release_flags;
-    uint64_t lock_owner;
-};
-struct attr {
-    uint64_t ino, size, blocks, atime, mtime, ctime;
-    uint32_t atimensec, mtimensec, ctimensec, mode, nlink, uid, gid, rdev, blksize, flags;
-};
-struct attr_out {
-    uint64_t attr_valid;
-    uint32_t attr_valid_nsec, dummy;
-    struct attr attr;
-};
-struct ioctl_in {
-    uint64_t fh;
-    uint32_t flags, cmd;
-    uint64_t arg;
-    uint32_t in_size, out_size;
-};
+#include "lane.h"
 
 /* The handles this lane gives out: the inode's number with the top bit set (the daemon's
  * own are small counters). */
@@ -124,48 +66,6 @@ struct ioctl_in {
 #define BUFSIZE ((256 + 1) * 4096)
 /* An open with any of these the daemon answers (EROFS), as coordlfs.fs.operations does. */
 #define WRITE_FLAGS (O_WRONLY | O_RDWR | O_TRUNC | O_APPEND | O_CREAT)
-
-/* What a row answers opens with, and the source file's version it stands for. */
-struct version {
-    uint64_t dev, ino;
-    int64_t size, mtime_ns, ctime_ns;
-    int32_t backing, zero; /* no padding: versions are compared with memcmp */
-};
-
-/* A row answers opens with a cache entry's file (its backing registered by the daemon), or
- * with the source file itself (`source`): a miss the kernel reads from the source, as
- * libfuse's passthrough_hp serves every open. A source row's file is opened and registered
- * here at the first of its opens, kept in `fd` while they last, and at the last release its
- * id closed; with `note`, the row then goes, and the file (still open) is handed to the
- * daemon (lane_note), which copies the pages the reads brought in into the cache. A row the
- * daemon `adopted` (it had to decide an open of the inode itself) is the daemon's: its
- * backing id and descriptor are, and so are its releases. A peer row (`peer`: the slot of the
- * lane's connection to the peer that caches the file, else -1) is a source row whose first
- * open's file is fetched from that peer and landed here (`fd`: the landed file), never noted:
- * the file is the peer's to cache. */
-/* The attributes besides the version the source file had when the row was offered: what a
- * held open of an entry's or a peer's file shows (the daemon's getattr of an inode whose open
- * files read a fixed version), so that the daemon keeps nothing of its own per row. */
-struct shown {
-    int64_t atime_ns, blocks, mode, nlink, uid, gid, rdev, blksize;
-};
-
-/* The fields lane_offer takes and lane_suspend and lane_held_stat give, in this order: the
- * version's (without its backing), then the shown ones. */
-#define STAT_FIELDS 13
-
-/* What a row answers opens with; kinds as lane_suspend and lane_held_stat give them. */
-enum { KIND_NONE, KIND_ENTRY, KIND_SOURCE, KIND_PEER };
-
-struct row {
-    struct row *next;
-    uint64_t nodeid;
-    int active, source, note, noted, adopted, fd, peer;
-    int64_t opens;
-    struct version v;
-    struct shown shown;
-    char path[];
-};
 
 /* A source file read through a row with `note`, for the daemon to keep. */
 struct note {
@@ -182,11 +82,12 @@ struct queued {
     char mem[];
 };
 
-static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+pthread_mutex_t rows_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct row **buckets;
 static size_t nbuckets, nrows;
 static struct queued *head, *tail;
-static int waiting, ended, enabled = 1, serving;
+static int waiting, ended, serving;
+int enabled = 1;
 static int dev_fd = -1, wake_fd = -1, root_fd = -1;
 static struct note *notes, *notes_tail;
 static int notes_fd = -1;
@@ -201,7 +102,7 @@ static _Atomic uint64_t answered_opens, answered_bytes, answered_releases, sourc
     answered_ioctls;
 /* How long the kernel may keep the attributes a GETATTR is answered with (the daemon's
  * freshness timeout, lane_attr_timeout); none answered before it is set. */
-static _Atomic uint64_t attr_valid_ns;
+_Atomic uint64_t attr_valid_ns;
 
 /* -- peers: the lane's own connection to each, handshaken by the daemon -------------------- */
 
@@ -443,10 +344,17 @@ static int grow(void) {
  * its opens (adopted) takes them back: their releases are answered here again. */
 EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path,
                       const int64_t st[STAT_FIELDS], int source, int note, int peer) {
+    pthread_mutex_lock(&rows_lock);
+    int rc = offer_locked(nodeid, backing, path, st, source, note, peer);
+    pthread_mutex_unlock(&rows_lock);
+    return rc;
+}
+
+int offer_locked(uint64_t nodeid, int32_t backing, const char *path,
+                 const int64_t st[STAT_FIELDS], int source, int note, int peer) {
     uint64_t dev = (uint64_t)st[0], ino = (uint64_t)st[1];
     int64_t size = st[2], mtime_ns = st[3], ctime_ns = st[4];
     size_t plen = strlen(path);
-    pthread_mutex_lock(&lock);
     int rc = 0;
     if (nrows >= nbuckets && (rc = grow()) < 0)
         goto out;
@@ -484,7 +392,6 @@ EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path,
     r->adopted = 0;
     r->fd = -1;
 out:
-    pthread_mutex_unlock(&lock);
     return rc;
 }
 
@@ -540,7 +447,7 @@ EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd, int *kin
     *backing = 0;
     *fd = -1;
     *kind = KIND_NONE;
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     struct row *r = find(nodeid);
     int64_t opens = r ? r->opens : 0;
     if (r && (r->adopted || (held_only && !opens)))
@@ -560,7 +467,7 @@ EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd, int *kin
         stat_of(r, st);
     } else if (r)
         remove_row(r);
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     return opens;
 }
 
@@ -568,12 +475,12 @@ EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd, int *kin
  * none; for an entry's or a peer's file the version they read (`st`, as offered), fixed; a
  * source file is read as it is now (lane_source_fd). */
 EXPORT int lane_held_stat(uint64_t nodeid, int64_t st[STAT_FIELDS]) {
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     struct row *r = find(nodeid);
     int kind = r && r->opens && !r->adopted ? kind_of(r) : KIND_NONE;
     if (kind != KIND_NONE)
         stat_of(r, st);
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     return kind;
 }
 
@@ -582,7 +489,7 @@ EXPORT int lane_held_stat(uint64_t nodeid, int64_t st[STAT_FIELDS]) {
  * of what a cached file costs the daemon; with no row, one with a 64-byte path). */
 EXPORT void lane_census(int64_t out[2]) {
     int64_t held = 0, bytes = 0;
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     for (size_t i = 0; i < nbuckets; i++)
         for (const struct row *r = buckets[i]; r; r = r->next) {
             held += !r->source && r->opens && !r->adopted;
@@ -590,7 +497,7 @@ EXPORT void lane_census(int64_t out[2]) {
         }
     bytes += (int64_t)(nbuckets * sizeof *buckets);
     size_t rows = nrows;
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     out[0] = held;
     out[1] = rows ? bytes / (int64_t)rows
                   : (int64_t)(sizeof(struct row) + 64 + MALLOC_HEADER + sizeof *buckets);
@@ -600,63 +507,68 @@ EXPORT void lane_census(int64_t out[2]) {
  * it), -1 if none is held (or they read a peer's file landed here, whose attributes are not
  * the source's): what fstat of them shows, the daemon answers with its fstat. */
 EXPORT int lane_source_fd(uint64_t nodeid) {
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     struct row *r = find(nodeid);
     int fd = r && r->source && r->peer < 0 && r->fd >= 0 ? fcntl(r->fd, F_DUPFD_CLOEXEC, 0) : -1;
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     return fd;
 }
 
 /* The opens of `nodeid` answered here and not released yet. */
 EXPORT int64_t lane_held(uint64_t nodeid) {
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     struct row *r = find(nodeid);
     int64_t opens = r ? r->opens : 0;
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     return opens;
 }
 
 /* A release of one of the row's handles the daemon was given (the row was suspended): the
  * opens left, -1 if there is no row. */
 EXPORT int64_t lane_release(uint64_t nodeid) {
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     struct row *r = find(nodeid);
     int64_t opens = r ? (r->opens > 0 ? --r->opens : 0) : -1;
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     return opens;
 }
 
 /* Remove the row of `nodeid`: 0, or the opens it still holds (then it stays, suspended; a
  * source row the daemon did not adopt goes at the last of their releases, here). */
 EXPORT int64_t lane_drop(uint64_t nodeid) {
-    pthread_mutex_lock(&lock);
-    struct row *r = find(nodeid);
-    int64_t opens = r ? retire_row(r) : 0;
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_lock(&rows_lock);
+    int64_t opens = drop_locked(nodeid);
+    drop_directory_locked(nodeid);
+    pthread_mutex_unlock(&rows_lock);
     return opens;
+}
+
+int64_t drop_locked(uint64_t nodeid) {
+    struct row *r = find(nodeid);
+    return r ? retire_row(r) : 0;
 }
 
 /* The cache is about to fill `nodeid`'s file: 1 if a source row's opens are reading it to
  * hand it to the cache (then it must not), else 0, and a source row answers no more opens
  * (it goes now, or at the last release of those it answered). */
 EXPORT int64_t lane_claim(uint64_t nodeid) {
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     struct row *r = find(nodeid);
     /* read for the cache now, or read and its note not taken yet */
     int64_t busy = r && r->source && !r->adopted && r->active &&
                    ((r->opens && r->note) || r->noted);
     if (r && r->source && !r->adopted && !busy)
         retire_row(r);
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     return busy;
 }
 
 /* Whether opens are answered here at all (the daemon turns it off while an aligned group
  * needs to see every open). */
 EXPORT void lane_enable(int on) {
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     enabled = on;
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
 }
 
 /* Answer GETATTR of inodes with rows with attributes the kernel may keep `seconds` (the
@@ -668,8 +580,9 @@ EXPORT void lane_attr_timeout(double seconds) {
 /* What the lane answered since it started: opens of cache entries, their files' bytes,
  * releases, opens of source files, the bytes read from storage for them (once per file
  * read), their files' bytes (per open), opens of peers' files, their files' bytes (per open;
- * what was fetched: lane_peer_state), GETATTRs, IOCTLs. */
-EXPORT void lane_counts(uint64_t out[10]) {
+ * what was fetched: lane_peer_state), GETATTRs, IOCTLs, LOOKUPs, FORGETs
+ * (lookup.c). */
+EXPORT void lane_counts(uint64_t out[12]) {
     out[0] = atomic_load(&answered_opens);
     out[1] = atomic_load(&answered_bytes);
     out[2] = atomic_load(&answered_releases);
@@ -680,6 +593,7 @@ EXPORT void lane_counts(uint64_t out[10]) {
     out[7] = atomic_load(&peer_opened_bytes);
     out[8] = atomic_load(&answered_getattrs);
     out[9] = atomic_load(&answered_ioctls);
+    lookup_counts(out + 10);
 }
 
 /* The next source file read through a row with `note`: its path's length (copied into
@@ -687,7 +601,7 @@ EXPORT void lane_counts(uint64_t out[10]) {
  * (dev, ino, size, mtime_ns, ctime_ns); -1 if there is none. The descriptor given by
  * lane_notes_fd is readable while there may be some. */
 EXPORT ssize_t lane_note(uint64_t *nodeid, int *fd, int64_t version[5], char *path, size_t cap) {
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     struct note *n = notes;
     if (n && strlen(n->path) < cap) {
         notes = n->next;
@@ -699,7 +613,7 @@ EXPORT ssize_t lane_note(uint64_t *nodeid, int *fd, int64_t version[5], char *pa
             r->noted = 0; /* the daemon reserves its entry now (lane_claim lets it) */
     } else if (n)
         n = NULL; /* a row's path is shorter than any buffer the daemon passes */
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     if (!n)
         return -1;
     *nodeid = n->nodeid;
@@ -723,31 +637,35 @@ EXPORT int lane_notes_fd(void) {
  * inodes whose opens it holds by a source row (the daemon asks for them only then); of
  * those, peer rows' landed files, and their bytes. */
 EXPORT void lane_gauges(int64_t out[5]) {
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     out[0] = noting;
     out[1] = (int64_t)nrows;
     out[2] = sources_held;
     out[3] = landed_held;
     out[4] = landed_held_bytes;
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
 }
 
 /* -- answers ------------------------------------------------------------------------------ */
 
-static void reply(uint64_t unique, int error, const void *arg, size_t len) {
+void reply(uint64_t unique, int error, const void *arg, size_t len) {
     struct out_header h = {(uint32_t)(sizeof h + len), error, unique};
     struct iovec iov[2] = {{&h, sizeof h}, {(void *)arg, len}};
     /* ENOENT: the request was interrupted meanwhile, as libfuse ignores it too */
     (void)!writev(dev_fd, iov, len ? 2 : 1);
 }
 
+int open_beneath(const char *path, int flags) {
+    struct open_how how = {.flags = (uint64_t)(flags | O_NOFOLLOW | O_CLOEXEC),
+                           .resolve = RESOLVE_NO_XDEV | RESOLVE_NO_SYMLINKS};
+    return (int)syscall(SYS_openat2, root_fd, path, &how, sizeof how);
+}
+
 /* The source file at `path` (beneath the root) opened with `flags` if it is version `v`
  * now (its attributes in `st`), else -1. */
 static int open_version(const char *path, const struct version *v, int flags,
                         struct stat *st) {
-    struct open_how how = {.flags = (uint64_t)(flags | O_NOFOLLOW | O_CLOEXEC),
-                           .resolve = RESOLVE_NO_XDEV | RESOLVE_NO_SYMLINKS};
-    int fd = (int)syscall(SYS_openat2, root_fd, path, &how, sizeof how);
+    int fd = open_beneath(path, flags);
     if (fd < 0)
         return -1;
     struct stat mine;
@@ -812,11 +730,11 @@ static int first_file(int peer, const char *path, const struct version *v, int f
  * answers no more opens: the daemon decides them (it asks the peer again, or reads the
  * source). */
 static void give_up(uint64_t nodeid, const struct version *v) {
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     struct row *r = find(nodeid);
     if (r && r->peer >= 0 && !r->opens && same_row(r, v))
         retire_row(r);
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
 }
 
 static int defer_fetch(const char *mem, size_t len);
@@ -833,10 +751,10 @@ static int answer_open(const char *mem, size_t len, int fetching) {
      * meanwhile), the open counted only if the row still says the same after it */
     struct version v;
     char path[PATH_MAX];
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     struct row *r = answering(in->nodeid, &v, path);
     int source = r ? r->source : 0, peer = r ? r->peer : -1, first = r && !r->opens;
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     if (!r)
         return 0;
     if (peer >= 0 && first && !fetching)
@@ -852,7 +770,7 @@ static int answer_open(const char *mem, size_t len, int fetching) {
         give_up(in->nodeid, &v);
         return 0;
     }
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     r = enabled ? find(in->nodeid) : NULL;
     int ok = r && r->active && r->source == source && r->peer == peer && same_row(r, &v);
     int fetched = 0; /* this open registered the file: its bytes were read for it */
@@ -880,7 +798,7 @@ static int answer_open(const char *mem, size_t len, int fetching) {
         if (source)
             atomic_fetch_add(&source_opened_bytes, (uint64_t)v.size);
     }
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     if (fd >= 0)
         close(fd);
     if (ok)
@@ -890,14 +808,14 @@ static int answer_open(const char *mem, size_t len, int fetching) {
 
 static void push_note(struct note *n) {
     n->next = NULL;
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     int was_empty = !notes;
     if (notes_tail)
         notes_tail->next = n;
     else
         notes = n;
     notes_tail = n;
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     uint64_t one = 1;
     if (was_empty)
         (void)!write(notes_fd, &one, sizeof one);
@@ -941,7 +859,7 @@ static int answer_release(const struct in_header *in, const struct release_in *a
         return 0;
     int id = 0, fd = -1;
     struct note *n = NULL;
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     struct row *r = find(arg->fh & ~LANE_FH);
     /* a row the daemon adopted: the daemon's release */
     int ok = r && r->opens > 0 && !r->adopted;
@@ -949,7 +867,7 @@ static int answer_release(const struct in_header *in, const struct release_in *a
         n = source_done(r, &id, &fd);
     else if (ok && !r->opens && !r->active)
         remove_row(r); /* an entry's row retired while its opens were held */
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     if (!ok)
         return 0;
     if (id > 0) {
@@ -965,6 +883,14 @@ static int answer_release(const struct in_header *in, const struct release_in *a
     return ok;
 }
 
+void attr_of(struct attr *out, const struct stat *st, uint64_t nodeid) {
+    *out = (struct attr){nodeid, (uint64_t)st->st_size, (uint64_t)st->st_blocks,
+        (uint64_t)st->st_atim.tv_sec, (uint64_t)st->st_mtim.tv_sec, (uint64_t)st->st_ctim.tv_sec,
+        (uint32_t)st->st_atim.tv_nsec, (uint32_t)st->st_mtim.tv_nsec,
+        (uint32_t)st->st_ctim.tv_nsec, st->st_mode, (uint32_t)st->st_nlink, st->st_uid,
+        st->st_gid, (uint32_t)st->st_rdev, (uint32_t)st->st_blksize, 0};
+}
+
 /* A GETATTR of an inode with a row, while the source file is the row's version: its
  * attributes now, as the daemon answers (its getattr shows the version the inode's open
  * files read, which is the row's, and that is the source file's now). */
@@ -972,20 +898,16 @@ static int answer_getattr(const struct in_header *in) {
     uint64_t valid = atomic_load(&attr_valid_ns);
     struct version v;
     char path[PATH_MAX];
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     struct row *r = valid ? answering(in->nodeid, &v, path) : NULL;
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     struct stat st;
     int fd = r ? open_version(path, &v, O_PATH, &st) : -1;
     if (fd < 0)
         return 0;
     close(fd);
-    struct attr_out out = {valid / 1000000000u, (uint32_t)(valid % 1000000000u), 0, {
-        in->nodeid, (uint64_t)st.st_size, (uint64_t)st.st_blocks, (uint64_t)st.st_atim.tv_sec,
-        (uint64_t)st.st_mtim.tv_sec, (uint64_t)st.st_ctim.tv_sec, (uint32_t)st.st_atim.tv_nsec,
-        (uint32_t)st.st_mtim.tv_nsec, (uint32_t)st.st_ctim.tv_nsec, st.st_mode,
-        (uint32_t)st.st_nlink, st.st_uid, st.st_gid, (uint32_t)st.st_rdev,
-        (uint32_t)st.st_blksize, 0}};
+    struct attr_out out = {valid / 1000000000u, (uint32_t)(valid % 1000000000u), 0, {0}};
+    attr_of(&out.attr, &st, in->nodeid);
     atomic_fetch_add(&answered_getattrs, 1);
     reply(in->unique, 0, &out, sizeof out);
     return 1;
@@ -999,10 +921,12 @@ static int answer_ioctl(const struct in_header *in, const struct ioctl_in *arg) 
     return 1;
 }
 
-static int answered(const char *mem, ssize_t len) {
+static int answered(char *mem, ssize_t len) {
     const struct in_header *in = (const void *)mem;
     if (len < (ssize_t)sizeof *in)
         return 0;
+    if (lookup_answered(mem, (size_t)len))
+        return 1;
     const void *arg = mem + sizeof *in;
     if (in->opcode == FUSE_GETATTR)
         return answer_getattr(in);
@@ -1072,11 +996,11 @@ static void enqueue(const char *mem, size_t len) {
     struct queued *q;
     while (!(q = copied(mem, len)))
         usleep(1000);
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     append(&head, &tail, q);
     int was_waiting = waiting;
     waiting = 0;
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     if (was_waiting)
         wake();
 }
@@ -1135,14 +1059,16 @@ static void *serve(void *unused) {
             continue; /* ENOENT: a request interrupted before it was read */
         if (len <= 0)
             break; /* ENODEV: unmounted */
-        if (!answered(mem, len))
-            enqueue(mem, (size_t)len);
+        if (!answered(mem, len)) /* a BATCH_FORGET may be left shorter: its header says */
+            enqueue(mem, len < (ssize_t)sizeof(struct in_header)
+                             ? (size_t)len
+                             : ((const struct in_header *)mem)->len);
     }
     free(mem);
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     ended = --serving == 0; /* the session's end reaches every reader */
     waiting = 0;
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     wake();
     return NULL;
 }
@@ -1151,7 +1077,7 @@ static void *serve(void *unused) {
  * 0 when the session ended; -EAGAIN when there is none (wait for the wake descriptor to be
  * readable, then ask again). */
 EXPORT ssize_t lane_take(void *mem, size_t cap) {
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&rows_lock);
     struct queued *q = pop(&head, &tail);
     int done = ended;
     if (!q && !done) {
@@ -1159,7 +1085,7 @@ EXPORT ssize_t lane_take(void *mem, size_t cap) {
         (void)!read(wake_fd, &count, sizeof count); /* non-blocking: a wake already used */
         waiting = 1;
     }
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     if (!q)
         return done ? 0 : -EAGAIN;
     ssize_t len = q->len <= cap ? (ssize_t)q->len : -EMSGSIZE;
@@ -1201,9 +1127,9 @@ EXPORT int lane_start(int fuse_fd, int source_root, int threads) {
     }
     dev_fd = dev, root_fd = root, wake_fd = efd;
     int rc;
-    pthread_mutex_lock(&lock); /* a thread that ends at once counts itself off after */
+    pthread_mutex_lock(&rows_lock); /* a thread that ends at once counts itself off after */
     int started = serving += spawn(serve, threads, &rc);
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&rows_lock);
     if (!started) {
         fcntl(dev, F_SETFL, flags);
         close(dev), close(root), close(efd);

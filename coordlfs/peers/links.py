@@ -34,7 +34,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, NoReturn, Protocol
 
@@ -547,6 +547,9 @@ class Peers:
         self.source = source
         self.changed_at = time.time()
         self.changes = 0
+        #: told after each change of the cluster (the request lane answers LOOKUPs only
+        #: while it has no peers)
+        self.told: list[Callable[[], None]] = []
         #: the connections this node's links keep open at most (``--peer-connections``)
         self.budget = Budget(max_links)
         self.links = {node: PeerLink(node, secret, timeout, self.budget)
@@ -579,6 +582,8 @@ class Peers:
         self.nodes, self.me = nodes, me
         self.changed_at = time.time()
         self.changes += 1
+        for tell in self.told:
+            tell()
         log.info("%d nodes from %s: %s joined, %s left; this node is %s", len(nodes),
                  self.source, ", ".join(map(str, joined)) or "none",
                  ", ".join(str(link.address) for link in gone) or "none",

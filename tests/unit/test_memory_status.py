@@ -17,17 +17,18 @@ def test_the_daemon_is_its_anonymous_memory_less_its_tables() -> None:
     held = bytearray(32 << 20)  # touched: resident
     memory = memory_status(tables=(1 << 20, 2 << 20), rows=(1000, 500),
                            cached_bytes=500 * 3 * 4096, source_fstype="ext4", passthrough=True,
-                           lane_row=300)
+                           lane_row=300, lane_key=64)
     assert memory["daemon_bytes"] >= len(held)
     assert memory["itself_bytes"] == memory["daemon_bytes"] - (3 << 20)
     slabs = slab_objects(("fuse_inode", "dentry", "filp", "lsm_inode_cache",
                           "radix_tree_node", "ext4_inode_cache"))
-    # the mount's inode and the source's, each with its dentry and security blob
+    # the mount's inode and the source's, each with its dentry and security blob; its key held
+    # in the lane
     assert memory["per_inode_bytes"] == (1049 + slabs["fuse_inode"] + slabs["ext4_inode_cache"]
-                                         + 2 * (slabs["dentry"] + slabs["lsm_inode_cache"]))
-    # three pages a file: one node of a page tree; the lane's row
-    assert memory["per_cached_file_bytes"] == (4194 + tmpfs_file_bytes()
-                                               + slabs["radix_tree_node"] + slabs["filp"] + 300)
+                                         + 2 * (slabs["dentry"] + slabs["lsm_inode_cache"]) + 64)
+    # three pages a file: one node of a page tree; the lane's row, and its key held
+    assert memory["per_cached_file_bytes"] == (4194 + tmpfs_file_bytes() + slabs["radix_tree_node"]
+                                               + slabs["filp"] + 300 + 64)
     without = memory_status(tables=(0, 0), rows=(0, 0), cached_bytes=0, source_fstype="ext4",
                             passthrough=False, lane_row=0)
     assert without["per_cached_file_bytes"] == tmpfs_file_bytes()  # no backing file, no tree

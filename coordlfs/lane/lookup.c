@@ -1,0 +1,472 @@
+/* coordlfs request lane: LOOKUPs of small files the daemon knows nothing of, answered in C.
+ *
+ * Why: a cold miss is LOOKUP + OPEN + RELEASE. The lane answers the OPEN and the RELEASE
+ * (a source row, lane.c), but the LOOKUP was the Python loop's: 110-150 us of its CPU each,
+ * most of a miss's (docs/design/lookup-lane.md).
+ *
+ * The daemon numbers its inodes by its table's rows, so a node answered here is numbered
+ * here, in a space of its own (LANE_NODE set; the daemon's numbers never have it), and kept
+ * here -- its key (dev, ino), path, the version shown, its lookups -- until the daemon adopts
+ * it: when it first meets the number in a request it was handed, or the key (an inode it makes
+ * or looks for: coordlfs/fs/lane_nodes.py, InodeTable). The node is then a row of the
+ * daemon's table under this number, and its FORGETs are the daemon's. Until then they are
+ * answered here, and a node the kernel forgets goes, with its row.
+ *
+ * Answered here is only what the daemon would answer alike with no decision of its own:
+ * - a name in a directory the daemon offered (lane_directory): one it watches, so a change of
+ *   the name reaches the kernel as an invalidation, as after the daemon's own answers;
+ * - a plain name (not ".", "..", nor the control file's at the root), whose path opens
+ *   beneath the source's root by the daemon's walk rules (no link, no other mount);
+ * - a regular file of 1 byte to a row's largest, with no key the daemon holds (lane_hold):
+ *   no inode of its (a hard link, a name dropped while its inode lived: one inode per key),
+ *   no cache entry (complete or being filled: its open is a hit, or waits for the fill);
+ * - when its opens can be offered a source row by the daemon's own rule
+ *   (coordlfs.fs.rows._offer_source, lane_lookup_policy): kept by the cache at the last
+ *   release while the room less the headroom takes it, not kept when the cache never would.
+ * Everything else goes to the daemon as before: a directory, a link, a missing name (its
+ * negative entry), a larger file, a cache near full, a mount with peers, an aligned group.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <malloc.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "lane.h"
+
+#define FUSE_LOOKUP 1
+#define FUSE_FORGET 2
+#define FUSE_BATCH_FORGET 42
+/* The nodes numbered here (coordlfs.fs.lane_nodes.LANE_NODE); the open handles are another
+ * bit (LANE_FH). */
+#define LANE_NODE (1ULL << 62)
+/* A row's path is shorter (coordlfs.fs.lane.MAX_PATH). */
+#define ROW_PATH_MAX 1024
+#define PAGE 4096
+
+struct entry_out {
+    uint64_t nodeid, generation, entry_valid, attr_valid;
+    uint32_t entry_valid_nsec, attr_valid_nsec;
+    struct attr attr;
+};
+struct forget_one {
+    uint64_t nodeid, nlookup;
+};
+struct batch_forget_in {
+    uint32_t count, dummy;
+};
+
+/* -- tables: chained, keyed by two words, grown by doubling -------------------------------- */
+
+struct link {
+    struct link *next;
+    uint64_t a, b;
+};
+struct table {
+    struct link **buckets;
+    size_t n, count;
+};
+
+static struct link **where(const struct table *t, uint64_t a, uint64_t b) {
+    uint64_t h = (a ^ (b * 0xC2B2AE3D27D4EB4FULL)) * 0x9E3779B97F4A7C15ULL;
+    struct link **at = &t->buckets[h >> 32 & (t->n - 1)];
+    while (*at && ((*at)->a != a || (*at)->b != b))
+        at = &(*at)->next;
+    return at;
+}
+
+static void *get(const struct table *t, uint64_t a, uint64_t b) {
+    return t->n ? *where(t, a, b) : NULL;
+}
+
+/* `l` (absent) into `t`: 0, or -ENOMEM. */
+static int put(struct table *t, struct link *l) {
+    if (t->count >= t->n) {
+        size_t n = t->n ? t->n * 2 : 1024;
+        struct link **fresh = calloc(n, sizeof *fresh);
+        if (!fresh)
+            return -ENOMEM;
+        struct table old = *t;
+        t->buckets = fresh, t->n = n;
+        for (size_t i = 0; i < old.n; i++)
+            for (struct link *e = old.buckets[i], *next; e; e = next) {
+                next = e->next;
+                struct link **at = where(t, e->a, e->b);
+                e->next = *at;
+                *at = e;
+            }
+        free(old.buckets);
+    }
+    struct link **at = where(t, l->a, l->b);
+    l->next = *at;
+    *at = l;
+    t->count++;
+    return 0;
+}
+
+static void take_out(struct table *t, struct link *l) {
+    *where(t, l->a, l->b) = l->next;
+    t->count--;
+}
+
+/* -- what is kept ------------------------------------------------------------------------- */
+
+/* A key (dev, ino): how many of the daemon's tables hold it (its inodes, the cache's
+ * entries), and the node numbered here for it (0: none). */
+struct key {
+    struct link link; /* a: dev, b: ino */
+    int64_t holds;
+    uint64_t node;
+};
+/* A node numbered here, not adopted yet. */
+struct node {
+    struct link link; /* a: its number, b: 0 */
+    uint64_t dev, ino;
+    int64_t lookups, size, mtime_ns, ctime_ns;
+    char path[];
+};
+/* A directory the daemon watches, and its path beneath the root. */
+struct dir {
+    struct link link; /* a: its node, b: 0 */
+    char path[];
+};
+
+static struct table keys, nodes, dirs;
+static uint64_t numbered;
+/* lane_lookup_policy's: answer at all; the cache's --max-file-size; a row's largest file; the
+ * headroom a note row needs; whether the cache keeps nothing; the room (lane_room); the
+ * control file's name at the root. Under the mutex. */
+static int lookups_on;
+static int64_t max_file_size, row_max, headroom, room;
+static int keeps_nothing;
+static char control_name[NAME_MAX + 1];
+static _Atomic uint64_t answered_lookups, answered_forgets;
+
+void lookup_counts(uint64_t out[2]) {
+    out[0] = atomic_load(&answered_lookups);
+    out[1] = atomic_load(&answered_forgets);
+}
+
+/* The key entry goes if nothing keeps it. Under the mutex. */
+static void settle(struct key *k) {
+    if (!k->holds && !k->node) {
+        take_out(&keys, &k->link);
+        free(k);
+    }
+}
+
+/* The node goes from here (adopted, or forgotten). Under the mutex. */
+static void remove_node(struct node *n) {
+    struct key *k = get(&keys, n->dev, n->ino);
+    if (k) {
+        k->node = 0;
+        settle(k);
+    }
+    take_out(&nodes, &n->link);
+    free(n);
+}
+
+/* -- the daemon's calls ------------------------------------------------------------------- */
+
+/* Answer LOOKUPs (`on`) by the cache's rule: files to `max_size` bytes kept while the room
+ * less `spare` takes them (`nothing`: the cache keeps none), rows for files to `largest`
+ * bytes; the control file's `control` at the root is the daemon's. */
+EXPORT void lane_lookup_policy(int on, int64_t max_size, int64_t largest, int64_t spare,
+                               int nothing, const char *control) {
+    pthread_mutex_lock(&rows_lock);
+    lookups_on = on;
+    max_file_size = max_size, row_max = largest, headroom = spare, keeps_nothing = nothing;
+    snprintf(control_name, sizeof control_name, "%s", control);
+    pthread_mutex_unlock(&rows_lock);
+}
+
+/* The bytes the cache would still take now (whole pages: coordlfs.cache.room.Room.changed). */
+EXPORT void lane_room(int64_t bytes) {
+    pthread_mutex_lock(&rows_lock);
+    room = bytes;
+    pthread_mutex_unlock(&rows_lock);
+}
+
+/* One of the daemon's tables holds key (dev, ino) (`delta` 1) or no longer (-1): a LOOKUP of
+ * it is the daemon's while any does. 0, or -ENOMEM: then no LOOKUP is answered here again (a
+ * hold not kept could give a key two inodes). */
+EXPORT int lane_hold(uint64_t dev, uint64_t ino, int delta) {
+    pthread_mutex_lock(&rows_lock);
+    struct key *k = get(&keys, dev, ino);
+    int rc = 0;
+    if (!k && delta > 0) {
+        if (!(k = calloc(1, sizeof *k)) || (k->link.a = dev, k->link.b = ino,
+                                           put(&keys, &k->link) < 0)) {
+            free(k);
+            k = NULL;
+            lookups_on = 0;
+            rc = -ENOMEM;
+        }
+    }
+    if (k) {
+        k->holds += delta;
+        if (k->holds < 0)
+            k->holds = 0;
+        settle(k);
+    }
+    pthread_mutex_unlock(&rows_lock);
+    return rc;
+}
+
+/* The node `n` (of key `k`) given to the daemon: its number, key, lookups, version, path. */
+static void adopt(struct node *n, struct key *k, uint64_t *id, uint64_t key[2],
+                  int64_t out[4], char *path, size_t cap) {
+    *id = n->link.a;
+    key[0] = n->dev, key[1] = n->ino;
+    out[0] = n->lookups, out[1] = n->size, out[2] = n->mtime_ns, out[3] = n->ctime_ns;
+    snprintf(path, cap, "%s", n->path);
+    k->holds++; /* the daemon's inode now */
+    remove_node(n);
+}
+
+/* The node numbered here for key (dev, ino) (`by_key`) or numbered `*id` (else), adopted by
+ * the daemon: 1, its number in `*id`, key, lookups, version (size, mtime_ns, ctime_ns) and
+ * path out (a row's path fits `cap` = ROW_PATH_MAX); 0 if there is none. With `hold` and
+ * none, the daemon holds the key from now on (it makes an inode of it): at once, so that no
+ * LOOKUP here numbers it meanwhile. -ENOMEM as lane_hold. */
+EXPORT int lane_adopt(int by_key, uint64_t dev, uint64_t ino, int hold, uint64_t *id,
+                      uint64_t key[2], int64_t out[4], char *path, size_t cap) {
+    pthread_mutex_lock(&rows_lock);
+    struct node *n = by_key ? NULL : get(&nodes, *id, 0);
+    struct key *k = by_key ? get(&keys, dev, ino) : n ? get(&keys, n->dev, n->ino) : NULL;
+    if (by_key && k && k->node)
+        n = get(&nodes, k->node, 0);
+    int rc = n && k;
+    if (rc)
+        adopt(n, k, id, key, out, path, cap);
+    pthread_mutex_unlock(&rows_lock);
+    if (!rc && by_key && hold)
+        return lane_hold(dev, ino, 1);
+    return rc;
+}
+
+/* Any node numbered here, adopted (lane_adopt's out): 1, or 0 when there is none. */
+EXPORT int lane_adopt_any(uint64_t *id, uint64_t key[2], int64_t out[4], char *path,
+                          size_t cap) {
+    pthread_mutex_lock(&rows_lock);
+    struct node *n = NULL;
+    for (size_t i = 0; i < nodes.n && !n; i++)
+        n = (struct node *)nodes.buckets[i];
+    struct key *k = n ? get(&keys, n->dev, n->ino) : NULL;
+    int rc = n && k;
+    if (rc)
+        adopt(n, k, id, key, out, path, cap);
+    pthread_mutex_unlock(&rows_lock);
+    return rc;
+}
+
+/* Answer LOOKUPs of names in directory `nodeid`, at `path` beneath the root (the daemon
+ * watches it): 0, or -ENOMEM, -ENAMETOOLONG (then they stay the daemon's). */
+EXPORT int lane_directory(uint64_t nodeid, const char *path) {
+    size_t plen = strlen(path);
+    if (plen >= ROW_PATH_MAX)
+        return -ENAMETOOLONG;
+    pthread_mutex_lock(&rows_lock);
+    struct dir *d = get(&dirs, nodeid, 0);
+    int rc = 0;
+    if (!d || strcmp(d->path, path)) {
+        drop_directory_locked(nodeid);
+        if (!(d = malloc(sizeof *d + plen + 1)) ||
+            (d->link.a = nodeid, d->link.b = 0, memcpy(d->path, path, plen + 1),
+             put(&dirs, &d->link) < 0)) {
+            free(d);
+            rc = -ENOMEM;
+        }
+    }
+    pthread_mutex_unlock(&rows_lock);
+    return rc;
+}
+
+void drop_directory_locked(uint64_t nodeid) {
+    struct dir *d = get(&dirs, nodeid, 0);
+    if (d) {
+        take_out(&dirs, &d->link);
+        free(d);
+    }
+}
+
+/* No LOOKUP answered in any directory until the daemon offers it again (a directory was
+ * renamed: paths beneath it changed; the source is no longer watched). */
+EXPORT void lane_directories_clear(void) {
+    pthread_mutex_lock(&rows_lock);
+    for (size_t i = 0; i < dirs.n; i++)
+        for (struct link *l = dirs.buckets[i], *next; l; l = next) {
+            next = l->next;
+            free(l);
+        }
+    free(dirs.buckets);
+    dirs = (struct table){0};
+    pthread_mutex_unlock(&rows_lock);
+}
+
+/* Nodes numbered here and not adopted; keys held or numbered; directories; the bytes a key
+ * held takes (with its share of the table: what each inode and cache entry costs beside). */
+EXPORT void lane_lookup_gauges(int64_t out[4]) {
+    pthread_mutex_lock(&rows_lock);
+    out[0] = (int64_t)nodes.count, out[1] = (int64_t)keys.count, out[2] = (int64_t)dirs.count;
+    pthread_mutex_unlock(&rows_lock);
+    out[3] = (int64_t)(sizeof(struct key) + MALLOC_HEADER + 2 * sizeof(void *));
+}
+
+/* -- answers ------------------------------------------------------------------------------ */
+
+/* Whether a file of `size` bytes is noted (1: the cache keeps it at the last release), read
+ * from the source for good (0), or the daemon's to decide (-1). Under the mutex. */
+static int note_for(int64_t size) {
+    int64_t pages = (size + PAGE - 1) / PAGE * PAGE;
+    if (size > max_file_size || keeps_nothing)
+        return 0;
+    return pages + headroom <= room ? 1 : -1;
+}
+
+/* A node numbered now for the file `st` at `path` (its key `k`, NULL if none is kept yet),
+ * with one lookup; NULL without memory. Under the mutex. */
+static struct node *numbered_node(struct key *k, const struct stat *st,
+                                  const int64_t version[STAT_FIELDS], const char *path) {
+    struct node *n = malloc(sizeof *n + strlen(path) + 1);
+    struct key *fresh = k ? NULL : calloc(1, sizeof *fresh);
+    if (!n || (!k && !fresh)) {
+        free(n), free(fresh);
+        return NULL;
+    }
+    if (fresh) {
+        fresh->link.a = (uint64_t)st->st_dev, fresh->link.b = (uint64_t)st->st_ino;
+        if (put(&keys, &fresh->link) < 0) {
+            free(n), free(fresh);
+            return NULL;
+        }
+        k = fresh;
+    }
+    n->link.a = LANE_NODE | ++numbered, n->link.b = 0;
+    n->dev = (uint64_t)st->st_dev, n->ino = (uint64_t)st->st_ino;
+    n->lookups = 1, n->size = st->st_size, n->mtime_ns = version[3], n->ctime_ns = version[4];
+    strcpy(n->path, path);
+    if (put(&nodes, &n->link) < 0) {
+        settle(k);
+        free(n);
+        return NULL;
+    }
+    k->node = n->link.a;
+    return n;
+}
+
+/* A LOOKUP of `name` in `parent`: answered (1), else 0. */
+static int answer_lookup(const struct in_header *in, const char *name, size_t len) {
+    size_t nlen = strnlen(name, len);
+    uint64_t valid = atomic_load(&attr_valid_ns);
+    if (!nlen || nlen == len || !valid || !strcmp(name, ".") || !strcmp(name, "..") ||
+        memchr(name, '/', nlen))
+        return 0;
+    char path[ROW_PATH_MAX];
+    pthread_mutex_lock(&rows_lock);
+    struct dir *d = lookups_on && enabled ? get(&dirs, in->nodeid, 0) : NULL;
+    int fits = d && (in->nodeid != 1 || strcmp(name, control_name)) &&
+               snprintf(path, sizeof path, "%s%s%s", d->path, *d->path ? "/" : "", name) <
+                   (int)sizeof path;
+    pthread_mutex_unlock(&rows_lock);
+    if (!fits)
+        return 0;
+    int fd = open_beneath(path, O_PATH);
+    struct stat st;
+    int ok = fd >= 0 && fstat(fd, &st) == 0;
+    if (fd >= 0)
+        close(fd);
+    if (!ok || !S_ISREG(st.st_mode) || st.st_size <= 0)
+        return 0;
+    int64_t version[STAT_FIELDS] = {
+        (int64_t)st.st_dev, (int64_t)st.st_ino, st.st_size,
+        st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec,
+        st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec,
+        st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec, st.st_blocks, st.st_mode,
+        (int64_t)st.st_nlink, st.st_uid, st.st_gid, (int64_t)st.st_rdev, st.st_blksize};
+    uint64_t id = 0;
+    pthread_mutex_lock(&rows_lock);
+    struct key *k = get(&keys, (uint64_t)st.st_dev, (uint64_t)st.st_ino);
+    struct node *n = k && k->node ? get(&nodes, k->node, 0) : NULL;
+    int note = note_for(st.st_size);
+    if (!lookups_on || !enabled || st.st_size > row_max || note < 0 || (k && k->holds))
+        ; /* the daemon's */
+    else if (n) {
+        /* looked up again (a name dropped, a hard link): while its row stands for this
+         * version; else the daemon decides (it adopts the node: a changed file, held opens) */
+        if (n->size == st.st_size && n->mtime_ns == version[3] && n->ctime_ns == version[4] &&
+            offer_locked(n->link.a, 0, path, version, 1, note, -1) == 0) {
+            n->lookups++;
+            id = n->link.a;
+        }
+    } else if ((n = numbered_node(k, &st, version, path))) {
+        if (offer_locked(n->link.a, 0, path, version, 1, note, -1) == 0)
+            id = n->link.a;
+        else
+            remove_node(n); /* and its key, if nothing else keeps it */
+    }
+    pthread_mutex_unlock(&rows_lock);
+    if (!id)
+        return 0;
+    struct entry_out out = {id, 0, valid / 1000000000u, valid / 1000000000u,
+                            (uint32_t)(valid % 1000000000u), (uint32_t)(valid % 1000000000u),
+                            {0}};
+    attr_of(&out.attr, &st, id);
+    atomic_fetch_add(&answered_lookups, 1);
+    reply(in->unique, 0, &out, sizeof out);
+    return 1;
+}
+
+/* The kernel drops `count` lookups of `nodeid`: 1 if the node is numbered here (it goes at
+ * its last, with its row), else 0. Under the mutex. */
+static int forget_locked(uint64_t nodeid, uint64_t count) {
+    struct node *n = nodes.n ? get(&nodes, nodeid, 0) : NULL;
+    if (!n)
+        return 0;
+    n->lookups -= (int64_t)count;
+    if (n->lookups <= 0) {
+        drop_locked(nodeid);
+        remove_node(n);
+    }
+    atomic_fetch_add(&answered_forgets, 1);
+    return 1;
+}
+
+int lookup_answered(char *mem, size_t len) {
+    struct in_header *in = (void *)mem;
+    char *arg = mem + sizeof *in;
+    size_t rest = len - sizeof *in;
+    if (in->opcode == FUSE_LOOKUP)
+        return answer_lookup(in, arg, rest);
+    if (!(in->nodeid & LANE_NODE) && in->opcode == FUSE_FORGET)
+        return 0;
+    if (in->opcode == FUSE_FORGET && rest >= sizeof(uint64_t)) {
+        uint64_t count;
+        memcpy(&count, arg, sizeof count);
+        pthread_mutex_lock(&rows_lock);
+        int ok = forget_locked(in->nodeid, count);
+        pthread_mutex_unlock(&rows_lock);
+        return ok; /* a FORGET has no reply */
+    }
+    if (in->opcode != FUSE_BATCH_FORGET || rest < sizeof(struct batch_forget_in))
+        return 0;
+    struct batch_forget_in *batch = (void *)arg;
+    struct forget_one *one = (void *)(arg + sizeof *batch);
+    uint32_t count = batch->count, kept = 0;
+    if (count > (rest - sizeof *batch) / sizeof *one)
+        return 0; /* torn: the daemon's to refuse */
+    pthread_mutex_lock(&rows_lock);
+    for (uint32_t i = 0; i < count; i++)
+        if (!(one[i].nodeid & LANE_NODE) || !forget_locked(one[i].nodeid, one[i].nlookup))
+            one[kept++] = one[i];
+    pthread_mutex_unlock(&rows_lock);
+    if (!kept)
+        return 1;
+    batch->count = kept;
+    in->len = (uint32_t)(sizeof *in + sizeof *batch + kept * sizeof *one);
+    return 0;
+}
