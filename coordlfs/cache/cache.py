@@ -91,7 +91,7 @@ class WholeFileCache:
         #: then (a fill would read storage twice); else later such opens wait for the fill
         self.read_elsewhere: Callable[[Key], bool] = lambda key: False
         #: a file over ``max_file_size`` was turned away: said once (``_too_large``)
-        self._too_large_said = False
+        self.too_large_said = False
         self.journal = journal.Journal(self.dir_fd, self.directory)
         self.publisher = Publisher(self.entries, self.room, self.dir_fd, self.files.fd,
                                    self.directory, self.fill_noticed)
@@ -198,8 +198,8 @@ class WholeFileCache:
         """Say, once per mount, that files over ``--max-file-size`` are read from the source
         and never cached, naming the first and the option: an epoch over such files reads
         storage every time, and only the log can say why (per file it would flood it)."""
-        if not self._too_large_said:
-            self._too_large_said = True
+        if not self.too_large_said:
+            self.too_large_said = True
             log.warning("%s (%s) is larger than --max-file-size (%s): it is read from the "
                         "source, not cached, as is every file over that size (said once); "
                         "remount with a larger --max-file-size to cache them",

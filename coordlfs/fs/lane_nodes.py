@@ -50,8 +50,8 @@ class LaneNodes:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        lib.lane_lookup_policy.argtypes = [ctypes.c_int, _i64, _i64, _i64, ctypes.c_int,
-                                           ctypes.c_char_p]
+        lib.lane_lookup_policy.argtypes = [ctypes.c_int, _i64, ctypes.c_int, _i64, _i64,
+                                           ctypes.c_int, ctypes.c_char_p]
         lib.lane_room.argtypes = [_i64]
         lib.lane_hold.argtypes = [_u64, _u64, ctypes.c_int]
         lib.lane_adopt.argtypes = [ctypes.c_int, _u64, _u64, ctypes.c_int,
@@ -65,14 +65,14 @@ class LaneNodes:
         #: out buffers of an adoption, allocated once (the daemon's loop is their one caller)
         self._out = (_u64(), (_u64 * 2)(), (_i64 * 4)(), ctypes.create_string_buffer(_PATH_CAP))
 
-    def policy(self, on: bool, max_file_size: int, largest: int, headroom: int,
-               keeps_nothing: bool, control_name: bytes) -> None:
+    def policy(self, on: bool, max_file_size: int, over_max: bool, largest: int,
+               headroom: int, keeps_nothing: bool, control_name: bytes) -> None:
         """Answer LOOKUPs (``on``) of files to ``largest`` bytes, their opens' rows noted for
         the cache while its room less ``headroom`` takes them (none if it ``keeps_nothing``;
-        read from the source for good above ``max_file_size``); ``control_name`` at the root
-        is the daemon's."""
-        self._lib.lane_lookup_policy(on, max_file_size, largest, headroom, keeps_nothing,
-                                     control_name)
+        read from the source for good above ``max_file_size``, or with ``over_max`` left to
+        the daemon); ``control_name`` at the root is the daemon's."""
+        self._lib.lane_lookup_policy(on, max_file_size, over_max, largest, headroom,
+                                     keeps_nothing, control_name)
 
     def room(self, size: int) -> None:
         """The cache would take a file of ``size`` bytes now (``Room.changed``)."""

@@ -103,12 +103,14 @@ class LaneRows:
 
     def _lookup_policy(self) -> None:
         """The lane answers LOOKUPs of small files by ``_offer_source``'s rule: not while the
-        cluster has peers (one of them may hold the file: the daemon offers a peer row)."""
+        cluster has peers (one of them may hold the file: the daemon offers a peer row), nor
+        of a file over ``--max-file-size`` until the daemon said once that such files are
+        not cached (``WholeFileCache.keeps``: the log is where a user learns why)."""
         lane, cache = self.lane, self.cache
         if lane is not None:
             lane.nodes.policy(self._lookups and not self.readers.peers.links,
-                              cache.max_file_size, FILL_CHUNK, NOTE_HEADROOM,
-                              not cache.room.capacity, CONTROL_NAME.encode())
+                              cache.max_file_size, not cache.too_large_said, FILL_CHUNK,
+                              NOTE_HEADROOM, not cache.room.capacity, CONTROL_NAME.encode())
 
     def no_lookups(self) -> None:
         """The source is no longer watched: LOOKUPs are the daemon's (names revalidate)."""
@@ -294,6 +296,7 @@ class LaneRows:
             lane.offer_source(inode, path, st, note=True)
         elif size > cache.max_file_size or not cache.room.capacity:  # never kept here
             lane.offer_source(inode, path, st, note=False)
+            self._lookup_policy()  # said now, if it was over --max-file-size
 
     def _offer_peer(self, lane: Lane, inode: int, st: os.stat_result, path: bytes) -> None:
         """A small file a peer ranked before this node caches (``Opens._choose`` asks that

@@ -137,10 +137,11 @@ struct dir {
 
 static struct table keys, nodes, dirs;
 static uint64_t numbered;
-/* lane_lookup_policy's: answer at all; the cache's --max-file-size; a row's largest file; the
- * headroom a note row needs; whether the cache keeps nothing; the room (lane_room); the
- * control file's name at the root. Under the mutex. */
-static int lookups_on;
+/* lane_lookup_policy's: answer at all; the cache's --max-file-size, and whether a file over
+ * it is the daemon's (until it said, once, that such files are not cached); a row's largest
+ * file; the headroom a note row needs; whether the cache keeps nothing; the room (lane_room);
+ * the control file's name at the root. Under the mutex. */
+static int lookups_on, over_max_to_daemon;
 static int64_t max_file_size, row_max, headroom, room;
 static int keeps_nothing;
 static char control_name[NAME_MAX + 1];
@@ -173,12 +174,13 @@ static void remove_node(struct node *n) {
 /* -- the daemon's calls ------------------------------------------------------------------- */
 
 /* Answer LOOKUPs (`on`) by the cache's rule: files to `max_size` bytes kept while the room
- * less `spare` takes them (`nothing`: the cache keeps none), rows for files to `largest`
- * bytes; the control file's `control` at the root is the daemon's. */
-EXPORT void lane_lookup_policy(int on, int64_t max_size, int64_t largest, int64_t spare,
-                               int nothing, const char *control) {
+ * less `spare` takes them (`nothing`: the cache keeps none), larger ones never (`over_max`:
+ * the daemon's), rows for files to `largest` bytes; the control file's `control` at the root
+ * is the daemon's. */
+EXPORT void lane_lookup_policy(int on, int64_t max_size, int over_max, int64_t largest,
+                               int64_t spare, int nothing, const char *control) {
     pthread_mutex_lock(&rows_lock);
-    lookups_on = on;
+    lookups_on = on, over_max_to_daemon = over_max;
     max_file_size = max_size, row_max = largest, headroom = spare, keeps_nothing = nothing;
     snprintf(control_name, sizeof control_name, "%s", control);
     pthread_mutex_unlock(&rows_lock);
@@ -323,7 +325,9 @@ EXPORT void lane_lookup_gauges(int64_t out[4]) {
  * from the source for good (0), or the daemon's to decide (-1). Under the mutex. */
 static int note_for(int64_t size) {
     int64_t pages = (size + PAGE - 1) / PAGE * PAGE;
-    if (size > max_file_size || keeps_nothing)
+    if (size > max_file_size)
+        return over_max_to_daemon ? -1 : 0;
+    if (keeps_nothing)
         return 0;
     return pages + headroom <= room ? 1 : -1;
 }

@@ -59,11 +59,13 @@ def raw(s: Session, opcode: int, nodeid: int, arg: bytes) -> bytes | None:
     raise AssertionError(f"neither taken nor queued after {WAIT_S} s")
 
 
-def serving(s: Session, room: int = 1 << 40, keeps_nothing: bool = False) -> LaneNodes:
+def serving(s: Session, room: int = 1 << 40, keeps_nothing: bool = False,
+            max_file_size: int = 64 << 20, over_max: bool = False) -> LaneNodes:
     """The lane answering LOOKUPs at the root and in ``d`` (node 7)."""
     nodes = s.lane.nodes
     s.lane.attr_timeout(3600)
-    nodes.policy(True, 64 << 20, FILL_CHUNK, 64 << 20, keeps_nothing, CONTROL_NAME.encode())
+    nodes.policy(True, max_file_size, over_max, FILL_CHUNK, 64 << 20, keeps_nothing,
+                 CONTROL_NAME.encode())
     nodes.room(room)
     nodes.directory(ROOT, b"")
     nodes.directory(7, b"d")
@@ -167,7 +169,8 @@ def test_the_cache_rule_decides_what_is_looked_up_in_c(session: Session, source:
                                                         lib: ctypes.CDLL) -> None:
     """A file over a row's size, or one the cache would keep but has no room for beside the
     headroom, is the daemon's; with a cache that keeps nothing, every small file is the
-    lane's (read from the source for good)."""
+    lane's (read from the source for good), and so is one over ``--max-file-size`` once the
+    daemon said such files are not cached (before, it is the daemon's, to say it)."""
     big = source / "big.bin"
     big.write_bytes(os.urandom(FILL_CHUNK + 1))
     serving(session)
@@ -176,6 +179,10 @@ def test_the_cache_rule_decides_what_is_looked_up_in_c(session: Session, source:
     assert lookup(session, ROOT, "g.bin") is None
     serving(session, room=0, keeps_nothing=True)
     assert lookup(session, ROOT, "g.bin") is not None
+    serving(session, max_file_size=4096, over_max=True)
+    assert lookup(session, 7, "f.bin") is None  # 4097 bytes
+    serving(session, max_file_size=4096, over_max=False)
+    assert lookup(session, 7, "f.bin") is not None
 
 
 def test_a_reply_is_never_sent_for_a_torn_request(session: Session, source: Path) -> None:
