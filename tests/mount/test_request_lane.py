@@ -167,7 +167,8 @@ def test_the_third_epoch_is_answered_by_the_lane_and_counted_as_hits(
             "bytes_from_cache": total, "opened_bytes": total}, (mode, third)
         assert third["file_misses"] == third["read_hits"] == third["read_misses"] == 0, third
         if mode == "auto":
-            assert "request lane on: hits and small misses are answered in C" in m.log.read_text()
+            assert ("request lane on: hits, small misses and their lookups are answered in C"
+                    in m.log.read_text())
             state = lane_state(m)
             assert state is not None
             stats = run_cli("stats", "--json", str(m.mountpoint))
