@@ -55,9 +55,8 @@ class Room:
         #: bytes of files handed over for filling and not reserved yet (``promise``)
         self.promised = 0
         self._no_room_warned = False
-        #: told the room for a new file whenever it changes (the published index, the request
-        #: lane's LOOKUPs)
-        self.told: list[Callable[[int], None]] = []
+        #: told the room for a new file whenever it changes (the published index's)
+        self.tell: Callable[[int], None] | None = None
 
     def take(self, size: int) -> None:
         self.used += pages(size)
@@ -116,15 +115,17 @@ class Room:
 
     def changed(self) -> None:
         """Tell how large a new file the cache would still take: clients read a larger file from
-        the source themselves (through the mount it would only be streamed). Room promised
-        to files handed over for filling is not theirs (the mount's own readers still take
-        what comes first, as the cache does)."""
-        if self.told:
-            room = self.capacity - self.used - self.promised
-            if self.full:
-                room = min(room, self.free() - ROOM_SLACK)
-            # in whole pages, as a file is charged: a client's ``size <= room`` then says
-            # what ``reserve`` will (a file a few bytes under the room went through the mount
-            # and was not cached)
-            for tell in self.told:
-                tell(max(0, room) // pages(1) * pages(1))
+        the source themselves (through the mount it would only be streamed)."""
+        if self.tell is not None:
+            self.tell(self.available())
+
+    def available(self) -> int:
+        """How large a new file the cache would still take. Room promised to files handed over
+        for filling is not theirs (the mount's own readers still take what comes first, as
+        the cache does). In whole pages, as a file is charged: a client's ``size <= room``
+        then says what ``reserve`` will (a file a few bytes under the room went through the
+        mount and was not cached)."""
+        room = self.capacity - self.used - self.promised
+        if self.full:
+            room = min(room, self.free() - ROOM_SLACK)
+        return max(0, room) // pages(1) * pages(1)

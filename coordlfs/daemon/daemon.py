@@ -252,6 +252,7 @@ class Daemon:
 
     def status(self) -> dict[str, Any]:
         cache = self.cache
+        lane_nodes, lane_bytes = self.ops.opens.rows.nodes()  # inodes the kernel knows beside
         return {
             "version": __version__,
             "protocol": PROTOCOL_VERSION,
@@ -281,11 +282,12 @@ class Daemon:
             "prefetch": self.prefetcher.status(),
             "fills": self.fills.status(),
             "prep": self.prep.status(),
-            "inodes": len(self.ops.inodes),
+            "inodes": len(self.ops.inodes) + lane_nodes,
             "inode_table_bytes": self.ops.inodes.nbytes(),
             "memory": memory_status(
-                tables=(self.ops.inodes.nbytes(), cache.entries.nbytes()),
-                rows=(len(self.ops.inodes), len(cache.entries)), cached_bytes=cache.room.used,
+                tables=(self.ops.inodes.nbytes() + lane_bytes, cache.entries.nbytes()),
+                rows=(len(self.ops.inodes) + lane_nodes, len(cache.entries)),
+                cached_bytes=cache.room.used,
                 source_fstype=self.source_fstype,
                 passthrough=self.ops.opens.backings is not None,
                 lane_row=self.ops.opens.rows.census()[1],

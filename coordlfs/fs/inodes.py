@@ -162,6 +162,18 @@ class InodeTable(Rows):
         """``self[inode].path``, without the view."""
         return self.paths.get(self._row(inode))
 
+    def lanes(self, inode: int) -> bool:
+        """Whether ``inode`` is a node the lane numbered and keeps (not adopted)."""
+        return bool(inode & LANE_NODE) and inode not in self._adopted
+
+    def number(self, key: Key) -> int | None:
+        """The inode the kernel knows ``key`` by: ours, or the number of the lane's node for
+        it, left the lane's (``find`` adopts it)."""
+        row = self.keys.find(key)
+        if row >= 0:
+            return self._inode(row)
+        return None if self.lane_nodes is None else self.lane_nodes.number_of(key)
+
     def find(self, key: Key) -> int | None:
         row = self.keys.find(key)
         if row < 0 and self.lane_nodes is not None:
@@ -213,7 +225,10 @@ class InodeTable(Rows):
         self.set_version(row, version)
 
     def detached(self, inode: int) -> Version | None:
-        """The version a detached inode stands for; None for an inode that is its key's."""
+        """The version a detached inode stands for; None for an inode that is its key's (the
+        lane's nodes, not adopted, among them)."""
+        if self.lanes(inode):
+            return None
         row = self._row(inode)
         return self.version(row) if row in self._detached else None
 

@@ -318,7 +318,7 @@ class Lane:
     def status(self) -> dict[str, int]:
         (opens, _, releases, source_opens, _, _, peer_opens, _, getattrs, ioctls, lookups,
          forgets) = self.counts()
-        nodes, keys, directories, _ = self.nodes.gauges()
+        nodes, keys, directories, _, _ = self.nodes.gauges()
         return {"opens": opens, "source_opens": source_opens, "peer_opens": peer_opens,
                 "releases": releases, "getattrs": getattrs, "ioctls": ioctls,
                 "lookups": lookups, "forgets": forgets, "rows": self.gauges()[1],

@@ -61,9 +61,13 @@ class LaneNodes:
                                        ctypes.POINTER(_i64 * 4), ctypes.c_char_p,
                                        ctypes.c_size_t]
         lib.lane_directory.argtypes = [_u64, ctypes.c_char_p]
-        lib.lane_lookup_gauges.argtypes = [ctypes.POINTER(_i64 * 4)]
-        #: out buffers of an adoption, allocated once (the daemon's loop is their one caller)
+        lib.lane_lookup_gauges.argtypes = [ctypes.POINTER(_i64 * 5)]
+        lib.lane_node_of.argtypes = [_u64, _u64]
+        lib.lane_node_of.restype = _u64
+        #: out buffers of an adoption, allocated once (the daemon's loop is their one caller),
+        #: and the number's reference (each ``byref`` costs a call as much as the call itself)
         self._out = (_u64(), (_u64 * 2)(), (_i64 * 4)(), ctypes.create_string_buffer(_PATH_CAP))
+        self._number = ctypes.byref(self._out[0])
 
     def policy(self, on: bool, max_file_size: int, over_max: bool, largest: int,
                headroom: int, keeps_nothing: bool, control_name: bytes) -> None:
@@ -98,21 +102,25 @@ class LaneNodes:
         """The node the lane numbered for ``key``, now the daemon's, if there is one."""
         return self._adopt(by_key=True, key=key, hold=False)
 
+    def number_of(self, key: Key) -> int | None:
+        """The number of the node the lane numbered for ``key`` (not adopted), if any."""
+        return self._lib.lane_node_of(key[0], key[1]) or None
+
     def adopt_number(self, number: int) -> Numbered | None:
         """The node the lane numbered ``number``, now the daemon's, if the lane has it."""
         return self._adopt(by_key=False, key=(0, 0), hold=False, number=number)
 
     def adopt_all(self) -> Iterator[Numbered]:
         """Every node the lane numbered, each the daemon's as it is given."""
-        number, key, out, path = self._out
-        while self._lib.lane_adopt_any(ctypes.byref(number), key, out, path, len(path)) == 1:
+        _, key, out, path = self._out
+        while self._lib.lane_adopt_any(self._number, key, out, path, _PATH_CAP) == 1:
             yield self._node()
 
     def _adopt(self, by_key: bool, key: Key, hold: bool, number: int = 0) -> Numbered | None:
         found, keys, out, path = self._out
         found.value = number
-        rc = self._lib.lane_adopt(by_key, key[0], key[1], hold, ctypes.byref(found), keys, out,
-                                  path, len(path))
+        rc = self._lib.lane_adopt(by_key, key[0], key[1], hold, self._number, keys, out, path,
+                                  _PATH_CAP)
         if rc < 0:
             raise MemoryError("the request lane could not keep a key held")
         return self._node() if rc == 1 else None
@@ -132,9 +140,9 @@ class LaneNodes:
         """No directory's LOOKUPs answered by the lane until offered again."""
         self._lib.lane_directories_clear()
 
-    def gauges(self) -> tuple[int, int, int, int]:
-        """Nodes numbered and not adopted, keys held or numbered, directories offered, and
-        the bytes a key held takes."""
-        out = (_i64 * 4)()
+    def gauges(self) -> tuple[int, int, int, int, int]:
+        """Nodes numbered and not adopted, keys held or numbered, directories offered, the
+        bytes a key held takes, and the bytes of all the nodes."""
+        out = (_i64 * 5)()
         self._lib.lane_lookup_gauges(ctypes.byref(out))
-        return out[0], out[1], out[2], out[3]
+        return out[0], out[1], out[2], out[3], out[4]

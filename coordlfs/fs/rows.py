@@ -95,8 +95,6 @@ class LaneRows:
         nodes, cache = lane.nodes, self.cache
         self.inodes.serve_lane_nodes(nodes)
         cache.entries.held_by(nodes)
-        cache.room.told.append(nodes.room)
-        cache.room.changed()
         self._lookups = lookups
         self.readers.peers.told.append(self._lookup_policy)
         self._lookup_policy()
@@ -105,9 +103,13 @@ class LaneRows:
         """The lane answers LOOKUPs of small files by ``_offer_source``'s rule: not while the
         cluster has peers (one of them may hold the file: the daemon offers a peer row), nor
         of a file over ``--max-file-size`` until the daemon said once that such files are
-        not cached (``WholeFileCache.keeps``: the log is where a user learns why)."""
+        not cached (``WholeFileCache.keeps``: the log is where a user learns why). The room it
+        decides by is told here, at each batch of notes and each LOOKUP of the daemon's that
+        finds a small file it would not keep: not at every reservation (a call per fill),
+        which the headroom covers."""
         lane, cache = self.lane, self.cache
         if lane is not None:
+            lane.nodes.room(cache.room.available())
             lane.nodes.policy(self._lookups and not self.readers.peers.links,
                               cache.max_file_size, not cache.too_large_said, FILL_CHUNK,
                               NOTE_HEADROOM, not cache.room.capacity, CONTROL_NAME.encode())
@@ -162,6 +164,14 @@ class LaneRows:
     def key_bytes(self) -> int:
         """What a key the lane is told is held costs (0 without the lane)."""
         return 0 if self.lane is None else self.lane.nodes.gauges()[3]
+
+    def nodes(self) -> tuple[int, int]:
+        """The nodes the lane numbered and keeps (inodes the kernel knows beside the table's),
+        and their bytes."""
+        if self.lane is None:
+            return 0, 0
+        gauges = self.lane.nodes.gauges()
+        return gauges[0], gauges[4]
 
     def held(self, inode: int) -> bool:
         """Whether the lane holds opens of ``inode`` it answered, not adopted (the daemon has
@@ -262,9 +272,12 @@ class LaneRows:
         file filled in this one is a hit in C (the kernel keeps the name: no LOOKUP comes).
         The lane checks the file at the inode's path per open, as for every row."""
         lane = self.lane
-        inode = None if lane is None else self.inodes.find(key)
+        inode = None if lane is None else self.inodes.number(key)
         if lane is not None and inode is not None and self._offerable(inode):
-            self._offer_entry(lane, inode, entry, st, self.inodes.path(inode))
+            # a node the lane numbered stays its own (no row of ours): the entry's path is
+            # one to the file, as good for the lane's check
+            path = entry.path if self.inodes.lanes(inode) else self.inodes.path(inode)
+            self._offer_entry(lane, inode, entry, st, path)
 
     def _offerable(self, inode: int) -> bool:
         """Whether a row may be offered for ``inode``: no open holds it (rows of held inodes
@@ -292,11 +305,13 @@ class LaneRows:
             return
         if self.readers.peers.links:
             self._offer_peer(lane, inode, st, path)
-        elif cache.keeps(path, size, NOTE_HEADROOM):
-            lane.offer_source(inode, path, st, note=True)
-        elif size > cache.max_file_size or not cache.room.capacity:  # never kept here
-            lane.offer_source(inode, path, st, note=False)
-            self._lookup_policy()  # said now, if it was over --max-file-size
+        else:
+            if cache.keeps(path, size, NOTE_HEADROOM):
+                lane.offer_source(inode, path, st, note=True)
+            elif size > cache.max_file_size or not cache.room.capacity:  # never kept here
+                lane.offer_source(inode, path, st, note=False)
+            self._lookup_policy()  # the lane left it to us: its room may be old, or a file
+            # over --max-file-size was said just now
 
     def _offer_peer(self, lane: Lane, inode: int, st: os.stat_result, path: bytes) -> None:
         """A small file a peer ranked before this node caches (``Opens._choose`` asks that
@@ -334,6 +349,7 @@ class LaneRows:
                 self._noted(note)
             finally:
                 os.close(note.fd)
+        self._lookup_policy()  # the room they took
 
     def _noted(self, note: Note) -> None:
         """Backfill the file of ``note`` from the pages its reads brought in, if it is still
@@ -353,7 +369,7 @@ class LaneRows:
         their last release (then it must not: storage would be read twice). Else its source
         row goes, so that its next open waits for the fill (a hit) instead."""
         lane = self.lane
-        inode = self.inodes.find(key) if lane is not None else None
+        inode = self.inodes.number(key) if lane is not None else None
         if lane is None or inode is None or inode in self._open:
             return False  # no source row: it is offered only while no open holds the inode
         return lane.claim(inode)

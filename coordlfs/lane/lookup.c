@@ -310,13 +310,28 @@ EXPORT void lane_directories_clear(void) {
     pthread_mutex_unlock(&rows_lock);
 }
 
+/* The number of the node numbered here for key (dev, ino), not adopted; 0 if there is none. */
+EXPORT uint64_t lane_node_of(uint64_t dev, uint64_t ino) {
+    pthread_mutex_lock(&rows_lock);
+    struct key *k = get(&keys, dev, ino);
+    uint64_t node = k ? k->node : 0;
+    pthread_mutex_unlock(&rows_lock);
+    return node;
+}
+
 /* Nodes numbered here and not adopted; keys held or numbered; directories; the bytes a key
- * held takes (with its share of the table: what each inode and cache entry costs beside). */
-EXPORT void lane_lookup_gauges(int64_t out[4]) {
+ * held takes (with its share of the table: what each inode and cache entry costs beside);
+ * the bytes of all the nodes with their table (their share of what the inodes cost). */
+EXPORT void lane_lookup_gauges(int64_t out[5]) {
     pthread_mutex_lock(&rows_lock);
     out[0] = (int64_t)nodes.count, out[1] = (int64_t)keys.count, out[2] = (int64_t)dirs.count;
+    int64_t bytes = (int64_t)(nodes.n * sizeof *nodes.buckets);
+    for (size_t i = 0; i < nodes.n; i++)
+        for (struct link *l = nodes.buckets[i]; l; l = l->next)
+            bytes += (int64_t)malloc_usable_size(l) + MALLOC_HEADER;
     pthread_mutex_unlock(&rows_lock);
     out[3] = (int64_t)(sizeof(struct key) + MALLOC_HEADER + 2 * sizeof(void *));
+    out[4] = bytes;
 }
 
 /* -- answers ------------------------------------------------------------------------------ */
