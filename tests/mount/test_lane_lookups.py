@@ -69,7 +69,7 @@ def test_a_cold_epoch_is_looked_up_in_c_and_next_is_hits_in_c(tmp_path: Path, mo
         assert lane(m)["opens"] - opens == len(NAMES), "a hit of the next epoch not in C"
         lookups = lane(m)["lookups"]
         drop_caches()  # the names and inodes go; each is looked up again, by the daemon
-        wait_for(lambda: lane(m)["nodes"] == 0, "the lane's nodes forgotten")
+        wait_for(lambda m=m: lane(m)["nodes"] == 0, "the lane's nodes forgotten")
         assert epoch(m, want)["file_hits"] == len(NAMES)
         assert lane(m)["lookups"] == lookups, "a cached file's LOOKUP answered by the lane"
     assert counted["auto"] == counted["no"], counted
