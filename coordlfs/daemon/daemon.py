@@ -252,7 +252,8 @@ class Daemon:
 
     def status(self) -> dict[str, Any]:
         cache = self.cache
-        lane_nodes, lane_bytes = self.ops.opens.rows.nodes()  # inodes the kernel knows beside
+        # inodes the kernel knows beside the table's, and a key's cost in the lane
+        lane_nodes, lane_bytes, lane_key = self.ops.opens.rows.nodes()
         return {
             "version": __version__,
             "protocol": PROTOCOL_VERSION,
@@ -291,7 +292,7 @@ class Daemon:
                 source_fstype=self.source_fstype,
                 passthrough=self.ops.opens.backings is not None,
                 lane_row=self.ops.opens.rows.census()[1],
-                lane_key=self.ops.opens.rows.key_bytes()),
+                lane_key=lane_key),
             "freshness": self.ops.freshness.status(),
             "marks": [m.name for m in self.stats.marks],
             **self.groups.status(),

@@ -19,11 +19,14 @@ holds in one step under the lane's mutex, so that no LOOKUP numbers a key in bet
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from coordlfs.cache.compact import Key
 from coordlfs.source.source import Version
+
+log = logging.getLogger(__name__)
 
 #: the bit of the numbers the lane gives its nodes (lookup.c's LANE_NODE)
 LANE_NODE = 1 << 62
@@ -68,6 +71,8 @@ class LaneNodes:
         #: and the number's reference (each ``byref`` costs a call as much as the call itself)
         self._out = (_u64(), (_u64 * 2)(), (_i64 * 4)(), ctypes.create_string_buffer(_PATH_CAP))
         self._number = ctypes.byref(self._out[0])
+        #: a key could not be held (``_out_of_memory``)
+        self._short = False
 
     def policy(self, on: bool, max_file_size: int, over_max: bool, largest: int,
                headroom: int, keeps_nothing: bool, control_name: bytes) -> None:
@@ -91,7 +96,15 @@ class LaneNodes:
 
     def _held(self, key: Key, delta: int) -> None:
         if self._lib.lane_hold(key[0], key[1], delta) < 0:
-            raise MemoryError("the request lane could not keep a key held")
+            self._out_of_memory()
+
+    def _out_of_memory(self) -> None:
+        """The lane could not keep a key held: it answers no LOOKUP from now on (lookup.c),
+        so no key gets two inodes, and the daemon's request goes on. Said once."""
+        if not self._short:
+            self._short = True
+            log.warning("the request lane is out of memory for keys held: LOOKUPs are the "
+                        "daemon's from now on")
 
     def claim(self, key: Key) -> Numbered | None:
         """The node the lane numbered for ``key``, now the daemon's; else None, and the
@@ -122,7 +135,7 @@ class LaneNodes:
         rc = self._lib.lane_adopt(by_key, key[0], key[1], hold, self._number, keys, out, path,
                                   _PATH_CAP)
         if rc < 0:
-            raise MemoryError("the request lane could not keep a key held")
+            self._out_of_memory()
         return self._node() if rc == 1 else None
 
     def _node(self) -> Numbered:

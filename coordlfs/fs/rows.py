@@ -103,16 +103,20 @@ class LaneRows:
         """The lane answers LOOKUPs of small files by ``_offer_source``'s rule: not while the
         cluster has peers (one of them may hold the file: the daemon offers a peer row), nor
         of a file over ``--max-file-size`` until the daemon said once that such files are
-        not cached (``WholeFileCache.keeps``: the log is where a user learns why). The room it
-        decides by is told here, at each batch of notes and each LOOKUP of the daemon's that
-        finds a small file it would not keep: not at every reservation (a call per fill),
-        which the headroom covers."""
+        not cached (``WholeFileCache.keeps``: the log is where a user learns why)."""
         lane, cache = self.lane, self.cache
         if lane is not None:
-            lane.nodes.room(cache.room.available())
+            self._tell_room()
             lane.nodes.policy(self._lookups and not self.readers.peers.links,
                               cache.max_file_size, not cache.too_large_said, FILL_CHUNK,
                               NOTE_HEADROOM, not cache.room.capacity, CONTROL_NAME.encode())
+
+    def _tell_room(self) -> None:
+        """The room the lane decides its LOOKUPs' rows by: told at each batch of notes and at
+        each small file's LOOKUP it left to the daemon, not at every reservation (a call per
+        fill), which the headroom covers."""
+        if self.lane is not None:
+            self.lane.nodes.room(self.cache.room.available())
 
     def no_lookups(self) -> None:
         """The source is no longer watched: LOOKUPs are the daemon's (names revalidate)."""
@@ -161,17 +165,13 @@ class LaneRows:
         held, row = lane.census()
         return held, row + backings.id_bytes()
 
-    def key_bytes(self) -> int:
-        """What a key the lane is told is held costs (0 without the lane)."""
-        return 0 if self.lane is None else self.lane.nodes.gauges()[3]
-
-    def nodes(self) -> tuple[int, int]:
+    def nodes(self) -> tuple[int, int, int]:
         """The nodes the lane numbered and keeps (inodes the kernel knows beside the table's),
-        and their bytes."""
+        their bytes, and what a key the lane is told is held costs (0s without the lane)."""
         if self.lane is None:
-            return 0, 0
-        gauges = self.lane.nodes.gauges()
-        return gauges[0], gauges[4]
+            return 0, 0, 0
+        nodes, _, _, key_bytes, node_bytes = self.lane.nodes.gauges()
+        return nodes, node_bytes, key_bytes
 
     def held(self, inode: int) -> bool:
         """Whether the lane holds opens of ``inode`` it answered, not adopted (the daemon has
@@ -310,8 +310,10 @@ class LaneRows:
                 lane.offer_source(inode, path, st, note=True)
             elif size > cache.max_file_size or not cache.room.capacity:  # never kept here
                 lane.offer_source(inode, path, st, note=False)
-            self._lookup_policy()  # the lane left it to us: its room may be old, or a file
-            # over --max-file-size was said just now
+            if size > cache.max_file_size:
+                self._lookup_policy()  # said now: such files are the lane's from here on
+            else:
+                self._tell_room()  # the lane left it to us: the room it knows may be old
 
     def _offer_peer(self, lane: Lane, inode: int, st: os.stat_result, path: bytes) -> None:
         """A small file a peer ranked before this node caches (``Opens._choose`` asks that
@@ -349,7 +351,7 @@ class LaneRows:
                 self._noted(note)
             finally:
                 os.close(note.fd)
-        self._lookup_policy()  # the room they took
+        self._tell_room()  # what they took
 
     def _noted(self, note: Note) -> None:
         """Backfill the file of ``note`` from the pages its reads brought in, if it is still

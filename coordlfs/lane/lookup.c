@@ -137,6 +137,8 @@ struct dir {
 
 static struct table keys, nodes, dirs;
 static uint64_t numbered;
+/* The nodes' allocations, kept as they come and go (the status reads it: no walk). */
+static int64_t node_bytes;
 /* lane_lookup_policy's: answer at all; the cache's --max-file-size, and whether a file over
  * it is the daemon's (until it said, once, that such files are not cached); a row's largest
  * file; the headroom a note row needs; whether the cache keeps nothing; the room (lane_room);
@@ -168,6 +170,7 @@ static void remove_node(struct node *n) {
         settle(k);
     }
     take_out(&nodes, &n->link);
+    node_bytes -= (int64_t)malloc_usable_size(n) + MALLOC_HEADER;
     free(n);
 }
 
@@ -193,11 +196,19 @@ EXPORT void lane_room(int64_t bytes) {
     pthread_mutex_unlock(&rows_lock);
 }
 
+static int hold_locked(uint64_t dev, uint64_t ino, int delta);
+
 /* One of the daemon's tables holds key (dev, ino) (`delta` 1) or no longer (-1): a LOOKUP of
  * it is the daemon's while any does. 0, or -ENOMEM: then no LOOKUP is answered here again (a
  * hold not kept could give a key two inodes). */
 EXPORT int lane_hold(uint64_t dev, uint64_t ino, int delta) {
     pthread_mutex_lock(&rows_lock);
+    int rc = hold_locked(dev, ino, delta);
+    pthread_mutex_unlock(&rows_lock);
+    return rc;
+}
+
+static int hold_locked(uint64_t dev, uint64_t ino, int delta) {
     struct key *k = get(&keys, dev, ino);
     int rc = 0;
     if (!k && delta > 0) {
@@ -215,7 +226,6 @@ EXPORT int lane_hold(uint64_t dev, uint64_t ino, int delta) {
             k->holds = 0;
         settle(k);
     }
-    pthread_mutex_unlock(&rows_lock);
     return rc;
 }
 
@@ -245,19 +255,21 @@ EXPORT int lane_adopt(int by_key, uint64_t dev, uint64_t ino, int hold, uint64_t
     int rc = n && k;
     if (rc)
         adopt(n, k, id, key, out, path, cap);
+    else if (by_key && hold) /* under the same mutex: no LOOKUP numbers it in between */
+        rc = hold_locked(dev, ino, 1);
     pthread_mutex_unlock(&rows_lock);
-    if (!rc && by_key && hold)
-        return lane_hold(dev, ino, 1);
     return rc;
 }
 
 /* Any node numbered here, adopted (lane_adopt's out): 1, or 0 when there is none. */
 EXPORT int lane_adopt_any(uint64_t *id, uint64_t key[2], int64_t out[4], char *path,
                           size_t cap) {
+    static size_t from; /* where the last one was: adopting all is one pass, not n */
     pthread_mutex_lock(&rows_lock);
     struct node *n = NULL;
     for (size_t i = 0; i < nodes.n && !n; i++)
-        n = (struct node *)nodes.buckets[i];
+        if ((n = (struct node *)nodes.buckets[(from + i) & (nodes.n - 1)]))
+            from = (from + i) & (nodes.n - 1);
     struct key *k = n ? get(&keys, n->dev, n->ino) : NULL;
     int rc = n && k;
     if (rc)
@@ -325,10 +337,7 @@ EXPORT uint64_t lane_node_of(uint64_t dev, uint64_t ino) {
 EXPORT void lane_lookup_gauges(int64_t out[5]) {
     pthread_mutex_lock(&rows_lock);
     out[0] = (int64_t)nodes.count, out[1] = (int64_t)keys.count, out[2] = (int64_t)dirs.count;
-    int64_t bytes = (int64_t)(nodes.n * sizeof *nodes.buckets);
-    for (size_t i = 0; i < nodes.n; i++)
-        for (struct link *l = nodes.buckets[i]; l; l = l->next)
-            bytes += (int64_t)malloc_usable_size(l) + MALLOC_HEADER;
+    int64_t bytes = node_bytes + (int64_t)(nodes.n * sizeof *nodes.buckets);
     pthread_mutex_unlock(&rows_lock);
     out[3] = (int64_t)(sizeof(struct key) + MALLOC_HEADER + 2 * sizeof(void *));
     out[4] = bytes;
@@ -375,6 +384,7 @@ static struct node *numbered_node(struct key *k, const struct stat *st,
         return NULL;
     }
     k->node = n->link.a;
+    node_bytes += (int64_t)malloc_usable_size(n) + MALLOC_HEADER;
     return n;
 }
 
@@ -461,9 +471,9 @@ int lookup_answered(char *mem, size_t len) {
     size_t rest = len - sizeof *in;
     if (in->opcode == FUSE_LOOKUP)
         return answer_lookup(in, arg, rest);
-    if (!(in->nodeid & LANE_NODE) && in->opcode == FUSE_FORGET)
-        return 0;
-    if (in->opcode == FUSE_FORGET && rest >= sizeof(uint64_t)) {
+    if (in->opcode == FUSE_FORGET) {
+        if (!(in->nodeid & LANE_NODE) || rest < sizeof(uint64_t))
+            return 0; /* the daemon's */
         uint64_t count;
         memcpy(&count, arg, sizeof count);
         pthread_mutex_lock(&rows_lock);
