@@ -79,7 +79,7 @@ class Publisher:
         except OSError as e:
             log.warning("cannot serve `coordlfs run` jobs from %s (%s): they read through "
                         "the mount", self.directory, e.strerror or e)
-        self.room.tell = self.index.set_room
+        self.room.told.append(self.index.set_room)
         self.room.changed()
 
     def publish(self, key: Key, entry: Entry) -> None:

@@ -4,7 +4,7 @@ The capacity is charged each entry's bytes rounded up to pages, as tmpfs charges
 filesystem beneath may have less (other users, a quota): once a write finds it full, each new
 file asks ``statfs`` until there is room for all of the capacity left again. Clients read the
 room from the published index and send a larger file to the source themselves, so every change
-is told (``tell``) at once.
+is told (``told``) at once.
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ class Room:
         #: bytes of files handed over for filling and not reserved yet (``promise``)
         self.promised = 0
         self._no_room_warned = False
-        #: told the room for a new file whenever it changes (the published index's)
-        self.tell: Callable[[int], None] | None = None
+        #: told the room for a new file whenever it changes (the published index's, the
+        #: request lane's)
+        self.told: list[Callable[[int], None]] = []
 
     def take(self, size: int) -> None:
         self.used += pages(size)
@@ -116,8 +117,10 @@ class Room:
     def changed(self) -> None:
         """Tell how large a new file the cache would still take: clients read a larger file from
         the source themselves (through the mount it would only be streamed)."""
-        if self.tell is not None:
-            self.tell(self.available())
+        if self.told:
+            room = self.available()
+            for tell in self.told:
+                tell(room)
 
     def available(self) -> int:
         """How large a new file the cache would still take. Room promised to files handed over

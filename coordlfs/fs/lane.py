@@ -64,6 +64,18 @@ class Kind(enum.IntEnum):
     PEER = 3
 
 
+class Keep(enum.IntEnum):
+    """Whether the cache is handed a source row's file at its last release (lane.h's NOTE_*)."""
+
+    #: never: the cache would not keep it (too large, no cache)
+    NEVER = 0
+    #: yes: the room takes it (and the headroom)
+    NOW = 1
+    #: the cache is full for it now: decided again at each last release, by the room then
+    #: (the lane is told the room as it grows: ``LaneNodes.room``)
+    LATER = 2
+
+
 def _stat_result(fields: _Stat) -> os.stat_result:
     """The ``os.stat_result`` a row's fields stand for (the integer seconds and the float
     times made from the nanoseconds as ``os.stat`` makes them: seconds + nanoseconds * 1e-9,
@@ -180,22 +192,24 @@ class Lane:
         """Answer read-only opens of ``inode`` with ``backing`` while its source file at
         ``path`` is the version ``st`` shows; False if the lane cannot (a path too long, opens
         of another backing held, no memory)."""
-        return self._offer(inode, backing, path, st, source=False, note=False)
+        return self._offer(inode, backing, path, st, source=False, note=Keep.NEVER)
 
-    def offer_source(self, inode: int, path: bytes, st: os.stat_result, note: bool) -> bool:
+    def offer_source(self, inode: int, path: bytes, st: os.stat_result, note: Keep) -> bool:
         """Answer read-only opens of ``inode`` with the source file itself while it is the
-        version ``st`` shows (a miss the kernel reads, as passthrough_hp does); with ``note``,
-        it is handed to the daemon at its last release (``notes``) and the row goes."""
+        version ``st`` shows (a miss the kernel reads, as passthrough_hp does); as ``note``
+        says, it is handed to the daemon at its last release (``notes``) and the row goes.
+        Offered again for the same version, the row stays as it is, but one not noted is
+        decided at its last release from then on (``Keep.LATER``)."""
         return self._offer(inode, 0, path, st, source=True, note=note)
 
     def offer_peer(self, inode: int, path: bytes, st: os.stat_result, slot: int) -> bool:
         """Answer read-only opens of ``inode`` with the file fetched from the peer whose
         connection is in ``slot`` (``set_peer``) at the first of them, landed here, while the
         source file is the version ``st`` shows; the row goes if the peer cannot serve it."""
-        return self._offer(inode, 0, path, st, source=True, note=False, peer=slot)
+        return self._offer(inode, 0, path, st, source=True, note=Keep.NEVER, peer=slot)
 
     def _offer(self, inode: int, backing: int, path: bytes, st: os.stat_result, source: bool,
-               note: bool, peer: int = -1) -> bool:
+               note: Keep, peer: int = -1) -> bool:
         if len(path) >= MAX_PATH:
             return False
         fields = self._fields

@@ -316,6 +316,8 @@ class Opens:
                     self._after_kernel_read(state.key, held)
                 finally:
                     held.close_source()
+                if held.backfill is None:  # not the cache's (full, say): the lane's from now
+                    self.rows.looked_up(handle.inode, handle.st, handle.path)
 
     def _after_kernel_read(self, key: Key, held: Backing) -> None:
         """The kernel read the source file itself, the daemon saw none of it: the pages it

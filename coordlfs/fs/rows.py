@@ -45,7 +45,7 @@ from coordlfs.cache.cache import FILL_CHUNK, Entry
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.fs.backing import Backing, Backings
 from coordlfs.fs.inodes import InodeTable, Key
-from coordlfs.fs.lane import Kind, Lane, Note
+from coordlfs.fs.lane import Keep, Kind, Lane, Note
 from coordlfs.fs.lane_peers import LanePeers
 from coordlfs.fs.openfiles import FileHandle, LaneRow, OpenInode
 from coordlfs.fs.readers import Readers
@@ -83,6 +83,8 @@ class LaneRows:
         self.lane_peers: LanePeers | None = None
         #: whether it may answer LOOKUPs (the source is watched)
         self._lookups = False
+        #: the room last told to the lane
+        self._room = 0
         self._groups.on_change.append(self._members_changed)
 
     def serve_by_lane(self, lane: Lane, lookups: bool) -> None:
@@ -97,6 +99,7 @@ class LaneRows:
         cache.entries.held_by(nodes)
         self._lookups = lookups
         self.readers.peers.told.append(self._lookup_policy)
+        cache.room.told.append(self._room_changed)
         self._lookup_policy()
 
     def _lookup_policy(self) -> None:
@@ -111,12 +114,20 @@ class LaneRows:
                               cache.max_file_size, not cache.too_large_said, FILL_CHUNK,
                               NOTE_HEADROOM, not cache.room.capacity, CONTROL_NAME.encode())
 
-    def _tell_room(self) -> None:
-        """The room the lane decides its LOOKUPs' rows by: told at each batch of notes and at
-        each small file's LOOKUP it left to the daemon, not at every reservation (a call per
-        fill), which the headroom covers."""
+    def _tell_room(self, room: int | None = None) -> None:
+        """The room the lane decides its rows by: told at each batch of notes and at each
+        small file's LOOKUP it left to the daemon, not at every reservation (a call per
+        fill), which the headroom covers; and whenever it grows (``_room_changed``)."""
         if self.lane is not None:
-            self.lane.nodes.room(self.cache.room.available())
+            self._room = self.cache.room.available() if room is None else room
+            self.lane.nodes.room(self._room)
+
+    def _room_changed(self, room: int) -> None:
+        """The cache's room is ``room`` now: told to the lane if it grew (an entry dropped,
+        the cache's filesystem freed), so that the rows of files it was full for
+        (``Keep.LATER``) hand them to the cache at their next last release."""
+        if room > self._room:
+            self._tell_room(room)
 
     def no_lookups(self) -> None:
         """The source is no longer watched: LOOKUPs are the daemon's (names revalidate)."""
@@ -298,8 +309,11 @@ class LaneRows:
     def _offer_source(self, lane: Lane, inode: int, st: os.stat_result, path: bytes) -> None:
         """A small file the cache does not hold: its opens are answered with the source file
         itself, as the daemon answers them (``Opens._choose``), and handed to the cache at the
-        last release if it keeps them. Not while the mount has peers (one of them may hold
-        it: ``_offer_peer``), nor for a larger file (filled as it is read) or an empty one."""
+        last release if it keeps them; while the cache is full for it, decided again at each
+        last release, by the room then. Not while the room is within ``NOTE_HEADROOM`` of the
+        file (the daemon reserves it at its open, exactly), nor while the mount has peers
+        (one of them may hold it: ``_offer_peer``), nor for a larger file (filled as it is
+        read) or an empty one."""
         size, cache = st.st_size, self.cache
         if not 0 < size <= FILL_CHUNK:
             return
@@ -307,9 +321,11 @@ class LaneRows:
             self._offer_peer(lane, inode, st, path)
         else:
             if cache.keeps(path, size, NOTE_HEADROOM):
-                lane.offer_source(inode, path, st, note=True)
+                lane.offer_source(inode, path, st, Keep.NOW)
             elif size > cache.max_file_size or not cache.room.capacity:  # never kept here
-                lane.offer_source(inode, path, st, note=False)
+                lane.offer_source(inode, path, st, Keep.NEVER)
+            elif not cache.room.takes(size):  # full for it: a later epoch's miss, in C
+                lane.offer_source(inode, path, st, Keep.LATER)
             if size > cache.max_file_size:
                 self._lookup_policy()  # said now: such files are the lane's from here on
             else:
@@ -360,10 +376,14 @@ class LaneRows:
         st = os.fstat(note.fd)
         if st.st_dev != note.dev or Version.of(st) != note.version:
             return
+        key, cache = (st.st_dev, st.st_ino), self.cache
+        if not cache.room.takes(st.st_size):  # full since: the row answers on, decided later
+            if self.lane is not None and self.inodes.number(key) == note.inode:
+                self.looked_up(note.inode, st, note.path)
+            return
         readers = self.readers
         assert readers.nursery is not None
-        self.cache.fill_noticed((st.st_dev, st.st_ino), note.path, st, readers.source,
-                                readers.nursery, note.fd)
+        cache.fill_noticed(key, note.path, st, readers.source, readers.nursery, note.fd)
 
     def claim(self, key: Key) -> bool:
         """The cache is about to reserve an entry for ``key`` (a fill, a prefetch): whether

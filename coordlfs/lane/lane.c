@@ -365,8 +365,13 @@ int offer_locked(uint64_t nodeid, int32_t backing, const char *path,
     }
     struct version v = {dev, ino, size, mtime_ns, ctime_ns, 0, 0};
     if (r && r->source && source && r->active && r->peer == peer && !strcmp(r->path, path) &&
-        !memcmp(&r->v, &v, offsetof(struct version, backing)))
-        goto out; /* offered again (another LOOKUP): it stays as it is (noted, say) */
+        !memcmp(&r->v, &v, offsetof(struct version, backing))) {
+        /* offered again (another LOOKUP, a note the cache had no room for): it stays as it
+         * is (noted, say); one not noted is decided at its last release from now on */
+        if (!r->note && !r->noted && peer < 0 && note != NOTE_NEVER)
+            r->later = 1;
+        goto out;
+    }
     if (!r || strlen(r->path) < plen) {
         struct row *fresh = malloc(sizeof *fresh + plen + 1);
         if (!fresh) {
@@ -386,7 +391,8 @@ int offer_locked(uint64_t nodeid, int32_t backing, const char *path,
     memcpy(&r->shown, st + 5, sizeof r->shown);
     r->active = 1;
     r->source = source;
-    r->note = peer < 0 && note;
+    r->note = peer < 0 && note == NOTE_NOW;
+    r->later = peer < 0 && note == NOTE_LATER;
     r->peer = source ? peer : -1;
     r->noted = 0;
     r->adopted = 0;
@@ -836,6 +842,16 @@ static struct note *source_done(struct row *r, int *id, int *fd) {
         noting -= r->note; /* not handed over: the daemon no longer wants it */
         remove_row(r);
         return NULL;
+    }
+    if (r->later && !r->note) {
+        int keep = keep_for(r->v.size);
+        if (keep < 0) { /* the room is within the headroom: the daemon reserves at open */
+            retire_row(r);
+            return NULL;
+        }
+        r->later = keep == NOTE_LATER;
+        r->note = keep == NOTE_NOW;
+        noting += r->note;
     }
     if (!r->note)
         return NULL;

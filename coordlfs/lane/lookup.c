@@ -22,9 +22,11 @@
  *   no cache entry (complete or being filled: its open is a hit, or waits for the fill);
  * - when its opens can be offered a source row by the daemon's own rule
  *   (coordlfs.fs.rows._offer_source, lane_lookup_policy): kept by the cache at the last
- *   release while the room less the headroom takes it, not kept when the cache never would.
+ *   release while the room less the headroom takes it, not kept when the cache never would,
+ *   decided again at each last release while the cache is full for it.
  * Everything else goes to the daemon as before: a directory, a link, a missing name (its
- * negative entry), a larger file, a cache near full, a mount with peers, an aligned group.
+ * negative entry), a larger file, a cache within the headroom of full, a mount with peers,
+ * an aligned group.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -345,15 +347,15 @@ EXPORT void lane_lookup_gauges(int64_t out[5]) {
 
 /* -- answers ------------------------------------------------------------------------------ */
 
-/* Whether a file of `size` bytes is noted (1: the cache keeps it at the last release), read
- * from the source for good (0), or the daemon's to decide (-1). Under the mutex. */
-static int note_for(int64_t size) {
+int keep_for(int64_t size) {
     int64_t pages = (size + PAGE - 1) / PAGE * PAGE;
     if (size > max_file_size)
-        return over_max_to_daemon ? -1 : 0;
+        return over_max_to_daemon ? -1 : NOTE_NEVER;
     if (keeps_nothing)
-        return 0;
-    return pages + headroom <= room ? 1 : -1;
+        return NOTE_NEVER;
+    if (pages + headroom <= room)
+        return NOTE_NOW;
+    return pages > room ? NOTE_LATER : -1;
 }
 
 /* A node numbered now for the file `st` at `path` (its key `k`, NULL if none is kept yet),
@@ -421,7 +423,7 @@ static int answer_lookup(const struct in_header *in, const char *name, size_t le
     pthread_mutex_lock(&rows_lock);
     struct key *k = get(&keys, (uint64_t)st.st_dev, (uint64_t)st.st_ino);
     struct node *n = k && k->node ? get(&nodes, k->node, 0) : NULL;
-    int note = note_for(st.st_size);
+    int note = keep_for(st.st_size);
     if (!lookups_on || !enabled || st.st_size > row_max || note < 0 || (k && k->holds))
         ; /* the daemon's */
     else if (n) {

@@ -20,6 +20,7 @@ from test_lane_rows import IN_HEADER, WAIT_S, Session, lib, session, source
 from coordlfs import CONTROL_NAME
 from coordlfs.cache.cache import FILL_CHUNK
 from coordlfs.fs.lane_nodes import LANE_NODE, LaneNodes
+from coordlfs.sizes import pages
 
 __all__ = ["lib", "session", "source"]  # fixtures
 
@@ -167,16 +168,20 @@ def test_forgets_of_the_lanes_nodes_are_taken_in_c(session: Session, source: Pat
 
 def test_the_cache_rule_decides_what_is_looked_up_in_c(session: Session, source: Path,
                                                         lib: ctypes.CDLL) -> None:
-    """A file over a row's size, or one the cache would keep but has no room for beside the
-    headroom, is the daemon's; with a cache that keeps nothing, every small file is the
-    lane's (read from the source for good), and so is one over ``--max-file-size`` once the
-    daemon said such files are not cached (before, it is the daemon's, to say it)."""
+    """A file over a row's size, or one the cache has room for but not beside the headroom
+    (the daemon reserves it at its open), is the daemon's; one the cache is full for is the
+    lane's (read from the source, decided again at its last release); with a cache that
+    keeps nothing, every small file is the lane's (read from the source for good), and so is
+    one over ``--max-file-size`` once the daemon said such files are not cached (before, it
+    is the daemon's, to say it)."""
     big = source / "big.bin"
     big.write_bytes(os.urandom(FILL_CHUNK + 1))
     serving(session)
     assert lookup(session, ROOT, "big.bin") is None
-    serving(session, room=0)
+    serving(session, room=pages((source / "g.bin").stat().st_size))
     assert lookup(session, ROOT, "g.bin") is None
+    serving(session, room=0)
+    assert lookup(session, ROOT, "g.bin") is not None
     serving(session, room=0, keeps_nothing=True)
     assert lookup(session, ROOT, "g.bin") is not None
     serving(session, max_file_size=4096, over_max=True)
