@@ -186,13 +186,13 @@ class WholeFileCache:
         self.room.changed()
         return entry
 
-    def keeps(self, path: bytes, size: int, headroom: int = 0) -> bool:
-        """Whether a new file of ``size`` at ``path`` would be kept now, with ``headroom``
-        bytes of room to spare; one over ``--max-file-size`` is said once (``_too_large``)."""
+    def never_keeps(self, path: bytes, size: int) -> bool:
+        """Whether no room would ever take a new file of ``size`` at ``path`` (no cache, or
+        a file over ``--max-file-size``: said once, ``_too_large``)."""
         if size > self.max_file_size:
             self._too_large(path, size)
-            return False
-        return self.room.takes(size + headroom)
+            return True
+        return not self.room.capacity
 
     def _too_large(self, path: bytes, size: int) -> None:
         """Say, once per mount, that files over ``--max-file-size`` are read from the source

@@ -105,6 +105,11 @@ def _store(table: mmap.mmap, at: int, value: int) -> None:
         words[at >> 3] = value
 
 
+def _words(table: mmap.mmap) -> memoryview:
+    """``table`` as 8-byte words: one store to a word is whole (``_store``)."""
+    return memoryview(table).cast("Q")
+
+
 def path_hash(path: bytes) -> tuple[int, int]:
     """The slot key of a path relative to the mount's root."""
     return _HASH.unpack(hashlib.blake2b(path, digest_size=16).digest())
@@ -145,6 +150,9 @@ class IndexWriter:
         self.withdrawn = 0
         retire(dir_fd, name)  # a former daemon's index: its clients must not trust it any more
         self._map = self._create(MIN_SLOTS)
+        #: the table as words, for the stores readers watch (a view made per store cost ~1
+        #: µs, and a fill makes four)
+        self._words = _words(self._map)
         self._mask = MIN_SLOTS - 1
         self._install()
 
@@ -200,13 +208,13 @@ class IndexWriter:
     def set_revalidate(self) -> None:
         """From now on clients compare every hit's version with the source."""
         self.revalidate = True
-        _store(self._map, _FLAGS_AT + 8, 1)
+        self._words[(_FLAGS_AT + 8) >> 3] = 1
 
     def set_room(self, room: int) -> None:
         """Clients read a file larger than ``room`` from the source, not through the mount."""
         if room != self.room:
             self.room = room
-            _store(self._map, _ROOM_AT, room | _ROOM_SET)
+            self._words[_ROOM_AT >> 3] = room | _ROOM_SET
 
     def publish(self, path: bytes, found: Published) -> None:
         """Publish (or republish) a path; OSError if the index cannot grow (no room)."""
@@ -215,14 +223,14 @@ class IndexWriter:
         if (self._live + self._dead + 1) * 2 > self._mask + 1:
             self._grow(self._live)
         slot = self._free_slot(h1)
-        self._write(self._map, slot, h1, h2, found)
+        self._write(slot, h1, h2, found)
         self._live += 1
         self.beat()  # a daemon publishing is alive: its clients can find this at once
 
     def beat(self) -> None:
         """Tell clients the daemon is alive and withdrawing: they trust the index for
         ``STALE_AFTER_S`` from now."""
-        _store(self._map, _BEAT_AT, monotonic_ns() | _BEAT_SET)
+        self._words[_BEAT_AT >> 3] = monotonic_ns() | _BEAT_SET
 
     def withdraw(self, path: bytes) -> bool:
         """Make a path's slot a tombstone; whether it was published."""
@@ -240,49 +248,51 @@ class IndexWriter:
             return False
         self._live -= 1
         at = HEADER_SIZE + slot * SLOT_SIZE
-        word = _WORD.unpack_from(self._map, at)[0]
-        _store(self._map, at, ((word >> 2) + 1) << 2 | DEAD)
+        word = self._words[at >> 3]
+        self._words[at >> 3] = ((word >> 2) + 1) << 2 | DEAD
         self._dead += 1
         self.withdrawn += 1
         return True
 
     def _free_slot(self, h1: int) -> int:
-        slot = h1 & self._mask
-        while _WORD.unpack_from(self._map, HEADER_SIZE + slot * SLOT_SIZE)[0] & 3 == LIVE:
-            slot = (slot + 1) & self._mask
-        if _WORD.unpack_from(self._map, HEADER_SIZE + slot * SLOT_SIZE)[0] & 3 == DEAD:
+        words, mask, slot = self._words, self._mask, h1 & self._mask
+        while words[(HEADER_SIZE + slot * SLOT_SIZE) >> 3] & 3 == LIVE:
+            slot = (slot + 1) & mask
+        if words[(HEADER_SIZE + slot * SLOT_SIZE) >> 3] & 3 == DEAD:
             self._dead -= 1
         return slot
 
-    @staticmethod
-    def _write(table: mmap.mmap, slot: int, h1: int, h2: int, found: Published) -> None:
+    def _write(self, slot: int, h1: int, h2: int, found: Published) -> None:
         at = HEADER_SIZE + slot * SLOT_SIZE
-        sequence = (_WORD.unpack_from(table, at)[0] >> 2) + 1
-        _store(table, at, sequence << 2 | BUSY)
-        _FIELDS.pack_into(table, at + 8, h1, h2, found.offset, found.size, found.ino,
+        words, word = self._words, at >> 3
+        sequence = (words[word] >> 2) + 1
+        words[word] = sequence << 2 | BUSY
+        _FIELDS.pack_into(self._map, at + 8, h1, h2, found.offset, found.size, found.ino,
                           found.mtime_ns, found.ctime_ns)
-        _store(table, at, sequence << 2 | LIVE)  # last: the slot is complete
+        words[word] = sequence << 2 | LIVE  # last: the slot is complete
 
     def _grow(self, files: int) -> None:
         """Rebuild into a table with room for three times ``files``, without tombstones."""
         slots = max(MIN_SLOTS, 1 << (files * 3 - 1).bit_length())
-        old, old_slots = self._map, self._mask + 1
+        old, old_words, old_slots = self._map, self._words, self._mask + 1
         table = self._create(slots)  # the old table stays in use if this fails
-        self._map, self._mask, self._dead = table, slots - 1, 0
+        self._map, self._words, self._mask, self._dead = table, _words(table), slots - 1, 0
         words = memoryview(old)[HEADER_SIZE : HEADER_SIZE + old_slots * SLOT_SIZE].cast("Q")
         live = [slot for slot, word in enumerate(words[:: SLOT_SIZE // 8]) if word & 3 == LIVE]
         words.release()
         for slot in live:
             fields = SLOT.unpack_from(old, HEADER_SIZE + slot * SLOT_SIZE)
             h1, h2 = fields[1], fields[2]
-            self._write(self._map, self._free_slot(h1), h1, h2, Published(*fields[3:]))
+            self._write(self._free_slot(h1), h1, h2, Published(*fields[3:]))
         self._install()
-        _store(old, _FLAGS_AT, 1)  # after the rename: readers reopen the new table
+        old_words[_FLAGS_AT >> 3] = 1  # after the rename: readers reopen the new table
+        old_words.release()
         old.close()
 
     def close(self) -> None:
         """Retire the index: clients stop trusting it (the files may go with the mount)."""
-        _store(self._map, _FLAGS_AT, 1)
+        self._words[_FLAGS_AT >> 3] = 1
+        self._words.release()
         self._map.close()
 
 

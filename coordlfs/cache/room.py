@@ -122,6 +122,11 @@ class Room:
             for tell in self.told:
                 tell(room)
 
+    def by_capacity(self) -> int:
+        """``available`` by the capacity alone: where a filesystem that ran out is asked per
+        file (``fits``) when the file comes, not told ahead (the request lane's rule)."""
+        return max(0, self.capacity - self.used - self.promised) // pages(1) * pages(1)
+
     def available(self) -> int:
         """How large a new file the cache would still take. Room promised to files handed over
         for filling is not theirs (the mount's own readers still take what comes first, as

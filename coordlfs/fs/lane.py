@@ -69,11 +69,10 @@ class Keep(enum.IntEnum):
 
     #: never: the cache would not keep it (too large, no cache)
     NEVER = 0
-    #: yes: the room takes it (and the headroom)
-    NOW = 1
-    #: the cache is full for it now: decided again at each last release, by the room then
-    #: (the lane is told the room as it grows: ``LaneNodes.room``)
-    LATER = 2
+    #: if the room takes it then, beside the files handed and not yet reserved (decided at
+    #: the first open, confirmed at the last release: ``LaneNodes.room``); else it stays a
+    #: source row, decided again at its next open (a full cache's misses stay in C)
+    ROOM = 1
 
 
 def _stat_result(fields: _Stat) -> os.stat_result:
@@ -197,9 +196,8 @@ class Lane:
     def offer_source(self, inode: int, path: bytes, st: os.stat_result, note: Keep) -> bool:
         """Answer read-only opens of ``inode`` with the source file itself while it is the
         version ``st`` shows (a miss the kernel reads, as passthrough_hp does); as ``note``
-        says, it is handed to the daemon at its last release (``notes``) and the row goes.
-        Offered again for the same version, the row stays as it is, but one not noted is
-        decided at its last release from then on (``Keep.LATER``)."""
+        says, it is handed to the daemon at its last release (``notes``), and the row goes
+        once the daemon reserved its entry (``claim``)."""
         return self._offer(inode, 0, path, st, source=True, note=note)
 
     def offer_peer(self, inode: int, path: bytes, st: os.stat_result, slot: int) -> bool:
@@ -278,9 +276,10 @@ class Lane:
     def notes(self) -> Iterator[Note]:
         """The source files the lane has for the cache, taken (read ``notes_fd`` first)."""
         inode, fd, version, path = self._note
-        while (n := self._lib.lane_note(ctypes.byref(inode), ctypes.byref(fd),
-                                        ctypes.byref(version), path, len(path))) >= 0:
-            yield Note(inode.value, path.raw[:n], version[0], Version(*version[1:]), fd.value)
+        take, refs = self._lib.lane_note, (ctypes.byref(inode), ctypes.byref(fd),
+                                           ctypes.byref(version), path, len(path))
+        while take(*refs) >= 0:  # the path ends at its NUL (.raw would copy the whole buffer)
+            yield Note(inode.value, path.value, version[0], Version(*version[1:]), fd.value)
 
     def held(self, inode: int) -> int:
         """The opens of ``inode`` the lane answered and the kernel has not released."""

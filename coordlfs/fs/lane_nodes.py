@@ -53,7 +53,7 @@ class LaneNodes:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        lib.lane_lookup_policy.argtypes = [ctypes.c_int, _i64, ctypes.c_int, _i64, _i64,
+        lib.lane_lookup_policy.argtypes = [ctypes.c_int, _i64, ctypes.c_int, _i64,
                                            ctypes.c_int, ctypes.c_char_p]
         lib.lane_room.argtypes = [_i64]
         lib.lane_hold.argtypes = [_u64, _u64, ctypes.c_int]
@@ -75,16 +75,18 @@ class LaneNodes:
         self._short = False
 
     def policy(self, on: bool, max_file_size: int, over_max: bool, largest: int,
-               headroom: int, keeps_nothing: bool, control_name: bytes) -> None:
-        """Answer LOOKUPs (``on``) of files to ``largest`` bytes, their opens' rows noted for
-        the cache while its room less ``headroom`` takes them (none if it ``keeps_nothing``;
-        read from the source for good above ``max_file_size``, or with ``over_max`` left to
-        the daemon); ``control_name`` at the root is the daemon's."""
-        self._lib.lane_lookup_policy(on, max_file_size, over_max, largest, headroom,
-                                     keeps_nothing, control_name)
+               keeps_nothing: bool, control_name: bytes) -> None:
+        """Answer LOOKUPs (``on``) of files to ``largest`` bytes, their opens' rows
+        ``Keep.ROOM`` (``Keep.NEVER`` if the cache ``keeps_nothing``, and above
+        ``max_file_size``, or with ``over_max`` left to the daemon); ``control_name`` at the
+        root is the daemon's."""
+        self._lib.lane_lookup_policy(on, max_file_size, over_max, largest, keeps_nothing,
+                                     control_name)
 
     def room(self, size: int) -> None:
-        """The cache would take a file of ``size`` bytes now (``Room.changed``)."""
+        """The cache would take a file of ``size`` bytes now (``Room.changed``): the rows'
+        files are handed to it while this, less the files handed and not yet reserved,
+        takes them."""
         self._lib.lane_room(size)
 
     def hold(self, key: Key) -> None:

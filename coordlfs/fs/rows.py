@@ -58,11 +58,6 @@ log = logging.getLogger(__name__)
 #: taking a few (measured: 5 ms took the loop's CPU per miss from ~300 to ~250 µs). A reopen
 #: meanwhile is a miss the daemon serves from the source as before.
 NOTES_GATHER_S = 0.005
-#: Room the cache keeps beyond a file for the lane to hand it the file later: the lane's
-#: misses take room only once the daemon takes their notes, so a cache this close to full
-#: reserves each miss at its open instead (``Opens``), and its room, which clients read to
-#: choose between the mount and the source, stays exact.
-NOTE_HEADROOM = 64 << 20
 
 
 class LaneRows:
@@ -83,8 +78,6 @@ class LaneRows:
         self.lane_peers: LanePeers | None = None
         #: whether it may answer LOOKUPs (the source is watched)
         self._lookups = False
-        #: the room last told to the lane
-        self._room = 0
         self._groups.on_change.append(self._members_changed)
 
     def serve_by_lane(self, lane: Lane, lookups: bool) -> None:
@@ -106,28 +99,24 @@ class LaneRows:
         """The lane answers LOOKUPs of small files by ``_offer_source``'s rule: not while the
         cluster has peers (one of them may hold the file: the daemon offers a peer row), nor
         of a file over ``--max-file-size`` until the daemon said once that such files are
-        not cached (``WholeFileCache.keeps``: the log is where a user learns why)."""
+        not cached (``WholeFileCache.never_keeps``: the log is where a user learns why)."""
         lane, cache = self.lane, self.cache
         if lane is not None:
-            self._tell_room()
+            self._room_changed(0)
             lane.nodes.policy(self._lookups and not self.readers.peers.links,
                               cache.max_file_size, not cache.too_large_said, FILL_CHUNK,
-                              NOTE_HEADROOM, not cache.room.capacity, CONTROL_NAME.encode())
+                              not cache.room.capacity, CONTROL_NAME.encode())
 
-    def _tell_room(self, room: int | None = None) -> None:
-        """The room the lane decides its rows by: told at each batch of notes and at each
-        small file's LOOKUP it left to the daemon, not at every reservation (a call per
-        fill), which the headroom covers; and whenever it grows (``_room_changed``)."""
+    def _room_changed(self, _available: int) -> None:
+        """The cache's room changed (a reservation, an entry dropped): the lane hands a source
+        row's file to the cache at its last release only while the room, less the files it
+        handed and the daemon has not reserved yet, takes it, so the cache fills to its
+        last file and room that comes back is filled again. The room by the capacity alone
+        (``Room.by_capacity``): a cache filesystem that ran out is asked per file handed
+        over (``_noted``), so that its room coming back is seen as the daemon's own opens
+        see it."""
         if self.lane is not None:
-            self._room = self.cache.room.available() if room is None else room
-            self.lane.nodes.room(self._room)
-
-    def _room_changed(self, room: int) -> None:
-        """The cache's room is ``room`` now: told to the lane if it grew (an entry dropped,
-        the cache's filesystem freed), so that the rows of files it was full for
-        (``Keep.LATER``) hand them to the cache at their next last release."""
-        if room > self._room:
-            self._tell_room(room)
+            self.lane.nodes.room(self.cache.room.by_capacity())
 
     def no_lookups(self) -> None:
         """The source is no longer watched: LOOKUPs are the daemon's (names revalidate)."""
@@ -308,28 +297,21 @@ class LaneRows:
 
     def _offer_source(self, lane: Lane, inode: int, st: os.stat_result, path: bytes) -> None:
         """A small file the cache does not hold: its opens are answered with the source file
-        itself, as the daemon answers them (``Opens._choose``), and handed to the cache at the
-        last release if it keeps them; while the cache is full for it, decided again at each
-        last release, by the room then. Not while the room is within ``NOTE_HEADROOM`` of the
-        file (the daemon reserves it at its open, exactly), nor while the mount has peers
-        (one of them may hold it: ``_offer_peer``), nor for a larger file (filled as it is
-        read) or an empty one."""
+        itself, as the daemon answers them (``Opens._choose``), and handed to the cache at a
+        last release the room takes it at (``Keep.ROOM``: while the cache is full, every
+        open stays in C). Not while the mount has peers (one of them may hold it:
+        ``_offer_peer``), nor for a larger file (filled as it is read) or an empty one."""
         size, cache = st.st_size, self.cache
         if not 0 < size <= FILL_CHUNK:
             return
         if self.readers.peers.links:
             self._offer_peer(lane, inode, st, path)
-        else:
-            if cache.keeps(path, size, NOTE_HEADROOM):
-                lane.offer_source(inode, path, st, Keep.NOW)
-            elif size > cache.max_file_size or not cache.room.capacity:  # never kept here
-                lane.offer_source(inode, path, st, Keep.NEVER)
-            elif not cache.room.takes(size):  # full for it: a later epoch's miss, in C
-                lane.offer_source(inode, path, st, Keep.LATER)
+        elif cache.never_keeps(path, size):
+            lane.offer_source(inode, path, st, Keep.NEVER)
             if size > cache.max_file_size:
                 self._lookup_policy()  # said now: such files are the lane's from here on
-            else:
-                self._tell_room()  # the lane left it to us: the room it knows may be old
+        else:
+            lane.offer_source(inode, path, st, Keep.ROOM)
 
     def _offer_peer(self, lane: Lane, inode: int, st: os.stat_result, path: bytes) -> None:
         """A small file a peer ranked before this node caches (``Opens._choose`` asks that
@@ -367,7 +349,6 @@ class LaneRows:
                 self._noted(note)
             finally:
                 os.close(note.fd)
-        self._tell_room()  # what they took
 
     def _noted(self, note: Note) -> None:
         """Backfill the file of ``note`` from the pages its reads brought in, if it is still
@@ -377,10 +358,8 @@ class LaneRows:
         if st.st_dev != note.dev or Version.of(st) != note.version:
             return
         key, cache = (st.st_dev, st.st_ino), self.cache
-        if not cache.room.takes(st.st_size):  # full since: the row answers on, decided later
-            if self.lane is not None and self.inodes.number(key) == note.inode:
-                self.looked_up(note.inode, st, note.path)
-            return
+        if not cache.room.takes(st.st_size):  # taken meanwhile: its row answers on from the
+            return  # source, and is decided again at its next open
         readers = self.readers
         assert readers.nursery is not None
         cache.fill_noticed(key, note.path, st, readers.source, readers.nursery, note.fd)

@@ -91,8 +91,9 @@ int enabled = 1;
 static int dev_fd = -1, wake_fd = -1, root_fd = -1;
 static struct note *notes, *notes_tail;
 static int notes_fd = -1;
-/* Files the cache is to keep and has not been handed yet: note rows with opens, notes. */
-static int64_t noting;
+/* Files the cache is to keep and has not been handed yet (note rows with opens, notes), and
+ * the room they will take, which the room the daemon told (lane_room) does not count yet. */
+static int64_t noting, noting_bytes;
 /* Source rows whose opens are held here (the daemon has no record of them). */
 static int64_t sources_held;
 /* Of those, peer rows: their landed files and those files' bytes (memory beside the cache). */
@@ -336,8 +337,8 @@ static int grow(void) {
 }
 
 /* The row of `nodeid`: answer its read-only opens with `backing` (0 with `source`: the
- * source file itself, registered at its first open; `note`: handed to the daemon at its
- * last release; `peer` >= 0: fetched from the peer in that slot at its first open, a peer
+ * source file itself, registered at its first open; `note` NOTE_KEEP: handed to the daemon
+ * at a last release the room takes it at (promise); `peer` >= 0: fetched from the peer in that slot at its first open, a peer
  * row) while its source file at `path` (beneath the root) is the version `st` gives (its
  * STAT_FIELDS). 0, or -EBUSY when opens of another backing are held (the kernel gives an
  * inode one backing at a time), -ENOMEM. An entry's row offered again while the daemon holds
@@ -365,13 +366,8 @@ int offer_locked(uint64_t nodeid, int32_t backing, const char *path,
     }
     struct version v = {dev, ino, size, mtime_ns, ctime_ns, 0, 0};
     if (r && r->source && source && r->active && r->peer == peer && !strcmp(r->path, path) &&
-        !memcmp(&r->v, &v, offsetof(struct version, backing))) {
-        /* offered again (another LOOKUP, a note the cache had no room for): it stays as it
-         * is (noted, say); one not noted is decided at its last release from now on */
-        if (!r->note && !r->noted && peer < 0 && note != NOTE_NEVER)
-            r->later = 1;
-        goto out;
-    }
+        !memcmp(&r->v, &v, offsetof(struct version, backing)))
+        goto out; /* offered again (another LOOKUP): it stays as it is (noted, say) */
     if (!r || strlen(r->path) < plen) {
         struct row *fresh = malloc(sizeof *fresh + plen + 1);
         if (!fresh) {
@@ -391,8 +387,8 @@ int offer_locked(uint64_t nodeid, int32_t backing, const char *path,
     memcpy(&r->shown, st + 5, sizeof r->shown);
     r->active = 1;
     r->source = source;
-    r->note = peer < 0 && note == NOTE_NOW;
-    r->later = peer < 0 && note == NOTE_LATER;
+    r->keep = source && peer < 0 && note == NOTE_KEEP;
+    r->note = 0;
     r->peer = source ? peer : -1;
     r->noted = 0;
     r->adopted = 0;
@@ -406,6 +402,21 @@ static void held_landed(const struct row *r, int64_t change) {
     if (r->peer >= 0) {
         landed_held += change;
         landed_held_bytes += change * r->v.size;
+    }
+}
+
+/* Row `r`'s file is to be handed to the cache (`keep`, if the room takes it beside the
+ * files already promised), or no longer is. Under the mutex. */
+static void promise(struct row *r, int keep) {
+    int64_t pages = pages_of(r->v.size);
+    if (r->note) {
+        noting--;
+        noting_bytes -= pages;
+    }
+    r->note = keep && room_takes(noting_bytes + pages);
+    if (r->note) {
+        noting++;
+        noting_bytes += pages;
     }
 }
 
@@ -460,7 +471,7 @@ EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd, int *kin
         r = NULL;
     if (r && opens) {
         if (r->source) {
-            noting -= r->note;
+            promise(r, 0);
             sources_held--;
             held_landed(r, -1);
         }
@@ -614,6 +625,7 @@ EXPORT ssize_t lane_note(uint64_t *nodeid, int *fd, int64_t version[5], char *pa
         if (!notes)
             notes_tail = NULL;
         noting--;
+        noting_bytes -= pages_of(n->v.size);
         struct row *r = find(n->nodeid);
         if (r && r->noted)
             r->noted = 0; /* the daemon reserves its entry now (lane_claim lets it) */
@@ -716,7 +728,7 @@ static int register_source(struct row *r, int fd) {
     }
     r->v.backing = id;
     r->fd = fd;
-    noting += r->note;
+    promise(r, r->keep);
     sources_held++;
     held_landed(r, 1);
     return 1;
@@ -839,29 +851,21 @@ static struct note *source_done(struct row *r, int *id, int *fd) {
     r->v.backing = 0;
     r->fd = -1;
     if (!r->active) {
-        noting -= r->note; /* not handed over: the daemon no longer wants it */
+        promise(r, 0); /* not handed over: the daemon no longer wants it */
         remove_row(r);
         return NULL;
     }
-    if (r->later && !r->note) {
-        int keep = keep_for(r->v.size);
-        if (keep < 0) { /* the room is within the headroom: the daemon reserves at open */
-            retire_row(r);
-            return NULL;
-        }
-        r->later = keep == NOTE_LATER;
-        r->note = keep == NOTE_NOW;
-        noting += r->note;
-    }
+    if (r->note)
+        promise(r, 1); /* again: the room may have gone to other files since its first open */
     if (!r->note)
         return NULL;
-    r->note = 0;
-    r->noted = 1;
     struct note *n = malloc(sizeof *n + strlen(r->path) + 1);
     if (!n) {
-        noting--;
+        promise(r, 0);
         return NULL;
     }
+    r->note = 0; /* promised until the daemon takes the note */
+    r->noted = 1;
     n->nodeid = r->nodeid;
     n->fd = *fd;
     n->v = r->v;

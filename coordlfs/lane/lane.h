@@ -85,9 +85,11 @@ struct version {
  * libfuse's passthrough_hp serves every open. A source row's file is opened and registered
  * here at the first of its opens, kept in `fd` while they last, and at the last release its
  * id closed; with `note`, the row then goes, and the file (still open) is handed to the
- * daemon (lane_note), which copies the pages the reads brought in into the cache; with
- * `later` (the cache was full for it when offered), that is decided at each last release by
- * the room then (keep_for): noted, kept as it is, or gone for the daemon to decide. A row the
+ * daemon (lane_note), which copies the pages the reads brought in into the cache. A row
+ * that may be kept (`keep`) is noted so at its first open if the room the daemon told, less
+ * the files noted and not yet handed over, takes it (room_takes), and at the last release
+ * only if it still does; else it stays, read from the source, and is decided again at its
+ * next first open (a full cache's misses, until room comes back). A row the
  * daemon `adopted` (it had to decide an open of the inode itself) is the daemon's: its
  * backing id and descriptor are, and so are its releases. A peer row (`peer`: the slot of the
  * lane's connection to the peer that caches the file, else -1) is a source row whose first
@@ -110,7 +112,7 @@ enum { KIND_NONE, KIND_ENTRY, KIND_SOURCE, KIND_PEER };
 struct row {
     struct row *next;
     uint64_t nodeid;
-    int active, source, note, later, noted, adopted, fd, peer;
+    int active, source, keep, note, noted, adopted, fd, peer;
     int64_t opens;
     struct version v;
     struct shown shown;
@@ -142,13 +144,20 @@ int64_t drop_locked(uint64_t nodeid);
 
 /* -- lookup.c's, for lane.c ---------------------------------------------------------------- */
 
-/* What a source row of a file of `size` bytes is offered with, by the cache's rule and the
- * room the daemon told (lane_lookup_policy, lane_room): NOTE_NOW (kept at the last release),
- * NOTE_NEVER (read from the source for good), NOTE_LATER (the cache is full for it now: read
- * from the source, decided again at each last release), or -1 (the daemon's to decide: the
- * room is within the headroom). Under the mutex. */
-enum { NOTE_NEVER, NOTE_NOW, NOTE_LATER };
+/* What a source row of a file of `size` bytes is offered with, by the cache's rule
+ * (lane_lookup_policy): NOTE_KEEP (kept at a last release the room takes it at), NOTE_NEVER
+ * (read from the source for good), or -1 (the daemon's: it says once why it is not cached).
+ * Under the mutex. */
+enum { NOTE_NEVER, NOTE_KEEP };
 int keep_for(int64_t size);
+/* Whether the room the daemon told (lane_room) takes `bytes` more. Under the mutex. */
+int room_takes(int64_t bytes);
+/* What a file of `size` bytes takes of the room: whole pages, as the cache charges it
+ * (coordlfs.sizes.pages). */
+#define PAGE 4096
+static inline int64_t pages_of(int64_t size) {
+    return (size + PAGE - 1) / PAGE * PAGE;
+}
 
 /* A LOOKUP, FORGET or BATCH_FORGET (`mem`, `len` bytes): answered here (1), else 0 (the
  * daemon's; a BATCH_FORGET is then left with the daemon's nodes only, its header's length

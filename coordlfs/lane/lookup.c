@@ -22,11 +22,9 @@
  *   no cache entry (complete or being filled: its open is a hit, or waits for the fill);
  * - when its opens can be offered a source row by the daemon's own rule
  *   (coordlfs.fs.rows._offer_source, lane_lookup_policy): kept by the cache at the last
- *   release while the room less the headroom takes it, not kept when the cache never would,
- *   decided again at each last release while the cache is full for it.
+ *   release the room takes it at, not kept when the cache never would.
  * Everything else goes to the daemon as before: a directory, a link, a missing name (its
- * negative entry), a larger file, a cache within the headroom of full, a mount with peers,
- * an aligned group.
+ * negative entry), a larger file, a mount with peers, an aligned group.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -48,7 +46,6 @@
 #define LANE_NODE (1ULL << 62)
 /* A row's path is shorter (coordlfs.fs.lane.MAX_PATH). */
 #define ROW_PATH_MAX 1024
-#define PAGE 4096
 
 struct entry_out {
     uint64_t nodeid, generation, entry_valid, attr_valid;
@@ -143,10 +140,10 @@ static uint64_t numbered;
 static int64_t node_bytes;
 /* lane_lookup_policy's: answer at all; the cache's --max-file-size, and whether a file over
  * it is the daemon's (until it said, once, that such files are not cached); a row's largest
- * file; the headroom a note row needs; whether the cache keeps nothing; the room (lane_room);
- * the control file's name at the root. Under the mutex. */
+ * file; whether the cache keeps nothing; the room (lane_room); the control file's name at
+ * the root. Under the mutex. */
 static int lookups_on, over_max_to_daemon;
-static int64_t max_file_size, row_max, headroom, room;
+static int64_t max_file_size, row_max, room;
 static int keeps_nothing;
 static char control_name[NAME_MAX + 1];
 static _Atomic uint64_t answered_lookups, answered_forgets;
@@ -179,14 +176,14 @@ static void remove_node(struct node *n) {
 /* -- the daemon's calls ------------------------------------------------------------------- */
 
 /* Answer LOOKUPs (`on`) by the cache's rule: files to `max_size` bytes kept while the room
- * less `spare` takes them (`nothing`: the cache keeps none), larger ones never (`over_max`:
- * the daemon's), rows for files to `largest` bytes; the control file's `control` at the root
- * is the daemon's. */
+ * takes them (`nothing`: the cache keeps none), larger ones never (`over_max`: the daemon's),
+ * rows for files to `largest` bytes; the control file's `control` at the root is the
+ * daemon's. */
 EXPORT void lane_lookup_policy(int on, int64_t max_size, int over_max, int64_t largest,
-                               int64_t spare, int nothing, const char *control) {
+                               int nothing, const char *control) {
     pthread_mutex_lock(&rows_lock);
     lookups_on = on, over_max_to_daemon = over_max;
-    max_file_size = max_size, row_max = largest, headroom = spare, keeps_nothing = nothing;
+    max_file_size = max_size, row_max = largest, keeps_nothing = nothing;
     snprintf(control_name, sizeof control_name, "%s", control);
     pthread_mutex_unlock(&rows_lock);
 }
@@ -348,14 +345,13 @@ EXPORT void lane_lookup_gauges(int64_t out[5]) {
 /* -- answers ------------------------------------------------------------------------------ */
 
 int keep_for(int64_t size) {
-    int64_t pages = (size + PAGE - 1) / PAGE * PAGE;
     if (size > max_file_size)
         return over_max_to_daemon ? -1 : NOTE_NEVER;
-    if (keeps_nothing)
-        return NOTE_NEVER;
-    if (pages + headroom <= room)
-        return NOTE_NOW;
-    return pages > room ? NOTE_LATER : -1;
+    return keeps_nothing ? NOTE_NEVER : NOTE_KEEP;
+}
+
+int room_takes(int64_t bytes) {
+    return bytes <= room;
 }
 
 /* A node numbered now for the file `st` at `path` (its key `k`, NULL if none is kept yet),

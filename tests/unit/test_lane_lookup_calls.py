@@ -20,7 +20,6 @@ from test_lane_rows import IN_HEADER, WAIT_S, Session, lib, session, source
 from coordlfs import CONTROL_NAME
 from coordlfs.cache.cache import FILL_CHUNK
 from coordlfs.fs.lane_nodes import LANE_NODE, LaneNodes
-from coordlfs.sizes import pages
 
 __all__ = ["lib", "session", "source"]  # fixtures
 
@@ -65,7 +64,7 @@ def serving(s: Session, room: int = 1 << 40, keeps_nothing: bool = False,
     """The lane answering LOOKUPs at the root and in ``d`` (node 7)."""
     nodes = s.lane.nodes
     s.lane.attr_timeout(3600)
-    nodes.policy(True, max_file_size, over_max, FILL_CHUNK, 64 << 20, keeps_nothing,
+    nodes.policy(True, max_file_size, over_max, FILL_CHUNK, keeps_nothing,
                  CONTROL_NAME.encode())
     nodes.room(room)
     nodes.directory(ROOT, b"")
@@ -168,18 +167,15 @@ def test_forgets_of_the_lanes_nodes_are_taken_in_c(session: Session, source: Pat
 
 def test_the_cache_rule_decides_what_is_looked_up_in_c(session: Session, source: Path,
                                                         lib: ctypes.CDLL) -> None:
-    """A file over a row's size, or one the cache has room for but not beside the headroom
-    (the daemon reserves it at its open), is the daemon's; one the cache is full for is the
-    lane's (read from the source, decided again at its last release); with a cache that
-    keeps nothing, every small file is the lane's (read from the source for good), and so is
-    one over ``--max-file-size`` once the daemon said such files are not cached (before, it
-    is the daemon's, to say it)."""
+    """A file over a row's size is the daemon's; a small one is the lane's whatever the room
+    (its row decides at its opens whether the cache takes it: a full cache's too); with a
+    cache that keeps nothing, every small file is the lane's (read from the source for
+    good), and so is one over ``--max-file-size`` once the daemon said such files are not
+    cached (before, it is the daemon's, to say it)."""
     big = source / "big.bin"
     big.write_bytes(os.urandom(FILL_CHUNK + 1))
     serving(session)
     assert lookup(session, ROOT, "big.bin") is None
-    serving(session, room=pages((source / "g.bin").stat().st_size))
-    assert lookup(session, ROOT, "g.bin") is None
     serving(session, room=0)
     assert lookup(session, ROOT, "g.bin") is not None
     serving(session, room=0, keeps_nothing=True)

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from coordlfs.fs import lane
+from coordlfs.fs.lane import Keep
 
 FUSE_GETATTR, FUSE_OPEN, FUSE_RELEASE = 3, 14, 18
 FOPEN_NOFLUSH, FOPEN_PASSTHROUGH = 1 << 5, 1 << 7
@@ -399,7 +400,7 @@ def test_a_source_row_the_kernel_refuses_goes_to_the_daemon(session: Session,
     every later one (the row answers no more): nothing is counted, nothing handed over."""
     rows = session.lane
     st = os.lstat(source / "g.bin")
-    assert rows.offer_source(7, b"g.bin", st, note=True)
+    assert rows.offer_source(7, b"g.bin", st, Keep.ROOM)
     for _ in range(2):
         assert session.open(7)[0] == "queued"
     assert rows.counts()[3:6] == (0, 0, 0)
@@ -416,11 +417,11 @@ def test_source_row_calls_without_opens(lib: ctypes.CDLL, source: Path) -> None:
     rows = lane.Lane(lib)
     st = os.lstat(source / "d" / "f.bin")
     assert offer(rows, source, 5, 7, "d/f.bin")
-    assert rows.offer_source(5, b"d/f.bin", st, note=True)
-    assert rows.offer_source(5, b"d/f.bin", st, note=False)  # the same version: kept
+    assert rows.offer_source(5, b"d/f.bin", st, Keep.ROOM)
+    assert rows.offer_source(5, b"d/f.bin", st, Keep.NEVER)  # the same version: kept
     assert rows.suspend(5, held_only=True) is None
     assert not rows.claim(5)  # not read now: it goes
     assert (rows.held(5), rows.release(5)) == (0, -1)
-    assert rows.offer_source(5, b"d/f.bin", st, note=True)
+    assert rows.offer_source(5, b"d/f.bin", st, Keep.ROOM)
     assert offer(rows, source, 5, 7, "d/f.bin")  # an entry's row over it
     assert rows.drop(5) == 0 and rows.release(5) == -1
