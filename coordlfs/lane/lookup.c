@@ -188,7 +188,8 @@ EXPORT void lane_lookup_policy(int on, int64_t max_size, int over_max, int64_t l
     pthread_mutex_unlock(&rows_lock);
 }
 
-/* The bytes the cache would still take now (whole pages: coordlfs.cache.room.Room.changed). */
+/* The bytes the cache would still take now, by its capacity (whole pages, told at every change:
+ * coordlfs.cache.room.Room.by_capacity); the files promised to it are taken from it here. */
 EXPORT void lane_room(int64_t bytes) {
     pthread_mutex_lock(&rows_lock);
     room = bytes;
