@@ -338,11 +338,12 @@ static int grow(void) {
 
 /* The row of `nodeid`: answer its read-only opens with `backing` (0 with `source`: the
  * source file itself, registered at its first open; `note` NOTE_KEEP: handed to the daemon
- * at a last release the room takes it at (promise); `peer` >= 0: fetched from the peer in that slot at its first open, a peer
- * row) while its source file at `path` (beneath the root) is the version `st` gives (its
- * STAT_FIELDS). 0, or -EBUSY when opens of another backing are held (the kernel gives an
- * inode one backing at a time), -ENOMEM. An entry's row offered again while the daemon holds
- * its opens (adopted) takes them back: their releases are answered here again. */
+ * at a last release the room takes it at (promise); `peer` >= 0: fetched from the peer in
+ * that slot at its first open, a peer row) while its source file at `path` (beneath the
+ * root) is the version `st` gives (its STAT_FIELDS). 0, or -EBUSY when opens of another
+ * backing are held (the kernel gives an inode one backing at a time), -ENOMEM. An entry's
+ * row offered again while the daemon holds its opens (adopted) takes them back: their
+ * releases are answered here again. */
 EXPORT int lane_offer(uint64_t nodeid, int32_t backing, const char *path,
                       const int64_t st[STAT_FIELDS], int source, int note, int peer) {
     pthread_mutex_lock(&rows_lock);
