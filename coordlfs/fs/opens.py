@@ -316,7 +316,9 @@ class Opens:
                     self._after_kernel_read(state.key, held)
                 finally:
                     held.close_source()
-                if held.backfill is None:  # not the cache's (full, say): the lane's from now
+                if held.backfill is None and state.key not in self.cache.entries:
+                    # not the cache's (it was full, say): the lane's from now, by its room
+                    # (an entry of the key is left alone: of another version, not this one's)
                     self.rows.looked_up(handle.inode, handle.st, handle.path)
 
     def _after_kernel_read(self, key: Key, held: Backing) -> None:
