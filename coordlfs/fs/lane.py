@@ -69,9 +69,11 @@ class Keep(enum.IntEnum):
 
     #: never: the cache would not keep it (too large, no cache)
     NEVER = 0
-    #: if the room takes it then, beside the files handed and not yet reserved (decided at
-    #: the first open, confirmed at the last release: ``LaneNodes.room``); else it stays a
-    #: source row, decided again at its next open (a full cache's misses stay in C)
+    #: if the room takes it then, beside the files handed and not yet reserved and the
+    #: headroom (decided at the first open, confirmed at the last release:
+    #: ``LaneNodes.room``); a first open within the headroom is the daemon's, which reserves
+    #: the file at it; else it stays a source row, decided again at its next open (a full
+    #: cache's misses stay in C)
     ROOM = 1
 
 

@@ -53,7 +53,7 @@ class LaneNodes:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        lib.lane_lookup_policy.argtypes = [ctypes.c_int, _i64, ctypes.c_int, _i64,
+        lib.lane_lookup_policy.argtypes = [ctypes.c_int, _i64, ctypes.c_int, _i64, _i64,
                                            ctypes.c_int, ctypes.c_char_p]
         lib.lane_room.argtypes = [_i64]
         lib.lane_hold.argtypes = [_u64, _u64, ctypes.c_int]
@@ -75,13 +75,14 @@ class LaneNodes:
         self._short = False
 
     def policy(self, on: bool, max_file_size: int, over_max: bool, largest: int,
-               keeps_nothing: bool, control_name: bytes) -> None:
+               headroom: int, keeps_nothing: bool, control_name: bytes) -> None:
         """Answer LOOKUPs (``on``) of files to ``largest`` bytes, their opens' rows
         ``Keep.ROOM`` (``Keep.NEVER`` if the cache ``keeps_nothing``, and above
-        ``max_file_size``, or with ``over_max`` left to the daemon); ``control_name`` at the
+        ``max_file_size``, or with ``over_max`` left to the daemon); a first open of a file
+        the room takes only within ``headroom`` is the daemon's; ``control_name`` at the
         root is the daemon's."""
-        self._lib.lane_lookup_policy(on, max_file_size, over_max, largest, keeps_nothing,
-                                     control_name)
+        self._lib.lane_lookup_policy(on, max_file_size, over_max, largest, headroom,
+                                     keeps_nothing, control_name)
 
     def room(self, size: int) -> None:
         """The cache would take a file of ``size`` bytes now (``Room.changed``): the rows'

@@ -58,6 +58,12 @@ log = logging.getLogger(__name__)
 #: taking a few (measured: 5 ms took the loop's CPU per miss from ~300 to ~250 µs). A reopen
 #: meanwhile is a miss the daemon serves from the source as before.
 NOTES_GATHER_S = 0.005
+#: The last of the room that the daemon reserves at each open itself, exactly: the lane's
+#: files are reserved when the daemon takes their notes (a few ms later), and until then the
+#: room clients read (to send a file through the mount or to the source) is too large by
+#: them; within this headroom it must not be, a file a client sends through the mount being
+#: one the cache then keeps.
+NOTE_HEADROOM = 64 << 20
 
 
 class LaneRows:
@@ -105,7 +111,7 @@ class LaneRows:
             self._room_changed(0)
             lane.nodes.policy(self._lookups and not self.readers.peers.links,
                               cache.max_file_size, not cache.too_large_said, FILL_CHUNK,
-                              not cache.room.capacity, CONTROL_NAME.encode())
+                              NOTE_HEADROOM, not cache.room.capacity, CONTROL_NAME.encode())
 
     def _room_changed(self, _available: int) -> None:
         """The cache's room changed (a reservation, an entry dropped): the lane hands a source

@@ -414,7 +414,7 @@ static void promise(struct row *r, int keep) {
         noting--;
         noting_bytes -= pages;
     }
-    r->note = keep && room_takes(noting_bytes + pages);
+    r->note = keep && room_for(noting_bytes, pages) > 0;
     if (r->note) {
         noting++;
         noting_bytes += pages;
@@ -794,8 +794,10 @@ static int answer_open(const char *mem, size_t len, int fetching) {
     int ok = r && r->active && r->source == source && r->peer == peer && same_row(r, &v);
     int fetched = 0; /* this open registered the file: its bytes were read for it */
     if (ok && source && !r->opens) {
-        /* a peer row's opens all went since it looked: it has no file */
-        ok = (first || peer < 0) && register_source(r, fd);
+        /* a peer row's opens all went since it looked: it has no file; a file the room
+         * takes only within the headroom: the daemon's open reserves it */
+        ok = (first || peer < 0) && !(r->keep && room_for(noting_bytes, pages_of(v.size)) < 0)
+             && register_source(r, fd);
         if (ok) {
             fetched = 1;
             fd = -1;

@@ -87,10 +87,11 @@ struct version {
  * id closed; with `note`, the row then goes, and the file (still open) is handed to the
  * daemon (lane_note), which copies the pages the reads brought in into the cache. A row
  * that may be kept (`keep`) is noted so at its first open if the room the daemon told, less
- * the files noted and not yet handed over, takes it (room_takes), and at the last release
- * only if it still does; else it stays, read from the source, and is decided again at its
- * next first open (a full cache's misses, until room comes back). A row the
- * daemon `adopted` (it had to decide an open of the inode itself) is the daemon's: its
+ * the files noted and not yet handed over, takes it with the headroom to spare (room_for),
+ * and at the last release only if it still does; a first open within the headroom is the
+ * daemon's (it reserves at the open); else the row stays, read from the source, and is
+ * decided again at its next first open (a full cache's misses, until room comes back). A row
+ * the daemon `adopted` (it had to decide an open of the inode itself) is the daemon's: its
  * backing id and descriptor are, and so are its releases. A peer row (`peer`: the slot of the
  * lane's connection to the peer that caches the file, else -1) is a source row whose first
  * open's file is fetched from that peer and landed here (`fd`: the landed file), never noted:
@@ -150,8 +151,12 @@ int64_t drop_locked(uint64_t nodeid);
  * Under the mutex. */
 enum { NOTE_NEVER, NOTE_KEEP };
 int keep_for(int64_t size);
-/* Whether the room the daemon told (lane_room) takes `bytes` more. Under the mutex. */
-int room_takes(int64_t bytes);
+/* Whether the room the daemon told (lane_room) takes a file of `pages` beside the files
+ * `promised` and not yet reserved: 1 if with the headroom to spare (the file is promised), 0
+ * if not even without it (the cache is full for it: read from the source), -1 between (the
+ * daemon reserves it at its open, so that the room clients read stays exact near full).
+ * Under the mutex. */
+int room_for(int64_t promised, int64_t pages);
 /* What a file of `size` bytes takes of the room: whole pages, as the cache charges it
  * (coordlfs.sizes.pages). */
 #define PAGE 4096

@@ -140,10 +140,11 @@ static uint64_t numbered;
 static int64_t node_bytes;
 /* lane_lookup_policy's: answer at all; the cache's --max-file-size, and whether a file over
  * it is the daemon's (until it said, once, that such files are not cached); a row's largest
- * file; whether the cache keeps nothing; the room (lane_room); the control file's name at
- * the root. Under the mutex. */
+ * file; the headroom the room keeps for the daemon's own reservations; whether the cache
+ * keeps nothing; the room (lane_room); the control file's name at the root. Under the
+ * mutex. */
 static int lookups_on, over_max_to_daemon;
-static int64_t max_file_size, row_max, room;
+static int64_t max_file_size, row_max, headroom, room;
 static int keeps_nothing;
 static char control_name[NAME_MAX + 1];
 static _Atomic uint64_t answered_lookups, answered_forgets;
@@ -177,13 +178,13 @@ static void remove_node(struct node *n) {
 
 /* Answer LOOKUPs (`on`) by the cache's rule: files to `max_size` bytes kept while the room
  * takes them (`nothing`: the cache keeps none), larger ones never (`over_max`: the daemon's),
- * rows for files to `largest` bytes; the control file's `control` at the root is the
- * daemon's. */
+ * rows for files to `largest` bytes, the last `spare` bytes of the room the daemon's to
+ * reserve (room_for); the control file's `control` at the root is the daemon's. */
 EXPORT void lane_lookup_policy(int on, int64_t max_size, int over_max, int64_t largest,
-                               int nothing, const char *control) {
+                               int64_t spare, int nothing, const char *control) {
     pthread_mutex_lock(&rows_lock);
     lookups_on = on, over_max_to_daemon = over_max;
-    max_file_size = max_size, row_max = largest, keeps_nothing = nothing;
+    max_file_size = max_size, row_max = largest, headroom = spare, keeps_nothing = nothing;
     snprintf(control_name, sizeof control_name, "%s", control);
     pthread_mutex_unlock(&rows_lock);
 }
@@ -351,8 +352,10 @@ int keep_for(int64_t size) {
     return keeps_nothing ? NOTE_NEVER : NOTE_KEEP;
 }
 
-int room_takes(int64_t bytes) {
-    return bytes <= room;
+int room_for(int64_t promised, int64_t pages) {
+    if (promised + pages + headroom <= room)
+        return 1;
+    return promised + pages > room ? 0 : -1;
 }
 
 /* A node numbered now for the file `st` at `path` (its key `k`, NULL if none is kept yet),

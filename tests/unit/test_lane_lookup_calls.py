@@ -64,7 +64,7 @@ def serving(s: Session, room: int = 1 << 40, keeps_nothing: bool = False,
     """The lane answering LOOKUPs at the root and in ``d`` (node 7)."""
     nodes = s.lane.nodes
     s.lane.attr_timeout(3600)
-    nodes.policy(True, max_file_size, over_max, FILL_CHUNK, keeps_nothing,
+    nodes.policy(True, max_file_size, over_max, FILL_CHUNK, 64 << 20, keeps_nothing,
                  CONTROL_NAME.encode())
     nodes.room(room)
     nodes.directory(ROOT, b"")
