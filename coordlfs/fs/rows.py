@@ -114,10 +114,11 @@ class LaneRows:
                               NOTE_HEADROOM, not cache.room.capacity, CONTROL_NAME.encode())
 
     def _room_changed(self, _available: int) -> None:
-        """The cache's room changed (a reservation, an entry dropped): the lane hands a source
-        row's file to the cache at its last release only while the room, less the files it
-        handed and the daemon has not reserved yet, takes it, so the cache fills to its
-        last file and room that comes back is filled again. The room by the capacity alone
+        """The cache's room changed (a reservation, an entry dropped): the lane promises a
+        source row's file to the cache at its first open only while the room, less the
+        files promised and not reserved yet, takes it with ``NOTE_HEADROOM`` to spare
+        (within it the daemon's open reserves the file), checks again at the last release,
+        and hands over a file the room that comes back takes. The room by the capacity alone
         (``Room.by_capacity``): a cache filesystem that ran out is asked per file handed
         over (``_noted``), so that its room coming back is seen as the daemon's own opens
         see it."""
@@ -304,8 +305,8 @@ class LaneRows:
     def _offer_source(self, lane: Lane, inode: int, st: os.stat_result, path: bytes) -> None:
         """A small file the cache does not hold: its opens are answered with the source file
         itself, as the daemon answers them (``Opens._choose``), and handed to the cache at a
-        last release the room takes it at (``Keep.ROOM``: while the cache is full, every
-        open stays in C). Not while the mount has peers (one of them may hold it:
+        last release the room takes it at (``Keep.ROOM``, ``_room_changed``: while the cache
+        is full, every open stays in C). Not while the mount has peers (one of them may hold it:
         ``_offer_peer``), nor for a larger file (filled as it is read) or an empty one."""
         size, cache = st.st_size, self.cache
         if not 0 < size <= FILL_CHUNK:
