@@ -170,13 +170,15 @@ class WholeFileCache:
         return None
 
     def reserve(self, key: Key, path: bytes, st: os.stat_result) -> Entry | None:
-        """Claim room for a new entry, or None when the capacity (or the file limit) says no."""
-        if key in self.entries or self.read_elsewhere(key):
+        """Claim room for a new entry, or None when the capacity (or the file limit) says no.
+        Asked last whether the file is read elsewhere (``read_elsewhere``): that takes the
+        request lane's row of it, which a file the cache has no room for keeps."""
+        if key in self.entries:
             return None
         if st.st_size > self.max_file_size:
             self._too_large(path, st.st_size)
             return None
-        if not self.room.takes(st.st_size):
+        if not self.room.takes(st.st_size) or self.read_elsewhere(key):
             return None
         entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, self.next_number,
                       progress=trio.Event())

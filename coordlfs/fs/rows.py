@@ -98,7 +98,7 @@ class LaneRows:
         cache.entries.held_by(nodes)
         self._lookups = lookups
         self.readers.peers.told.append(self._lookup_policy)
-        cache.room.told.append(self._room_changed)
+        cache.room.told.append(lambda _available: self._tell_room())
         self._lookup_policy()
 
     def _lookup_policy(self) -> None:
@@ -108,12 +108,12 @@ class LaneRows:
         not cached (``WholeFileCache.never_keeps``: the log is where a user learns why)."""
         lane, cache = self.lane, self.cache
         if lane is not None:
-            self._room_changed(0)
+            self._tell_room()
             lane.nodes.policy(self._lookups and not self.readers.peers.links,
                               cache.max_file_size, not cache.too_large_said, FILL_CHUNK,
                               NOTE_HEADROOM, not cache.room.capacity, CONTROL_NAME.encode())
 
-    def _room_changed(self, _available: int) -> None:
+    def _tell_room(self) -> None:
         """The cache's room changed (a reservation, an entry dropped): the lane promises a
         source row's file to the cache at its first open only while the room, less the
         files promised and not reserved yet, takes it with ``NOTE_HEADROOM`` to spare
@@ -305,7 +305,7 @@ class LaneRows:
     def _offer_source(self, lane: Lane, inode: int, st: os.stat_result, path: bytes) -> None:
         """A small file the cache does not hold: its opens are answered with the source file
         itself, as the daemon answers them (``Opens._choose``), and handed to the cache at a
-        last release the room takes it at (``Keep.ROOM``, ``_room_changed``: while the cache
+        last release the room takes it at (``Keep.ROOM``, ``_tell_room``: while the cache
         is full, every open stays in C). Not while the mount has peers (one of them may hold it:
         ``_offer_peer``), nor for a larger file (filled as it is read) or an empty one."""
         size, cache = st.st_size, self.cache
@@ -364,12 +364,12 @@ class LaneRows:
         st = os.fstat(note.fd)
         if st.st_dev != note.dev or Version.of(st) != note.version:
             return
-        key, cache = (st.st_dev, st.st_ino), self.cache
-        if not cache.room.takes(st.st_size):  # taken meanwhile: its row answers on from the
-            return  # source, and is decided again at its next open
         readers = self.readers
         assert readers.nursery is not None
-        cache.fill_noticed(key, note.path, st, readers.source, readers.nursery, note.fd)
+        # no room since (taken meanwhile): the row answers on from the source, decided
+        # again at its next open (``WholeFileCache.reserve`` leaves it)
+        self.cache.fill_noticed((st.st_dev, st.st_ino), note.path, st, readers.source,
+                                readers.nursery, note.fd)
 
     def claim(self, key: Key) -> bool:
         """The cache is about to reserve an entry for ``key`` (a fill, a prefetch): whether
