@@ -192,10 +192,13 @@ class ConfigResult:
 
 def run_epochs(system: str, group: Readers, storage: Callable[[], int], dataset: Dataset,
                base: str | Path, settings: Settings,
-               before_epoch: Callable[[list[str]], Any] | None = None) -> ConfigResult:
+               before_epoch: Callable[[list[str]], Any] | None = None,
+               after_epoch: Callable[[], Any] | None = None) -> ConfigResult:
     """Every epoch's batches under ``base``; ``before_epoch`` is given each epoch's order
-    first (the client's trainer hands it to the mount), in the epoch's time. ``storage``
-    counts the bytes read from storage so far."""
+    first (the client's trainer hands it to the mount), in the epoch's time, and
+    ``after_epoch`` runs at its end, in its time too (a mount's fills of what the epoch read
+    end there: the next epoch's reads must not race them). ``storage`` counts the bytes read
+    from storage so far."""
     orders = epoch_orders(dataset, settings.epochs, settings.seed)
     results, disturbed = [], []
     with Sampler(storage) as sampler:
@@ -210,6 +213,8 @@ def run_epochs(system: str, group: Readers, storage: Callable[[], int], dataset:
                 _seconds, waited, got = group.epoch(batches, settings.compute_ms / 1000)
             except UserError as e:  # the stack's failure, said with the epoch it came in
                 raise UserError(f"in epoch {number}: {e}") from None
+            if after_epoch is not None:
+                after_epoch()
             seconds = time.perf_counter() - started  # the hand-over counts too
             if got != dataset.total_bytes:
                 raise UserError(f"{system}: read {got} bytes in epoch {number}, the dataset "
@@ -310,7 +315,8 @@ def _measure(system: str, cgroup: Cgroup, readers: Readers, base: str | Path,
              dataset: Dataset, budget: int, settings: Settings,
              pin: Callable[[], Any] | None = None,
              before_epoch: Callable[[list[str]], Any] | None = None,
-             stop: Callable[[], Any] | None = None) -> ConfigResult:
+             stop: Callable[[], Any] | None = None,
+             after_epoch: Callable[[], Any] | None = None) -> ConfigResult:
     """The readers in the group, the limit set, the kernel's caches dropped (then ``pin``
     run), every epoch read under ``base``; a stack that fails is a result that says why."""
     with running(readers) as group:
@@ -323,7 +329,7 @@ def _measure(system: str, cgroup: Cgroup, readers: Readers, base: str | Path,
             if pin is not None:
                 pin()
             result = run_epochs(system, group, cgroup.bytes_read, dataset, base, settings,
-                                before_epoch)
+                                before_epoch, after_epoch)
         except UserError as e:
             why = _failure(e, cgroup)
             print(f"  {system}: failed: {why}", flush=True)
@@ -423,8 +429,9 @@ def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path,
           contextlib.ExitStack() as stack):
         try:
             with cgroup.inside():
-                stack.enter_context(mounted(dataset.root, mountpoint, work / "mount.log",
-                                            "--cache-size", str(capacity)))
+                mount = stack.enter_context(mounted(dataset.root, mountpoint,
+                                                    work / "mount.log", "--cache-size",
+                                                    str(capacity)))
         except UserError as e:
             return ConfigResult(system, [], [], capacity, failed=f"not mounted: {e}")
         readers, base, before = Readers(settings.readers), str(mountpoint), None
@@ -437,7 +444,7 @@ def run_coordlfs(dataset: Dataset, budget: int, settings: Settings, work: Path,
         elif observer is not None:
             before = observer.before_epoch
         result = _measure(system, cgroup, readers, base, dataset, budget, settings,
-                          before_epoch=before)
+                          before_epoch=before, after_epoch=mount.settled)
         if observer is not None and way == "mount" and not result.failed:
             observer.finished(result)
     result.cache_capacity_bytes = capacity

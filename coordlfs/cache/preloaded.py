@@ -19,11 +19,13 @@ Both are made anew by each daemon (a former one's counts are not this mount's).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
 import socket
 import struct
+import termios
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -117,6 +119,7 @@ class Notices:
         self.connections = 0
         #: of which other users' (``public``)
         self.others = 0
+        self._streams: set[trio.SocketStream] = set()
 
     async def run(self, fill: Callable[[bytes, bool], None]) -> None:
         """Hand each path named to ``fill`` (for ever), with whether the process naming it
@@ -134,6 +137,7 @@ class Notices:
                     continue
                 self.connections += 1
                 self.others += not owner
+                self._streams.add(stream)
                 nursery.start_soon(self._serve, stream, fill, owner)
 
     async def _serve(self, stream: trio.SocketStream, fill: Callable[[bytes, bool], None],
@@ -150,13 +154,28 @@ class Notices:
         except trio.BrokenResourceError:
             pass
         finally:
+            self._streams.discard(stream)
             self.connections -= 1
             self.others -= not owner
             with contextlib.suppress(trio.BrokenResourceError):
                 await stream.aclose()
 
+    def unread(self) -> int:
+        """The connections whose names the daemon has not read yet: files closed that are
+        about to be filled (a benchmark waiting for the cache to settle waits for them too;
+        a name is read, and its fill reserved, in one step of the loop)."""
+        waiting = 0
+        for stream in self._streams:
+            with contextlib.suppress(OSError):
+                waiting += bool(_unread_bytes(stream.socket.fileno()))
+        return waiting
+
     def close(self) -> None:
         self._sock.close()  # after the loop: trio's own close wants it running
+
+
+def _unread_bytes(fd: int) -> int:
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
 
 
 class Preloaded:

@@ -267,8 +267,10 @@ class Daemon:
                 "bytes": cache.room.data_bytes,
                 "files": len(cache.entries) - cache.filling,
                 "kernel_bytes_per_file": tmpfs_file_bytes(),
-                # the lane's misses the cache is about to be handed are fills in flight
-                "filling": cache.filling + self.ops.opens.rows.noting(),
+                # the lane's misses the cache is about to be handed are fills in flight,
+                # as are those ``coordlfs run``'s processes named and it has not read yet
+                "filling": cache.filling + self.ops.opens.rows.noting() + (
+                    cache.preloaded.notices.unread() if cache.preloaded else 0),
                 "max_file_bytes": cache.max_file_size,
                 "directory": cache.directory,
                 "full": cache.room.full,
