@@ -320,24 +320,30 @@ class FillQueue:
     def reserve_all(self, fills: list[_Fill]) -> None:
         """On the event loop, for a worker: reserve the entries to fill; the rest are
         skipped (and counted when ended)."""
-        cache = self.cache
         for fill in fills:
-            st = fill.st
-            if st is not None:
-                cache.room.promise(-pages(st.st_size))  # reserved now, or never
-            if st is None or fill.skip:
-                continue
-            key = (st.st_dev, st.st_ino)
-            if cache.lookup(key, st) is not None or cache.read_elsewhere(key):
-                fill.skip = "cached"  # or being read, to be cached after
-            elif st.st_size > cache.max_file_size:
-                fill.skip = "too_large"
-            elif not self.caches_here(fill.path):
-                fill.skip = "elsewhere"
-            else:
-                fill.entry = cache.reserve(key, fill.path, st)
-                if fill.entry is None:
-                    fill.skip = "no_room"
+            if fill.st is not None:
+                self._reserve(fill)
+                # reserved now, or never: given back after the reservation, so that the room
+                # clients read never shows the file's bytes free in between (a reader of the
+                # order's head would send a file through the mount that is not to be cached)
+                self.cache.room.promise(-pages(fill.st.st_size))
+
+    def _reserve(self, fill: _Fill) -> None:
+        cache, st = self.cache, fill.st
+        assert st is not None
+        if fill.skip:
+            return
+        key = (st.st_dev, st.st_ino)
+        if cache.lookup(key, st) is not None or cache.read_elsewhere(key):
+            fill.skip = "cached"  # or being read, to be cached after
+        elif st.st_size > cache.max_file_size:
+            fill.skip = "too_large"
+        elif not self.caches_here(fill.path):
+            fill.skip = "elsewhere"
+        else:
+            fill.entry = cache.reserve(key, fill.path, st)
+            if fill.entry is None:
+                fill.skip = "no_room"
 
     def end(self, fill: _Fill) -> None:
         """On the event loop, once per file: complete its entry or give it up, and count."""
