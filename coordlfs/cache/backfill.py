@@ -38,7 +38,8 @@ class Backfill:
 
     key: Key
     entry: Entry
-    copier: Copier
+    #: None: copied already (the request lane's copier: ``WholeFileCache.adopt_copy``)
+    copier: Copier | None
     final: os.stat_result | None = None
     error: Exception | None = None
 
@@ -47,6 +48,7 @@ def _copy_all(batch: list[Backfill]) -> None:
     """In a worker thread: each file into its entry's file; errors are kept in the items,
     never raised."""
     for item in batch:
+        assert item.copier is not None  # queued to be copied
         try:
             item.copier.copy()
             item.final = item.copier.final
@@ -62,7 +64,7 @@ class BackfillQueue:
     def __init__(self, files_fd: int, ended: Callable[[list[Backfill]], None],
                  cancelled: Callable[[Key, Entry, None, BaseException], object]) -> None:
         self.files_fd = files_fd
-        #: ends a batch's fills together (``WholeFileCache._ended_together``)
+        #: ends a batch's fills together (``WholeFileCache.ended_together``)
         self.ended = ended
         #: ends one fill given up (``WholeFileCache.end_fill``)
         self.cancelled = cancelled
@@ -109,7 +111,8 @@ class BackfillQueue:
         finally:
             self.busy = False
             for item in batch + self._queued:  # cancelled at unmount
-                item.copier.close()
+                if item.copier is not None:
+                    item.copier.close()
                 self.cancelled(item.key, item.entry, None,
                                OSError(errno.ECANCELED, "unmounted"))
             self._queued = []

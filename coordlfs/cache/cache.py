@@ -47,6 +47,7 @@ from coordlfs.cache.files import (
     FromStorage,
     create_file,
     file_name,
+    link_file,
     write_all,
 )
 from coordlfs.cache.preloaded import Preloaded
@@ -97,7 +98,7 @@ class WholeFileCache:
                                    self.directory, self.fill_noticed)
         self.restart = Restart(self.entries, self.room, self.dir, self.journal,
                                self.publisher, self._release)
-        self.backfills = BackfillQueue(self.files.fd, self._ended_together, self.end_fill)
+        self.backfills = BackfillQueue(self.files.fd, self.ended_together, self.end_fill)
 
     # -- what other wings read ---------------------------------------------------------
 
@@ -274,6 +275,24 @@ class WholeFileCache:
         if entry is not None and new:
             self.backfill(key, entry, source, nursery, source_fd)
 
+    def adopt_copy(self, key: Key, path: bytes, st: os.stat_result, copy_fd: int
+                   ) -> Backfill | None:
+        """A file read from the source without the daemon's reads and copied already
+        (``copy_fd``: unnamed, in the entries' directory: the request lane's copier), the
+        source showing the version copied in ``st``: its entry reserved and the copy named
+        as its file, for ``ended_together`` with the rest of its batch; None if the cache
+        has no room for it (or has it)."""
+        entry, new = self._claim(key, path, st)
+        if entry is None or not new:
+            return None
+        try:
+            link_file(self.files.fd, entry.offset, copy_fd)
+        except OSError as e:
+            self._ended(key, entry, None, e)
+            return None
+        entry.filled = entry.size
+        return Backfill(key, entry, None, final=st)
+
     async def drained(self, seconds: float) -> None:
         """Wait, at most ``seconds``, for the backfills to end: at unmount, the
         files just read are then complete in the cache (and in its journal)."""
@@ -342,7 +361,7 @@ class WholeFileCache:
             log.warning("caching %s failed: %s", os.fsdecode(entry.path), error,
                         exc_info=not isinstance(error, OSError))
 
-    def _ended_together(self, batch: list[Backfill]) -> None:
+    def ended_together(self, batch: list[Backfill]) -> None:
         """``end_fill`` of a batch backfilled: the journal lines of the
         entries that are complete written at once, before any of them is (so that nothing
         reported cached is missing from the journal after a crash); the others given up."""

@@ -23,13 +23,15 @@ import stat
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from coordlfs.cache.entries import Entry
 from coordlfs.source.source import Source, SourceReader
 
 #: the cache's log lines keep one name, whichever of its modules writes them
 log = logging.getLogger("coordlfs.cache.cache")
+
+_T = TypeVar("_T")
 
 #: Bytes read from the source per worker-thread call while filling an entry: large enough
 #: that thread hand-offs cost nothing next to the copy, small enough to bound the per-thread
@@ -44,16 +46,28 @@ def file_name(number: int) -> str:
     return f"{number:x}"
 
 
-def create_file(files_fd: int, number: int) -> int:
-    """A new entry's file, for writing: 0600, exclusive (a leftover of the name is removed
-    first), never through a link."""
+def _named(files_fd: int, number: int, make: Callable[[str], _T]) -> _T:
+    """``make(name)`` of entry ``number``'s file, exclusively: a leftover of the name (a
+    crash's, before its journal line) is removed first."""
     name = file_name(number)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        return os.open(name, flags, 0o600, dir_fd=files_fd)
+        return make(name)
     except FileExistsError:
         os.unlink(name, dir_fd=files_fd)
-        return os.open(name, flags, 0o600, dir_fd=files_fd)
+        return make(name)
+
+
+def create_file(files_fd: int, number: int) -> int:
+    """A new entry's file, for writing: 0600, exclusive, never through a link."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return _named(files_fd, number, lambda name: os.open(name, flags, 0o600, dir_fd=files_fd))
+
+
+def link_file(files_fd: int, number: int, fd: int) -> None:
+    """Name ``fd``, an unnamed file in the entries' directory (``O_TMPFILE``, 0600: the
+    request lane's copies), as entry ``number``'s file, exclusively."""
+    _named(files_fd, number, lambda name: os.link(f"/proc/self/fd/{fd}", name,
+                                                  dst_dir_fd=files_fd, follow_symlinks=True))
 
 
 def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:

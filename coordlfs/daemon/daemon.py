@@ -390,7 +390,7 @@ class Daemon:
                 self.metrics.start(trio.lowlevel.current_trio_token())
             ready(self.ops.freshness.summary())
             await pyfuse3.main()
-            self.ops.opens.rows.take_waiting()
+            await self.ops.opens.rows.take_all(DRAIN_S)
             await self.cache.drained(DRAIN_S)
             nursery.cancel_scope.cancel()
 

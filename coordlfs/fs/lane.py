@@ -103,15 +103,17 @@ def _load() -> ctypes.CDLL:
     lib.lane_held_stat.argtypes = [_u64, ctypes.POINTER(_Stat)]
     lib.lane_census.argtypes = [ctypes.POINTER(_i64 * 2)]
     lib.lane_enable.argtypes = [ctypes.c_int]
-    lib.lane_counts.argtypes = [ctypes.POINTER(_u64 * 12)]
+    lib.lane_counts.argtypes = [ctypes.POINTER(_u64 * 13)]
     lib.lane_attr_timeout.argtypes = [ctypes.c_double]
     lib.lane_peer_set.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.lane_peer_state.argtypes = [ctypes.c_int, ctypes.POINTER(_u64 * 5)]
     lib.lane_land_in.argtypes = [ctypes.c_int]
+    lib.lane_copy_into.argtypes = [ctypes.c_int]
     lib.lane_note.argtypes = [ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int),
-                              ctypes.POINTER(_i64 * 5), ctypes.c_char_p, ctypes.c_size_t]
+                              ctypes.POINTER(ctypes.c_int), ctypes.POINTER(_i64 * 5),
+                              ctypes.c_char_p, ctypes.c_size_t]
     lib.lane_note.restype = ctypes.c_ssize_t
-    lib.lane_gauges.argtypes = [ctypes.POINTER(_i64 * 5)]
+    lib.lane_gauges.argtypes = [ctypes.POINTER(_i64 * 6)]
     lib.lane_source_fd.argtypes = [_u64]
     lib.lane_bufsize.restype = ctypes.c_size_t
     return lib
@@ -150,13 +152,16 @@ class Adopted:
 @dataclass(frozen=True, slots=True)
 class Note:
     """A source file the lane served opens of, for the cache to keep: the inode, the
-    file's path and version as the lane opened it, and its descriptor (the receiver's)."""
+    file's path and version as the lane opened it, and its descriptor (the receiver's); with
+    ``copy_into``, an unnamed file on the cache's filesystem holding its bytes of that version
+    (the receiver's too), or -1 if none was made."""
 
     inode: int
     path: bytes
     dev: int
     version: Version
     fd: int
+    copy: int = -1
 
 
 class Lane:
@@ -164,11 +169,12 @@ class Lane:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        self._counts = (_u64 * 12)()
+        self._counts = (_u64 * 13)()
         self._folded = (0, 0, 0, 0, 0, 0, 0)
         #: readable while the lane may have source files for the cache (``notes``)
         self.notes_fd: int = lib.lane_notes_fd()
-        self._note = (_u64(), ctypes.c_int(), (_i64 * 5)(), ctypes.create_string_buffer(4096))
+        self._note = (_u64(), ctypes.c_int(), ctypes.c_int(), (_i64 * 5)(),
+                      ctypes.create_string_buffer(4096))
         #: buffers of the calls made per LOOKUP, allocated once (a ctypes array per call was
         #: a tenth of a LOOKUP's Python); the daemon's loop is their one caller
         self._fields = _Stat()
@@ -220,6 +226,13 @@ class Lane:
     def land_in(self, directory_fd: int) -> None:
         """Land the peers' files in ``directory_fd`` (the cache's tmpfs; a duplicate is kept)."""
         rc = self._lib.lane_land_in(directory_fd)
+        if rc < 0:
+            raise OSError(-rc, os.strerror(-rc))
+
+    def copy_into(self, directory_fd: int) -> None:
+        """Copy each note's file into ``directory_fd`` (the entries' files) in a thread of the
+        lane's before the daemon is handed it (``Note.copy``): the loop then only links it."""
+        rc = self._lib.lane_copy_into(directory_fd)
         if rc < 0:
             raise OSError(-rc, os.strerror(-rc))
 
@@ -277,11 +290,13 @@ class Lane:
 
     def notes(self) -> Iterator[Note]:
         """The source files the lane has for the cache, taken (read ``notes_fd`` first)."""
-        inode, fd, version, path = self._note
+        inode, fd, copy, version, path = self._note
         take, refs = self._lib.lane_note, (ctypes.byref(inode), ctypes.byref(fd),
-                                           ctypes.byref(version), path, len(path))
+                                           ctypes.byref(copy), ctypes.byref(version), path,
+                                           len(path))
         while take(*refs) >= 0:  # the path ends at its NUL (.raw would copy the whole buffer)
-            yield Note(inode.value, path.value, version[0], Version(*version[1:]), fd.value)
+            yield Note(inode.value, path.value, version[0], Version(*version[1:]), fd.value,
+                       copy.value)
 
     def held(self, inode: int) -> int:
         """The opens of ``inode`` the lane answered and the kernel has not released."""
@@ -312,31 +327,36 @@ class Lane:
         """Opens of cache entries answered, their files' bytes, releases answered, opens of
         source files answered, the bytes read from storage for them (once per file read),
         their files' bytes (per open), opens of peers' files answered, their files' bytes
-        (per open), GETATTRs, IOCTLs, LOOKUPs and FORGETs answered, since the start."""
+        (per open), GETATTRs, IOCTLs, LOOKUPs and FORGETs answered, and notes' files copied
+        (``copy_into``), since the start."""
         self._lib.lane_counts(ctypes.byref(self._counts))
         return tuple(self._counts)
 
     def gauges(self) -> tuple[int, ...]:
         """Source files read by the lane's opens that the cache is about to be handed; rows
         kept; inodes whose opens the lane holds by a source row; of those, peers' files
-        landed, and their bytes."""
-        out = (_i64 * 5)()
+        landed, and their bytes; notes' files being copied (``copy_into``)."""
+        out = (_i64 * 6)()
         self._lib.lane_gauges(ctypes.byref(out))
         return tuple(out)
 
     def noting(self) -> int:
         return self.gauges()[0]
 
+    def copying(self) -> int:
+        return self.gauges()[5]
+
     def sources_held(self) -> int:
         return self.gauges()[2]
 
     def status(self) -> dict[str, int]:
         (opens, _, releases, source_opens, _, _, peer_opens, _, getattrs, ioctls, lookups,
-         forgets) = self.counts()
+         forgets, copies) = self.counts()
         nodes, keys, directories, _, _ = self.nodes.gauges()
         return {"opens": opens, "source_opens": source_opens, "peer_opens": peer_opens,
                 "releases": releases, "getattrs": getattrs, "ioctls": ioctls,
-                "lookups": lookups, "forgets": forgets, "rows": self.gauges()[1],
+                "lookups": lookups, "forgets": forgets, "copies": copies,
+                "rows": self.gauges()[1],
                 "nodes": nodes, "keys_held": keys, "directories": directories}
 
     def fold(self, reads: ReadCounters) -> None:

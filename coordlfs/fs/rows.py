@@ -41,6 +41,7 @@ from typing import Any
 import trio
 
 from coordlfs import CONTROL_NAME
+from coordlfs.cache.backfill import Backfill
 from coordlfs.cache.cache import FILL_CHUNK, Entry
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.fs.backing import Backing, Backings
@@ -100,6 +101,8 @@ class LaneRows:
         self.readers.peers.told.append(self._lookup_policy)
         cache.room.told.append(lambda _available: self._tell_room())
         self._lookup_policy()
+        if cache.room.capacity:
+            lane.copy_into(cache.files_fd)
 
     def _lookup_policy(self) -> None:
         """The lane answers LOOKUPs of small files by ``_offer_source``'s rule: not while the
@@ -346,23 +349,43 @@ class LaneRows:
                 os.read(lane.notes_fd, 8)
             self.take_waiting()
 
+    async def take_all(self, seconds: float) -> None:
+        """At unmount: wait, at most ``seconds``, for the lane's copier to hand over the
+        files it is copying, then take every file the lane has (``take_waiting``)."""
+        if self.lane is not None:
+            with trio.move_on_after(seconds):
+                while self.lane.copying():
+                    await trio.sleep(0.005)
+        self.take_waiting()
+
     def take_waiting(self) -> None:
-        """Hand the cache every file the lane has for it now (also at unmount, before the
-        backfills are drained: a file read just before is then in the cache)."""
+        """Hand the cache every file the lane has for it now."""
         if self.lane is None:
             return
-        for note in self.lane.notes():
-            try:
-                self._noted(note)
-            finally:
-                os.close(note.fd)
+        copied: list[Backfill] = []
+        try:
+            for note in self.lane.notes():
+                try:
+                    self._noted(note, copied)
+                finally:
+                    os.close(note.fd)
+                    if note.copy >= 0:
+                        os.close(note.copy)
+        finally:  # one journal write for the batch's copies
+            self.cache.ended_together(copied)
 
-    def _noted(self, note: Note) -> None:
-        """Backfill the file of ``note`` from the pages its reads brought in, if it is still
-        the version they read and the cache has room (storage was read, and counted, once,
-        by the lane's opens)."""
+    def _noted(self, note: Note, copied: list[Backfill]) -> None:
+        """Keep the file of ``note`` if it is still the version its reads read and the cache
+        has room (storage was read, and counted, once, by the lane's opens): its copy made by
+        the lane (``copy_into``) named as its entry's file, to end with the batch's in
+        ``copied``; else backfilled from the pages those reads brought in."""
         st = os.fstat(note.fd)
         if st.st_dev != note.dev or Version.of(st) != note.version:
+            return
+        if note.copy >= 0:
+            item = self.cache.adopt_copy((st.st_dev, st.st_ino), note.path, st, note.copy)
+            if item is not None:
+                copied.append(item)
             return
         readers = self.readers
         assert readers.nursery is not None

@@ -46,6 +46,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
+#include <sys/sendfile.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -72,6 +73,7 @@ struct note {
     struct note *next;
     uint64_t nodeid;
     int fd;
+    int copy; /* an unnamed file on the cache's filesystem holding its bytes, or -1 */
     struct version v;
     char path[];
 };
@@ -91,6 +93,13 @@ int enabled = 1;
 static int dev_fd = -1, wake_fd = -1, root_fd = -1;
 static struct note *notes, *notes_tail;
 static int notes_fd = -1;
+/* Notes whose files the copier thread copies into the cache's directory (copy_fd) before
+ * the daemon is handed them (lane_copy_into). */
+static struct note *copying, *copying_tail;
+static int64_t copies_queued; /* of those, and the one being copied */
+#define NOT_COPIED (-2)
+static pthread_cond_t copy_wake = PTHREAD_COND_INITIALIZER;
+static int copy_fd = -1;
 /* Files the cache is to keep and has not been handed yet (note rows with opens, notes), and
  * the room they will take, which the room the daemon told (lane_room) does not count yet. */
 static int64_t noting, noting_bytes;
@@ -100,7 +109,7 @@ static int64_t sources_held;
 static int64_t landed_held, landed_held_bytes;
 static _Atomic uint64_t answered_opens, answered_bytes, answered_releases, source_opens,
     source_bytes, source_opened_bytes, peer_opens, peer_opened_bytes, answered_getattrs,
-    answered_ioctls;
+    answered_ioctls, copies;
 /* How long the kernel may keep the attributes a GETATTR is answered with (the daemon's
  * freshness timeout, lane_attr_timeout); none answered before it is set. */
 _Atomic uint64_t attr_valid_ns;
@@ -600,7 +609,7 @@ EXPORT void lane_attr_timeout(double seconds) {
  * read), their files' bytes (per open), opens of peers' files, their files' bytes (per open;
  * what was fetched: lane_peer_state), GETATTRs, IOCTLs, LOOKUPs, FORGETs
  * (lookup.c). */
-EXPORT void lane_counts(uint64_t out[12]) {
+EXPORT void lane_counts(uint64_t out[13]) {
     out[0] = atomic_load(&answered_opens);
     out[1] = atomic_load(&answered_bytes);
     out[2] = atomic_load(&answered_releases);
@@ -612,13 +621,15 @@ EXPORT void lane_counts(uint64_t out[12]) {
     out[8] = atomic_load(&answered_getattrs);
     out[9] = atomic_load(&answered_ioctls);
     lookup_counts(out + 10);
+    out[12] = atomic_load(&copies);
 }
 
 /* The next source file read through a row with `note`: its path's length (copied into
  * `path`, `cap` bytes), its inode, open descriptor (now the caller's) and version
  * (dev, ino, size, mtime_ns, ctime_ns); -1 if there is none. The descriptor given by
  * lane_notes_fd is readable while there may be some. */
-EXPORT ssize_t lane_note(uint64_t *nodeid, int *fd, int64_t version[5], char *path, size_t cap) {
+EXPORT ssize_t lane_note(uint64_t *nodeid, int *fd, int *copy, int64_t version[5], char *path,
+                         size_t cap) {
     pthread_mutex_lock(&rows_lock);
     struct note *n = notes;
     if (n && strlen(n->path) < cap) {
@@ -637,6 +648,7 @@ EXPORT ssize_t lane_note(uint64_t *nodeid, int *fd, int64_t version[5], char *pa
         return -1;
     *nodeid = n->nodeid;
     *fd = n->fd;
+    *copy = n->copy;
     int64_t v[5] = {(int64_t)n->v.dev, (int64_t)n->v.ino, n->v.size, n->v.mtime_ns,
                     n->v.ctime_ns};
     memcpy(version, v, sizeof v);
@@ -654,14 +666,15 @@ EXPORT int lane_notes_fd(void) {
  * the daemon yet, or still open (files the cache is about to be given, as fills in flight);
  * the rows kept (their memory is the lane's share of the daemon's per-file cost); the
  * inodes whose opens it holds by a source row (the daemon asks for them only then); of
- * those, peer rows' landed files, and their bytes. */
-EXPORT void lane_gauges(int64_t out[5]) {
+ * those, peer rows' landed files, and their bytes; notes the copier has not handed over. */
+EXPORT void lane_gauges(int64_t out[6]) {
     pthread_mutex_lock(&rows_lock);
     out[0] = noting;
     out[1] = (int64_t)nrows;
     out[2] = sources_held;
     out[3] = landed_held;
     out[4] = landed_held_bytes;
+    out[5] = copies_queued;
     pthread_mutex_unlock(&rows_lock);
 }
 
@@ -680,6 +693,14 @@ int open_beneath(const char *path, int flags) {
     return (int)syscall(SYS_openat2, root_fd, path, &how, sizeof how);
 }
 
+/* Whether `st` is of a regular file of version `v`. */
+static int shows_version(const struct stat *st, const struct version *v) {
+    return S_ISREG(st->st_mode) && (uint64_t)st->st_dev == v->dev &&
+           (uint64_t)st->st_ino == v->ino && st->st_size == v->size &&
+           st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec == v->mtime_ns &&
+           st->st_ctim.tv_sec * 1000000000LL + st->st_ctim.tv_nsec == v->ctime_ns;
+}
+
 /* The source file at `path` (beneath the root) opened with `flags` if it is version `v`
  * now (its attributes in `st`), else -1. */
 static int open_version(const char *path, const struct version *v, int flags,
@@ -690,11 +711,7 @@ static int open_version(const char *path, const struct version *v, int flags,
     struct stat mine;
     if (!st)
         st = &mine;
-    int ok = fstat(fd, st) == 0 && S_ISREG(st->st_mode) && (uint64_t)st->st_dev == v->dev &&
-             (uint64_t)st->st_ino == v->ino && st->st_size == v->size &&
-             st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec == v->mtime_ns &&
-             st->st_ctim.tv_sec * 1000000000LL + st->st_ctim.tv_nsec == v->ctime_ns;
-    if (!ok) {
+    if (fstat(fd, st) != 0 || !shows_version(st, v)) {
         close(fd);
         return -1;
     }
@@ -830,6 +847,21 @@ static int answer_open(const char *mem, size_t len, int fetching) {
 static void push_note(struct note *n) {
     n->next = NULL;
     pthread_mutex_lock(&rows_lock);
+    if (copy_fd >= 0 && n->copy == NOT_COPIED) { /* the copier's first */
+        if (copying_tail)
+            copying_tail->next = n;
+        else
+            copying = n;
+        copying_tail = n;
+        copies_queued++;
+        pthread_cond_signal(&copy_wake);
+        pthread_mutex_unlock(&rows_lock);
+        return;
+    }
+    if (n->copy == NOT_COPIED)
+        n->copy = -1;
+    else
+        copies_queued--; /* copied (or not): the daemon's */
     int was_empty = !notes;
     if (notes_tail)
         notes_tail->next = n;
@@ -871,6 +903,7 @@ static struct note *source_done(struct row *r, int *id, int *fd) {
     r->noted = 1;
     n->nodeid = r->nodeid;
     n->fd = *fd;
+    n->copy = NOT_COPIED;
     n->v = r->v;
     strcpy(n->path, r->path);
     *fd = -1;
@@ -1121,6 +1154,79 @@ EXPORT ssize_t lane_take(void *mem, size_t cap) {
 /* The buffer lane_take needs at most. */
 EXPORT size_t lane_bufsize(void) {
     return BUFSIZE;
+}
+
+/* A copy of the noted file `n` in an unnamed file on the cache's filesystem, from the pages
+ * its reads brought in (sendfile: what was not read is read now), those pages dropped after
+ * (the cache has the bytes); -1 if the copy failed or the file is not the version the row's
+ * opens read any more (the daemon then backfills it itself, and meets the failure there: a
+ * full cache filesystem is noted by the cache). */
+static int copy_note(const struct note *n) {
+    int out = openat(copy_fd, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+    if (out < 0)
+        return -1;
+    off_t at = 0;
+    while (at < n->v.size) {
+        ssize_t got = sendfile(out, n->fd, &at, (size_t)(n->v.size - at));
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            break;
+    }
+    struct stat st;
+    if (at != n->v.size || fstat(n->fd, &st) != 0 || !shows_version(&st, &n->v)) {
+        close(out);
+        return -1;
+    }
+    (void)posix_fadvise(n->fd, 0, 0, POSIX_FADV_DONTNEED);
+    atomic_fetch_add(&copies, 1);
+    return out;
+}
+
+/* The copier: each note's file copied before the daemon is handed it, in a thread of its
+ * own (the lane's threads answer on meanwhile). */
+static void *copier(void *unused) {
+    (void)unused;
+    for (;;) {
+        pthread_mutex_lock(&rows_lock);
+        while (!copying)
+            pthread_cond_wait(&copy_wake, &rows_lock);
+        struct note *n = copying;
+        copying = n->next;
+        if (!copying)
+            copying_tail = NULL;
+        pthread_mutex_unlock(&rows_lock);
+        n->copy = copy_note(n);
+        push_note(n);
+    }
+    return NULL;
+}
+
+/* Copy the files of notes into directory `dir_fd` (the cache's entries' files) before the
+ * daemon is handed them, in a thread started now: the daemon then only links each copy
+ * under its entry's name (coordlfs.fs.rows.LaneRows._noted). 0, or -errno. */
+EXPORT int lane_copy_into(int dir_fd) {
+    int fd = fcntl(dir_fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0)
+        return -errno;
+    pthread_mutex_lock(&rows_lock);
+    int already = copy_fd >= 0;
+    if (!already)
+        copy_fd = fd;
+    pthread_mutex_unlock(&rows_lock);
+    if (already) {
+        close(fd);
+        return 0;
+    }
+    int rc;
+    if (!spawn(copier, 1, &rc)) {
+        pthread_mutex_lock(&rows_lock);
+        copy_fd = -1;
+        pthread_mutex_unlock(&rows_lock);
+        close(fd);
+        return -rc;
+    }
+    return 0;
 }
 
 /* Start serving the FUSE session `fuse_fd` (the daemon's, after init, before its loop)

@@ -76,7 +76,8 @@ def test_an_epoch_of_misses_is_the_lanes_and_is_cached(tmp_path: Path, mount,
                                                         needs_lane: None) -> None:
     """Every small file's first open is answered by the lane, byte-exact; the epoch counts as
     a ``--request-lane no`` mount's does (misses read by the kernel from the source, their
-    bytes from the source); each file is then in the cache, and the next epoch is hits."""
+    bytes from the source); each file is then in the cache (copied there by the lane's
+    copier), and the next epoch is hits."""
     src = make_source(tmp_path)
     want = source_digests(src, SMALL)
     counted = {}
@@ -87,6 +88,7 @@ def test_an_epoch_of_misses_is_the_lanes_and_is_cached(tmp_path: Path, mount,
         counted[mode] = counted_epoch(m, SMALL, want)
         if mode == "auto":
             assert source_opens(m) - at == len(SMALL), "the misses were not all the lane's"
+            assert lane_state(m)["copies"] == len(SMALL), lane_state(m)
         status = m.settled()
         assert status["cache"]["files"] == len(SMALL), status["cache"]
         second = counted_epoch(m, SMALL, want)
