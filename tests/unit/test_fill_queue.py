@@ -16,6 +16,7 @@ from coordlfs.cache.cache import FILL_CHUNK, WholeFileCache
 from coordlfs.cache.fills import BATCH, Credentials, FillQueue, readable
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.protocol.spec import Refused
+from coordlfs.sizes import pages
 from coordlfs.source.beneath import open_beneath
 from coordlfs.source.source import Source
 
@@ -140,6 +141,34 @@ def test_a_reader_waits_on_the_entry_the_queue_fills(tmp_path: Path) -> None:
         assert trio.run(read)
         assert (q.files, q.bytes) == (1, len(data))
         assert cache.counters.bytes_from_source == len(data)
+    finally:
+        cache.close(keep=False)
+        source.close()
+
+
+def test_the_room_clients_read_never_shows_a_promised_file_free(tmp_path: Path) -> None:
+    """A prefetched file's promised room is given back only after its entry took it: the
+    room told to clients (the index's) never grows while the queue reserves, so a reader
+    of the order's head never finds room for a file meanwhile (it sent such a file through
+    the mount, test_client_direct's tail test, 2 runs in 10)."""
+    (tmp_path / "src").mkdir()
+    for name in ("a", "b"):
+        (tmp_path / "src" / name).write_bytes(os.urandom(300_000))
+    source = Source(str(tmp_path / "src"))
+    cache = WholeFileCache(str(tmp_path / "cache"), 1 << 20, 1 << 20, ReadCounters())
+    told: list[int] = []
+    cache.room.told.append(told.append)
+    q = FillQueue(cache, source, 1)
+    try:
+        q.add(1, [b"a", b"b"], size=sum(pages(300_000) for _ in "ab"))
+        room = cache.room.available()
+        batch = [fills._Fill(path) for path in (b"a", b"b")]
+        for fill in batch:
+            fill.st = os.stat(tmp_path / "src" / os.fsdecode(fill.path))
+        told.clear()
+        q.reserve_all(batch)
+        assert all(fill.entry is not None for fill in batch)
+        assert told and max(told) <= room and told[-1] == room
     finally:
         cache.close(keep=False)
         source.close()
