@@ -102,7 +102,10 @@ class LaneRows:
         cache.room.told.append(lambda _available: self._tell_room())
         self._lookup_policy()
         if cache.room.capacity:
-            lane.copy_into(cache.files_fd)
+            try:
+                lane.copy_into(cache.files_fd)
+            except OSError as e:  # the notes' files are backfilled by the daemon, as before
+                log.info("the request lane copies no files for the cache: %s", e.strerror or e)
 
     def _lookup_policy(self) -> None:
         """The lane answers LOOKUPs of small files by ``_offer_source``'s rule: not while the

@@ -425,3 +425,21 @@ def test_source_row_calls_without_opens(lib: ctypes.CDLL, source: Path) -> None:
     assert rows.offer_source(5, b"d/f.bin", st, Keep.ROOM)
     assert offer(rows, source, 5, 7, "d/f.bin")  # an entry's row over it
     assert rows.drop(5) == 0 and rows.release(5) == -1
+
+
+def test_the_copier_starts_once_and_a_bad_directory_is_an_error(lib: ctypes.CDLL,
+                                                                 tmp_path: Path) -> None:
+    """``copy_into`` starts the lane's copier with the entries' directory once (a second
+    call changes nothing); a descriptor that is none is an OSError (the daemon then
+    backfills the notes' files itself), and nothing is being copied."""
+    rows = lane.Lane(lib)
+    with pytest.raises(OSError) as raised:
+        rows.copy_into(-1)
+    assert raised.value.errno == errno.EBADF
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        rows.copy_into(fd)
+        rows.copy_into(fd)
+    finally:
+        os.close(fd)
+    assert rows.copying() == 0 and rows.counts()[12] == 0
