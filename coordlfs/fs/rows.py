@@ -59,12 +59,22 @@ log = logging.getLogger(__name__)
 #: taking a few (measured: 5 ms took the loop's CPU per miss from ~300 to ~250 µs). A reopen
 #: meanwhile is a miss the daemon serves from the source as before.
 NOTES_GATHER_S = 0.005
-#: The last of the room that the daemon reserves at each open itself, exactly: the lane's
-#: files are reserved when the daemon takes their notes (a few ms later), and until then the
-#: room clients read (to send a file through the mount or to the source) is too large by
-#: them; within this headroom it must not be, a file a client sends through the mount being
-#: one the cache then keeps.
+#: The last of the room that the daemon reserves at each open itself, exactly (``headroom``):
+#: the lane's files are reserved when the daemon takes their notes (a few ms later), and until
+#: then the room clients read (to send a file through the mount or to the source) is too
+#: large by them; within the headroom it must not be, so that a file a client sends through
+#: the mount, up to the headroom's size, is one the cache then keeps.
 NOTE_HEADROOM = 64 << 20
+#: The headroom of a small cache, at least: eight fill steps (the lane's largest files),
+#: several times what its opens read between two takes of their notes.
+NOTE_HEADROOM_MIN = 8 * FILL_CHUNK
+
+
+def headroom(capacity: int) -> int:
+    """A sixteenth of the cache, from ``NOTE_HEADROOM_MIN`` to ``NOTE_HEADROOM``: a fixed 64
+    MiB left most of a small cache's first epoch to the daemon's opens (the demo's 161 MiB:
+    580 of its 1,450 files), each costing the loop three times a file the lane hands over."""
+    return min(NOTE_HEADROOM, max(NOTE_HEADROOM_MIN, capacity // 16))
 
 
 class LaneRows:
@@ -117,12 +127,13 @@ class LaneRows:
             self._tell_room()
             lane.nodes.policy(self._lookups and not self.readers.peers.links,
                               cache.max_file_size, not cache.too_large_said, FILL_CHUNK,
-                              NOTE_HEADROOM, not cache.room.capacity, CONTROL_NAME.encode())
+                              headroom(cache.room.capacity), not cache.room.capacity,
+                              CONTROL_NAME.encode())
 
     def _tell_room(self) -> None:
         """The cache's room changed (a reservation, an entry dropped): the lane promises a
         source row's file to the cache at its first open only while the room, less the
-        files promised and not reserved yet, takes it with ``NOTE_HEADROOM`` to spare
+        files promised and not reserved yet, takes it with ``headroom`` to spare
         (within it the daemon's open reserves the file), checks again at the last release,
         and hands over a file the room that comes back takes. The room by the capacity alone
         (``Room.by_capacity``): a cache filesystem that ran out is asked per file handed

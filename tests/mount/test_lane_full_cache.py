@@ -21,7 +21,7 @@ from test_lane_misses import counted_epoch, source_opens
 from test_request_lane import lane_opens, lane_state, make_source, read_epoch, source_digests
 
 from coordlfs.cache.cache import FILL_CHUNK
-from coordlfs.fs.rows import NOTE_HEADROOM
+from coordlfs.fs.rows import headroom
 from coordlfs.sizes import pages
 
 #: 24 files of 3 pages each; the cache below holds 12 of them
@@ -86,13 +86,14 @@ def test_the_first_epoch_fills_the_cache_to_its_last_file(tmp_path: Path, mount,
     """A cache larger than the headroom: the lane's files fill it while the room has the
     headroom to spare, the daemon's opens the headroom; the cache ends with less room than
     any file it does not hold, and the next epoch is all in C."""
-    count = (NOTE_HEADROOM >> 20) + 8
+    capacity = 24 * FILL_CHUNK
+    assert headroom(capacity) == 8 * FILL_CHUNK  # a small cache's: the lane fills two thirds
+    count = capacity // FILL_CHUNK + 8
     size = FILL_CHUNK - 4096
     sizes = {f"f{n:03d}.bin": size for n in range(count)}
     src = make_source(tmp_path, sizes)
     names = sorted(sizes)
     want = source_digests(src, names)
-    capacity = NOTE_HEADROOM + 4 * FILL_CHUNK
     m = mount(src, "--passthrough", "yes", "--cache-size", str(capacity))
     first, _ = lane_epoch(m, names, want)
     cached = m.settled()["cache"]["files"]
