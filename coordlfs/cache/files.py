@@ -9,7 +9,9 @@ Every fill writes its entry's file through ``Copier``, whichever way in it came:
 miss or a peer's request a chunk per hand-off to a worker thread, the batched fills and the
 backfills a whole file per thread call. Only where the bytes come from differs:
 storage read ``O_DIRECT`` (``FromStorage``), or the page cache a reader's reads filled
-(``FromPages``, by ``sendfile``, its pages dropped after).
+(``FromPages``, by ``sendfile``, its pages dropped after). The one exception is a file the
+request lane's opens read: the lane's copier makes that copy in C (an unnamed file here), and
+the daemon only names it (``link_file``).
 """
 
 from __future__ import annotations

@@ -116,10 +116,10 @@ class Notices:
             raise
         self._sock = sock
         self.listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
-        self.connections = 0
+        #: the processes connected now
+        self._streams: set[trio.SocketStream] = set()
         #: of which other users' (``public``)
         self.others = 0
-        self._streams: set[trio.SocketStream] = set()
 
     async def run(self, fill: Callable[[bytes, bool], None]) -> None:
         """Hand each path named to ``fill`` (for ever), with whether the process naming it
@@ -132,12 +132,11 @@ class Notices:
                 _pid, uid, _gid = _CREDENTIALS.unpack(stream.socket.getsockopt(
                     socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
                 owner = uid in (0, os.geteuid())
-                if self.connections >= CONNECTIONS or (not owner and self.others >= OTHERS):
+                if len(self._streams) >= CONNECTIONS or (not owner and self.others >= OTHERS):
                     await stream.aclose()
                     continue
-                self.connections += 1
-                self.others += not owner
                 self._streams.add(stream)
+                self.others += not owner
                 nursery.start_soon(self._serve, stream, fill, owner)
 
     async def _serve(self, stream: trio.SocketStream, fill: Callable[[bytes, bool], None],
@@ -155,7 +154,6 @@ class Notices:
             pass
         finally:
             self._streams.discard(stream)
-            self.connections -= 1
             self.others -= not owner
             with contextlib.suppress(trio.BrokenResourceError):
                 await stream.aclose()
