@@ -86,7 +86,7 @@ def test_a_daemon_killed_while_filling_keeps_what_it_reported_cached(mount,
     """Fills behind readers end a batch at a time (one journal write): a daemon killed while
     a reader's misses are being filled leaves every file it had reported cached in its
     journal, and the next mount adopts them all, byte-exact, none read from the source."""
-    names = [f"f{i:04d}" for i in range(600)]
+    names = [f"f{i:04d}" for i in range(1500)]
     src = random_source(tmp_path, **dict.fromkeys(names, 20_000 + 17))
     m = mount(src, "--keep-cache")
     reader = threading.Thread(target=_read_until_gone, args=(m.mountpoint, names))
