@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 from coordlfs.errors import UserError
 from coordlfs.source.walk import DIRECTORY, open_outside
 from coordlfs.system.mounts import coordlfs_devices
+from coordlfs.system.pagecache import resident
 
 #: O_DIRECT needs offsets, lengths and buffers aligned to the logical block size; 4 KiB
 #: covers every block device we meet.
@@ -206,8 +207,12 @@ class SourceReader:
     cache: a second copy would only push other files out): opened with O_DIRECT where the
     filesystem allows it, read through this thread's aligned buffer; where the filesystem
     refuses O_DIRECT, at the open or at a read (EINVAL: its alignment is not ours), read
-    buffered and the pages read dropped. A file the cache does not keep (``keep_pages``) is
-    read buffered and its pages left to the kernel's LRU, the only copy there will be.
+    buffered and the pages read dropped. So is a file whose pages the page cache holds
+    already (another process read it: a client's direct read of a file the mount fills
+    after, a job reading the source beside the mount): the copy comes from them, storage is
+    not read twice, and the pages go once the cache has the bytes. A file the cache does not
+    keep (``keep_pages``) is read buffered and its pages left to the kernel's LRU, the only
+    copy there will be.
     Standard library only, and its methods block: the daemon runs them in worker threads.
     """
 
@@ -275,6 +280,8 @@ class SourceReader:
         """Up to ``size`` bytes at ``offset``: O_DIRECT reads the aligned blocks around them
         into this thread's buffer (a view of it is returned); a read O_DIRECT refuses
         (EINVAL) turns the descriptor buffered for good and is read again."""
+        if self.direct and resident(self.fd, offset, size):
+            self._buffered()
         while self.direct:
             skip = offset % DIRECT_ALIGN
             length = -(-(skip + size) // DIRECT_ALIGN) * DIRECT_ALIGN
@@ -284,12 +291,15 @@ class SourceReader:
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                fcntl.fcntl(self.fd, fcntl.F_SETFL,
-                            fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-                self.direct = False
+                self._buffered()
                 continue
             return buf[skip : min(got, skip + size)] if got > skip else b""
         return os.pread(self.fd, size, offset)
+
+    def _buffered(self) -> None:
+        """Read through the page cache from now on (its pages still dropped after a read)."""
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        self.direct = False
 
     def close(self) -> None:
         os.close(self.fd)

@@ -28,13 +28,28 @@ class _Stat(ctypes.Structure):
                 ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
 
 
-def cached_bytes(fd: int) -> int | None:
-    """Bytes of the file at ``fd`` in the page cache (whole pages, so up to a page more than
-    the file holds); None where the kernel has no cachestat."""
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def cached_bytes(fd: int, offset: int = 0, length: int = 0) -> int | None:
+    """Bytes of the file at ``fd`` in the page cache, of ``length`` bytes from ``offset``
+    (0: to its end), in whole pages (so up to a page more than the file holds); None where
+    the kernel has no cachestat."""
     stat = _Stat()
-    if _libc.syscall(_CACHESTAT, fd, ctypes.byref(_Range(0, 0)), ctypes.byref(stat), 0) < 0:
+    if _libc.syscall(_CACHESTAT, fd, ctypes.byref(_Range(offset, length)), ctypes.byref(stat),
+                     0) < 0:
         return None
-    return int(stat.nr_cache) * os.sysconf("SC_PAGE_SIZE")
+    return int(stat.nr_cache) * _PAGE
+
+
+def resident(fd: int, offset: int, length: int) -> bool:
+    """Whether the page cache holds every page of the file at ``fd`` from ``offset`` up to
+    ``length`` bytes or its end (one system call for a file it holds none of)."""
+    held = cached_bytes(fd, offset, length)
+    if not held:
+        return False
+    want = min(length, os.fstat(fd).st_size - offset)
+    return want > 0 and held >= want
 
 
 def held_bytes(fd: int) -> int:

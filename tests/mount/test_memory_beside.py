@@ -100,6 +100,33 @@ def test_a_client_reads_a_file_the_cache_has_no_room_for_into_the_page_cache(
     assert m.status()["cache"]["files"] == 0
 
 
+def _storage_read(pid: int) -> int:
+    """Bytes process ``pid`` (all its threads, those ended too) had read from storage."""
+    with open(f"/proc/{pid}/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_fill_of_a_file_the_page_cache_holds_copies_its_pages(mount, tmp_path: Path,
+                                                               way: str) -> None:
+    """A file another process read from the source (a client's direct read, a job beside
+    the mount) and the mount then fills (a prefetch): its fill copies those pages, reads no
+    storage, and leaves none of them (the cache has the bytes)."""
+    src = source(tmp_path)
+    m = mount(src, "--max-file-size", "8M", "--passthrough", way)
+    drop_caches()
+    want = {name: read_whole(src / name) for name in NAMES}  # their pages, as a reader's
+    before = _storage_read(m.pid)
+    with Dataset(m.mountpoint) as client:
+        assert client.prefetch(NAMES) == len(NAMES)
+    assert m.settled()["cache"]["files"] == len(NAMES)
+    assert _storage_read(m.pid) == before
+    assert [resident(src / name) for name in NAMES] == [0] * len(NAMES)
+    drop_caches()
+    for name in NAMES:
+        assert read_whole(m.mountpoint / name) == want[name]
+
+
 def test_fincore_counts_what_a_plain_read_leaves(tmp_path: Path) -> None:
     """The check itself: a read of the source is cached by the kernel, a drop empties it."""
     src = source(tmp_path)

@@ -1,7 +1,8 @@
 """The one reader of the source (``SourceReader``), as the daemon's fills and the client use
 it: every range and the whole file alike with O_DIRECT and on a filesystem that refuses it at
 a read, the pages of a buffered read dropped, those of a file the cache does not keep left to
-the kernel, and a FIFO opened without blocking."""
+the kernel, a file the page cache holds read from it (storage not read twice), and a FIFO
+opened without blocking."""
 
 from __future__ import annotations
 
@@ -14,11 +15,26 @@ import pytest
 
 from coordlfs.source.beneath import open_beneath
 from coordlfs.source.source import READ_CHUNK, SourceReader
+from coordlfs.system.pagecache import cached_bytes
+
+DATA = os.urandom(2 * READ_CHUNK + 5000)
+
+
+def _cold(path: Path) -> None:
+    """Written out and its pages dropped: its next read goes to storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert cached_bytes(fd) == 0
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture
 def root(tmp_path: Path):
-    (tmp_path / "big.bin").write_bytes(os.urandom(2 * READ_CHUNK + 5000))
+    (tmp_path / "big.bin").write_bytes(DATA)
+    _cold(tmp_path / "big.bin")
     (tmp_path / "empty").write_bytes(b"")
     os.mkfifo(tmp_path / "fifo")
     fd = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
@@ -34,10 +50,11 @@ def _ranges(reader: SourceReader, data: bytes) -> None:
 
 
 def test_every_range_and_the_whole_file_read_direct(root) -> None:
-    path, fd = root
+    _path, fd = root
     reader = SourceReader.opening(open_beneath, fd, b"big.bin")
     assert reader.direct  # ext4 and tmpfs both take O_DIRECT
-    _ranges(reader, (path / "big.bin").read_bytes())
+    _ranges(reader, DATA)
+    assert reader.direct and cached_bytes(reader.fd) == 0  # no page of it kept
     empty = SourceReader.opening(open_beneath, fd, b"empty")
     assert empty.read_whole(empty.fstat()) == b""
     empty.close()
@@ -46,8 +63,8 @@ def test_every_range_and_the_whole_file_read_direct(root) -> None:
 
 def test_a_read_refusing_o_direct_goes_on_buffered_and_drops_its_pages(root,
                                                                        no_direct) -> None:
-    path, fd = root
-    data = (path / "big.bin").read_bytes()
+    _path, fd = root
+    data = DATA
     reader = SourceReader.opening(open_beneath, fd, b"big.bin")
     assert bytes(reader.read_view(100, 5000)) == data[100:5100]
     assert not reader.direct and not fcntl.fcntl(reader.fd, fcntl.F_GETFL) & os.O_DIRECT
@@ -60,11 +77,38 @@ def test_a_read_refusing_o_direct_goes_on_buffered_and_drops_its_pages(root,
 
 def test_a_file_the_cache_does_not_keep_is_read_buffered_and_its_pages_kept(root,
                                                                            no_direct) -> None:
-    path, fd = root
+    _path, fd = root
     reader = SourceReader.opening(open_beneath, fd, b"big.bin", keep_pages=True)
     assert not reader.direct and not fcntl.fcntl(reader.fd, fcntl.F_GETFL) & os.O_DIRECT
-    _ranges(reader, (path / "big.bin").read_bytes())
+    _ranges(reader, DATA)
     assert no_direct == []  # never told to drop them
+    reader.close()
+
+
+def test_a_file_the_page_cache_holds_is_read_from_it_and_its_pages_dropped(root) -> None:
+    """Another process read the file (a client's direct read before the mount's fill of it):
+    the fill copies the pages, storage is not read again, and none stay (the cache has it)."""
+    path, fd = root
+    assert (path / "big.bin").read_bytes() == DATA
+    reader = SourceReader.opening(open_beneath, fd, b"big.bin")
+    assert reader.direct
+    assert bytes(reader.read_view(0, READ_CHUNK)) == DATA[:READ_CHUNK]
+    assert not reader.direct and not fcntl.fcntl(reader.fd, fcntl.F_GETFL) & os.O_DIRECT
+    assert cached_bytes(reader.fd, 0, READ_CHUNK) == 0
+    assert bytes(reader.read_view(READ_CHUNK, 2 * READ_CHUNK)) == DATA[READ_CHUNK:]
+    assert cached_bytes(reader.fd) == 0
+    reader.close()
+
+
+def test_a_file_partly_in_the_page_cache_is_read_direct(root) -> None:
+    """A chunk of which the page cache lacks a page reads storage O_DIRECT, as a cold one."""
+    path, fd = root
+    with open(path / "big.bin", "rb") as f:
+        assert f.read(8192) == DATA[:8192]  # and the kernel's read-ahead past it, perhaps
+        os.posix_fadvise(f.fileno(), 4096, 0, os.POSIX_FADV_DONTNEED)
+    reader = SourceReader.opening(open_beneath, fd, b"big.bin")
+    assert bytes(reader.read_view(0, READ_CHUNK)) == DATA[:READ_CHUNK]
+    assert reader.direct
     reader.close()
 
 
