@@ -272,11 +272,14 @@ def _read_lines(reads: dict[str, int]) -> list[str]:
     served = reads["bytes_from_cache"] + reads["bytes_from_source"] + reads["bytes_from_peers"]
     bytes_rate = f"{100 * reads['bytes_from_cache'] / served:.1f}%" if served else "-"
     requests = reads["read_hits"] + reads["read_misses"]
+    # fills that found the file's pages in memory (another process had read it): not storage
+    paged = reads.get("fill_bytes_from_pages", 0)  # a daemon older than the count: none
+    in_memory = f" ({format_size(paged)} of it from pages in memory)" if paged else ""
     return [
         f"files    {opened} opened: {plural(hits, 'hit')} (cache), {plural(misses, 'miss')} "
         f"(source), {plural(peer_hits, 'peer hit')}; {files_rate} hits",
         f"bytes    {format_size(reads['bytes_from_cache'])} from cache, "
-        f"{format_size(reads['bytes_from_source'])} from source, "
+        f"{format_size(reads['bytes_from_source'])} from source{in_memory}, "
         f"{format_size(reads['bytes_from_peers'])} from peers; {bytes_rate} from cache",
         f"requests {plural(requests, 'read')} answered by the daemon: {reads['read_hits']} "
         f"from the cache, {reads['read_misses']} from fills, the source or peers",

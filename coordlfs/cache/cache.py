@@ -300,7 +300,8 @@ class WholeFileCache:
 
     async def fill(self, key: Key, entry: Entry, source: Source) -> None:
         """Copy the source file into the entry; on any failure the entry is given up."""
-        copier = Copier(self.files.fd, entry, FromStorage(source, entry.path))
+        origin = FromStorage(source, entry.path)
+        copier = Copier(self.files.fd, entry, origin)
         try:
             try:
                 while entry.filled < entry.size:
@@ -310,6 +311,7 @@ class WholeFileCache:
                     self.arrived(entry, got)
             finally:
                 copier.close()
+                self.counters.fill_bytes_from_pages += origin.paged
         except Exception as e:  # a failed fill must never fail the mount: readers stream
             self._ended(key, entry, None, e)
         except BaseException as e:  # cancelled at unmount

@@ -107,6 +107,8 @@ class FromStorage:
     def __init__(self, source: Source | None, path: bytes,
                  reader: SourceReader | None = None) -> None:
         self.source, self.path, self.reader = source, path, reader
+        #: bytes the page cache held already (``SourceReader.paged``), once closed
+        self.paged = 0
 
     def open(self) -> None:
         if self.reader is None:
@@ -128,6 +130,7 @@ class FromStorage:
 
     def close(self) -> None:
         if self.reader is not None:
+            self.paged += self.reader.paged
             self.reader.close()
             self.reader = None
 

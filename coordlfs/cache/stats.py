@@ -45,6 +45,9 @@ class ReadCounters:
     #: bytes read from storage (fills, streams, a passthrough open of a source file)
     bytes_from_cache: int = 0
     bytes_from_source: int = 0
+    #: of the bytes fills read from the source, those the page cache held already (another
+    #: process had read the file): copied from its pages, storage not read again
+    fill_bytes_from_pages: int = 0
     #: opens answered with a backing file (FUSE passthrough): an entry's file (the kernel
     #: reads the cache), or the source file itself (the kernel reads storage)
     passthrough_opens: int = 0

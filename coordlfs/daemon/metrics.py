@@ -106,6 +106,9 @@ FLAT: tuple[tuple[str, str, str, str, str], ...] = (
     ("reads", "passthrough_opens", "passthrough_opens", COUNTER,
      "opens answered with a cache entry's file as backing: their reads never reach the "
      "daemon"),
+    ("reads", "fill_bytes_from_pages", "fill_page_cache_bytes", COUNTER,
+     "bytes fills copied from pages the page cache held already (another process had read "
+     "the file), among those read from storage: storage was not read again"),
     ("reads", "source_opens", "passthrough_source_opens", COUNTER,
      "opens answered with the source file as backing (a miss, copied into the cache after, "
      "or a file no cache keeps): the kernel reads storage itself"),

@@ -207,22 +207,24 @@ class SourceReader:
     cache: a second copy would only push other files out): opened with O_DIRECT where the
     filesystem allows it, read through this thread's aligned buffer; where the filesystem
     refuses O_DIRECT, at the open or at a read (EINVAL: its alignment is not ours), read
-    buffered and the pages read dropped. So is a file whose pages the page cache holds
-    already (another process read it: a client's direct read of a file the mount fills
-    after, a job reading the source beside the mount): the copy comes from them, storage is
-    not read twice, and the pages go once the cache has the bytes. A file the cache does not
-    keep (``keep_pages``) is read buffered and its pages left to the kernel's LRU, the only
-    copy there will be.
-    Standard library only, and its methods block: the daemon runs them in worker threads.
+    buffered and the pages read dropped. So is a chunk whose pages the page cache holds
+    already (another process read the file: a client's direct read of a file the mount
+    fills after, a job reading the source beside the mount): the copy comes from them,
+    storage is not read twice, and the pages go once the cache has the bytes. A file the
+    cache does not keep (``keep_pages``) is read buffered and its pages left to the kernel's
+    LRU, the only copy there will be. Standard library only, and its methods block: the
+    daemon runs them in worker threads.
     """
 
-    __slots__ = ("direct", "drop", "fd")
+    __slots__ = ("direct", "drop", "fd", "paged")
 
     def __init__(self, fd: int, direct: bool, drop: bool = True) -> None:
         self.fd = fd
         self.direct = direct
         #: pages read buffered are dropped after (the cache keeps the file)
         self.drop = drop
+        #: bytes read from pages the page cache held already (``_from_pages``), not storage
+        self.paged = 0
 
     @classmethod
     def opening(cls, open_fd: Callable[..., int], *args: Any,
@@ -281,7 +283,7 @@ class SourceReader:
         into this thread's buffer (a view of it is returned); a read O_DIRECT refuses
         (EINVAL) turns the descriptor buffered for good and is read again."""
         if self.direct and resident(self.fd, offset, size):
-            self._buffered()
+            return self._from_pages(offset, size)
         while self.direct:
             skip = offset % DIRECT_ALIGN
             length = -(-(skip + size) // DIRECT_ALIGN) * DIRECT_ALIGN
@@ -300,6 +302,19 @@ class SourceReader:
         """Read through the page cache from now on (its pages still dropped after a read)."""
         fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         self.direct = False
+
+    def _from_pages(self, offset: int, size: int) -> bytes:
+        """A chunk the page cache holds, read from it (O_DIRECT would read storage again),
+        then dropped (the cache has the bytes): counted in ``paged``."""
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        try:
+            data = os.pread(self.fd, size, offset)
+        finally:
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags)
+        os.posix_fadvise(self.fd, offset, len(data), os.POSIX_FADV_DONTNEED)
+        self.paged += len(data)
+        return data
 
     def close(self) -> None:
         os.close(self.fd)

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import random_source
+from conftest import random_source, run_cli, wait_for
 
 from coordlfs.client.dataset import Dataset
 from coordlfs.fs import passthrough
@@ -119,9 +119,13 @@ def test_a_fill_of_a_file_the_page_cache_holds_copies_its_pages(mount, tmp_path:
     before = _storage_read(m.pid)
     with Dataset(m.mountpoint) as client:
         assert client.prefetch(NAMES) == len(NAMES)
+    wait_for(lambda: not ((fills := m.status()["fills"])["queued"] or fills["in_flight"]),
+             "the prefetch filled")
     assert m.settled()["cache"]["files"] == len(NAMES)
     assert _storage_read(m.pid) == before
+    assert m.status()["reads"]["fill_bytes_from_pages"] == sum(map(len, want.values()))
     assert [resident(src / name) for name in NAMES] == [0] * len(NAMES)
+    assert "of it from pages in memory" in run_cli("stats", str(m.mountpoint)).stdout
     drop_caches()
     for name in NAMES:
         assert read_whole(m.mountpoint / name) == want[name]

@@ -93,10 +93,10 @@ def test_a_file_the_page_cache_holds_is_read_from_it_and_its_pages_dropped(root)
     reader = SourceReader.opening(open_beneath, fd, b"big.bin")
     assert reader.direct
     assert bytes(reader.read_view(0, READ_CHUNK)) == DATA[:READ_CHUNK]
-    assert not reader.direct and not fcntl.fcntl(reader.fd, fcntl.F_GETFL) & os.O_DIRECT
-    assert cached_bytes(reader.fd, 0, READ_CHUNK) == 0
+    assert reader.paged == READ_CHUNK and cached_bytes(reader.fd, 0, READ_CHUNK) == 0
+    assert reader.direct and fcntl.fcntl(reader.fd, fcntl.F_GETFL) & os.O_DIRECT  # set again
     assert bytes(reader.read_view(READ_CHUNK, 2 * READ_CHUNK)) == DATA[READ_CHUNK:]
-    assert cached_bytes(reader.fd) == 0
+    assert reader.paged == len(DATA) and cached_bytes(reader.fd) == 0
     reader.close()
 
 
@@ -108,7 +108,7 @@ def test_a_file_partly_in_the_page_cache_is_read_direct(root) -> None:
         os.posix_fadvise(f.fileno(), 4096, 0, os.POSIX_FADV_DONTNEED)
     reader = SourceReader.opening(open_beneath, fd, b"big.bin")
     assert bytes(reader.read_view(0, READ_CHUNK)) == DATA[:READ_CHUNK]
-    assert reader.direct
+    assert reader.paged == 0
     reader.close()
 
 
