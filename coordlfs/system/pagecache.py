@@ -48,8 +48,9 @@ def resident(fd: int, offset: int, length: int) -> bool:
     held = cached_bytes(fd, offset, length)
     if not held:
         return False
-    want = min(length, os.fstat(fd).st_size - offset)
-    return want > 0 and held >= want
+    end = min(offset + length, os.fstat(fd).st_size)
+    # the pages the range touches, whole: cachestat counts those
+    return end > offset and held >= (-(-end // _PAGE) - offset // _PAGE) * _PAGE
 
 
 def held_bytes(fd: int) -> int:

@@ -112,6 +112,23 @@ def test_a_file_partly_in_the_page_cache_is_read_direct(root) -> None:
     reader.close()
 
 
+def test_a_shared_reader_reads_through_the_page_cache_and_drops_what_it_read(root) -> None:
+    """A prefetch's reader, with a client perhaps reading the file directly at the same time:
+    buffered (a read of either brings the pages the other then finds), none left after, and
+    only what was there before counted as ``paged``."""
+    path, fd = root
+    reader = SourceReader.opening(open_beneath, fd, b"big.bin", shared=True)
+    assert not reader.direct and not fcntl.fcntl(reader.fd, fcntl.F_GETFL) & os.O_DIRECT
+    _ranges(reader, DATA)
+    assert reader.paged == 0 and cached_bytes(reader.fd) == 0
+    reader.close()
+    assert (path / "big.bin").read_bytes() == DATA
+    reader = SourceReader.opening(open_beneath, fd, b"big.bin", shared=True)
+    assert reader.read_whole(reader.fstat()) == DATA
+    assert reader.paged == len(DATA) and cached_bytes(reader.fd) == 0
+    reader.close()
+
+
 def test_a_file_of_another_size_than_its_fstat_said_reads_as_changed(root) -> None:
     path, fd = root
     reader = SourceReader.opening(open_beneath, fd, b"big.bin")
