@@ -235,6 +235,10 @@ class EntryFiles:
         self.fd = fd
         self._mapped: OrderedDict[int, mmap.mmap] = OrderedDict()
 
+    def mapped(self) -> int:
+        """How many entries are mapped now (each costs the daemon memory: ``daemon.memory``)."""
+        return len(self._mapped)
+
     def open(self, entry: Entry) -> int:
         """A new read-only descriptor of the entry's file (the caller closes it): for the
         daemon's own reads, and a passthrough open's backing."""

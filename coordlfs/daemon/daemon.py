@@ -294,7 +294,7 @@ class Daemon:
                 source_fstype=self.source_fstype,
                 passthrough=self.ops.opens.backings is not None,
                 lane_row=self.ops.opens.rows.census()[1],
-                lane_key=lane_key),
+                lane_key=lane_key, mapped=cache.files.mapped()),
             "freshness": self.ops.freshness.status(),
             "marks": [m.name for m in self.stats.marks],
             **self.groups.status(),

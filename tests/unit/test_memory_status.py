@@ -5,6 +5,7 @@ mount's real charge in ``tests/mount/test_memory_sizing.py``)."""
 from __future__ import annotations
 
 from coordlfs.daemon.memory import (
+    MAPPING_HEAP,
     memory_status,
     rss_anon,
     slab_objects,
@@ -32,6 +33,18 @@ def test_the_daemon_is_its_anonymous_memory_less_its_tables() -> None:
     without = memory_status(tables=(0, 0), rows=(0, 0), cached_bytes=0, source_fstype="ext4",
                             passthrough=False, lane_row=0)
     assert without["per_cached_file_bytes"] == tmpfs_file_bytes()  # no backing file, no tree
+
+
+def test_the_entries_the_daemon_maps_are_spread_over_the_cached_files() -> None:
+    """Without passthrough the daemon serves hits from mappings of the entries' files: their
+    kernel objects and its heap for them are a cached file's cost, not the daemon's own."""
+    args = {"tables": (0, 0), "rows": (0, 100), "cached_bytes": 100 * 4096,
+            "source_fstype": "ext4", "passthrough": False, "lane_row": 0}
+    unmapped, mapped = memory_status(**args), memory_status(**args, mapped=50)
+    slabs = slab_objects(("filp", "vm_area_struct"))
+    one = slabs["filp"] + slabs["vm_area_struct"] + MAPPING_HEAP + 24
+    assert mapped["per_cached_file_bytes"] - unmapped["per_cached_file_bytes"] == round(one / 2)
+    assert mapped["itself_bytes"] == mapped["daemon_bytes"] - 50 * MAPPING_HEAP
 
 
 def test_a_page_tree_node_indexes_64_pages() -> None:
