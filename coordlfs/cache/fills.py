@@ -151,9 +151,7 @@ class _Fill:
     def open(self, root_fd: int) -> None:
         """In the worker thread: open and fstat, keeping any error."""
         try:
-            # shared: a client may be reading the file directly this moment (the head of an
-            # order it handed the tail of, overtaking the fills): one storage read for both
-            self.reader = SourceReader.opening(open_beneath, root_fd, self.path, shared=True)
+            self.reader = SourceReader.opening(open_beneath, root_fd, self.path)
             self.st = self.reader.fstat()
             if not stat.S_ISREG(self.st.st_mode):
                 self.skip = "not_regular"

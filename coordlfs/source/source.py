@@ -227,23 +227,14 @@ class SourceReader:
         self.paged = 0
 
     @classmethod
-    def opening(cls, open_fd: Callable[..., int], *args: Any, keep_pages: bool = False,
-                shared: bool = False) -> SourceReader:
+    def opening(cls, open_fd: Callable[..., int], *args: Any,
+                keep_pages: bool = False) -> SourceReader:
         """A reader of the descriptor ``open_fd(*args, flags)`` returns (``open_beneath``,
-        ``Source.open``); ``keep_pages`` for a file the cache does not keep; ``shared`` for
-        one another process may be reading right now (a prefetch beside a client's direct
-        reads): read through the page cache, so that the two share one storage read
-        whichever comes first, and its pages dropped after. O_NONBLOCK so that a FIFO in
-        the source does not block the open (``fstat`` then says what it is, and nobody
-        reads it); for a regular file it changes nothing."""
+        ``Source.open``); ``keep_pages`` for a file the cache does not keep. O_NONBLOCK so
+        that a FIFO in the source does not block the open (``fstat`` then says what it is,
+        and nobody reads it); for a regular file it changes nothing."""
         if keep_pages:
             return cls(open_fd(*args, _READING), False, drop=False)
-        if shared:
-            reader = cls(open_fd(*args, _READING), False)
-            # no read-ahead: a chunk found in memory (``paged``) is then never one of our own
-            # read-ahead's, and nothing is read past what the fill asks for
-            os.posix_fadvise(reader.fd, 0, 0, os.POSIX_FADV_RANDOM)
-            return reader
         try:
             return cls(open_fd(*args, _READING_DIRECT), True)
         except OSError as e:
@@ -291,7 +282,7 @@ class SourceReader:
         """Up to ``size`` bytes at ``offset``: O_DIRECT reads the aligned blocks around them
         into this thread's buffer (a view of it is returned); a read O_DIRECT refuses
         (EINVAL) turns the descriptor buffered for good and is read again."""
-        if self.drop and resident(self.fd, offset, size):
+        if self.direct and resident(self.fd, offset, size):
             return self._from_pages(offset, size)
         while self.direct:
             skip = offset % DIRECT_ALIGN
@@ -313,19 +304,15 @@ class SourceReader:
         self.direct = False
 
     def _from_pages(self, offset: int, size: int) -> bytes:
-        """A chunk the page cache holds, read from it (O_DIRECT would read storage again)
-        and counted in ``paged``; dropped after (the cache has the bytes) by the caller, or
-        here where the descriptor is O_DIRECT (set again after the read)."""
-        if not self.direct:
+        """A chunk the page cache holds, read from it (O_DIRECT would read storage again),
+        then dropped (the cache has the bytes): counted in ``paged``."""
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        try:
             data = os.pread(self.fd, size, offset)
-        else:
-            flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
-            try:
-                data = os.pread(self.fd, size, offset)
-            finally:
-                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags)
-            os.posix_fadvise(self.fd, offset, len(data), os.POSIX_FADV_DONTNEED)
+        finally:
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags)
+        os.posix_fadvise(self.fd, offset, len(data), os.POSIX_FADV_DONTNEED)
         self.paged += len(data)
         return data
 

@@ -15,7 +15,7 @@ import pytest
 
 from coordlfs.source.beneath import open_beneath
 from coordlfs.source.source import READ_CHUNK, SourceReader
-from coordlfs.system.pagecache import cached_bytes
+from coordlfs.system.pagecache import cached_bytes, resident
 
 DATA = os.urandom(2 * READ_CHUNK + 5000)
 
@@ -107,25 +107,9 @@ def test_a_file_partly_in_the_page_cache_is_read_direct(root) -> None:
         assert f.read(8192) == DATA[:8192]  # and the kernel's read-ahead past it, perhaps
         os.posix_fadvise(f.fileno(), 4096, 0, os.POSIX_FADV_DONTNEED)
     reader = SourceReader.opening(open_beneath, fd, b"big.bin")
+    assert resident(reader.fd, 0, 10) and not resident(reader.fd, 4095, 2)  # pages 0 and 1
     assert bytes(reader.read_view(0, READ_CHUNK)) == DATA[:READ_CHUNK]
     assert reader.paged == 0
-    reader.close()
-
-
-def test_a_shared_reader_reads_through_the_page_cache_and_drops_what_it_read(root) -> None:
-    """A prefetch's reader, with a client perhaps reading the file directly at the same time:
-    buffered (a read of either brings the pages the other then finds), none left after, and
-    only what was there before counted as ``paged``."""
-    path, fd = root
-    reader = SourceReader.opening(open_beneath, fd, b"big.bin", shared=True)
-    assert not reader.direct and not fcntl.fcntl(reader.fd, fcntl.F_GETFL) & os.O_DIRECT
-    _ranges(reader, DATA)
-    assert reader.paged == 0 and cached_bytes(reader.fd) == 0
-    reader.close()
-    assert (path / "big.bin").read_bytes() == DATA
-    reader = SourceReader.opening(open_beneath, fd, b"big.bin", shared=True)
-    assert reader.read_whole(reader.fstat()) == DATA
-    assert reader.paged == len(DATA) and cached_bytes(reader.fd) == 0
     reader.close()
 
 
