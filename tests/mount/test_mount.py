@@ -149,7 +149,7 @@ def test_control_entry_is_hidden_but_reachable(mount, dataset) -> None:
         "source_opens", "client_hits", "client_misses", "client_bytes_from_cache",
         "client_bytes_from_mount", "client_direct", "client_bytes_direct", "preload_hits",
         "preload_misses", "preload_uncached", "preload_passed", "preload_bytes_from_cache",
-        "preload_bytes_from_source"}
+        "preload_bytes_from_source", "fill_bytes_from_pages"}
     assert status["cache"]["capacity_bytes"] == 4 << 20
 
 

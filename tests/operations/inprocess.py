@@ -193,5 +193,16 @@ def write_files(root: Path, sizes: dict[str, int]) -> dict[str, bytes]:
     return contents
 
 
+def on_storage_only(path: Path) -> None:
+    """Written out and its pages dropped, as a file no process has read lately: a fill of it
+    reads storage (one of pages still in memory copies them, ``fill_bytes_from_pages``)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def is_dir(attr: pyfuse3.EntryAttributes) -> bool:
     return stat.S_ISDIR(attr.st_mode)

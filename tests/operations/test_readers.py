@@ -12,7 +12,7 @@ from pathlib import Path
 import pyfuse3
 import pytest
 import xxhash
-from inprocess import CHUNK, Mount, ctx, mounted, write_files
+from inprocess import CHUNK, Mount, ctx, mounted, on_storage_only, write_files
 
 from coordlfs.cache.files import Copier
 from coordlfs.cache.stats import ReadCounters
@@ -42,6 +42,7 @@ def counted(m: Mount) -> dict[str, int]:
 def test_a_miss_fills_the_cache_and_the_next_open_hits(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     data = write_files(tmp_path / "src", {"a.bin": 3 * MiB + 5})["a.bin"]
+    on_storage_only(tmp_path / "src" / "a.bin")
     with mounted(tmp_path / "src", tmp_path / "cache", monkeypatch) as m:
         async def body() -> None:
             fh = await m.open("a.bin")  # too big to fill at open: filled while it is read
