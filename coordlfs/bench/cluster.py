@@ -102,6 +102,11 @@ class NodeEpoch:
     #: fills, streams, files the kernel read from the source by passthrough); the rest is
     #: the source's metadata (directories, inodes) and files other than the dataset's
     data_bytes: int = 0
+    #: the files' bytes its fills copied from pages already in memory (``reads.
+    #: fill_bytes_from_pages``): the nodes here share one page cache, so a file one node read
+    #: from storage may fill the other's cache from memory, where two machines would read it
+    #: twice
+    memory_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -265,7 +270,8 @@ def run_system(system: str, plan: Plan, dataset: Dataset, roots: list[Path],
                                          a.storage - b.storage, a.peer_bytes - b.peer_bytes,
                                          round(a.cpu - b.cpu, 3),
                                          round(a.daemon_cpu - b.daemon_cpu, 3),
-                                         a.peer_files - b.peer_files, a.data - b.data)
+                                         a.peer_files - b.peer_files, a.data - b.data,
+                                         a.memory - b.memory)
                                for (seconds, waited, _got), a, b in zip(done, after, before,
                                                                          strict=True)])
                 _print_epoch(system, epoch, epochs[-1], dataset)
@@ -343,6 +349,8 @@ class _Sample:
     #: CPU seconds of its readers and daemon, and of its daemon alone
     cpu: float
     daemon_cpu: float
+    #: bytes its fills copied from pages already in memory
+    memory: int
 
 
 def _counters(cgroup: Cgroup, busy: list[int], control: Control | None) -> _Sample:
@@ -351,7 +359,8 @@ def _counters(cgroup: Cgroup, busy: list[int], control: Control | None) -> _Samp
     cpus = [cpu_seconds(pid) for pid in busy]
     return _Sample(cgroup.bytes_read(), reads.get("bytes_from_source", 0),
                    reads.get("bytes_from_peers", 0),
-                   reads.get("file_peer_hits", 0), sum(cpus), cpus[0] if control else 0.0)
+                   reads.get("file_peer_hits", 0), sum(cpus), cpus[0] if control else 0.0,
+                   reads.get("fill_bytes_from_pages", 0))
 
 
 def _print_epoch(system: str, epoch: int, nodes: list[NodeEpoch], dataset: Dataset) -> None:

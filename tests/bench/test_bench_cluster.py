@@ -50,7 +50,8 @@ def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
     systems = report["runs"][0]
     assert set(systems) == {"page cache", "cache", "cache+peers"}
     peers = systems["cache+peers"]["epochs"]
-    assert sum(n["storage_bytes"] for n in peers[0]) >= total * 0.99
+    # one machine's page cache under both nodes: what one read, the other may copy from it
+    assert sum(n["storage_bytes"] + n["memory_bytes"] for n in peers[0]) >= total * 0.99
     assert sum(n["storage_bytes"] for n in peers[1]) == 0
     assert sum(n["peer_bytes"] for n in peers[1]) > 0
     alone = systems["cache"]["epochs"]
