@@ -20,6 +20,8 @@ SIZE = 2 * 4096 + 1
 #: files read before the measurement: the fill path's buffers and threads are the daemon's
 #: own memory, not a file's
 WARM = 64
+#: files' room the cache has beyond the files read into it
+SPARE = 64
 
 
 def test_the_status_figures_are_what_the_mounts_group_is_charged(mount, tmp_path: Path) -> None:
@@ -33,7 +35,10 @@ def test_the_status_figures_are_what_the_mounts_group_is_charged(mount, tmp_path
     with memory_cgroup(f"coordlfs-test-sizing-{os.getpid()}") as group:
         drop_caches()  # the source's inodes, read in by the test's writes, are the daemon's
         with group.inside():  # the daemon and the kernel's objects of the test's lookups
-            m = mount(src, "--cache-size", str((CACHED + WARM) * pages(SIZE)))
+            # room for a few files more: with the room exact, the request lane's promises
+            # and the daemon's reservations meet at the last files, and one of the 4,064
+            # was left out once (CI, 2026-11-29), which this test is not about
+            m = mount(src, "--cache-size", str((CACHED + WARM + SPARE) * pages(SIZE)))
             for n in range(WARM):
                 (m.mountpoint / f"c/{n:05}").read_bytes()
             m.settled()
