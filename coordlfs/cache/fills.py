@@ -144,8 +144,8 @@ class _Fill:
     error: BaseException | None = None
     #: why the file was not filled, when skipped before reserving (``FillQueue.skipped``)
     skip: str = ""
-    #: bytes copied from pages the page cache held already (``SourceReader.paged``)
-    paged: int = 0
+    #: what the file was copied from, once copied (its ``paged`` bytes are counted at the end)
+    origin: FromStorage | None = None
     ended: bool = False
 
     def open(self, root_fd: int) -> None:
@@ -162,8 +162,8 @@ class _Fill:
         """In the worker thread: the file into its entry (``files.Copier``, handed the open
         reader); a large file lets the readers of its start go on, and stops at an unmount."""
         assert self.reader is not None
-        origin = FromStorage(None, self.path, self.reader)
-        copier = Copier(cache.files_fd, entry, origin)
+        self.origin = FromStorage(None, self.path, self.reader)
+        copier = Copier(cache.files_fd, entry, self.origin)
         self.reader = None  # the copier's to close
 
         def between(done: int) -> None:
@@ -175,7 +175,6 @@ class _Fill:
             copier.copy(between)
         finally:
             copier.close()
-            self.paged = origin.paged
         self.final = copier.final
 
     def close(self) -> None:
@@ -381,7 +380,8 @@ class FillQueue:
             assert fill.st is not None
             if error is None:
                 self.cache.arrived(entry, entry.size - fill.reported)
-                self.cache.counters.fill_bytes_from_pages += fill.paged
+                assert fill.origin is not None
+                self.cache.counters.fill_bytes_from_pages += fill.origin.paged
             error = self.cache.end_fill((fill.st.st_dev, fill.st.st_ino), entry, fill.final,
                                         error)
             if error is None:
