@@ -9,6 +9,7 @@ import itertools
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,13 @@ from coordlfs.testbed.storage import drop_caches
 __all__ = ["Mount", "drop_caches", "force_unmount"]
 
 COORDLFS = [sys.executable, "-m", "coordlfs"]
+
+# A suite started in the background by a shell without job control (``scripts/test &``)
+# inherits SIGINT ignored, and so would every command it starts: Python installs no
+# KeyboardInterrupt handler then, and the tests that stop a command with SIGINT (as Ctrl-C
+# does) saw it run on to exit 0. A handler here is reset to the default in each child.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def run_cli(*args: str, timeout: float = 60, enter: tuple[str, ...] = (),
