@@ -13,12 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import OTHER_UID, force_unmount, run_cli, wait_for
+from conftest import OTHER_UID, drop_caches, force_unmount, run_cli, wait_for
 from test_client import client_digests, every_file
 from test_control_security import as_user
 
 from coordlfs.client.dataset import Dataset
 from coordlfs.control import Control, ControlError
+from coordlfs.testbed.cgroup import memory_cgroup
 
 #: A cache of a few dataset files (~110 KB each): nearly every miss has no room.
 SMALL_CACHE = "1M"
@@ -249,3 +250,30 @@ def test_a_prefetch_hands_over_the_tail_that_fits_and_the_head_is_read_directly(
         assert m.status()["cache"]["files"] >= queued
         assert client_digests(ds, names) == expected  # the tail hits, the head is direct
         assert ds.stats["hits"] - first["hits"] >= queued
+
+
+def test_files_handed_over_are_never_read_directly(mount, dataset) -> None:
+    """A reader that gets to files of the tail it handed over before their fills do reads
+    them through the mount, which serves them from their fill (or fills them itself): read
+    directly, they were read from storage by the reader and again by their fill (the demo's
+    client read 1.02-1.10 of its dataset in a cold epoch). The daemon's reads are throttled
+    to 1 MB/s, so the fills are still at the tail's first files when the reader, reading
+    the tail backwards, starts at its last."""
+    source, _sizes = dataset
+    names, expected, total = every_file(source)
+    m = mount(source, "--cache-size", str(total // 2))
+    drop_caches()
+    with memory_cgroup(f"coordlfs-test-handed-{os.getpid()}", pid=m.pid, read_bps=1 << 20,
+                       storage=source):
+        with Dataset(m.mountpoint) as ds:
+            queued = ds.prefetch(names)
+            assert 0 < queued < len(names)
+            head, tail = names[:-queued], names[-queued:]
+            assert client_digests(ds, tail[::-1] + head) == expected
+            stats = ds.stats
+        wait_for(lambda: not ((fills := m.status()["fills"])["queued"] or fills["in_flight"]),
+                 "the fills done", 120)
+    assert stats["direct"] <= len(head)  # only the head may be read from the source
+    reads = m.status()["reads"]
+    # every file read from storage once: by the reader, or by the mount's opens and fills
+    assert reads["bytes_from_source"] - reads["fill_bytes_from_pages"] == total
