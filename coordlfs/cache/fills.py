@@ -257,6 +257,7 @@ class FillQueue:
         taken, _elsewhere = self._queue(requester, paths, None)
         if size and taken == len(paths):
             self.cache.room.promise(size)
+            self.cache.publisher.hand_over(paths)
         return taken
 
     def warm(self, requester: Requester, paths: list[bytes]) -> tuple[int, list[int]]:
@@ -314,6 +315,8 @@ class FillQueue:
         """Drop what the requester still has queued (files in flight complete); returns how
         many files were dropped."""
         queue = self.queues.pop(requester, None)
+        for path in queue or ():
+            self.cache.publisher.take_back(path)
         dropped = len(queue) if queue is not None else 0
         self.queued -= dropped
         if (tally := self.tallies.get(requester)) is not None:
@@ -356,6 +359,7 @@ class FillQueue:
         self.in_flight -= 1
         try:
             outcome = self._end(fill)
+            self.cache.publisher.take_back(fill.path)  # handed over: published, or never
             if (tally := self.tallies.get(fill.requester)) is not None:
                 tally["left"] -= 1
                 if not tally["left"]:

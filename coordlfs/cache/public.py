@@ -87,6 +87,14 @@ class Indexes:
                 self.public.withdraw(path)
         self.private.withdraw(path)
 
+    def hand_over(self, path: bytes) -> None:
+        """Mark a file handed to the fills (``IndexWriter.hand_over``), for this user's
+        clients: other users' read it as before."""
+        self.private.hand_over(path)
+
+    def take_back(self, path: bytes) -> None:
+        self.private.take_back(path)
+
     def changed_directory(self) -> None:
         """A directory's modes may have changed: judge them again."""
         self._searchable.clear()

@@ -85,8 +85,13 @@ _WORD = struct.Struct("<Q")
 _FIELDS = struct.Struct("<QQQQQqq")
 #: a slot's word and hash: what finding a path's slot reads
 _PROBE = struct.Struct("<QQQ")
+#: ... and its entry number: what finding a mark reads (``_marked``)
+_MARK = struct.Struct("<QQQQ")
 SLOT_SIZE = SLOT.size
 EMPTY, LIVE, DEAD, BUSY = 0, 1, 2, 3
+#: The entry number of a tombstone that marks a file handed to the fills (``hand_over``):
+#: no entry has it.
+HANDED = (1 << 64) - 1
 _HASH = struct.Struct("<QQ")
 #: Files a client keeps mapped, at most: well below the kernel's 65,530 mappings a process
 #: (``vm.max_map_count``), with room for the libraries' own.
@@ -130,6 +135,23 @@ class Published(NamedTuple):
             st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+#: what a mark of a file handed over holds, and what it becomes once taken back
+_HANDED = Published(HANDED, 0, 0, 0, 0)
+_TOMBSTONE = Published(0, 0, 0, 0, 0)
+
+
+def _marked(table: mmap.mmap, mask: int, h1: int, h2: int) -> int:
+    """The slot of ``table`` marking a hash handed over (``IndexWriter.hand_over``), or -1."""
+    slot = h1 & mask
+    while True:
+        word, s1, s2, number = _MARK.unpack_from(table, HEADER_SIZE + slot * SLOT_SIZE)
+        if word & 3 == DEAD and s1 == h1 and s2 == h2 and number == HANDED:
+            return slot
+        if word & 3 == EMPTY:
+            return -1
+        slot = (slot + 1) & mask
+
+
 class IndexWriter:
     """The daemon's side: publish and withdraw complete cache entries."""
 
@@ -146,6 +168,8 @@ class IndexWriter:
         #: the daemon keeps nothing per published file (a dict of paths cost ~150 bytes each)
         self._live = 0
         self._dead = 0
+        #: of the tombstones, marks of files handed over (``hand_over``)
+        self._marks = 0
         self.generation = 0
         self.withdrawn = 0
         retire(dir_fd, name)  # a former daemon's index: its clients must not trust it any more
@@ -220,8 +244,10 @@ class IndexWriter:
         """Publish (or republish) a path; OSError if the index cannot grow (no room)."""
         h1, h2 = path_hash(path)
         self._withdraw(h1, h2)
+        if self._marks:
+            self._take_back(h1, h2)
         if (self._live + self._dead + 1) * 2 > self._mask + 1:
-            self._grow(self._live)
+            self._grow(self._live + self._marks)
         slot = self._free_slot(h1)
         self._write(slot, h1, h2, found)
         self._live += 1
@@ -254,36 +280,80 @@ class IndexWriter:
         self.withdrawn += 1
         return True
 
-    def _free_slot(self, h1: int) -> int:
-        words, mask, slot = self._words, self._mask, h1 & self._mask
-        while words[(HEADER_SIZE + slot * SLOT_SIZE) >> 3] & 3 == LIVE:
-            slot = (slot + 1) & mask
-        if words[(HEADER_SIZE + slot * SLOT_SIZE) >> 3] & 3 == DEAD:
-            self._dead -= 1
-        return slot
+    def hand_over(self, path: bytes) -> None:
+        """Mark a file a job handed to the fills (a prefetch) until it is published: its
+        clients then read it through the mount, which serves it from its fill, not from the
+        source, which its fill would read again. The mark is a tombstone with the path's
+        hash and ``HANDED`` for a number, so that a reader that knows no mark (an older
+        client, the C readers) skips it as any tombstone. It stays until the file is
+        published or taken back: other paths' publishes leave it, a growing table keeps it."""
+        h1, h2 = path_hash(path)
+        if self._slot(h1, h2) >= 0 or _marked(self._map, self._mask, h1, h2) >= 0:
+            return
+        if (self._live + self._dead + 1) * 2 > self._mask + 1:
+            self._grow(self._live + self._marks)
+        slot = self._free_slot(h1)
+        self._write(slot, h1, h2, _HANDED, DEAD)
+        self._dead += 1
+        self._marks += 1
 
-    def _write(self, slot: int, h1: int, h2: int, found: Published) -> None:
+    def take_back(self, path: bytes) -> None:
+        """The file handed over will not be filled: its mark goes (a plain tombstone)."""
+        if self._marks:
+            self._take_back(*path_hash(path))
+
+    def _take_back(self, h1: int, h2: int) -> None:
+        slot = _marked(self._map, self._mask, h1, h2)
+        if slot >= 0:
+            self._write(slot, h1, h2, _TOMBSTONE, DEAD)
+            self._marks -= 1
+
+    def _free_slot(self, h1: int) -> int:
+        """The first slot from ``h1``'s that is empty, or a tombstone other than a mark."""
+        words, mask, slot = self._words, self._mask, h1 & self._mask
+        while True:
+            word = (HEADER_SIZE + slot * SLOT_SIZE) >> 3
+            state = words[word] & 3
+            if state == EMPTY:
+                return slot
+            if state == DEAD and words[word + 3] != HANDED:
+                self._dead -= 1
+                return slot
+            slot = (slot + 1) & mask
+
+    def _write(self, slot: int, h1: int, h2: int, found: Published, state: int = LIVE
+               ) -> None:
         at = HEADER_SIZE + slot * SLOT_SIZE
         words, word = self._words, at >> 3
         sequence = (words[word] >> 2) + 1
         words[word] = sequence << 2 | BUSY
         _FIELDS.pack_into(self._map, at + 8, h1, h2, found.offset, found.size, found.ino,
                           found.mtime_ns, found.ctime_ns)
-        words[word] = sequence << 2 | LIVE  # last: the slot is complete
+        words[word] = sequence << 2 | state  # last: the slot is complete
 
     def _grow(self, files: int) -> None:
-        """Rebuild into a table with room for three times ``files``, without tombstones."""
+        """Rebuild into a table with room for three times ``files``, without tombstones but
+        the marks of files handed over."""
         slots = max(MIN_SLOTS, 1 << (files * 3 - 1).bit_length())
         old, old_words, old_slots = self._map, self._words, self._mask + 1
         table = self._create(slots)  # the old table stays in use if this fails
-        self._map, self._words, self._mask, self._dead = table, _words(table), slots - 1, 0
+        self._map, self._words, self._mask = table, _words(table), slots - 1
+        self._dead = self._marks = 0
         words = memoryview(old)[HEADER_SIZE : HEADER_SIZE + old_slots * SLOT_SIZE].cast("Q")
-        live = [slot for slot, word in enumerate(words[:: SLOT_SIZE // 8]) if word & 3 == LIVE]
+        step = SLOT_SIZE // 8
+        kept = [slot for slot, word in enumerate(words[::step]) if word & 3 == LIVE
+                or (word & 3 == DEAD and words[slot * step + 3] == HANDED)]
         words.release()
-        for slot in live:
+        for slot in kept:
             fields = SLOT.unpack_from(old, HEADER_SIZE + slot * SLOT_SIZE)
-            h1, h2 = fields[1], fields[2]
-            self._write(self._free_slot(h1), h1, h2, Published(*fields[3:]))
+            h1, h2, state = fields[1], fields[2], fields[0] & 3
+            free = h1 & self._mask  # a slot no copy took: the table has no tombstone yet
+            while self._words[(HEADER_SIZE + free * SLOT_SIZE) >> 3] & 3 != EMPTY:
+                free = (free + 1) & self._mask
+            self._write(free, h1, h2, Published(*fields[3:]), state)
+            if state == DEAD:
+                self._dead += 1
+                self._marks += 1
         self._install()
         old_words[_FLAGS_AT >> 3] = 1  # after the rename: readers reopen the new table
         old_words.release()
@@ -406,6 +476,11 @@ class IndexReader:
                 return None  # the mount is going away: the caller reads through it
             table.close()
         return None
+
+    def handed(self, path: bytes) -> bool:
+        """Whether ``path`` is a file handed to the fills and not published yet
+        (``IndexWriter.hand_over``): read through the mount, not from the source."""
+        return _marked(self._map, self._mask, *path_hash(path)) >= 0
 
     @property
     def room(self) -> int | None:

@@ -15,6 +15,7 @@ from the pages it read (backfilled, as after a passthrough reader).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -143,6 +144,19 @@ class Publisher:
     def withdraw(self, path: bytes) -> None:
         if self.index is not None:
             self.index.withdraw(path)
+
+    def hand_over(self, paths: list[bytes]) -> None:
+        """Files a job handed to the fills: its clients read them through the mount until
+        they are published (``IndexWriter.hand_over``)."""
+        if self.index is not None:
+            with contextlib.suppress(OSError):  # no room to grow: read as before
+                for path in paths:
+                    self.index.hand_over(path)
+
+    def take_back(self, path: bytes) -> None:
+        """A file handed over has been filled, or will not be: its mark goes."""
+        if self.index is not None:
+            self.index.take_back(path)
 
     def changed(self, path: bytes, directory: bool) -> None:
         """The watch saw a change to ``path`` (a file, or a directory and all beneath it)."""

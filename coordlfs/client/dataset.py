@@ -143,12 +143,6 @@ class Dataset:
             self._index = IndexReader(shared["index"], shared["files"])
         self._direct = _DirectMisses(self._source_dir, (status.get("cache") or {}).get(
             "max_file_bytes")) if self._index is not None and _no_peers(status) else None
-        #: files handed to the mount's fills (``prefetch``) and not read since: read through
-        #: the mount, never directly, so that a reader ahead of their fills does not read
-        #: them from storage a second time (the mount serves them from their fill, or fills
-        #: them itself, and the fill handed over then has nothing to do). At most one name
-        #: per file of the dataset: a name read leaves it.
-        self._handed: set[bytes] = set()
         self._reports = _Reports(self._control)
         self._until_report = REPORT_EVERY
         self._finalizer = weakref.finalize(self, _close, self._reports, self._index,
@@ -189,9 +183,10 @@ class Dataset:
                     self._count_read()
                     return data
             room = index.room
-            if name in self._handed:
-                self._handed.discard(name)  # the mount serves it from its fill
-            elif self._direct is not None and room is not None:
+            # a file handed to the fills (by any process's ``prefetch``) is read through the
+            # mount, which serves it from its fill, or fills it: read directly by a reader
+            # ahead of the fills, it would be read from storage again by its fill
+            if self._direct is not None and room is not None and not index.handed(name):
                 data = self._direct.read(name, room)
                 if data is not None:
                     counts = self._reports.total
@@ -238,7 +233,6 @@ class Dataset:
         sizes: list[int] | None = None
         if self._direct is not None and index is not None and (room := index.room) is not None:
             names, sizes = self._direct.split(names, room)
-            self._handed.update(names)
         queued = 0
         step = control_spec.MAX_PREFETCH_PATHS
         for start in range(0, len(names), step):

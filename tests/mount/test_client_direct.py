@@ -253,20 +253,21 @@ def test_a_prefetch_hands_over_the_tail_that_fits_and_the_head_is_read_directly(
 
 
 def test_files_handed_over_are_never_read_directly(mount, dataset) -> None:
-    """A reader that gets to files of the tail it handed over before their fills do reads
-    them through the mount, which serves them from their fill (or fills them itself): read
+    """A reader that gets to files of the tail handed over before their fills do reads them
+    through the mount, which serves them from their fill (or fills them itself): read
     directly, they were read from storage by the reader and again by their fill (the demo's
-    client read 1.02-1.10 of its dataset in a cold epoch). The daemon's reads are throttled
-    to 1 MB/s, so the fills are still at the tail's first files when the reader, reading
-    the tail backwards, starts at its last."""
+    client read 1.02-1.10 of its dataset in a cold epoch). The index marks them, so this
+    holds for a reader other than the process that handed them over (a DataLoader's worker
+    and its sampler). The daemon's reads are throttled to 1 MB/s, so the fills are still at
+    the tail's first files when the reader, reading the tail backwards, starts at its last."""
     source, _sizes = dataset
     names, expected, total = every_file(source)
     m = mount(source, "--cache-size", str(total // 2))
     drop_caches()
     with memory_cgroup(f"coordlfs-test-handed-{os.getpid()}", pid=m.pid, read_bps=1 << 20,
                        storage=source):
-        with Dataset(m.mountpoint) as ds:
-            queued = ds.prefetch(names)
+        with Dataset(m.mountpoint) as planner, Dataset(m.mountpoint) as ds:
+            queued = planner.prefetch(names)
             assert 0 < queued < len(names)
             head, tail = names[:-queued], names[-queued:]
             assert client_digests(ds, tail[::-1] + head) == expected

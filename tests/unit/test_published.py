@@ -71,6 +71,45 @@ def test_a_growing_index_is_found_by_a_reader_of_the_old_table(directory) -> Non
     writer.close()
 
 
+def test_a_file_handed_over_is_marked_until_published_or_taken_back(directory) -> None:
+    root, fd = directory
+    writer = IndexWriter(fd)
+    reader = IndexReader(str(root / INDEX), str(root / "files"))
+    paths = [b"train/a/x.jpg", b"train/a/y.jpg", b"train/a/z.jpg"]
+    for path in paths:
+        writer.hand_over(path)
+    writer.hand_over(paths[0])  # twice: one mark
+    assert [reader.find(p) for p in paths] == [None] * 3  # a mark is no hit
+    assert all(reader.handed(p) for p in paths) and not reader.handed(b"train/a/w.jpg")
+    writer.publish(paths[0], _version(1))
+    writer.take_back(paths[1])
+    assert reader.find(paths[0]) == _version(1)
+    assert [reader.handed(p) for p in paths] == [False, False, True]
+    writer.hand_over(paths[0])  # published: nothing to mark
+    assert not reader.handed(paths[0]) and len(writer) == 1
+    reader.close()
+    writer.close()
+
+
+def test_marks_survive_growth_and_tombstones_do_not(directory) -> None:
+    root, fd = directory
+    writer = IndexWriter(fd)
+    handed = [f"h/{n}".encode() for n in range(MIN_SLOTS // 4)]
+    for path in handed:
+        writer.hand_over(path)
+    for path in handed[::2]:
+        writer.take_back(path)
+    published_ = [f"p/{n}".encode() for n in range(MIN_SLOTS)]
+    for n, path in enumerate(published_):
+        writer.publish(path, _version(n % 100))
+    assert writer.generation > 1
+    reader = IndexReader(str(root / INDEX), str(root / "files"))
+    assert [reader.handed(p) for p in handed] == [n % 2 == 1 for n in range(len(handed))]
+    assert all(reader.find(p) == _version(n % 100) for n, p in enumerate(published_))
+    reader.close()
+    writer.close()
+
+
 def test_a_retired_index_is_never_trusted(directory) -> None:
     root, fd = directory
     writer = IndexWriter(fd)
