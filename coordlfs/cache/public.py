@@ -88,8 +88,9 @@ class Indexes:
         self.private.withdraw(path)
 
     def hand_over(self, path: bytes) -> None:
-        """Mark a file handed to the fills (``IndexWriter.hand_over``), for this user's
-        clients: other users' read it as before."""
+        """Mark a file handed to the fills (``IndexWriter.hand_over``) for this user's
+        clients: only they read files directly (other users' find no index they may open
+        and read through the mount; the preload library reads no marks)."""
         self.private.hand_over(path)
 
     def take_back(self, path: bytes) -> None:

@@ -21,6 +21,11 @@ flag after reading a slot, so it never trusts a slot of a table the writer has s
 updating, and reopens ``published``. Stores reach other processes in program order on
 x86-64 (TSO), the only order the seqlock relies on.
 
+A tombstone may also be a mark (``HANDED`` for its entry number): a file a prefetch handed to
+the fills and not published yet, which clients read through the mount rather than from the
+source, where its fill would read it again (``IndexWriter.hand_over``). A reader that knows
+no mark skips it as any tombstone; the writer keeps marks when it grows the table.
+
 The header also says whether clients must compare a hit's version with the source
 (``revalidate``): set when the daemon cannot watch the source for changes; and how large a
 new file the cache would still take (``room``), so that a client reads a file that will never be
