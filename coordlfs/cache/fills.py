@@ -254,10 +254,12 @@ class FillQueue:
         said (``Dataset.prefetch``): promised to them in the room clients see
         (``room.Room.promise``), so that a client's miss on a file not handed over is
         read from the source rather than taking their room."""
-        taken, _elsewhere = self._queue(requester, paths, None)
+        taken, elsewhere = self._queue(requester, paths, None)
         if size and taken == len(paths):
             self.cache.room.promise(size)
-            self.cache.publisher.hand_over(paths)
+            # marked until their fills end (``end``); a peer's are not filled here
+            peers = set(elsewhere)
+            self.cache.publisher.hand_over([p for n, p in enumerate(paths) if n not in peers])
         return taken
 
     def warm(self, requester: Requester, paths: list[bytes]) -> tuple[int, list[int]]:

@@ -17,6 +17,7 @@ from conftest import OTHER_UID, drop_caches, force_unmount, run_cli, wait_for
 from test_client import client_digests, every_file
 from test_control_security import as_user
 
+from coordlfs.cache.published import IndexReader
 from coordlfs.client.dataset import Dataset
 from coordlfs.control import Control, ControlError
 from coordlfs.testbed.cgroup import memory_cgroup
@@ -275,6 +276,12 @@ def test_files_handed_over_are_never_read_directly(mount, dataset) -> None:
         wait_for(lambda: not ((fills := m.status()["fills"])["queued"] or fills["in_flight"]),
                  "the fills done", 120)
     assert stats["direct"] <= len(head)  # only the head may be read from the source
+    shared = m.status()["shared"]
+    index = IndexReader(shared["index"], shared["files"])
+    try:  # the fills ended: no file is marked any more
+        assert not [n for n in names if index.handed(n.encode())]
+    finally:
+        index.close()
     reads = m.status()["reads"]
     # every file read from storage once: by the reader, or by the mount's opens and fills
     assert reads["bytes_from_source"] - reads["fill_bytes_from_pages"] == total
