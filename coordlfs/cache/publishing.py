@@ -20,8 +20,6 @@ import functools
 import logging
 import os
 import stat
-import struct
-import sys
 from collections.abc import Callable
 
 import trio
@@ -38,13 +36,6 @@ from coordlfs.source.watch import PublishedWatch
 
 #: the cache's log lines keep one name, whichever of its modules writes them
 log = logging.getLogger("coordlfs.cache.cache")
-
-#: a published file's stat (``Publisher.seen``): mode, ino, dev, nlink, uid, gid, size, the
-#: three times in ns, blksize, blocks, rdev
-_SEEN = struct.Struct("<QQQQQQqqqqqqQ")
-#: a packed stat's bytes object on the heap (its header, 33 B); the dict's table is counted
-#: apart (``sys.getsizeof``)
-_SEEN_BYTES = _SEEN.size + 33
 
 #: backfills an entry a reader the preload library reported read (``Publisher.noticed``)
 FillNoticed = Callable[[Key, bytes, os.stat_result, Source, trio.Nursery], None]
@@ -68,10 +59,6 @@ class Publisher:
         self._index_full_logged = False
         #: what ``coordlfs run``'s preload library tells this daemon (``share``)
         self.preloaded: preloaded.Preloaded | None = None
-        #: published path -> its source file's stat when published, packed (``seen``), and
-        #: the LOOKUPs answered with one
-        self._seen: dict[bytes, bytes] = {}
-        self.lookups_answered = 0
 
     def share(self, source: Source, public: bool = False) -> None:
         """Publish complete entries for ``coordlfs.client`` from now on, and watch ``source``
@@ -111,40 +98,9 @@ class Publisher:
             st = self.source.lstat(entry.path)
         except (OSError, ValueError):
             return
-        if (st.st_dev, st.st_ino) == key and entry.matches(st) and self.add(
-                key, entry.path, Published(entry.offset, entry.size, st.st_ino,
-                                           entry.mtime_ns, entry.ctime_ns), st.st_mode):
-            self._seen[entry.path] = _SEEN.pack(
-                st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid, st.st_gid,
-                st.st_size, st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, st.st_blksize,
-                st.st_blocks, st.st_rdev)
-
-    def seen(self, path: bytes) -> os.stat_result | None:
-        """The source's ``lstat`` of a published file as seen when it was published, while
-        the watch says it has not changed since (a change withdraws it, and this with it):
-        a LOOKUP of a cached file need not read the source's inode, which memory pressure
-        reclaims, and which ext4 reads again with 128 KiB of its inode table around it.
-        None for any other path, and where the source is not watched."""
-        if path not in self._seen or self.watch is None:
-            return None
-        self.watch.catch_up()  # a change made before this request withdraws it now
-        packed = self._seen.get(path)
-        if packed is None or not self.watch.watching:
-            return None
-        self.lookups_answered += 1
-        (mode, ino, dev, nlink, uid, gid, size, atime_ns, mtime_ns, ctime_ns, blksize, blocks,
-         rdev) = _SEEN.unpack(packed)
-        return os.stat_result(
-            (mode, ino, dev, nlink, uid, gid, size, atime_ns // 10**9, mtime_ns // 10**9,
-             ctime_ns // 10**9),
-            {"st_atime": atime_ns / 1e9, "st_mtime": mtime_ns / 1e9, "st_ctime": ctime_ns / 1e9,
-             "st_atime_ns": atime_ns, "st_mtime_ns": mtime_ns, "st_ctime_ns": ctime_ns,
-             "st_blksize": blksize, "st_blocks": blocks, "st_rdev": rdev})
-
-    def seen_nbytes(self) -> int:
-        """What the stats kept for ``seen`` take of the daemon's heap (the paths are the
-        entries')."""
-        return sys.getsizeof(self._seen) + len(self._seen) * _SEEN_BYTES
+        if (st.st_dev, st.st_ino) == key and entry.matches(st):
+            self.add(key, entry.path, Published(entry.offset, entry.size, st.st_ino,
+                                                entry.mtime_ns, entry.ctime_ns), st.st_mode)
 
     def republish(self, key: Key, entry: Entry, shared: bool) -> None:
         """A complete entry found again: published anew if a change withdrew it that changed
@@ -165,9 +121,9 @@ class Publisher:
             return True
         return covered
 
-    def add(self, key: Key, path: bytes, found: Published, mode: int) -> bool:
+    def add(self, key: Key, path: bytes, found: Published, mode: int) -> None:
         """Publish an entry whose version (and ``mode``) was just seen in the source, after
-        its directories were watched; whether it is published."""
+        its directories were watched."""
         assert self.index is not None
         try:
             self.index.publish(path, found, mode)
@@ -177,9 +133,8 @@ class Publisher:
                             "from now on are read by clients through the mount",
                             e.strerror or e)
                 self._index_full_logged = True
-            return False
+            return
         self.entries.set_flag(key, SHARED)
-        return True
 
     def reserve(self, entries: int) -> None:
         """Make room in the index for ``entries`` at once (those a restart adopted)."""
@@ -187,7 +142,6 @@ class Publisher:
             self.index.reserve(entries)
 
     def withdraw(self, path: bytes) -> None:
-        self._seen.pop(path, None)
         if self.index is not None:
             self.index.withdraw(path)
 
@@ -268,8 +222,6 @@ class Publisher:
                              if self.index.public is not None else None),
             "published_to_all": 0 if self.index.public is None else len(self.index.public),
             "watched_directories": self.watch.directories,
-            # LOOKUPs of published files answered without the source (``seen``)
-            "lookups_answered": self.lookups_answered,
         }
 
     def close(self) -> None:

@@ -288,8 +288,7 @@ class Daemon:
             "inodes": len(self.ops.inodes) + lane_nodes,
             "inode_table_bytes": self.ops.inodes.nbytes(),
             "memory": memory_status(
-                tables=(self.ops.inodes.nbytes() + lane_bytes,
-                        cache.entries.nbytes() + cache.publisher.seen_nbytes()),
+                tables=(self.ops.inodes.nbytes() + lane_bytes, cache.entries.nbytes()),
                 rows=(len(self.ops.inodes) + lane_nodes, len(cache.entries)),
                 cached_bytes=cache.room.used,
                 source_fstype=self.source_fstype,

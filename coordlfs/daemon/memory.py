@@ -13,8 +13,7 @@ their caches from it, ``coordlfs.bench.epochs.Sizing``):
   which the daemon's lookup reads in (charged to the daemon's cgroup: on ext4 they are more
   than half of the kernel's share; a budget split without them got the mount of a 60,000-file
   dataset killed for memory);
-- ``per_cached_file_bytes``: a cached file beside its pages: the cache's table row (and, once
-  published, the stat a LOOKUP of it is answered with: ``Publisher.seen``), the
+- ``per_cached_file_bytes``: a cached file beside its pages: the cache's table row, the
   kernel's tmpfs inode and dentry, the tree nodes indexing its pages (one per 64 pages) and,
   with passthrough, the open backing file (a ``filp``) and, with the request lane, its row
   and the backing id it keeps (``LaneRows.census``: every cached file the kernel knows has

@@ -124,8 +124,6 @@ FLAT: tuple[tuple[str, str, str, str, str], ...] = (
     ("shared", "withdrawn", "shared_withdrawn", COUNTER, "published entries withdrawn"),
     ("shared", "watched_directories", "shared_watched_directories", GAUGE,
      "source directories watched for published files"),
-    ("shared", "lookups_answered", "shared_lookups_answered", COUNTER,
-     "LOOKUPs of published files answered without reading the source"),
     ("peers", "changes", "peer_membership_changes", COUNTER,
      "changes of the node list (--peers-from, --peers-file)"),
     ("peers", "changed_at", "peer_membership_changed_timestamp_seconds", GAUGE,

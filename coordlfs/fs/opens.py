@@ -353,12 +353,6 @@ class Opens:
 
     # -- the kernel's view of an inode with open files -----------------------------------
 
-    def lstat(self, path: bytes) -> os.stat_result:
-        """The source's ``lstat`` of ``path``, or of a cached file published and unchanged
-        since, the one seen then (``Publisher.seen``): no read of the source's inode."""
-        seen = self.cache.publisher.seen(path)
-        return seen if seen is not None else self.readers.source.lstat(path)
-
     def known(self, st: os.stat_result, path: bytes) -> int:
         """The inode for a source stat result, noting the version the kernel now sees.
 

@@ -161,7 +161,7 @@ class Operations(pyfuse3.Operations):
             self.freshness.watch(parent_inode, base)
             path = _child(base, name)
         try:
-            st = self.opens.lstat(path)
+            st = self.source.lstat(path)
         except FileNotFoundError:
             negative = pyfuse3.EntryAttributes()
             negative.st_ino = 0

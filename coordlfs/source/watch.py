@@ -221,13 +221,6 @@ class PublishedWatch(Watcher[bytes]):
             self._remember(directory, wd)
         return self.fd >= 0
 
-    def catch_up(self) -> None:
-        """Handle the events queued now, at once: for a caller about to trust that nothing
-        changed (``Publisher.seen``), a change made before its request is then seen, though
-        the loop has not come to reading it yet."""
-        if self.fd >= 0 and (events := self._read()):
-            self._guarded(self._handle, events)
-
     def forget(self, directory: bytes) -> None:
         """Stop watching a directory and those under it: their paths are no longer theirs."""
         inside = directory + b"/" if directory else b""

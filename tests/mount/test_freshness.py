@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import OTHER_UID, digests, drop_caches, run_cli
+from conftest import OTHER_UID, digests, run_cli
 
 #: How long a change may take to show before the test fails (the target is 1 s).
 DEADLINE = 10.0
@@ -212,34 +212,3 @@ def test_a_permission_change_reaches_other_users_at_once(
     window = refused_after(m.mountpoint / "d", "x.bin", how, lambda: (src / what).chmod(mode))
     print(f"{what} chmod {mode:o} ({how}): refused {window * 1000:.1f} ms after")
     assert window < PERMISSION_WINDOW_S, window
-
-
-def test_a_lookup_of_a_published_file_reads_no_source_and_sees_a_change(mount,
-                                                                         tmp_path: Path) -> None:
-    """A LOOKUP of a file the cache holds and has published is answered with the source's
-    stat as seen when it was published (under memory pressure the source's inode is
-    reclaimed, and ext4 reads it again with 128 KiB of its inode table): the kernel's names
-    dropped, every file looked up again is answered so, with the source's own attributes.
-    A change made just before a LOOKUP is seen by it, though no one waited for the watch."""
-    src = tmp_path / "src"
-    (src / "d").mkdir(parents=True)
-    names = [f"d/{n:03}.bin" for n in range(50)]
-    for n, name in enumerate(names):
-        (src / name).write_bytes(os.urandom(1000 + n))
-    m = mount(src)
-    for name in names:
-        (m.mountpoint / name).read_bytes()
-    before = m.settled()["shared"]
-    assert before["published"] == len(names)
-    drop_caches()  # the kernel's names of the mount: each lstat below is a LOOKUP
-    for name in names:
-        got, want = os.lstat(m.mountpoint / name), os.lstat(src / name)
-        assert (got.st_size, got.st_mode, got.st_mtime_ns, got.st_nlink) == (
-            want.st_size, want.st_mode, want.st_mtime_ns, want.st_nlink)
-    answered = m.status()["shared"]["lookups_answered"] - before["lookups_answered"]
-    assert answered == len(names)
-    drop_caches()
-    changed = src / names[0]
-    changed.write_bytes(b"new" * 100)  # and at once, no wait for the watch
-    assert os.lstat(m.mountpoint / names[0]).st_size == 300
-    assert (m.mountpoint / names[0]).read_bytes() == b"new" * 100
