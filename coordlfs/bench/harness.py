@@ -51,9 +51,10 @@ MOUNT_BYTES_PER_FILE = DAEMON_BYTES_PER_FILE + KERNEL_BYTES_PER_CACHED_FILE
 #: process read 20% more from storage than the file bytes it fetched (the source's metadata,
 #: reclaimed and read again); 6 MiB read exactly the uncached rest (0.558), as did 8. A reader
 #: itself holds 78-94 KiB beside the page cache (measured 2026-11-28 in a group of its own);
-#: a mount split to that read 0.65 of the dataset per later epoch, against 0.59 with this
-#: room: the mount's lookups read the source's inodes again once reclaimed, each with the
-#: inode table's readahead (128 KiB), and this room is what keeps them (issue 34).
+#: a mount split to that read 0.63-0.65 of the dataset per later epoch, against 0.59 with
+#: this room (``coordlfs run``: 0.58 either way). Not its lookups of cached files reading the
+#: source's inodes again: answering those without the source changed nothing (2026-11-29,
+#: docs/benchmarks/memory.md); what else the room keeps for the mount is not known yet.
 PAGE_HEADROOM_PER_READER = 6 << 20
 #: More room per reader that reads through ``coordlfs.client``: the bytes it copies out, and
 #: the pages of its misses through the mount. With 6 MiB alone, ``bench epochs --budget 0.5``
