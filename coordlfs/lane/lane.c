@@ -416,14 +416,16 @@ static void held_landed(const struct row *r, int64_t change) {
 }
 
 /* Row `r`'s file is to be handed to the cache (`keep`, if the room takes it beside the
- * files already promised), or no longer is. Under the mutex. */
-static void promise(struct row *r, int keep) {
+ * files already promised: with the headroom to spare, or, `again` (a file promised at its
+ * open), at all), or no longer is. Under the mutex. */
+static void promise(struct row *r, int keep, int again) {
     int64_t pages = pages_of(r->v.size);
     if (r->note) {
         noting--;
         noting_bytes -= pages;
     }
-    r->note = keep && room_for(noting_bytes, pages) > 0;
+    int room = keep ? room_for(noting_bytes, pages) : 0;
+    r->note = room > 0 || (again && room < 0);
     if (r->note) {
         noting++;
         noting_bytes += pages;
@@ -481,7 +483,7 @@ EXPORT int64_t lane_suspend(uint64_t nodeid, int32_t *backing, int *fd, int *kin
         r = NULL;
     if (r && opens) {
         if (r->source) {
-            promise(r, 0);
+            promise(r, 0, 0);
             sources_held--;
             held_landed(r, -1);
         }
@@ -746,7 +748,7 @@ static int register_source(struct row *r, int fd) {
     }
     r->v.backing = id;
     r->fd = fd;
-    promise(r, r->keep);
+    promise(r, r->keep, 0);
     sources_held++;
     held_landed(r, 1);
     return 1;
@@ -886,17 +888,21 @@ static struct note *source_done(struct row *r, int *id, int *fd) {
     r->v.backing = 0;
     r->fd = -1;
     if (!r->active) {
-        promise(r, 0); /* not handed over: the daemon no longer wants it */
+        promise(r, 0, 0); /* not handed over: the daemon no longer wants it */
         remove_row(r);
         return NULL;
     }
     if (r->note)
-        promise(r, 1); /* again: the room may have gone to other files since its first open */
+        /* again: the room may have gone to other files since its first open; within the
+         * headroom it still takes it (the daemon's reservation is exact), and a file
+         * promised at an open the headroom let in under a room the daemon had not yet
+         * told smaller was dropped here, read and not cached with room to spare */
+        promise(r, 1, 1);
     if (!r->note)
         return NULL;
     struct note *n = malloc(sizeof *n + strlen(r->path) + 1);
     if (!n) {
-        promise(r, 0);
+        promise(r, 0, 0);
         return NULL;
     }
     r->note = 0; /* promised until the daemon takes the note */

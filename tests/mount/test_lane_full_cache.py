@@ -102,3 +102,23 @@ def test_the_first_epoch_fills_the_cache_to_its_last_file(tmp_path: Path, mount,
     in_c, counted = lane_epoch(m, names, want)
     assert in_c == count, f"{in_c} of {count} opens in C"
     assert counted["file_hits"] == cached and counted["file_misses"] == count - cached
+
+
+def test_a_file_the_lane_promised_is_cached_at_the_headrooms_edge(tmp_path: Path, mount,
+                                                                  needs_lane: None) -> None:
+    """Many small files read once, with room for all of them and a few more: every one is
+    cached. At the edge of the headroom a file the lane promised at its open (under a room
+    the daemon had not yet told smaller) was checked again at its last release with the
+    headroom to spare, and dropped: read from the source and never cached, one or two of
+    4,064 in about one run in ten (CI, test_memory_sizing). It is kept now while the room
+    takes it at all; the daemon's reservation is exact. The race is the loop's lag behind
+    the lane, so this test failed only in some runs before the fix."""
+    size, count = 2 * 4096 + 1, 4064
+    src = tmp_path / "src"
+    (src / "c").mkdir(parents=True)
+    for n in range(count):
+        (src / "c" / f"{n:05}").write_bytes((b"%05d" % n * (size // 5 + 1))[:size])
+    m = mount(src, "--passthrough", "yes", "--cache-size", str((count + 64) * pages(size)))
+    for n in range(count):
+        assert len((m.mountpoint / f"c/{n:05}").read_bytes()) == size
+    assert m.settled()["cache"]["files"] == count
