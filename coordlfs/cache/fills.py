@@ -361,7 +361,8 @@ class FillQueue:
         self.in_flight -= 1
         try:
             outcome = self._end(fill)
-            self.cache.publisher.take_back(fill.path)  # handed over: published, or never
+            if outcome != "files":  # handed over and never filled (publishing took a filled one's)
+                self.cache.publisher.take_back(fill.path)
             if (tally := self.tallies.get(fill.requester)) is not None:
                 tally["left"] -= 1
                 if not tally["left"]:
