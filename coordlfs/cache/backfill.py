@@ -38,8 +38,7 @@ class Backfill:
 
     key: Key
     entry: Entry
-    #: None: copied already (the request lane's copier: ``WholeFileCache.adopt_copy``)
-    copier: Copier | None
+    copier: Copier
     final: os.stat_result | None = None
     error: Exception | None = None
 
@@ -48,7 +47,6 @@ def _copy_all(batch: list[Backfill]) -> None:
     """In a worker thread: each file into its entry's file; errors are kept in the items,
     never raised."""
     for item in batch:
-        assert item.copier is not None  # queued to be copied
         try:
             item.copier.copy()
             item.final = item.copier.final
@@ -111,8 +109,7 @@ class BackfillQueue:
         finally:
             self.busy = False
             for item in batch + self._queued:  # cancelled at unmount
-                if item.copier is not None:
-                    item.copier.close()
+                item.copier.close()
                 self.cancelled(item.key, item.entry, None,
                                OSError(errno.ECANCELED, "unmounted"))
             self._queued = []

@@ -174,20 +174,27 @@ class WholeFileCache:
         """Claim room for a new entry, or None when the capacity (or the file limit) says no.
         Asked last whether the file is read elsewhere (``read_elsewhere``): that takes the
         request lane's row of it, which a file the cache has no room for keeps."""
-        if key in self.entries:
-            return None
-        if st.st_size > self.max_file_size:
-            self._too_large(path, st.st_size)
-            return None
-        if not self.room.takes(st.st_size) or self.read_elsewhere(key):
+        if not self._takes(key, path, st.st_size) or self.read_elsewhere(key):
             return None
         entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, self.next_number,
                       progress=trio.Event())
+        self._add(key, entry)
+        return entry
+
+    def _takes(self, key: Key, path: bytes, size: int) -> bool:
+        """Whether a new entry of ``key`` (it has none) and ``size`` bytes has room."""
+        if key in self.entries:
+            return False
+        if size > self.max_file_size:
+            self._too_large(path, size)
+            return False
+        return self.room.takes(size)
+
+    def _add(self, key: Key, entry: Entry) -> None:
         self.entries.add(key, entry)
         self.room.take(entry.size)
         self.next_number += 1
         self.room.changed()
-        return entry
 
     def never_keeps(self, path: bytes, size: int) -> bool:
         """Whether no room would ever take a new file of ``size`` at ``path`` (no cache, or
@@ -275,23 +282,33 @@ class WholeFileCache:
         if entry is not None and new:
             self.backfill(key, entry, source, nursery, source_fd)
 
-    def adopt_copy(self, key: Key, path: bytes, st: os.stat_result, copy_fd: int
-                   ) -> Backfill | None:
-        """A file read from the source without the daemon's reads and copied already
-        (``copy_fd``: unnamed, in the entries' directory: the request lane's copier), the
-        source showing the version copied in ``st``: its entry reserved and the copy named
-        as its file, for ``ended_together`` with the rest of its batch; None if the cache
-        has no room for it (or has it)."""
-        entry, new = self._claim(key, path, st)
-        if entry is None or not new:
-            return None
-        try:
-            link_file(self.files.fd, entry.offset, copy_fd)
-        except OSError as e:
-            self._ended(key, entry, None, e)
-            return None
-        entry.filled = entry.size
-        return Backfill(key, entry, None, final=st)
+    def adopt_copies(self, copies: list[tuple[Key, bytes, os.stat_result, int]]) -> None:
+        """Files read from the source without the daemon's reads and copied already (each
+        ``(key, path, st, fd)``: ``fd`` unnamed, in the entries' directory, by the request
+        lane's copier; ``st`` the source showing the version copied): each the cache has room
+        for is an entry at once, complete, the copy named as its file. Their journal lines go
+        in one write before any is published or told (``completed``), with no await between:
+        nothing reported cached is missing from the journal after a crash. No fill ran, so
+        none of a fill's ending is paid (its wake, its verdict: ``st`` is the final stat)."""
+        added: list[tuple[Key, Entry, os.stat_result]] = []
+        for key, path, st, fd in copies:
+            if (self.lookup(key, st) is not None or not self._takes(key, path, st.st_size)
+                    or self.read_elsewhere(key)):
+                continue
+            entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, self.next_number,
+                          filled=st.st_size, complete=True)
+            try:
+                link_file(self.files.fd, entry.offset, fd)
+            except OSError as e:  # never added: given up as a fill is
+                if no_room(e):
+                    self.room.note_full(e)
+                self._said(entry, e)
+                continue
+            self._add(key, entry)
+            added.append((key, entry, st))
+        self.journal.append_all([journal.added(key, entry) for key, entry, _ in added])
+        for key, entry, st in added:
+            self._told_complete(key, entry, st)
 
     async def drained(self, seconds: float) -> None:
         """Wait, at most ``seconds``, for the backfills to end: at unmount, the
@@ -398,6 +415,10 @@ class WholeFileCache:
         readers, passthrough and clients take it."""
         entry.complete = True
         self.entries.completed(key, entry)
+        self._told_complete(key, entry, final)
+
+    def _told_complete(self, key: Key, entry: Entry, final: os.stat_result) -> None:
+        """Clients and ``completed`` are told of a complete, journaled entry."""
         self.publisher.publish(key, entry)
         for tell in self.completed:
             tell(key, entry, final)

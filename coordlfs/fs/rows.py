@@ -41,7 +41,6 @@ from typing import Any
 import trio
 
 from coordlfs import CONTROL_NAME
-from coordlfs.cache.backfill import Backfill
 from coordlfs.cache.cache import FILL_CHUNK, Entry
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.fs.backing import Backing, Backings
@@ -381,35 +380,37 @@ class LaneRows:
         stopped there (more may wait)."""
         if self.lane is None:
             return False
-        copied: list[Backfill] = []
+        copies: list[tuple[Key, bytes, os.stat_result, int]] = []
+        fds: list[int] = []
         taken = 0
         try:
             for note in self.lane.notes():
                 taken += 1
-                try:
-                    self._noted(note, copied)
-                finally:
-                    os.close(note.fd)
-                    if note.copy >= 0:
-                        os.close(note.copy)
+                fds.append(note.fd)
+                if note.copy >= 0:
+                    fds.append(note.copy)
+                self._noted(note, copies)
                 if taken == most:
                     return True
             return False
-        finally:  # one journal write for the batch's copies
-            self.cache.ended_together(copied)
+        finally:  # one journal write for the batch's copies; named before they are closed
+            try:
+                self.cache.adopt_copies(copies)
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
-    def _noted(self, note: Note, copied: list[Backfill]) -> None:
+    def _noted(self, note: Note, copies: list[tuple[Key, bytes, os.stat_result, int]]
+               ) -> None:
         """Keep the file of ``note`` if it is still the version its reads read and the cache
         has room (storage was read, and counted, once, by the lane's opens): its copy made by
-        the lane (``copy_into``) named as its entry's file, to end with the batch's in
-        ``copied``; else backfilled from the pages those reads brought in."""
+        the lane (``copy_into``) to be named as its entry's file with the batch's in
+        ``copies``; else backfilled from the pages those reads brought in."""
         st = os.fstat(note.fd)
         if st.st_dev != note.dev or Version.of(st) != note.version:
             return
         if note.copy >= 0:
-            item = self.cache.adopt_copy((st.st_dev, st.st_ino), note.path, st, note.copy)
-            if item is not None:
-                copied.append(item)
+            copies.append(((st.st_dev, st.st_ino), note.path, st, note.copy))
             return
         readers = self.readers
         assert readers.nursery is not None
