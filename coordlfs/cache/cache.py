@@ -282,30 +282,31 @@ class WholeFileCache:
         if entry is not None and new:
             self.backfill(key, entry, source, nursery, source_fd)
 
-    def adopt_copies(self, copies: list[tuple[Key, bytes, os.stat_result, int]]) -> None:
-        """Files read from the source without the daemon's reads and copied already (each
-        ``(key, path, st, fd)``: ``fd`` unnamed, in the entries' directory, by the request
-        lane's copier; ``st`` the source showing the version copied): each the cache has room
-        for is an entry at once, complete, the copy named as its file. Their journal lines go
-        in one write before any is published or told (``completed``), with no await between:
-        nothing reported cached is missing from the journal after a crash. No fill ran, so
-        none of a fill's ending is paid (its wake, its verdict: ``st`` is the final stat)."""
-        added: list[tuple[Key, Entry, os.stat_result]] = []
-        for key, path, st, fd in copies:
-            if (self.lookup(key, st) is not None or not self._takes(key, path, st.st_size)
-                    or self.read_elsewhere(key)):
-                continue
-            entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, self.next_number,
-                          filled=st.st_size, complete=True)
-            try:
-                link_file(self.files.fd, entry.offset, fd)
-            except OSError as e:  # never added: given up as a fill is
-                if no_room(e):
-                    self.room.note_full(e)
-                self._said(entry, e)
-                continue
-            self._add(key, entry)
-            added.append((key, entry, st))
+    def adopt_copy(self, key: Key, path: bytes, st: os.stat_result, fd: int) -> Entry | None:
+        """A file read from the source without the daemon's reads and copied already (``fd``:
+        unnamed, in the entries' directory, by the request lane's copier; ``st``: the source
+        showing the version copied): if the cache has room, an entry at once, complete, the
+        copy named as its file, to be told with its batch (``adopted``) before anything else
+        runs. No fill ran, so none of a fill's ending is paid (its wake, its verdict)."""
+        if (self.lookup(key, st) is not None or not self._takes(key, path, st.st_size)
+                or self.read_elsewhere(key)):
+            return None
+        entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, self.next_number,
+                      filled=st.st_size, complete=True)
+        try:
+            link_file(self.files.fd, entry.offset, fd)
+        except OSError as e:  # never added: given up as a fill is
+            if no_room(e):
+                self.room.note_full(e)
+            self._said(entry, e)
+            return None
+        self._add(key, entry)
+        return entry
+
+    def adopted(self, added: list[tuple[Key, Entry, os.stat_result]]) -> None:
+        """Copies ``adopt_copy`` added: their journal lines in one write before any is
+        published or told (``completed``), with no await since they were added, so that
+        nothing reported cached is missing from the journal after a crash."""
         self.journal.append_all([journal.added(key, entry) for key, entry, _ in added])
         for key, entry, st in added:
             self._told_complete(key, entry, st)

@@ -380,37 +380,36 @@ class LaneRows:
         stopped there (more may wait)."""
         if self.lane is None:
             return False
-        copies: list[tuple[Key, bytes, os.stat_result, int]] = []
-        fds: list[int] = []
+        added: list[tuple[Key, Entry, os.stat_result]] = []
         taken = 0
         try:
             for note in self.lane.notes():
                 taken += 1
-                fds.append(note.fd)
-                if note.copy >= 0:
-                    fds.append(note.copy)
-                self._noted(note, copies)
+                try:
+                    self._noted(note, added)
+                finally:
+                    os.close(note.fd)
+                    if note.copy >= 0:
+                        os.close(note.copy)
                 if taken == most:
                     return True
             return False
-        finally:  # one journal write for the batch's copies; named before they are closed
-            try:
-                self.cache.adopt_copies(copies)
-            finally:
-                for fd in fds:
-                    os.close(fd)
+        finally:  # one journal write for the batch's copies
+            self.cache.adopted(added)
 
-    def _noted(self, note: Note, copies: list[tuple[Key, bytes, os.stat_result, int]]
-               ) -> None:
+    def _noted(self, note: Note, added: list[tuple[Key, Entry, os.stat_result]]) -> None:
         """Keep the file of ``note`` if it is still the version its reads read and the cache
         has room (storage was read, and counted, once, by the lane's opens): its copy made by
-        the lane (``copy_into``) to be named as its entry's file with the batch's in
-        ``copies``; else backfilled from the pages those reads brought in."""
+        the lane (``copy_into``) named as its entry's file, to be told with the batch's in
+        ``added``; else backfilled from the pages those reads brought in."""
         st = os.fstat(note.fd)
         if st.st_dev != note.dev or Version.of(st) != note.version:
             return
         if note.copy >= 0:
-            copies.append(((st.st_dev, st.st_ino), note.path, st, note.copy))
+            key = (st.st_dev, st.st_ino)
+            entry = self.cache.adopt_copy(key, note.path, st, note.copy)
+            if entry is not None:
+                added.append((key, entry, st))
             return
         readers = self.readers
         assert readers.nursery is not None
