@@ -255,6 +255,9 @@ class Sizing:
     per_inode_bytes: int
     #: a cached file beside its pages: its table row, its tmpfs inode, its backing file
     per_cached_file_bytes: int
+    #: a reader process reading through ``coordlfs.client``, beside the page cache (its
+    #: anonymous memory, page tables and open files: ``_client_reader_bytes``)
+    client_reader_bytes: int
 
 
 #: Files the probe mount caches, for its per-cached-file figure.
@@ -274,13 +277,30 @@ def measure_sizing(dataset: Dataset, work: Path) -> Sizing:
         for name, _size in sample:
             (mountpoint / name).read_bytes()
         memory = mount.settled()["memory"]
+        client = _client_reader_bytes(mountpoint, [name for name, _size in sample])
     sizing = Sizing(memory["itself_bytes"], memory["per_inode_bytes"],
-                    memory["per_cached_file_bytes"])
+                    memory["per_cached_file_bytes"], client)
     print(f"the mount needs {format_size(sizing.itself_bytes)} for its daemon, "
           f"{sizing.per_inode_bytes} B per file and {sizing.per_cached_file_bytes} B per "
-          "cached file beside the cached pages (its status, measured on a probe mount)",
-          flush=True)
+          "cached file beside the cached pages (its status, measured on a probe mount); a "
+          f"reader through coordlfs.client holds {format_size(client)} (measured)", flush=True)
     return sizing
+
+
+def _client_reader_bytes(mountpoint: Path, names: list[str]) -> int:
+    """What a reader through ``coordlfs.client`` holds beside the page cache once it has read
+    ``names`` (cached: hits, as most of a later epoch's reads are): a bench reader started
+    as the stacks start theirs (forked from this process, then moved into a group of its
+    own), its charge beside its file pages (``Cgroup.memory_held``). Its misses' pages are
+    the page headroom's (``harness.PAGE_HEADROOM_PER_READER``), the kernel's records of the
+    files it looks up the mount's (``per_inode_bytes``)."""
+    readers = Readers(1, str(mountpoint))
+    with (memory_cgroup(f"{CGROUP_PREFIX}-probe-{os.getpid()}") as cgroup,
+          running(readers) as group):
+        for pid in group.pids:
+            cgroup.add(pid)
+        group.epoch([names], 0.0)
+        return cgroup.memory_held()
 
 
 def cache_size_for(budget: int, dataset: Dataset, sizing: Sizing, readers: int,
@@ -288,10 +308,11 @@ def cache_size_for(budget: int, dataset: Dataset, sizing: Sizing, readers: int,
     """What is left of the budget for cached bytes (the capacity counts pages): the budget
     less the daemon itself, every file of the dataset looked up, the cached files' own
     records (as many as the cache holds at the dataset's mean size), and room per reader
-    for the kernel's pages of reads in flight (more for a client's readers, which copy the
-    bytes out). What is left over serves misses from the kernel's LRU."""
-    per_reader = harness.PAGE_HEADROOM_PER_READER + (
-        harness.CLIENT_HEADROOM_PER_READER if client else 0)
+    for the kernel's pages of reads in flight (and, for a client's readers, what each holds:
+    ``Sizing.client_reader_bytes``). What is left over serves misses from the kernel's
+    LRU."""
+    per_reader = harness.PAGE_HEADROOM_PER_READER + (sizing.client_reader_bytes if client
+                                                      else 0)
     room = (budget - sizing.itself_bytes - per_reader * readers
             - sizing.per_inode_bytes * len(dataset.files))
     mean_pages = sum(pages(size) for _name, size in dataset.files) / max(1, len(dataset.files))

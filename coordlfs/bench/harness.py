@@ -56,9 +56,10 @@ MOUNT_BYTES_PER_FILE = DAEMON_BYTES_PER_FILE + KERNEL_BYTES_PER_CACHED_FILE
 #: source's inodes again: answering those without the source changed nothing (2026-11-29,
 #: docs/benchmarks/memory.md); what else the room keeps for the mount is not known yet.
 PAGE_HEADROOM_PER_READER = 6 << 20
-#: More room per reader that reads through ``coordlfs.client``: the bytes it copies out, and
-#: the pages of its misses through the mount. With 6 MiB alone, ``bench epochs --budget 0.5``
-#: had client readers killed for memory in the second epoch (10,000 files, 4 readers).
+#: More room per reader that reads through ``coordlfs.client`` in ``bench cluster``, which
+#: adds it to every system's budget alike (so it favours none). ``bench epochs`` splits the
+#: mount's budget by what such a reader was measured to hold instead
+#: (``epochs.Sizing.client_reader_bytes``: 2-3 MiB, 2026-11-29).
 CLIENT_HEADROOM_PER_READER = 16 << 20
 
 

@@ -21,7 +21,6 @@ from coordlfs.bench.epochs import (
     summarize,
 )
 from coordlfs.bench.harness import (
-    CLIENT_HEADROOM_PER_READER,
     PAGE_HEADROOM_PER_READER,
     parse_make,
 )
@@ -49,7 +48,8 @@ def test_parse_make() -> None:
             parse_make(bad)
 
 
-SIZING = Sizing(itself_bytes=20_000_000, per_inode_bytes=1200, per_cached_file_bytes=1400)
+SIZING = Sizing(itself_bytes=20_000_000, per_inode_bytes=1200, per_cached_file_bytes=1400,
+                client_reader_bytes=3_000_000)
 
 
 def test_cache_size_leaves_room_for_the_daemon_its_files_and_pages_in_flight() -> None:
@@ -62,10 +62,10 @@ def test_cache_size_leaves_room_for_the_daemon_its_files_and_pages_in_flight() -
     held = size // 102_400  # files the cache holds, each with its own records
     assert size + held * 1400 <= room < size + (held + 1) * (1400 + 102_400)
     assert cache_size_for(budget, dataset, SIZING, readers=2) < size
-    # a client's readers get more room each: the bytes they copy out, their misses' pages
+    # a client's readers get more room each: what such a reader was measured to hold
     big = 4 * budget
     assert cache_size_for(big, dataset, SIZING, readers=1, client=True) == int(
-        (big - 20_000_000 - PAGE_HEADROOM_PER_READER - CLIENT_HEADROOM_PER_READER
+        (big - 20_000_000 - PAGE_HEADROOM_PER_READER - 3_000_000
          - 1000 * 1200) / (1 + 1400 / 102_400))
     assert cache_size_for(1000, dataset, SIZING, readers=1) == 0
 
@@ -164,7 +164,8 @@ def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
     # the split is the probe mount's status, as ``coordlfs stats`` states it
     probe = (tmp_path / "work" / "probe.log").read_text()
     assert "mounted on" in probe
-    assert set(report["sizing"]) == {"itself_bytes", "per_inode_bytes", "per_cached_file_bytes"}
+    assert set(report["sizing"]) == {"itself_bytes", "per_inode_bytes", "per_cached_file_bytes",
+                                     "client_reader_bytes"}
     assert 5 << 20 < report["sizing"]["itself_bytes"] < 200 << 20
     assert (tmp_path / "epochs.png").read_bytes()[:4] == b"\x89PNG"
     assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
@@ -206,8 +207,10 @@ def test_the_split_is_the_probe_mounts_measured_status(tmp_path: Path, monkeypat
     (status,) = seen
     assert status["inodes"] >= 300 and status["cache"]["files"] == 256
     memory = status["memory"]
-    assert sizing == Sizing(memory["itself_bytes"], memory["per_inode_bytes"],
-                            memory["per_cached_file_bytes"])
+    assert (sizing.itself_bytes, sizing.per_inode_bytes, sizing.per_cached_file_bytes) == (
+        memory["itself_bytes"], memory["per_inode_bytes"], memory["per_cached_file_bytes"])
+    # a client reader's own memory: some, and less than the 16 MiB margin it replaced
+    assert 0 < sizing.client_reader_bytes < 16 << 20
     assert mount_at(str(tmp_path / "mnt")) is None
 
 
