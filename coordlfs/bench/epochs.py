@@ -258,6 +258,23 @@ class Sizing:
     #: a reader process reading through ``coordlfs.client``, beside the page cache (its
     #: anonymous memory, page tables and open files: ``_client_reader_bytes``)
     client_reader_bytes: int
+    #: the source filesystem's own blocks the mount's lookups of every file read (inode
+    #: tables, directories), kept in the page cache: reclaimed, each later lookup would read
+    #: an inode table's readahead again (``_source_metadata_bytes``)
+    source_metadata_bytes: int
+    #: a reader's pages in flight: one file open at a time, so the dataset's largest file
+    #: and the kernel's readahead window beyond it (``in_flight_bytes``)
+    in_flight_bytes: int
+
+
+#: The kernel's default readahead window: what a reader's read may bring in beyond its file.
+READAHEAD_BYTES = 128 << 10
+
+
+def in_flight_bytes(dataset: Dataset) -> int:
+    """What one reader's reads hold in the page cache at once: the largest file's pages and a
+    readahead window (it reads one file at a time)."""
+    return max((pages(size) for _name, size in dataset.files), default=0) + READAHEAD_BYTES
 
 
 #: Files the probe mount caches, for its per-cached-file figure.
@@ -265,26 +282,45 @@ PROBE_FILES = 256
 
 
 def measure_sizing(dataset: Dataset, work: Path) -> Sizing:
-    """Mount the dataset, look every file up, cache the first ``PROBE_FILES``, and take the
-    status's ``memory``: the figures ``coordlfs stats`` states."""
+    """Mount the dataset in a memory group of its own, look every file up (what its lookups
+    read of the source's own blocks: ``source_metadata_bytes``), cache the first
+    ``PROBE_FILES``, and take the status's ``memory``: the figures ``coordlfs stats``
+    states."""
     sample = dataset.files[:PROBE_FILES]
     room = str(sum(pages(size) for _name, size in sample))
     mountpoint = work / "mnt"
-    with mounted(dataset.root, mountpoint, work / "probe.log", "--cache-size", room,
-                 "--max-file-size", room) as mount:
-        for name, _size in dataset.files:
-            os.lstat(mountpoint / name)
+    with (memory_cgroup(f"{CGROUP_PREFIX}-probe-{os.getpid()}") as group,
+          contextlib.ExitStack() as stack):
+        with group.inside():
+            mount = stack.enter_context(mounted(dataset.root, mountpoint, work / "probe.log",
+                                                "--cache-size", room, "--max-file-size", room))
+        metadata = _source_metadata_bytes(group, [mountpoint / name
+                                                  for name, _size in dataset.files])
         for name, _size in sample:
             (mountpoint / name).read_bytes()
         memory = mount.settled()["memory"]
         client = _client_reader_bytes(mountpoint, [name for name, _size in sample])
     sizing = Sizing(memory["itself_bytes"], memory["per_inode_bytes"],
-                    memory["per_cached_file_bytes"], client)
+                    memory["per_cached_file_bytes"], client, metadata, in_flight_bytes(dataset))
     print(f"the mount needs {format_size(sizing.itself_bytes)} for its daemon, "
           f"{sizing.per_inode_bytes} B per file and {sizing.per_cached_file_bytes} B per "
-          "cached file beside the cached pages (its status, measured on a probe mount); a "
-          f"reader through coordlfs.client holds {format_size(client)} (measured)", flush=True)
+          "cached file beside the cached pages (its status, measured on a probe mount), and "
+          f"{format_size(metadata)} of the source's own blocks for its lookups (measured); a "
+          f"reader through coordlfs.client holds {format_size(client)} (measured), and a "
+          f"reader's pages in flight are {format_size(sizing.in_flight_bytes)} (the largest "
+          "file and a readahead window)", flush=True)
     return sizing
+
+
+def _source_metadata_bytes(group: Cgroup, paths: list[Path]) -> int:
+    """The page cache the mount's daemon (in ``group``) reads looking ``paths`` up, the
+    kernel's caches dropped first: the source filesystem's inode tables and directories,
+    which every lookup after a name was dropped reads again unless they stay in memory."""
+    drop_caches()
+    before = group.file_pages()
+    for path in paths:
+        os.lstat(path)
+    return max(0, group.file_pages() - before)
 
 
 def _client_reader_bytes(mountpoint: Path, names: list[str]) -> int:
@@ -292,10 +328,10 @@ def _client_reader_bytes(mountpoint: Path, names: list[str]) -> int:
     ``names`` (cached: hits, as most of a later epoch's reads are): a bench reader started
     as the stacks start theirs (forked from this process, then moved into a group of its
     own), its charge beside its file pages (``Cgroup.memory_held``). Its misses' pages are
-    the page headroom's (``harness.PAGE_HEADROOM_PER_READER``), the kernel's records of the
-    files it looks up the mount's (``per_inode_bytes``)."""
+    counted as any reader's (``in_flight_bytes``), the kernel's records of the files it
+    looks up the mount's (``per_inode_bytes``)."""
     readers = Readers(1, str(mountpoint))
-    with (memory_cgroup(f"{CGROUP_PREFIX}-probe-{os.getpid()}") as cgroup,
+    with (memory_cgroup(f"{CGROUP_PREFIX}-client-{os.getpid()}") as cgroup,
           running(readers) as group):
         for pid in group.pids:
             cgroup.add(pid)
@@ -306,15 +342,14 @@ def _client_reader_bytes(mountpoint: Path, names: list[str]) -> int:
 def cache_size_for(budget: int, dataset: Dataset, sizing: Sizing, readers: int,
                    client: bool = False) -> int:
     """What is left of the budget for cached bytes (the capacity counts pages): the budget
-    less the daemon itself, every file of the dataset looked up, the cached files' own
-    records (as many as the cache holds at the dataset's mean size), and room per reader
-    for the kernel's pages of reads in flight (and, for a client's readers, what each holds:
-    ``Sizing.client_reader_bytes``). What is left over serves misses from the kernel's
-    LRU."""
-    per_reader = harness.PAGE_HEADROOM_PER_READER + (sizing.client_reader_bytes if client
-                                                      else 0)
+    less the daemon itself, every file of the dataset looked up and the source's blocks
+    those lookups read, the cached files' own records (as many as the cache holds at the
+    dataset's mean size), and per reader its pages in flight (and, for a client's readers,
+    what each holds: ``Sizing.client_reader_bytes``): all measured on a probe mount, none
+    a margin. What is left over serves misses from the kernel's LRU."""
+    per_reader = sizing.in_flight_bytes + (sizing.client_reader_bytes if client else 0)
     room = (budget - sizing.itself_bytes - per_reader * readers
-            - sizing.per_inode_bytes * len(dataset.files))
+            - sizing.per_inode_bytes * len(dataset.files) - sizing.source_metadata_bytes)
     mean_pages = sum(pages(size) for _name, size in dataset.files) / max(1, len(dataset.files))
     return max(0, int(room / (1 + sizing.per_cached_file_bytes / mean_pages)))
 

@@ -46,15 +46,13 @@ KERNEL_BYTES_PER_CACHED_FILE = 1280
 #: What a mount costs per file of its dataset beside the cached bytes: daemon and kernel
 MOUNT_BYTES_PER_FILE = DAEMON_BYTES_PER_FILE + KERNEL_BYTES_PER_CACHED_FILE
 #: Room per reader for the kernel's pages of reads in flight and the source's metadata, above
-#: the cache. 1.1 GiB, budget 50%, 4 readers, arena cache: with 4 MiB per reader, epochs 2
-#: and 3 read 0.61 / 0.59 of the dataset (0.55 expected from the capacity), and the daemon's
-#: process read 20% more from storage than the file bytes it fetched (the source's metadata,
-#: reclaimed and read again); 6 MiB read exactly the uncached rest (0.558), as did 8. A reader
-#: itself holds 78-94 KiB beside the page cache (measured 2026-11-28 in a group of its own);
-#: a mount split to that read 0.63-0.65 of the dataset per later epoch, against 0.59 with
-#: this room (``coordlfs run``: 0.58 either way). Not its lookups of cached files reading the
-#: source's inodes again: answering those without the source changed nothing (2026-11-29,
-#: docs/benchmarks/memory.md); what else the room keeps for the mount is not known yet.
+#: the cache, in ``bench aligned``'s budget (both systems get it). 1.1 GiB, budget 50%, 4
+#: readers, arena cache: with 4 MiB per reader, epochs 2 and 3 read 0.61 / 0.59 of the
+#: dataset (0.55 expected from the capacity), and the daemon's process read 20% more from
+#: storage than the file bytes it fetched (the source's metadata, reclaimed and read again);
+#: 6 MiB read exactly the uncached rest (0.558), as did 8. ``bench epochs`` splits its budget
+#: by measured figures instead: the source's blocks its lookups read (3.6 MiB at 10,000
+#: files) and each reader's largest file in flight (``epochs.Sizing``, 2026-11-29).
 PAGE_HEADROOM_PER_READER = 6 << 20
 #: More room per reader that reads through ``coordlfs.client`` in ``bench cluster``, which
 #: adds it to every system's budget alike (so it favours none). ``bench epochs`` splits the

@@ -126,10 +126,21 @@ class Cgroup:
         """Bytes charged to the group beside its file pages: anonymous memory, tmpfs pages and
         the kernel's objects (inodes, dentries, open files): what a mount's files cost it,
         unlike the page cache, which the kernel drops when the group is at its limit."""
-        stat = dict(line.split() for line in (self.memory / "memory.stat").read_text()
-                    .splitlines() if not line.startswith("total_"))
+        stat = self._stat()
         kernel = int((self.memory / "memory.kmem.usage_in_bytes").read_text())
-        return int(stat["rss"]) + int(stat["shmem"]) + kernel
+        return stat["rss"] + stat["shmem"] + kernel
+
+    def file_pages(self) -> int:
+        """Bytes of file pages charged to the group (its page cache less tmpfs's): what the
+        kernel may drop at the group's limit."""
+        stat = self._stat()
+        return stat["cache"] - stat["shmem"]
+
+    def _stat(self) -> dict[str, int]:
+        """The group's own ``memory.stat`` (not its children's ``total_`` lines)."""
+        return {name: int(value) for name, value in (
+            line.split() for line in (self.memory / "memory.stat").read_text().splitlines()
+            if not line.startswith("total_"))}
 
     def peak_memory(self) -> int:
         return int((self.memory / "memory.max_usage_in_bytes").read_text())

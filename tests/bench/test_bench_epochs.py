@@ -9,11 +9,13 @@ from benchtools import BENCH, small_run, stopped_by_sigterm
 
 from coordlfs.bench.children import batch_paths
 from coordlfs.bench.epochs import (
+    READAHEAD_BYTES,
     ConfigResult,
     EpochResult,
     Sizing,
     budget_bytes,
     cache_size_for,
+    in_flight_bytes,
     measure_sizing,
     parse_stacks,
     pinned_files,
@@ -21,7 +23,6 @@ from coordlfs.bench.epochs import (
     summarize,
 )
 from coordlfs.bench.harness import (
-    PAGE_HEADROOM_PER_READER,
     parse_make,
 )
 from coordlfs.errors import UserError
@@ -49,7 +50,8 @@ def test_parse_make() -> None:
 
 
 SIZING = Sizing(itself_bytes=20_000_000, per_inode_bytes=1200, per_cached_file_bytes=1400,
-                client_reader_bytes=3_000_000)
+                client_reader_bytes=3_000_000, source_metadata_bytes=500_000,
+                in_flight_bytes=250_000)
 
 
 def test_cache_size_leaves_room_for_the_daemon_its_files_and_pages_in_flight() -> None:
@@ -57,7 +59,7 @@ def test_cache_size_leaves_room_for_the_daemon_its_files_and_pages_in_flight() -
     dataset = Dataset(Path("/x"), DatasetSpec(1000), files, reused=True)
     budget = 70_000_000
     size = cache_size_for(budget, dataset, SIZING, readers=1)
-    room = budget - 20_000_000 - PAGE_HEADROOM_PER_READER - 1000 * 1200
+    room = budget - 20_000_000 - 250_000 - 1000 * 1200 - 500_000
     assert size == int(room / (1 + 1400 / 102_400))
     held = size // 102_400  # files the cache holds, each with its own records
     assert size + held * 1400 <= room < size + (held + 1) * (1400 + 102_400)
@@ -65,8 +67,8 @@ def test_cache_size_leaves_room_for_the_daemon_its_files_and_pages_in_flight() -
     # a client's readers get more room each: what such a reader was measured to hold
     big = 4 * budget
     assert cache_size_for(big, dataset, SIZING, readers=1, client=True) == int(
-        (big - 20_000_000 - PAGE_HEADROOM_PER_READER - 3_000_000
-         - 1000 * 1200) / (1 + 1400 / 102_400))
+        (big - 20_000_000 - 250_000 - 3_000_000 - 1000 * 1200 - 500_000)
+        / (1 + 1400 / 102_400))
     assert cache_size_for(1000, dataset, SIZING, readers=1) == 0
 
 
@@ -165,7 +167,8 @@ def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
     probe = (tmp_path / "work" / "probe.log").read_text()
     assert "mounted on" in probe
     assert set(report["sizing"]) == {"itself_bytes", "per_inode_bytes", "per_cached_file_bytes",
-                                     "client_reader_bytes"}
+                                     "client_reader_bytes", "source_metadata_bytes",
+                                     "in_flight_bytes"}
     assert 5 << 20 < report["sizing"]["itself_bytes"] < 200 << 20
     assert (tmp_path / "epochs.png").read_bytes()[:4] == b"\x89PNG"
     assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
@@ -211,6 +214,9 @@ def test_the_split_is_the_probe_mounts_measured_status(tmp_path: Path, monkeypat
         memory["itself_bytes"], memory["per_inode_bytes"], memory["per_cached_file_bytes"])
     # a client reader's own memory: some, and less than the 16 MiB margin it replaced
     assert 0 < sizing.client_reader_bytes < 16 << 20
+    # the source's blocks the lookups read (the caches dropped first), and one file in flight
+    assert 0 < sizing.source_metadata_bytes < 16 << 20
+    assert sizing.in_flight_bytes == in_flight_bytes(dataset) > READAHEAD_BYTES
     assert mount_at(str(tmp_path / "mnt")) is None
 
 
