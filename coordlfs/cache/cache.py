@@ -61,10 +61,13 @@ from coordlfs.source.source import Source
 from coordlfs.source.threads import in_thread
 from coordlfs.source.watch import PublishedWatch
 
-__all__ = ["FILES", "FILL_CHUNK", "ROOM_SLACK", "Entry", "WholeFileCache", "create_file",
+__all__ = ["FILES", "FILL_CHUNK", "ROOM_SLACK", "Adopted", "Entry", "WholeFileCache", "create_file",
            "file_name", "write_all"]
 
 log = logging.getLogger(__name__)
+
+#: A lane copy ``adopt_copy`` added, for ``adopted``: its key, entry, and the source's stat
+Adopted = tuple[Key, Entry, os.stat_result]
 
 
 class WholeFileCache:
@@ -174,17 +177,15 @@ class WholeFileCache:
         """Claim room for a new entry, or None when the capacity (or the file limit) says no.
         Asked last whether the file is read elsewhere (``read_elsewhere``): that takes the
         request lane's row of it, which a file the cache has no room for keeps."""
-        if not self._takes(key, path, st.st_size) or self.read_elsewhere(key):
+        if key in self.entries or not self._takes(path, st.st_size) or self.read_elsewhere(key):
             return None
         entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, self.next_number,
                       progress=trio.Event())
         self._add(key, entry)
         return entry
 
-    def _takes(self, key: Key, path: bytes, size: int) -> bool:
-        """Whether a new entry of ``key`` (it has none) and ``size`` bytes has room."""
-        if key in self.entries:
-            return False
+    def _takes(self, path: bytes, size: int) -> bool:
+        """Whether a new entry of ``size`` bytes has room (the caller saw its key has none)."""
         if size > self.max_file_size:
             self._too_large(path, size)
             return False
@@ -288,7 +289,7 @@ class WholeFileCache:
         showing the version copied): if the cache has room, an entry at once, complete, the
         copy named as its file, to be told with its batch (``adopted``) before anything else
         runs. No fill ran, so none of a fill's ending is paid (its wake, its verdict)."""
-        if (self.lookup(key, st) is not None or not self._takes(key, path, st.st_size)
+        if (self.lookup(key, st) is not None or not self._takes(path, st.st_size)
                 or self.read_elsewhere(key)):
             return None
         entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, self.next_number,
@@ -303,7 +304,7 @@ class WholeFileCache:
         self._add(key, entry)
         return entry
 
-    def adopted(self, added: list[tuple[Key, Entry, os.stat_result]]) -> None:
+    def adopted(self, added: list[Adopted]) -> None:
         """Copies ``adopt_copy`` added: their journal lines in one write before any is
         published or told (``completed``), with no await since they were added, so that
         nothing reported cached is missing from the journal after a crash."""

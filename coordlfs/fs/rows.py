@@ -41,7 +41,7 @@ from typing import Any
 import trio
 
 from coordlfs import CONTROL_NAME
-from coordlfs.cache.cache import FILL_CHUNK, Entry
+from coordlfs.cache.cache import FILL_CHUNK, Adopted, Entry
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.fs.backing import Backing, Backings
 from coordlfs.fs.inodes import InodeTable, Key
@@ -380,7 +380,7 @@ class LaneRows:
         stopped there (more may wait)."""
         if self.lane is None:
             return False
-        added: list[tuple[Key, Entry, os.stat_result]] = []
+        added: list[Adopted] = []
         taken = 0
         try:
             for note in self.lane.notes():
@@ -397,7 +397,7 @@ class LaneRows:
         finally:  # one journal write for the batch's copies
             self.cache.adopted(added)
 
-    def _noted(self, note: Note, added: list[tuple[Key, Entry, os.stat_result]]) -> None:
+    def _noted(self, note: Note, added: list[Adopted]) -> None:
         """Keep the file of ``note`` if it is still the version its reads read and the cache
         has room (storage was read, and counted, once, by the lane's opens): its copy made by
         the lane (``copy_into``) named as its entry's file, to be told with the batch's in
