@@ -61,6 +61,7 @@ from coordlfs.client import run as run_command
 from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.errors import UserError
 from coordlfs.sizes import format_size, pages, parse_size, plural
+from coordlfs.source.source import READ_CHUNK
 from coordlfs.system.mounts import mount_at
 from coordlfs.system.processes import wait_exit
 from coordlfs.testbed.cgroup import Cgroup, memory_cgroup
@@ -255,15 +256,19 @@ class Sizing:
     per_inode_bytes: int
     #: a cached file beside its pages: its table row, its tmpfs inode, its backing file
     per_cached_file_bytes: int
-    #: a reader process reading through ``coordlfs.client``, beside the page cache (its
-    #: anonymous memory, page tables and open files: ``_client_reader_bytes``)
+    #: a bench reader process reading through the mount, beside the page cache (its
+    #: anonymous memory, its read buffer among it, page tables and open files:
+    #: ``_reader_bytes``)
+    reader_bytes: int
+    #: the same reading through ``coordlfs.client`` (``_reader_bytes``)
     client_reader_bytes: int
     #: the source filesystem's own blocks the mount's lookups of every file read (inode
     #: tables, directories), kept in the page cache: reclaimed, each later lookup would read
     #: an inode table's readahead again (``_source_metadata_bytes``)
     source_metadata_bytes: int
-    #: a reader's pages in flight: one file open at a time, so the dataset's largest file
-    #: and the kernel's readahead window beyond it (``in_flight_bytes``)
+    #: a reader's file in flight: one open at a time, so the dataset's largest file and the
+    #: kernel's readahead window beyond it, and the daemon's buffer reading it for the cache
+    #: (``in_flight_bytes``)
     in_flight_bytes: int
 
 
@@ -272,9 +277,12 @@ READAHEAD_BYTES = 128 << 10
 
 
 def in_flight_bytes(dataset: Dataset) -> int:
-    """What one reader's reads hold in the page cache at once: the largest file's pages and a
-    readahead window (it reads one file at a time)."""
-    return max((pages(size) for _name, size in dataset.files), default=0) + READAHEAD_BYTES
+    """What one reader's miss holds at once: the largest file's pages and a readahead window
+    (it reads one file at a time), and the buffer the daemon's thread filling it reads the
+    source into (``READ_CHUNK``, kept per thread: four readers' fills held 4 MiB that no
+    figure had, and a mount of 1.1 MB files sized without them was killed for memory)."""
+    return (max((pages(size) for _name, size in dataset.files), default=0) + READAHEAD_BYTES
+            + READ_CHUNK)
 
 
 #: Files the probe mount caches, for its per-cached-file figure.
@@ -299,16 +307,20 @@ def measure_sizing(dataset: Dataset, work: Path) -> Sizing:
         for name, _size in sample:
             (mountpoint / name).read_bytes()
         memory = mount.settled()["memory"]
-        client = _client_reader_bytes(mountpoint, [name for name, _size in sample])
+        names = [name for name, _size in sample]
+        reader = _reader_bytes(mountpoint, [str(mountpoint / name) for name in names])
+        client = _reader_bytes(mountpoint, names, client=True)
     sizing = Sizing(memory["itself_bytes"], memory["per_inode_bytes"],
-                    memory["per_cached_file_bytes"], client, metadata, in_flight_bytes(dataset))
+                    memory["per_cached_file_bytes"], reader, client, metadata,
+                    in_flight_bytes(dataset))
     print(f"the mount needs {format_size(sizing.itself_bytes)} for its daemon, "
           f"{sizing.per_inode_bytes} B per file and {sizing.per_cached_file_bytes} B per "
           "cached file beside the cached pages (its status, measured on a probe mount), and "
           f"{format_size(metadata)} of the source's own blocks for its lookups (measured); a "
-          f"reader through coordlfs.client holds {format_size(client)} (measured), and a "
-          f"reader's pages in flight are {format_size(sizing.in_flight_bytes)} (the largest "
-          "file and a readahead window)", flush=True)
+          f"reader holds {format_size(reader)}, through coordlfs.client {format_size(client)} "
+          f"(measured), and a reader's file in flight {format_size(sizing.in_flight_bytes)} "
+          "(the largest file, a readahead window and the daemon's buffer filling it)",
+          flush=True)
     return sizing
 
 
@@ -323,15 +335,16 @@ def _source_metadata_bytes(group: Cgroup, paths: list[Path]) -> int:
     return max(0, group.file_pages() - before)
 
 
-def _client_reader_bytes(mountpoint: Path, names: list[str]) -> int:
-    """What a reader through ``coordlfs.client`` holds beside the page cache once it has read
-    ``names`` (cached: hits, as most of a later epoch's reads are): a bench reader started
-    as the stacks start theirs (forked from this process, then moved into a group of its
-    own), its charge beside its file pages (``Cgroup.memory_held``). Its misses' pages are
-    counted as any reader's (``in_flight_bytes``), the kernel's records of the files it
-    looks up the mount's (``per_inode_bytes``)."""
-    readers = Readers(1, str(mountpoint))
-    with (memory_cgroup(f"{CGROUP_PREFIX}-client-{os.getpid()}") as cgroup,
+def _reader_bytes(mountpoint: Path, names: list[str], client: bool = False) -> int:
+    """What a reader holds beside the page cache once it has read ``names`` (cached: hits,
+    as most of a later epoch's reads are), through the mount or (``client``: ``names``
+    relative to it) through ``coordlfs.client``: a bench reader started as the stacks start
+    theirs (forked from this process, then moved into a group of its own), its charge beside
+    its file pages (``Cgroup.memory_held``). Its misses' pages are counted as any reader's
+    (``in_flight_bytes``), the kernel's records of the files it looks up the mount's
+    (``per_inode_bytes``)."""
+    readers = Readers(1, str(mountpoint) if client else None)
+    with (memory_cgroup(f"{CGROUP_PREFIX}-reader-{os.getpid()}") as cgroup,
           running(readers) as group):
         for pid in group.pids:
             cgroup.add(pid)
@@ -344,10 +357,12 @@ def cache_size_for(budget: int, dataset: Dataset, sizing: Sizing, readers: int,
     """What is left of the budget for cached bytes (the capacity counts pages): the budget
     less the daemon itself, every file of the dataset looked up and the source's blocks
     those lookups read, the cached files' own records (as many as the cache holds at the
-    dataset's mean size), and per reader its pages in flight (and, for a client's readers,
-    what each holds: ``Sizing.client_reader_bytes``): all measured on a probe mount, none
-    a margin. What is left over serves misses from the kernel's LRU."""
-    per_reader = sizing.in_flight_bytes + (sizing.client_reader_bytes if client else 0)
+    dataset's mean size), and per reader its file in flight and what the reader holds itself
+    (through the mount or the client: ``Sizing.reader_bytes``, ``client_reader_bytes``):
+    all measured on a probe mount, none a margin. What is left over serves misses from the
+    kernel's LRU."""
+    per_reader = sizing.in_flight_bytes + (sizing.client_reader_bytes if client
+                                           else sizing.reader_bytes)
     room = (budget - sizing.itself_bytes - per_reader * readers
             - sizing.per_inode_bytes * len(dataset.files) - sizing.source_metadata_bytes)
     mean_pages = sum(pages(size) for _name, size in dataset.files) / max(1, len(dataset.files))

@@ -85,10 +85,16 @@ def _aligned_buffer(size: int) -> memoryview:
     ``READ_CHUNK`` from the start (a page is touched only when a read fills it); reads are at
     most a fill chunk or ``READ_CHUNK``, which bounds it. A buffer outgrown is only let go: a
     view of it handed out may still be held, and its mapping goes with the last view.
+
+    Private: Python maps ``-1`` shared by default, which is tmpfs memory (``shmem``), not
+    the daemon's anonymous memory its status counts (``coordlfs.daemon.memory``): four
+    readers' fills held 4 MiB that no figure had, and a mount sized by those figures was
+    killed for memory.
     """
     buf = getattr(_local, "buffer", None)
     if buf is None or len(buf) < size:
-        buf = _local.buffer = memoryview(mmap.mmap(-1, max(size, READ_CHUNK)))
+        buf = _local.buffer = memoryview(mmap.mmap(-1, max(size, READ_CHUNK),
+                                                   flags=mmap.MAP_PRIVATE))
     return buf
 
 

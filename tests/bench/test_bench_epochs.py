@@ -26,6 +26,7 @@ from coordlfs.bench.harness import (
     parse_make,
 )
 from coordlfs.errors import UserError
+from coordlfs.source.source import READ_CHUNK
 from coordlfs.system.mounts import mount_at
 from coordlfs.testbed.dataset import Dataset, DatasetSpec, ensure_dataset
 from coordlfs.testbed.mounts import Mount
@@ -50,8 +51,8 @@ def test_parse_make() -> None:
 
 
 SIZING = Sizing(itself_bytes=20_000_000, per_inode_bytes=1200, per_cached_file_bytes=1400,
-                client_reader_bytes=3_000_000, source_metadata_bytes=500_000,
-                in_flight_bytes=250_000)
+                reader_bytes=1_000_000, client_reader_bytes=3_000_000,
+                source_metadata_bytes=500_000, in_flight_bytes=250_000)
 
 
 def test_cache_size_leaves_room_for_the_daemon_its_files_and_pages_in_flight() -> None:
@@ -59,12 +60,12 @@ def test_cache_size_leaves_room_for_the_daemon_its_files_and_pages_in_flight() -
     dataset = Dataset(Path("/x"), DatasetSpec(1000), files, reused=True)
     budget = 70_000_000
     size = cache_size_for(budget, dataset, SIZING, readers=1)
-    room = budget - 20_000_000 - 250_000 - 1000 * 1200 - 500_000
+    room = budget - 20_000_000 - 250_000 - 1_000_000 - 1000 * 1200 - 500_000
     assert size == int(room / (1 + 1400 / 102_400))
     held = size // 102_400  # files the cache holds, each with its own records
     assert size + held * 1400 <= room < size + (held + 1) * (1400 + 102_400)
     assert cache_size_for(budget, dataset, SIZING, readers=2) < size
-    # a client's readers get more room each: what such a reader was measured to hold
+    # a client's readers get what such a reader was measured to hold instead
     big = 4 * budget
     assert cache_size_for(big, dataset, SIZING, readers=1, client=True) == int(
         (big - 20_000_000 - 250_000 - 3_000_000 - 1000 * 1200 - 500_000)
@@ -167,8 +168,8 @@ def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
     probe = (tmp_path / "work" / "probe.log").read_text()
     assert "mounted on" in probe
     assert set(report["sizing"]) == {"itself_bytes", "per_inode_bytes", "per_cached_file_bytes",
-                                     "client_reader_bytes", "source_metadata_bytes",
-                                     "in_flight_bytes"}
+                                     "reader_bytes", "client_reader_bytes",
+                                     "source_metadata_bytes", "in_flight_bytes"}
     assert 5 << 20 < report["sizing"]["itself_bytes"] < 200 << 20
     assert (tmp_path / "epochs.png").read_bytes()[:4] == b"\x89PNG"
     assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
@@ -212,11 +213,14 @@ def test_the_split_is_the_probe_mounts_measured_status(tmp_path: Path, monkeypat
     memory = status["memory"]
     assert (sizing.itself_bytes, sizing.per_inode_bytes, sizing.per_cached_file_bytes) == (
         memory["itself_bytes"], memory["per_inode_bytes"], memory["per_cached_file_bytes"])
-    # a client reader's own memory: some, and less than the 16 MiB margin it replaced
+    # a reader's own memory (what its read buffer took of these files), through the client
+    # too: some, and less than the 16 MiB margin the client's replaced
+    assert 0 < sizing.reader_bytes < 16 << 20
     assert 0 < sizing.client_reader_bytes < 16 << 20
     # the source's blocks the lookups read (the caches dropped first), and one file in flight
+    # with the daemon's buffer filling it
     assert 0 < sizing.source_metadata_bytes < 16 << 20
-    assert sizing.in_flight_bytes == in_flight_bytes(dataset) > READAHEAD_BYTES
+    assert sizing.in_flight_bytes == in_flight_bytes(dataset) > READAHEAD_BYTES + READ_CHUNK
     assert mount_at(str(tmp_path / "mnt")) is None
 
 

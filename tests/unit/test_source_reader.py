@@ -6,6 +6,7 @@ opened without blocking."""
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import stat
@@ -59,6 +60,32 @@ def test_every_range_and_the_whole_file_read_direct(root) -> None:
     assert empty.read_whole(empty.fstat()) == b""
     empty.close()
     reader.close()
+
+
+def _mapping_of(address: int) -> str:
+    """The line of /proc/self/maps holding ``address``."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return line
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_direct_reads_buffer_is_the_daemons_own_memory_not_shared(root) -> None:
+    """The buffer O_DIRECT reads land in is private anonymous memory, which the daemon's
+    status counts (``RssAnon``): a shared one is tmpfs memory (shmem) no figure counted, 1 MiB
+    per thread reading, and a mount sized by the figures was killed for memory."""
+    _path, fd = root
+    reader = SourceReader.opening(open_beneath, fd, b"big.bin")
+    try:
+        view = reader.read_view(0, 10)
+        assert isinstance(view, memoryview) and bytes(view) == DATA[:10]
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view.obj))
+        perms = _mapping_of(address).split()[1]
+        assert perms.endswith("p"), _mapping_of(address)
+    finally:
+        reader.close()
 
 
 def test_a_read_refusing_o_direct_goes_on_buffered_and_drops_its_pages(root,
