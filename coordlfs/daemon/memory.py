@@ -99,6 +99,13 @@ def tmpfs_file_bytes(slabs: dict[str, int] | None = None) -> int:
     return sum(slabs[name] for name in _TMPFS_FILE)
 
 
+def page_tree_bytes(mean_pages: float, slabs: dict[str, int] | None = None) -> int:
+    """What the kernel keeps to index a file of ``mean_pages`` pages: its page tree's nodes
+    (none for a single page), as long as the file has pages, or shadows of reclaimed ones."""
+    nodes = math.ceil(mean_pages / _PAGES_PER_NODE) if mean_pages > 1 else 0
+    return nodes * (slabs or slab_objects(("radix_tree_node",)))["radix_tree_node"]
+
+
 def memory_status(*, tables: tuple[int, int], rows: tuple[int, int], cached_bytes: int,
                   source_fstype: str, passthrough: bool, lane_row: int,
                   lane_key: int = 0, mapped: int = 0) -> dict[str, Any]:
@@ -113,8 +120,7 @@ def memory_status(*, tables: tuple[int, int], rows: tuple[int, int], cached_byte
                           *_TMPFS_FILE))
     mappings = mapped * (slabs["filp"] + slabs["vm_area_struct"] + MAPPING_HEAP + _MAPPING_PTE)
     inode_kernel = slabs["dentry"] + slabs["lsm_inode_cache"]  # one file's name and blob
-    mean_pages = cached_bytes / mmap.PAGESIZE / max(1, entries)
-    nodes = math.ceil(mean_pages / _PAGES_PER_NODE) if mean_pages > 1 else 0
+    tree = page_tree_bytes(cached_bytes / mmap.PAGESIZE / max(1, entries), slabs)
     daemon = rss_anon()
     return {
         "daemon_bytes": daemon,
@@ -122,6 +128,6 @@ def memory_status(*, tables: tuple[int, int], rows: tuple[int, int], cached_byte
         "per_inode_bytes": round(inode_bytes / max(1, inodes)) + slabs["fuse_inode"]
         + slabs[source] + 2 * inode_kernel + lane_key,
         "per_cached_file_bytes": round(entry_bytes / max(1, entries)) + tmpfs_file_bytes(slabs)
-        + nodes * slabs["radix_tree_node"] + (slabs["filp"] if passthrough else 0) + lane_row
+        + tree + (slabs["filp"] if passthrough else 0) + lane_row
         + lane_key + round(mappings / max(1, entries)),
     }
