@@ -56,9 +56,10 @@ _PAGES_PER_NODE = 64
 #: the daemon's heap per entry it keeps mapped (the ``mmap`` object, its ``OrderedDict`` slot,
 #: malloc's share): RssAnon grew 483 B per mapping of 4,000 (Python 3.11, 2026-11-29)
 MAPPING_HEAP = 480
-#: the page-table entries of a small mapping, shared with its neighbours: VmPTE grew 23 B per
-#: mapping of 4,000 three-page files
-_MAPPING_PTE = 24
+#: a mapped page's page-table entry: VmPTE grew 23 B per mapping of 4,000 three-page files;
+#: a 1.1 MB file's mapping costs 270 of them (the daemon of a mount of 2,000 such files held
+#: 2.4 MB of page tables, which a figure of 24 B per mapping left out)
+_PTE_BYTES = 8
 
 
 def rss_anon(status: str = "/proc/self/status") -> int:
@@ -118,9 +119,11 @@ def memory_status(*, tables: tuple[int, int], rows: tuple[int, int], cached_byte
     source = source_inode_slab(source_fstype)
     slabs = slab_objects(("fuse_inode", "filp", "radix_tree_node", "vm_area_struct", source,
                           *_TMPFS_FILE))
-    mappings = mapped * (slabs["filp"] + slabs["vm_area_struct"] + MAPPING_HEAP + _MAPPING_PTE)
+    mean_pages = cached_bytes / mmap.PAGESIZE / max(1, entries)
+    mappings = mapped * (slabs["filp"] + slabs["vm_area_struct"] + MAPPING_HEAP
+                         + _PTE_BYTES * max(1, round(mean_pages)))
     inode_kernel = slabs["dentry"] + slabs["lsm_inode_cache"]  # one file's name and blob
-    tree = page_tree_bytes(cached_bytes / mmap.PAGESIZE / max(1, entries), slabs)
+    tree = page_tree_bytes(mean_pages, slabs)
     daemon = rss_anon()
     return {
         "daemon_bytes": daemon,

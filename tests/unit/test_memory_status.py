@@ -42,9 +42,14 @@ def test_the_entries_the_daemon_maps_are_spread_over_the_cached_files() -> None:
             "source_fstype": "ext4", "passthrough": False, "lane_row": 0}
     unmapped, mapped = memory_status(**args), memory_status(**args, mapped=50)
     slabs = slab_objects(("filp", "vm_area_struct"))
-    one = slabs["filp"] + slabs["vm_area_struct"] + MAPPING_HEAP + 24
+    one = slabs["filp"] + slabs["vm_area_struct"] + MAPPING_HEAP + 8  # a page's table entry
     assert mapped["per_cached_file_bytes"] - unmapped["per_cached_file_bytes"] == round(one / 2)
     assert mapped["itself_bytes"] == mapped["daemon_bytes"] - 50 * MAPPING_HEAP
+    # a large file's mapping holds a table entry per page: 270 of 1.1 MB
+    large = {**args, "cached_bytes": 100 * 270 * 4096}
+    grown = memory_status(**large, mapped=50)["per_cached_file_bytes"]
+    assert grown - memory_status(**large)["per_cached_file_bytes"] == round(
+        (one - 8 + 270 * 8) / 2)
 
 
 def test_a_page_tree_node_indexes_64_pages() -> None:
