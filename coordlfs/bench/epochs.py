@@ -14,8 +14,9 @@ by a blkio limit, one after the other:
 * coordlfs: the readers read the mount; the daemon is started in the group (all its memory
   charged there), and its cache is B less what its status measured the mount needs beside
   the cached bytes on a probe mount (``Sizing``: the daemon itself, per file, per cached
-  file) and the readers' pages in flight; the memory left serves misses from the kernel's
-  LRU, since a miss the cache does not keep leaves its pages there;
+  file, per file not cached) and per reader its own memory and its file in flight; the memory
+  left serves misses from the kernel's LRU, since a miss the cache does not keep leaves its
+  pages there;
 * run: the same mount, the readers started under ``coordlfs run`` (the preload library opens
   hits from the cache's files and misses from the source in their own process);
 * client: the same mount and budget, the readers read through ``coordlfs.client`` (a hit is
