@@ -288,11 +288,12 @@ def uncached_file_bytes(dataset: Dataset) -> int:
     status counts a cached file's). Seen at 2,000 files of 1.1 MB: the group's kernel memory
     grew 3.8 MB over the 1,044 files the full cache did not keep, and the mount, split
     without it, was killed for memory."""
-    return page_tree_bytes(_mean_pages(dataset) / pages(1))
+    return page_tree_bytes(_mean_charge(dataset) / pages(1))
 
 
-def _mean_pages(dataset: Dataset) -> float:
-    """The dataset's mean file size in whole pages, in bytes (as the cache charges files)."""
+def _mean_charge(dataset: Dataset) -> float:
+    """The dataset's mean file size rounded up to whole pages, in bytes: what the cache
+    charges a file on average."""
     return sum(pages(size) for _name, size in dataset.files) / max(1, len(dataset.files))
 
 
@@ -324,11 +325,11 @@ def measure_sizing(dataset: Dataset, work: Path) -> Sizing:
                                                 "--cache-size", room, "--max-file-size", room))
         metadata = _source_metadata_bytes(group, [mountpoint / name
                                                   for name, _size in dataset.files])
-        for name, _size in sample:
+        names = [name for name, _size in sample]
+        for name in names:
             (mountpoint / name).read_bytes()
         memory = mount.settled()["memory"]
-        names = [name for name, _size in sample]
-        reader = _reader_bytes(mountpoint, [str(mountpoint / name) for name in names])
+        reader = _reader_bytes(mountpoint, names)
         client = _reader_bytes(mountpoint, names, client=True)
     sizing = Sizing(memory["itself_bytes"], memory["per_inode_bytes"],
                     memory["per_cached_file_bytes"], reader, client,
@@ -356,9 +357,9 @@ def _source_metadata_bytes(group: Cgroup, paths: list[Path]) -> int:
 
 
 def _reader_bytes(mountpoint: Path, names: list[str], client: bool = False) -> int:
-    """What a reader holds beside the page cache once it has read ``names`` (cached: hits,
-    as most of a later epoch's reads are), through the mount or (``client``: ``names``
-    relative to it) through ``coordlfs.client``: a bench reader started as the stacks start
+    """What a reader holds beside the page cache once it has read ``names`` (relative to
+    ``mountpoint``; cached: hits, as most of a later epoch's reads are), through the mount or
+    (``client``) through ``coordlfs.client``: a bench reader started as the stacks start
     theirs (forked from this process, then moved into a group of its own), its charge beside
     its file pages (``Cgroup.memory_held``). Its misses' pages are counted as any reader's
     (``in_flight_bytes``), the kernel's records of the files it looks up the mount's
@@ -368,7 +369,7 @@ def _reader_bytes(mountpoint: Path, names: list[str], client: bool = False) -> i
           running(readers) as group):
         for pid in group.pids:
             cgroup.add(pid)
-        group.epoch([names], 0.0)
+        group.epoch(batch_paths(names, "" if client else mountpoint, max(1, len(names))), 0.0)
         return cgroup.memory_held()
 
 
@@ -388,8 +389,8 @@ def cache_size_for(budget: int, dataset: Dataset, sizing: Sizing, readers: int,
             - (sizing.per_inode_bytes + sizing.uncached_file_bytes) * files
             - sizing.source_metadata_bytes)
     # a file cached costs its own records, and no longer the page tree of one not cached
-    mean_pages = _mean_pages(dataset)
-    per_byte = 1 + (sizing.per_cached_file_bytes - sizing.uncached_file_bytes) / mean_pages
+    per_byte = 1 + ((sizing.per_cached_file_bytes - sizing.uncached_file_bytes)
+                    / _mean_charge(dataset))
     return max(0, int(room / per_byte))
 
 
