@@ -191,11 +191,15 @@ class WholeFileCache:
             return False
         return self.room.takes(size)
 
-    def _add(self, key: Key, entry: Entry) -> None:
+    def _add(self, key: Key, entry: Entry, numbered: bool = True, told: bool = True) -> None:
+        """``entry`` in the table and the room; ``numbered``: it took the next number;
+        ``told``: the room is told now (else by the caller, once for a batch)."""
         self.entries.add(key, entry)
         self.room.take(entry.size)
-        self.next_number += 1
-        self.room.changed()
+        if numbered:
+            self.next_number += 1
+        if told:
+            self.room.changed()
 
     def never_keeps(self, path: bytes, size: int) -> bool:
         """Whether no room would ever take a new file of ``size`` at ``path`` (no cache, or
@@ -283,32 +287,55 @@ class WholeFileCache:
         if entry is not None and new:
             self.backfill(key, entry, source, nursery, source_fd)
 
-    def adopt_copy(self, key: Key, path: bytes, st: os.stat_result, fd: int) -> Entry | None:
+    def numbers(self, count: int) -> int:
+        """``count`` entry numbers at once, the first returned: for copies named elsewhere
+        (the request lane's copier names its copies so, ``adopt_copy``'s ``number``).
+        Numbers are never reused; those never used are gaps, as a failed fill's."""
+        first = self.next_number
+        self.next_number += count
+        return first
+
+    def adopt_copy(self, key: Key, path: bytes, st: os.stat_result, fd: int,
+                   number: int = -1) -> Entry | None:
         """A file read from the source without the daemon's reads and copied already (``fd``:
-        unnamed, in the entries' directory, by the request lane's copier; ``st``: the source
-        showing the version copied): if the cache has room, an entry at once, complete, the
-        copy named as its file, to be told with its batch (``adopted``) before anything else
-        runs. No fill ran, so none of a fill's ending is paid (its wake, its verdict)."""
+        in the entries' directory, by the request lane's copier, unnamed or, with ``number``
+        from ``numbers``, named as that entry's file; ``st``: the source showing the version
+        copied): if the cache has room, an entry at once, complete, its file named, to be
+        told with its batch (``adopted``) before anything else runs. No fill ran, so none of
+        a fill's ending is paid (its wake, its verdict)."""
         if (self.lookup(key, st) is not None or not self._takes(path, st.st_size)
                 or self.read_elsewhere(key)):
+            self.discard_copy(number, path)
             return None
-        entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, self.next_number,
-                      filled=st.st_size, complete=True)
-        try:
-            link_file(self.files.fd, entry.offset, fd)
-        except OSError as e:  # never added: given up as a fill is
-            if no_room(e):
-                self.room.note_full(e)
-            self._said(entry, e)
-            return None
-        self._add(key, entry)
+        entry = Entry(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                      self.next_number if number < 0 else number, filled=st.st_size,
+                      complete=True)
+        if number < 0:
+            try:
+                link_file(self.files.fd, entry.offset, fd)
+            except OSError as e:  # never added: given up as a fill is
+                if no_room(e):
+                    self.room.note_full(e)
+                self._said(entry, e)
+                return None
+        self._add(key, entry, numbered=number < 0, told=False)
         return entry
+
+    def discard_copy(self, number: int, path: bytes) -> None:
+        """A copy of source file ``path`` named as entry ``number`` (``numbers``) that the
+        cache does not add: its name goes (-1: it has none)."""
+        if number >= 0:
+            self.files.unlink(number, path)
 
     def adopted(self, added: list[Adopted]) -> None:
         """Copies ``adopt_copy`` added: their journal lines in one write before any is
         published or told (``completed``), with no await since they were added, so that
-        nothing reported cached is missing from the journal after a crash."""
+        nothing reported cached is missing from the journal after a crash; the room told
+        once for the batch."""
+        if not added:
+            return
         self.journal.append_all([journal.added(key, entry) for key, entry, _ in added])
+        self.room.changed()
         for key, entry, st in added:
             self._told_complete(key, entry, st)
 

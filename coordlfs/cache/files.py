@@ -281,12 +281,16 @@ class EntryFiles:
         mapped = self._mapped.pop(entry.offset, None)
         if mapped is not None:
             _unmap(mapped)
+        self.unlink(entry.offset, entry.path)
+
+    def unlink(self, number: int, path: bytes) -> None:
+        """Unlink entry ``number``'s file (a copy of source file ``path``, for the log)."""
         try:
-            os.unlink(file_name(entry.offset), dir_fd=self.fd)
+            os.unlink(file_name(number), dir_fd=self.fd)
         except FileNotFoundError:
             pass  # a fill that failed before its first byte
         except OSError as e:
-            log.warning("cannot remove the cache file of %s: %s", os.fsdecode(entry.path), e)
+            log.warning("cannot remove the cache file of %s: %s", os.fsdecode(path), e)
 
     def close(self) -> None:
         while self._mapped:

@@ -80,6 +80,15 @@ class Backings:
             self._ids[number] = backing
         return backing
 
+    def registered(self, entry: Entry | None, backing: int, path: bytes) -> None:
+        """An id the request lane's copier registered for its copy of source file ``path``
+        (``Note.backing``): kept as ``entry``'s, or closed if the cache did not add the copy
+        (``entry`` None)."""
+        if entry is None:
+            self._close(backing, path)
+        else:
+            self._ids[entry.offset] = backing
+
     def id_bytes(self) -> int:
         """What an entry's kept id costs: its share of the table here, the entry's number and
         its id, and the kernel's record of it (a ``fuse_backing``, from kmalloc-64; the file

@@ -103,15 +103,18 @@ def _load() -> ctypes.CDLL:
     lib.lane_held_stat.argtypes = [_u64, ctypes.POINTER(_Stat)]
     lib.lane_census.argtypes = [ctypes.POINTER(_i64 * 2)]
     lib.lane_enable.argtypes = [ctypes.c_int]
-    lib.lane_counts.argtypes = [ctypes.POINTER(_u64 * 13)]
+    lib.lane_counts.argtypes = [ctypes.POINTER(_u64 * 14)]
     lib.lane_attr_timeout.argtypes = [ctypes.c_double]
     lib.lane_peer_set.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.lane_peer_state.argtypes = [ctypes.c_int, ctypes.POINTER(_u64 * 5)]
     lib.lane_land_in.argtypes = [ctypes.c_int]
     lib.lane_copy_into.argtypes = [ctypes.c_int]
     lib.lane_note.argtypes = [ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int),
-                              ctypes.POINTER(ctypes.c_int), ctypes.POINTER(_i64 * 5),
-                              ctypes.c_char_p, ctypes.c_size_t]
+                              ctypes.POINTER(ctypes.c_int), ctypes.POINTER(_i64 * 2),
+                              ctypes.POINTER(_i64 * 5), ctypes.c_char_p, ctypes.c_size_t]
+    lib.lane_numbers.argtypes = [_i64, _i64, ctypes.c_int]
+    lib.lane_numbers.restype = None
+    lib.lane_numbers_left.restype = _i64
     lib.lane_note.restype = ctypes.c_ssize_t
     lib.lane_gauges.argtypes = [ctypes.POINTER(_i64 * 6)]
     lib.lane_source_fd.argtypes = [_u64]
@@ -162,6 +165,10 @@ class Note:
     version: Version
     fd: int
     copy: int = -1
+    #: the entry number ``copy`` is named as (``Lane.numbers``), else -1
+    number: int = -1
+    #: ``copy`` registered as a backing file (``Lane.numbers``), else 0
+    backing: int = 0
 
 
 class Lane:
@@ -169,11 +176,11 @@ class Lane:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        self._counts = (_u64 * 13)()
+        self._counts = (_u64 * 14)()
         self._folded = (0, 0, 0, 0, 0, 0, 0)
         #: readable while the lane may have source files for the cache (``notes``)
         self.notes_fd: int = lib.lane_notes_fd()
-        self._note = (_u64(), ctypes.c_int(), ctypes.c_int(), (_i64 * 5)(),
+        self._note = (_u64(), ctypes.c_int(), ctypes.c_int(), (_i64 * 2)(), (_i64 * 5)(),
                       ctypes.create_string_buffer(4096))
         #: buffers of the calls made per LOOKUP, allocated once (a ctypes array per call was
         #: a tenth of a LOOKUP's Python); the daemon's loop is their one caller
@@ -236,6 +243,16 @@ class Lane:
         if rc < 0:
             raise OSError(-rc, os.strerror(-rc))
 
+    def numbers(self, first: int, count: int, register: bool) -> None:
+        """Hand the copier entry numbers ``first`` .. ``first + count - 1``
+        (``WholeFileCache.numbers``) to name its copies as, each registered as a backing file
+        if ``register``: the loop then only adopts them (``Note.number``, ``Note.backing``)."""
+        self._lib.lane_numbers(first, count, int(register))
+
+    def numbers_left(self) -> int:
+        """The entry numbers the copier has left to name copies as."""
+        return self._lib.lane_numbers_left()
+
     def set_peer(self, slot: int, fd: int) -> int:
         """One more connection to the peer of ``slot``: ``fd`` (authenticated, blocking, its
         timeouts set), the lane's to close from now on; -errno (the slot's pool is full, say)
@@ -290,13 +307,13 @@ class Lane:
 
     def notes(self) -> Iterator[Note]:
         """The source files the lane has for the cache, taken (read ``notes_fd`` first)."""
-        inode, fd, copy, version, path = self._note
+        inode, fd, copy, named, version, path = self._note
         take, refs = self._lib.lane_note, (ctypes.byref(inode), ctypes.byref(fd),
-                                           ctypes.byref(copy), ctypes.byref(version), path,
-                                           len(path))
+                                           ctypes.byref(copy), ctypes.byref(named),
+                                           ctypes.byref(version), path, len(path))
         while take(*refs) >= 0:  # the path ends at its NUL (.raw would copy the whole buffer)
             yield Note(inode.value, path.value, version[0], Version(*version[1:]), fd.value,
-                       copy.value)
+                       copy.value, named[0], named[1])
 
     def held(self, inode: int) -> int:
         """The opens of ``inode`` the lane answered and the kernel has not released."""
@@ -351,11 +368,12 @@ class Lane:
 
     def status(self) -> dict[str, int]:
         (opens, _, releases, source_opens, _, _, peer_opens, _, getattrs, ioctls, lookups,
-         forgets, copies) = self.counts()
+         forgets, copies, named) = self.counts()
         nodes, keys, directories, _, _ = self.nodes.gauges()
         return {"opens": opens, "source_opens": source_opens, "peer_opens": peer_opens,
                 "releases": releases, "getattrs": getattrs, "ioctls": ioctls,
                 "lookups": lookups, "forgets": forgets, "copies": copies,
+                "copies_named": named,
                 "rows": self.gauges()[1],
                 "nodes": nodes, "keys_held": keys, "directories": directories}
 

@@ -61,6 +61,9 @@ NOTES_GATHER_S = 0.005
 # the notes the loop takes before it answers anything else: a reader faster than the cache's
 # bookkeeping (about 100 µs a file) must not hold off status, opens and lookups for a whole pass
 NOTES_BATCH = 64
+#: Entry numbers handed the lane's copier at once to name its copies as (``Lane.numbers``),
+#: again when a quarter is left: a few ms of copies at any rate, numbers being free
+COPY_NUMBERS = 1024
 #: The last of the room that the daemon reserves at each open itself, exactly (``headroom``):
 #: the lane's files are reserved when the daemon takes their notes (a few ms later), and until
 #: then the room clients read (to send a file through the mount or to the source) is too
@@ -95,6 +98,8 @@ class LaneRows:
         self.lane: Lane | None = None
         #: its connections to peers, with it
         self.lane_peers: LanePeers | None = None
+        #: whether its copier copies the notes' files into the cache (``Lane.copy_into``)
+        self._copies = False
         #: whether it may answer LOOKUPs (the source is watched)
         self._lookups = False
         self._groups.on_change.append(self._members_changed)
@@ -118,6 +123,17 @@ class LaneRows:
                 lane.copy_into(cache.files_fd)
             except OSError as e:  # the notes' files are backfilled by the daemon, as before
                 log.info("the request lane copies no files for the cache: %s", e.strerror or e)
+            else:
+                self._copies = True
+                self._number_copies()
+
+    def _number_copies(self) -> None:
+        """Keep the lane's copier in entry numbers to name its copies as, and register them
+        as backing files: that much of adopting a copy (``_noted``) is done in C."""
+        lane = self.lane
+        if lane is not None and self._copies and lane.numbers_left() < COPY_NUMBERS // 4:
+            lane.numbers(self.cache.numbers(COPY_NUMBERS), COPY_NUMBERS,
+                         self._backings() is not None)
 
     def _lookup_policy(self) -> None:
         """The lane answers LOOKUPs of small files by ``_offer_source``'s rule: not while the
@@ -382,6 +398,7 @@ class LaneRows:
             return False
         added: list[Adopted] = []
         taken = 0
+        self._number_copies()
         try:
             for note in self.lane.notes():
                 taken += 1
@@ -400,16 +417,15 @@ class LaneRows:
     def _noted(self, note: Note, added: list[Adopted]) -> None:
         """Keep the file of ``note`` if it is still the version its reads read and the cache
         has room (storage was read, and counted, once, by the lane's opens): its copy made by
-        the lane (``copy_into``) named as its entry's file, to be told with the batch's in
-        ``added``; else backfilled from the pages those reads brought in."""
+        the lane (``copy_into``, named and registered there if it had numbers) as its entry's
+        file, to be told with the batch's in ``added``; else backfilled from the pages those
+        reads brought in."""
         st = os.fstat(note.fd)
-        if st.st_dev != note.dev or Version.of(st) != note.version:
-            return
+        current = st.st_dev == note.dev and Version.of(st) == note.version
         if note.copy >= 0:
-            key = (st.st_dev, st.st_ino)
-            entry = self.cache.adopt_copy(key, note.path, st, note.copy)
-            if entry is not None:
-                added.append((key, entry, st))
+            self._adopt_copy(note, st if current else None, added)
+            return
+        if not current:
             return
         readers = self.readers
         assert readers.nursery is not None
@@ -417,6 +433,24 @@ class LaneRows:
         # again at its next open (``WholeFileCache.reserve`` leaves it)
         self.cache.fill_noticed((st.st_dev, st.st_ino), note.path, st, readers.source,
                                 readers.nursery, note.fd)
+
+    def _adopt_copy(self, note: Note, st: os.stat_result | None, added: list[Adopted]) -> None:
+        """The cache adds the lane's copy of ``note``'s file, of the version ``st`` shows
+        (None: the file changed since, and the copy goes); the id the copier registered for
+        it is kept as the entry's, or closed."""
+        cache = self.cache
+        entry = None
+        if st is None:
+            cache.discard_copy(note.number, note.path)
+        else:
+            key = (st.st_dev, st.st_ino)
+            entry = cache.adopt_copy(key, note.path, st, note.copy, note.number)
+            if entry is not None:
+                added.append((key, entry, st))
+        if note.backing:
+            backings = self._backings()
+            assert backings is not None  # passthrough is settled before the lane starts
+            backings.registered(entry, note.backing, note.path)
 
     def claim(self, key: Key) -> bool:
         """The cache is about to reserve an entry for ``key`` (a fill, a prefetch): whether

@@ -34,6 +34,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <limits.h>
 #include <malloc.h>
 #include <stddef.h>
@@ -42,6 +43,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -74,6 +76,8 @@ struct note {
     uint64_t nodeid;
     int fd;
     int copy; /* an unnamed file on the cache's filesystem holding its bytes, or -1 */
+    int64_t number; /* the entry number `copy` is named as (lane_numbers), or -1 */
+    int32_t backing; /* `copy` registered as a backing file (lane_numbers), or 0 */
     struct version v;
     char path[];
 };
@@ -100,6 +104,10 @@ static int64_t copies_queued; /* of those, and the one being copied */
 #define NOT_COPIED (-2)
 static pthread_cond_t copy_wake = PTHREAD_COND_INITIALIZER;
 static int copy_fd = -1;
+/* Entry numbers the daemon handed the copier (lane_numbers): each copy is named with the
+ * next, and registered as a backing file if `register_copies`. */
+static int64_t number_next, number_end;
+static int register_copies;
 /* Files the cache is to keep and has not been handed yet (note rows with opens, notes), and
  * the room they will take, which the room the daemon told (lane_room) does not count yet. */
 static int64_t noting, noting_bytes;
@@ -109,7 +117,7 @@ static int64_t sources_held;
 static int64_t landed_held, landed_held_bytes;
 static _Atomic uint64_t answered_opens, answered_bytes, answered_releases, source_opens,
     source_bytes, source_opened_bytes, peer_opens, peer_opened_bytes, answered_getattrs,
-    answered_ioctls, copies;
+    answered_ioctls, copies, copies_named;
 /* How long the kernel may keep the attributes a GETATTR is answered with (the daemon's
  * freshness timeout, lane_attr_timeout); none answered before it is set. */
 _Atomic uint64_t attr_valid_ns;
@@ -610,8 +618,8 @@ EXPORT void lane_attr_timeout(double seconds) {
  * releases, opens of source files, the bytes read from storage for them (once per file
  * read), their files' bytes (per open), opens of peers' files, their files' bytes (per open;
  * what was fetched: lane_peer_state), GETATTRs, IOCTLs, LOOKUPs, FORGETs
- * (lookup.c). */
-EXPORT void lane_counts(uint64_t out[13]) {
+ * (lookup.c), notes' files copied for the cache, and of those, named as their entries. */
+EXPORT void lane_counts(uint64_t out[14]) {
     out[0] = atomic_load(&answered_opens);
     out[1] = atomic_load(&answered_bytes);
     out[2] = atomic_load(&answered_releases);
@@ -624,14 +632,16 @@ EXPORT void lane_counts(uint64_t out[13]) {
     out[9] = atomic_load(&answered_ioctls);
     lookup_counts(out + 10);
     out[12] = atomic_load(&copies);
+    out[13] = atomic_load(&copies_named);
 }
 
 /* The next source file read through a row with `note`: its path's length (copied into
- * `path`, `cap` bytes), its inode, open descriptor (now the caller's) and version
- * (dev, ino, size, mtime_ns, ctime_ns); -1 if there is none. The descriptor given by
+ * `path`, `cap` bytes), its inode, open descriptor and copy (now the caller's), the entry
+ * number the copy is named as and its backing id (`named`: -1 and 0 if none; the caller's
+ * too), and version (dev, ino, size, mtime_ns, ctime_ns); -1 if there is none. The descriptor given by
  * lane_notes_fd is readable while there may be some. */
-EXPORT ssize_t lane_note(uint64_t *nodeid, int *fd, int *copy, int64_t version[5], char *path,
-                         size_t cap) {
+EXPORT ssize_t lane_note(uint64_t *nodeid, int *fd, int *copy, int64_t named[2],
+                         int64_t version[5], char *path, size_t cap) {
     pthread_mutex_lock(&rows_lock);
     struct note *n = notes;
     if (n && strlen(n->path) < cap) {
@@ -651,6 +661,8 @@ EXPORT ssize_t lane_note(uint64_t *nodeid, int *fd, int *copy, int64_t version[5
     *nodeid = n->nodeid;
     *fd = n->fd;
     *copy = n->copy;
+    named[0] = n->number;
+    named[1] = n->backing;
     int64_t v[5] = {(int64_t)n->v.dev, (int64_t)n->v.ino, n->v.size, n->v.mtime_ns,
                     n->v.ctime_ns};
     memcpy(version, v, sizeof v);
@@ -910,6 +922,8 @@ static struct note *source_done(struct row *r, int *id, int *fd) {
     n->nodeid = r->nodeid;
     n->fd = *fd;
     n->copy = NOT_COPIED;
+    n->number = -1;
+    n->backing = 0;
     n->v = r->v;
     strcpy(n->path, r->path);
     *fd = -1;
@@ -1189,6 +1203,52 @@ static int copy_note(const struct note *n) {
     return out;
 }
 
+/* Copy `n`'s file named as the next entry number the daemon handed (lane_numbers), a
+ * leftover of the name (a crash's, before its journal line) removed first, and registered as
+ * a backing file if the daemon asked: what the daemon's loop would do per file, here in C
+ * (coordlfs.cache.cache.WholeFileCache.adopt_copy). Left unnamed (number -1) if no number is
+ * left or the link fails: the daemon then names it itself, and meets the failure there. */
+static void name_copy(struct note *n) {
+    pthread_mutex_lock(&rows_lock);
+    int64_t number = number_next < number_end ? number_next++ : -1;
+    int reg = register_copies;
+    pthread_mutex_unlock(&rows_lock);
+    if (number < 0)
+        return;
+    char name[24], proc[40];
+    snprintf(name, sizeof name, "%" PRIx64, (uint64_t)number);
+    snprintf(proc, sizeof proc, "/proc/self/fd/%d", n->copy);
+    if (linkat(AT_FDCWD, proc, copy_fd, name, AT_SYMLINK_FOLLOW) != 0 &&
+        (errno != EEXIST || unlinkat(copy_fd, name, 0) != 0 ||
+         linkat(AT_FDCWD, proc, copy_fd, name, AT_SYMLINK_FOLLOW) != 0))
+        return;
+    n->number = number;
+    atomic_fetch_add(&copies_named, 1);
+    if (reg) {
+        struct backing_map map = {n->copy, 0, 0};
+        int id = ioctl(dev_fd, BACKING_OPEN, &map);
+        n->backing = id > 0 ? id : 0;
+    }
+}
+
+/* Hand the copier entry numbers `first` .. `first + count - 1` for its copies' names (the
+ * numbers it had left are not used), and whether to register each copy as a backing file. */
+EXPORT void lane_numbers(int64_t first, int64_t count, int register_) {
+    pthread_mutex_lock(&rows_lock);
+    number_next = first;
+    number_end = first + count;
+    register_copies = register_;
+    pthread_mutex_unlock(&rows_lock);
+}
+
+/* The entry numbers the copier has left (lane_numbers). */
+EXPORT int64_t lane_numbers_left(void) {
+    pthread_mutex_lock(&rows_lock);
+    int64_t left = number_end - number_next;
+    pthread_mutex_unlock(&rows_lock);
+    return left;
+}
+
 /* The copier: each note's file copied before the daemon is handed it, in a thread of its
  * own (the lane's threads answer on meanwhile). */
 static void *copier(void *unused) {
@@ -1203,6 +1263,8 @@ static void *copier(void *unused) {
             copying_tail = NULL;
         pthread_mutex_unlock(&rows_lock);
         n->copy = copy_note(n);
+        if (n->copy >= 0)
+            name_copy(n);
         push_note(n);
     }
     return NULL;

@@ -30,7 +30,7 @@ from test_request_lane import (
     source_digests,
 )
 
-from coordlfs.cache.cache import FILL_CHUNK
+from coordlfs.cache.cache import FILES, FILL_CHUNK
 from coordlfs.cache.stats import difference
 from coordlfs.client import Dataset
 
@@ -62,6 +62,12 @@ def source_files_open(m: Mount) -> list[str]:
     return sorted(held)
 
 
+def entry_files(m: Mount) -> int:
+    """The files in the cache's entries' directory (a copy the cache did not keep leaves
+    none)."""
+    return len(os.listdir(Path(m.status()["cache"]["directory"]) / FILES))
+
+
 def counted_epoch(m: Mount, names: list[str], want: dict[str, str]) -> dict[str, int]:
     """An epoch read byte-exact, settled (its files handed to the cache): what it counted."""
     before = m.status()["reads"]
@@ -88,9 +94,13 @@ def test_an_epoch_of_misses_is_the_lanes_and_is_cached(tmp_path: Path, mount,
         counted[mode] = counted_epoch(m, SMALL, want)
         if mode == "auto":
             assert source_opens(m) - at == len(SMALL), "the misses were not all the lane's"
-            assert lane_state(m)["copies"] == len(SMALL), lane_state(m)
+            state = lane_state(m)
+            assert state["copies"] == state["copies_named"] == len(SMALL), state
         status = m.settled()
         assert status["cache"]["files"] == len(SMALL), status["cache"]
+        if mode == "auto":  # each copy named and registered by the copier: the entry's
+            assert status["passthrough"]["backing_ids"] == len(SMALL), status["passthrough"]
+        assert entry_files(m) == len(SMALL)
         second = counted_epoch(m, SMALL, want)
         assert second["file_hits"] == len(SMALL) and second["file_misses"] == 0, second
     total = sum(SIZES[name] for name in SMALL)

@@ -212,3 +212,52 @@ def test_complete_entries_are_published_and_withdrawn_when_dropped(files: Path,
     assert _published(tmp_path, "f0") == (files / "f0").read_bytes()
     assert _published(tmp_path, "f1") is None
     again.close(keep=False)
+
+
+def _named_copy(cache: WholeFileCache, number: int, data: bytes) -> int:
+    """A copy as the request lane's copier leaves it: an unnamed file in the entries'
+    directory, named as entry ``number``'s file; its descriptor."""
+    fd = os.open(Path(cache.directory) / FILES, os.O_TMPFILE | os.O_RDWR, 0o600)
+    os.write(fd, data)
+    os.link(f"/proc/self/fd/{fd}", file_name(number), dst_dir_fd=cache.files_fd)
+    return fd
+
+
+def test_a_copy_named_by_its_number_is_adopted_or_its_name_goes(files: Path,
+                                                               tmp_path: Path) -> None:
+    """Numbers handed out at once (``numbers``, for the lane's copier) are never handed again;
+    a copy named with one becomes that entry, complete, with no link made and no other
+    number taken, and is journaled: a restart finds it. A copy the cache does not add (the
+    file has an entry already) and one of a file that changed (``discard_copy``) leave no
+    file behind."""
+    source = Source(str(files))
+    cache = _cache(tmp_path, capacity=1 << 30)
+    first = cache.numbers(4)
+    assert cache.numbers(1) == first + 4 and cache.next_number == first + 5
+    data = (files / "f1").read_bytes()
+    st = source.lstat(b"f1")
+    key = (st.st_dev, st.st_ino)
+    fd = _named_copy(cache, first, data)
+    try:
+        entry = cache.adopt_copy(key, b"f1", st, fd, first)
+        assert entry is not None and entry.complete and entry.offset == first
+        cache.adopted([(key, entry, st)])
+        assert cache.next_number == first + 5
+        again = _named_copy(cache, first + 1, data)
+        try:
+            assert cache.adopt_copy(key, b"f1", st, again, first + 1) is None
+        finally:
+            os.close(again)
+        _named_copy(cache, first + 2, b"old")
+        cache.discard_copy(first + 2, b"f2")
+        cache.discard_copy(-1, b"f2")  # unnamed: nothing to do
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(Path(cache.directory) / FILES)) == [file_name(first)]
+    cache.close(keep=True)
+    kept = _cache(tmp_path, capacity=1 << 30)
+    assert kept.load(source) == 1
+    got = kept.lookup(key, st)
+    assert got is not None and got.offset == first
+    assert (Path(kept.directory) / FILES / file_name(first)).read_bytes() == data
+    kept.close(keep=False)

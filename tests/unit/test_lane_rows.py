@@ -442,4 +442,4 @@ def test_the_copier_starts_once_and_a_bad_directory_is_an_error(lib: ctypes.CDLL
         rows.copy_into(fd)
     finally:
         os.close(fd)
-    assert rows.copying() == 0 and rows.counts()[12] == 0
+    assert rows.copying() == 0 and rows.counts()[12:] == (0, 0)
