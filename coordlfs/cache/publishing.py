@@ -21,21 +21,27 @@ import logging
 import os
 import stat
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
 from coordlfs.cache import preloaded
 from coordlfs.cache.compact import Key
 from coordlfs.cache.directory import FILES
-from coordlfs.cache.entries import SHARED, Entry, EntryTable
+from coordlfs.cache.entries import FILLING, SHARED, UNCHECKED, Entry, EntryTable
 from coordlfs.cache.public import Indexes
 from coordlfs.cache.published import BEAT_EVERY_S, INDEX, PUBLIC_INDEX, Published
 from coordlfs.cache.room import Room
+from coordlfs.protocol.server import ControlServer
+from coordlfs.protocol.spec import Caller
 from coordlfs.source.source import Source
 from coordlfs.source.watch import PublishedWatch
 
 #: the cache's log lines keep one name, whichever of its modules writes them
 log = logging.getLogger("coordlfs.cache.cache")
+
+#: entries ``Publisher._catch_up`` publishes between two turns of the loop (~20 µs each)
+CATCH_UP_SLICE = 256
 
 #: backfills an entry a reader the preload library reported read (``Publisher.noticed``)
 FillNoticed = Callable[[Key, bytes, os.stat_result, Source, trio.Nursery], None]
@@ -59,6 +65,15 @@ class Publisher:
         self._index_full_logged = False
         #: what ``coordlfs run``'s preload library tells this daemon (``share``)
         self.preloaded: preloaded.Preloaded | None = None
+        #: whether anything reads the index: nothing is written to it until a client asks
+        #: where it is or the peer server's C path reads it (``want``). Unread, it would cost
+        #: each fill a walk of the source and a write (a third of a lane miss's loop).
+        self.wanted = False
+        self._wanted = trio.Event()
+        #: entries complete before the index was wanted, still to publish (``_catch_up``)
+        self.backlog = 0
+        #: told when the backlog is published (the control file's waiting ``share``)
+        self.caught_up: list[Callable[[], None]] = []
 
     def share(self, source: Source, public: bool = False) -> None:
         """Publish complete entries for ``coordlfs.client`` from now on, and watch ``source``
@@ -83,15 +98,24 @@ class Publisher:
         self.room.told.append(self.index.set_room)
         self.room.changed()
 
+    def want(self) -> None:
+        """Something reads the index from now on: entries are published as they complete,
+        and those completed before are published by ``run`` (``backlog``)."""
+        if self.index is not None and not self.wanted:
+            self.wanted = True
+            self.backlog = max(0, len(self.entries) - self.entries.filling)
+            self._wanted.set()
+
     def publish(self, key: Key, entry: Entry) -> None:
-        """Publish a complete entry if its source file still is the version it holds.
+        """Publish a complete entry if its source file still is the version it holds, once
+        the index is wanted.
 
         The watch comes first and the version check after it, so that a change between the
         two cannot go unseen. The fill's own fstat does not do for the check: it came before
         the watch (an event meanwhile withdrew nothing yet published), and it saw the open
         file, not what the path names now.
         """
-        if not self.cover(entry.path):
+        if not self.wanted or not self.cover(entry.path):
             return
         assert self.source is not None
         try:
@@ -105,7 +129,7 @@ class Publisher:
     def republish(self, key: Key, entry: Entry, shared: bool) -> None:
         """A complete entry found again: published anew if a change withdrew it that changed
         nothing. While nothing was ever withdrawn, its flag says it is there (no hash)."""
-        if (entry.complete and self.index is not None
+        if (entry.complete and self.wanted and self.index is not None
                 and (self.index.withdrawn or not shared) and entry.path not in self.index):
             self.publish(key, entry)
 
@@ -125,6 +149,8 @@ class Publisher:
         """Publish an entry whose version (and ``mode``) was just seen in the source, after
         its directories were watched."""
         assert self.index is not None
+        if not self.wanted:
+            return
         try:
             self.index.publish(path, found, mode)
         except OSError as e:  # no room to grow the index: clients read this one through us
@@ -180,6 +206,7 @@ class Publisher:
             if self.preloaded is not None:
                 nursery.start_soon(self.preloaded.notices.run,
                                    functools.partial(self.noticed, nursery))
+            nursery.start_soon(self._catch_up)
             while True:
                 await trio.sleep(1.0)
                 self.room.check()  # clients send no misses to notice it
@@ -200,6 +227,23 @@ class Publisher:
             return
         self.fill_noticed((st.st_dev, st.st_ino), path, st, self.source, nursery)
 
+    async def _catch_up(self) -> None:
+        """Once the index is wanted, publish the entries completed before, a slice at a time
+        (the loop serves between), each as a fill's end would (``publish``); then tell
+        ``caught_up``."""
+        await self._wanted.wait()
+        entries = self.entries
+        rows = list(entries.rows())
+        for start in range(0, len(rows), CATCH_UP_SLICE):
+            for row in rows[start : start + CATCH_UP_SLICE]:
+                if entries.live(row) and not entries.flags[row] & (FILLING | SHARED | UNCHECKED):
+                    self.publish(entries.keys.key(row), entries.entry(row))
+            self.backlog = max(0, len(rows) - start - CATCH_UP_SLICE)
+            await trio.lowlevel.checkpoint()
+        self.backlog = 0
+        for tell in self.caught_up:
+            tell()
+
     async def _beat(self) -> None:
         """In the loop that withdraws changed files: a loop that stops beats no more."""
         assert self.index is not None
@@ -215,6 +259,8 @@ class Publisher:
             "index": os.path.join(self.directory, INDEX),
             "files": os.path.join(self.directory, FILES),
             "mode": "revalidate" if self.index.revalidate else "watch",
+            "wanted": self.wanted,
+            "backlog": self.backlog,
             "published": len(self.index),
             "withdrawn": self.index.withdrawn,
             # other users' (``--allow-other``): the entries every user may read
@@ -231,3 +277,14 @@ class Publisher:
             self.index.close()
         if self.watch is not None:
             self.watch.close()
+
+
+def register_commands(server: ControlServer, publisher: Publisher) -> None:
+    """``share``: a client keeps the index wanted, and waits for what was cached before."""
+
+    def share(_args: dict[str, Any], _caller: Caller) -> dict[str, Any]:
+        publisher.want()
+        return {"status": server.snapshot(), "backlog": publisher.backlog}
+
+    server.serve("share", share)
+    publisher.caught_up.append(server.notify)

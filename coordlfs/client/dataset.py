@@ -131,7 +131,7 @@ class Dataset:
             raise ControlError(f"{os.fspath(root)} is not on a coordlfs mount")
         self.mountpoint = mount
         self._control = Control(mount)
-        status = self._control.status()
+        status = self._control.share()  # the mount keeps the index this reads from now on
         inside = os.path.relpath(self.root, mount)
         self._prefix = "" if inside == "." else inside + "/"
         self._mount_dir = os.fsencode(mount) + b"/"

@@ -61,14 +61,15 @@ def mount_record(mountpoint: str, status: dict) -> str | None:
 
 
 def statuses(mountpoints: list[str]) -> dict[str, dict]:
-    """Each mount's status, asked of all at once in threads of their own: a mount whose
-    daemon is stopped or waiting on another would hang the command; one that has not
+    """Each mount's status, asked of all at once in threads of their own, as the client the
+    preload library is (``Control.share``: the mount keeps its index from now on): a mount
+    whose daemon is stopped or waiting on another would hang the command; one that has not
     answered within ``STATUS_WAIT_S`` is left out, and said so."""
     answers: queue.Queue[tuple[str, dict]] = queue.Queue()
 
     def ask(mountpoint: str) -> None:
         try:
-            answers.put((mountpoint, Control(mountpoint).status()))
+            answers.put((mountpoint, Control(mountpoint).share(STATUS_WAIT_S / 2)))
         except (ControlError, OSError, ValueError):  # not this user's: nothing to serve
             answers.put((mountpoint, {}))
 

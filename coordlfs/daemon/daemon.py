@@ -23,6 +23,7 @@ from coordlfs.cache.cache import WholeFileCache
 from coordlfs.cache.fills import FillQueue
 from coordlfs.cache.fills import register_commands as register_fill_commands
 from coordlfs.cache.held import register_commands as register_held_commands
+from coordlfs.cache.publishing import register_commands as register_share_command
 from coordlfs.cache.stats import Stats, register_commands
 from coordlfs.daemon.config import SHM_ROOT, MountConfig
 from coordlfs.daemon.memory import memory_status, tmpfs_file_bytes
@@ -217,6 +218,9 @@ class Daemon:
                                self.peers.caches_here)
         register_fill_commands(self.control, self.fills, self.source, self.peers.prefetch)
         register_held_commands(self.control, self.cache, self.source)
+        register_share_command(self.control, self.cache.publisher)
+        if self.server is not None and self.server.serving is not None:
+            self.cache.publisher.want()  # the peers' C path reads the index
         self.warms = WarmRelays(self.peers)
         register_warm_commands(self.control, self.fills, self.warms)
         if self.server is not None:

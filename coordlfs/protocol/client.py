@@ -87,6 +87,18 @@ class Control:
         finally:
             os.close(fd)
 
+    def share(self, timeout_s: float = WAIT_S) -> dict[str, Any]:
+        """The mount's status for a client that reads cached files itself: the mount keeps
+        its index of them from now on (``share``; waits up to ``timeout_s`` for the entries
+        cached before to be in it). An older mount, without the command, keeps it anyway:
+        its status as it is."""
+        try:
+            return self.call(control_spec.SHARE, timeout_s=timeout_s)["status"]
+        except ControlError as e:
+            if not str(e).startswith("unknown command"):
+                raise
+            return self.status()
+
     def request(self, cmd: str, **args: Any) -> dict[str, Any]:
         """Send one command and return its reply; ControlError carries the mount's message."""
         line = json.dumps({"cmd": cmd, **args}).encode() + b"\n"

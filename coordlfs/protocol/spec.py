@@ -313,6 +313,11 @@ CLIENT_REPORT = Command(
                    for name in ("direct", "bytes_direct"))))
 
 STATUS = Command("status", "the mount's status", Access.READ, reply='"status"')
+SHARE = Command(
+    "share", "the caller's clients read cached files themselves: the index of them is kept from "
+    "now on (nothing writes it until a client asks), with the entries cached before", Access.OWN,
+    (WAIT,), '"status" (as "status" gives it), "backlog" (entries cached before, still to '
+    'publish)', ready=lambda reply: not reply.get("backlog"))
 HELP = Command("help", "the commands this mount understands", Access.READ,
                reply='"commands", "access", "arguments"')
 STATS = Command("stats", "the read counters between two marks (default: mount time and now)",
@@ -426,7 +431,7 @@ PREP_LIST = Command("prep.list", "prep groups, their members and the staging are
 
 #: Every command, by name, in the order of the docs' table.
 COMMANDS: dict[str, Command] = {c.name: c for c in (
-    STATUS, HELP, STATS, MARK, MARKS, CLIENT_REPORT,
+    STATUS, SHARE, HELP, STATS, MARK, MARKS, CLIENT_REPORT,
     GROUP_JOIN, GROUP_LEAVE, GROUP_FILES, GROUP_EPOCH, GROUP_LIST, PROFILE,
     PEER_LIST, PEER_OWNER, PREFETCH, WARM_STATUS, WARM_CANCEL, WARM_PEERS, CACHED,
     PREP_JOIN, PREP_EPOCH, PREP_CLAIM, PREP_RESERVE, PREP_PUBLISH, PREP_NEXT, PREP_LEAVE,

@@ -18,6 +18,7 @@ from test_control_security import as_user
 from test_freshness import eventually
 
 from coordlfs.client.dataset import Dataset
+from coordlfs.protocol.client import Control
 
 
 def client_digests(ds: Dataset, names: list[str]) -> dict[str, str]:
@@ -60,6 +61,34 @@ def test_every_byte_the_client_returns_equals_the_source(mount, dataset) -> None
     assert reads["client_bytes_from_mount"] == total
     shown = run_cli("stats", str(m.mountpoint)).stdout
     assert f"clients  {len(names) + 2} hits" in shown
+
+
+def test_the_index_is_kept_from_the_first_client_on(mount, dataset) -> None:
+    """A mount no client has asked keeps no index (an epoch through it publishes nothing:
+    that would cost every fill a walk of the source); the first client's ``share`` publishes
+    what was cached before it answers, and the files cached after are published as they
+    complete, so that the client reads all of them from shared memory."""
+    source, _sizes = dataset
+    names, expected, _ = every_file(source)
+    first, later = names[: len(names) // 2], names[len(names) // 2 :]
+    m = mount(source)
+    assert {n: digests_of(m.mountpoint, n) for n in first} == {n: expected[n] for n in first}
+    # the kernel's RELEASEs, and the fills after them, come after the reader's closes
+    eventually(lambda: m.settled()["cache"]["files"] == len(first), "the first half cached")
+    status = m.status()
+    assert (status["shared"]["wanted"], status["shared"]["published"]) == (False, 0)
+    shared = Control(m.mountpoint).share(timeout_s=5)["shared"]
+    assert (shared["wanted"], shared["backlog"], shared["published"]) == (True, 0, len(first))
+    with Dataset(m.mountpoint) as ds:
+        assert client_digests(ds, later) == {n: expected[n] for n in later}  # misses
+        eventually(lambda: m.status()["shared"]["published"] == len(names), "all published")
+        assert client_digests(ds, names) == expected
+        assert ds.stats["hits"] == len(names)
+
+
+def digests_of(mountpoint: Path, name: str) -> str:
+    """The file read through the mount, as its xxhash digest."""
+    return xxhash.xxh64_hexdigest((mountpoint / name).read_bytes())
 
 
 def test_prefetched_files_are_hits(mount, dataset) -> None:

@@ -196,6 +196,7 @@ def test_complete_entries_are_published_and_withdrawn_when_dropped(files: Path,
     source = Source(str(files))
     cache = _cache(tmp_path, capacity=1 << 20)
     cache.share(source)
+    cache.publisher.want()  # a client reads the index
     _fill_all(cache, source, ["f0", "f1"])
     assert _published(tmp_path, "f0") == (files / "f0").read_bytes()
     assert _published(tmp_path, "f1") == (files / "f1").read_bytes()
@@ -208,6 +209,7 @@ def test_complete_entries_are_published_and_withdrawn_when_dropped(files: Path,
     cache.close(keep=True)
     again = _cache(tmp_path, capacity=1 << 20)  # a restart publishes what it adopts
     again.share(source)
+    again.publisher.want()  # a client reads the index
     again.load(source)
     assert _published(tmp_path, "f0") == (files / "f0").read_bytes()
     assert _published(tmp_path, "f1") is None

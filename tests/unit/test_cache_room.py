@@ -55,6 +55,7 @@ def test_the_room_follows_reservations_drops_and_a_full_filesystem(
     source = Source(str(src))
     cache = WholeFileCache(str(tmp_path / "cache"), CAPACITY, 1 << 20, ReadCounters())
     cache.share(source)
+    cache.publisher.want()  # a client reads the index
     assert _room(tmp_path) == _whole(CAPACITY)
     _fill(cache, source, b"a")
     _fill(cache, source, b"b")
@@ -74,6 +75,7 @@ def test_the_room_follows_reservations_drops_and_a_full_filesystem(
     cache.close(keep=True)
     again = WholeFileCache(str(tmp_path / "cache"), CAPACITY, 1 << 20, ReadCounters())
     again.share(source)
+    again.publisher.want()  # a client reads the index
     again.adopt()
     assert _room(tmp_path) == _whole(CAPACITY - pages(5000))
     again.close(keep=False)
@@ -90,6 +92,7 @@ def test_a_file_the_room_says_fits_is_reserved_and_one_byte_more_is_not(
     source = Source(str(src))
     cache = WholeFileCache(str(tmp_path / "cache"), capacity, 1 << 20, ReadCounters())
     cache.share(source)
+    cache.publisher.want()  # a client reads the index
     room = _room(tmp_path)
     assert room is not None
     (src / "f").write_bytes(os.urandom(room + more))

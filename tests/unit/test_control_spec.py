@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from coordlfs.cache.fills import FillQueue
 from coordlfs.cache.fills import register_commands as register_fill_commands
 from coordlfs.cache.held import register_commands as register_held_commands
+from coordlfs.cache.publishing import register_commands as register_share_command
 from coordlfs.cache.stats import Stats
 from coordlfs.cache.stats import register_commands as register_stats_commands
 from coordlfs.control import Control
@@ -41,6 +43,7 @@ def _daemon_server(tmp_path: Path) -> ControlServer:
     register_fill_commands(server, fills, source)
     register_warm_commands(server, fills, WarmRelays(None))  # type: ignore[arg-type]
     register_held_commands(server, None, source)  # type: ignore[arg-type]
+    register_share_command(server, SimpleNamespace(caught_up=[]))  # type: ignore[arg-type]
     return server
 
 

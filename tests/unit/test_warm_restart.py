@@ -94,6 +94,7 @@ def test_background_check_drops_changed_files_and_publishes_the_rest(tmp_path: P
     now = _change_three(Path(source.path))
     cache = _cache(tmp_path)
     cache.share(source)
+    cache.publisher.want()  # a client reads the index
     cache.adopt()
     used = cache.room.used
     trio.run(cache.check, source)
@@ -117,6 +118,7 @@ def test_check_with_a_change_meanwhile_publishes_only_after_its_own_check(
     _kept(tmp_path, source)
     cache = _cache(tmp_path)
     cache.share(source)
+    cache.publisher.want()  # a client reads the index
     cache.adopt()
     checking = cache.restart.checking(cache.restart.unchecked())
     stats = [source.lstat(checked.path) for checked in checking]
