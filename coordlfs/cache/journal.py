@@ -34,6 +34,8 @@ JOURNAL = "index.jsonl"
 _PART = JOURNAL + ".part"
 _FORMAT = 1
 _decode = json.JSONDecoder().decode
+#: a string as JSON
+_string = json.JSONEncoder().encode
 #: the checkpoint's columns in the order written, and their array codes
 _CODES = (("dev", "Q"), ("ino", "Q"), ("size", "q"), ("mtime_ns", "q"), ("ctime_ns", "q"),
           ("offset", "q"), ("path_len", "I"))
@@ -48,13 +50,17 @@ def _key_of(name: str) -> Key:
     return int(dev, 16), int(ino, 16)
 
 
-def added(key: Key, entry: Entry) -> dict:
-    return {"key": key_name(key), "path": os.fsdecode(entry.path), "size": entry.size,
-            "mtime_ns": entry.mtime_ns, "ctime_ns": entry.ctime_ns, "offset": entry.offset}
+def added(key: Key, entry: Entry) -> str:
+    """The line of an entry added: a JSON object, written as a template (the path the only
+    part ``json`` writes), four times cheaper than ``json.dumps`` of a dict, per fill."""
+    return (f'{{"key": "{key_name(key)}", "path": {_string(os.fsdecode(entry.path))}, '
+            f'"size": {entry.size}, "mtime_ns": {entry.mtime_ns}, '
+            f'"ctime_ns": {entry.ctime_ns}, "offset": {entry.offset}}}' + "\n")
 
 
-def dropped(key: Key, entry: Entry) -> dict:
-    return {"key": key_name(key), "offset": entry.offset, "dropped": True}
+def dropped(key: Key, entry: Entry) -> str:
+    """The line of an entry dropped."""
+    return f'{{"key": "{key_name(key)}", "offset": {entry.offset}, "dropped": true}}' + "\n"
 
 
 class Replay:
@@ -205,15 +211,15 @@ class Journal:
         #: the journal could not be written: it is gone, and a restart starts cold
         self.lost = False
 
-    def append(self, record: dict) -> None:
-        self.append_all([record])
+    def append(self, line: str) -> None:
+        self.append_all([line])
 
-    def append_all(self, records: list[dict]) -> None:
-        """The records' lines in one write (nothing for none): a batch of fills ends in one
-        system call."""
-        if self.lost or not records:
+    def append_all(self, lines: list[str]) -> None:
+        """Lines (``added``, ``dropped``) in one write (nothing for none): a batch of fills
+        ends in one system call."""
+        if self.lost or not lines:
             return
-        line = "".join(json.dumps(record) + "\n" for record in records).encode()
+        line = "".join(lines).encode()
         try:
             if self._fd < 0:
                 self._fd = os.open(JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT

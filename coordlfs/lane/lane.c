@@ -1203,16 +1203,12 @@ static int copy_note(const struct note *n) {
     return out;
 }
 
-/* Copy `n`'s file named as the next entry number the daemon handed (lane_numbers), a
+/* Copy `n`'s file named as entry `number` (the next the daemon handed: lane_numbers), a
  * leftover of the name (a crash's, before its journal line) removed first, and registered as
- * a backing file if the daemon asked: what the daemon's loop would do per file, here in C
+ * a backing file if the daemon asked (`reg`): what the daemon's loop would do per file, in C
  * (coordlfs.cache.cache.WholeFileCache.adopt_copy). Left unnamed (number -1) if no number is
  * left or the link fails: the daemon then names it itself, and meets the failure there. */
-static void name_copy(struct note *n) {
-    pthread_mutex_lock(&rows_lock);
-    int64_t number = number_next < number_end ? number_next++ : -1;
-    int reg = register_copies;
-    pthread_mutex_unlock(&rows_lock);
+static void name_copy(struct note *n, int64_t number, int reg) {
     if (number < 0)
         return;
     char name[24], proc[40];
@@ -1261,10 +1257,13 @@ static void *copier(void *unused) {
         copying = n->next;
         if (!copying)
             copying_tail = NULL;
+        /* taken now, under the lock held anyway (a copy that fails leaves a gap) */
+        int64_t number = number_next < number_end ? number_next++ : -1;
+        int reg = register_copies;
         pthread_mutex_unlock(&rows_lock);
         n->copy = copy_note(n);
         if (n->copy >= 0)
-            name_copy(n);
+            name_copy(n, number, reg);
         push_note(n);
     }
     return NULL;
