@@ -1176,15 +1176,33 @@ EXPORT size_t lane_bufsize(void) {
     return BUFSIZE;
 }
 
-/* A copy of the noted file `n` in an unnamed file on the cache's filesystem, from the pages
- * its reads brought in (sendfile: what was not read is read now), those pages dropped after
- * (the cache has the bytes); -1 if the copy failed or the file is not the version the row's
- * opens read any more (the daemon then backfills it itself, and meets the failure there: a
- * full cache filesystem is noted by the cache). */
-static int copy_note(const struct note *n) {
-    int out = openat(copy_fd, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+/* A new file for a copy in the cache's entries' directory: named as entry `number`'s file
+ * (`name`; a leftover of the name, a crash's before its journal line, removed first), or
+ * unnamed (O_TMPFILE) with no number, for the daemon to name; -1 if it cannot be made. */
+static int copy_file(int64_t number, char name[24]) {
+    if (number < 0)
+        return openat(copy_fd, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+    snprintf(name, 24, "%" PRIx64, (uint64_t)number);
+    int flags = O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+    int out = openat(copy_fd, name, flags, 0600);
+    if (out < 0 && errno == EEXIST && unlinkat(copy_fd, name, 0) == 0)
+        out = openat(copy_fd, name, flags, 0600);
+    return out;
+}
+
+/* Copy the noted file `n` into the entries' directory, from the pages its reads brought in
+ * (sendfile: what was not read is read now), those pages dropped after (the cache has the
+ * bytes): named as entry `number` (the next the daemon handed: lane_numbers) and registered
+ * as a backing file if the daemon asked (`reg`), what the daemon's loop would do per file
+ * (coordlfs.cache.cache.WholeFileCache.adopt_copy); without a number, unnamed, for the daemon
+ * to name. The note then holds the copy (-1 if the copy failed or the file is not the
+ * version the row's opens read any more: the daemon backfills it itself, and meets the
+ * failure there, a full cache filesystem noted by the cache), its number and its id. */
+static void copy_note(struct note *n, int64_t number, int reg) {
+    char name[24];
+    int out = copy_file(number, name);
     if (out < 0)
-        return -1;
+        return;
     off_t at = 0;
     while (at < n->v.size) {
         ssize_t got = sendfile(out, n->fd, &at, (size_t)(n->v.size - at));
@@ -1195,33 +1213,20 @@ static int copy_note(const struct note *n) {
     }
     struct stat st;
     if (at != n->v.size || fstat(n->fd, &st) != 0 || !shows_version(&st, &n->v)) {
+        if (number >= 0)
+            (void)unlinkat(copy_fd, name, 0);
         close(out);
-        return -1;
+        return;
     }
     (void)posix_fadvise(n->fd, 0, 0, POSIX_FADV_DONTNEED);
     atomic_fetch_add(&copies, 1);
-    return out;
-}
-
-/* Copy `n`'s file named as entry `number` (the next the daemon handed: lane_numbers), a
- * leftover of the name (a crash's, before its journal line) removed first, and registered as
- * a backing file if the daemon asked (`reg`): what the daemon's loop would do per file, in C
- * (coordlfs.cache.cache.WholeFileCache.adopt_copy). Left unnamed (number -1) if no number is
- * left or the link fails: the daemon then names it itself, and meets the failure there. */
-static void name_copy(struct note *n, int64_t number, int reg) {
+    n->copy = out;
     if (number < 0)
-        return;
-    char name[24], proc[40];
-    snprintf(name, sizeof name, "%" PRIx64, (uint64_t)number);
-    snprintf(proc, sizeof proc, "/proc/self/fd/%d", n->copy);
-    if (linkat(AT_FDCWD, proc, copy_fd, name, AT_SYMLINK_FOLLOW) != 0 &&
-        (errno != EEXIST || unlinkat(copy_fd, name, 0) != 0 ||
-         linkat(AT_FDCWD, proc, copy_fd, name, AT_SYMLINK_FOLLOW) != 0))
         return;
     n->number = number;
     atomic_fetch_add(&copies_named, 1);
     if (reg) {
-        struct backing_map map = {n->copy, 0, 0};
+        struct backing_map map = {out, 0, 0};
         int id = ioctl(dev_fd, BACKING_OPEN, &map);
         n->backing = id > 0 ? id : 0;
     }
@@ -1261,9 +1266,8 @@ static void *copier(void *unused) {
         int64_t number = number_next < number_end ? number_next++ : -1;
         int reg = register_copies;
         pthread_mutex_unlock(&rows_lock);
-        n->copy = copy_note(n);
-        if (n->copy >= 0)
-            name_copy(n, number, reg);
+        n->copy = -1;
+        copy_note(n, number, reg);
         push_note(n);
     }
     return NULL;
