@@ -10,6 +10,7 @@ import trio
 
 from coordlfs.cache.cache import FILES, WholeFileCache, file_name
 from coordlfs.cache.published import INDEX, IndexReader
+from coordlfs.cache.publishing import CATCH_UP_SLICE
 from coordlfs.cache.stats import ReadCounters
 from coordlfs.errors import UserError
 from coordlfs.sizes import pages
@@ -263,3 +264,36 @@ def test_a_copy_named_by_its_number_is_adopted_or_its_name_goes(files: Path,
     assert got is not None and got.offset == first
     assert (Path(kept.directory) / FILES / file_name(first)).read_bytes() == data
     kept.close(keep=False)
+
+
+def test_entries_cached_before_the_index_was_wanted_are_published_a_slice_at_a_time(
+        tmp_path: Path) -> None:
+    """Until something wants the index, a fill publishes nothing. Once wanted, the entries
+    cached before are published by ``run``'s catch-up, more of them than one slice (the loop
+    serves between slices), ``backlog`` counting down to 0 and ``caught_up`` told once; an
+    entry changed meanwhile is not published."""
+    src = tmp_path / "src"
+    src.mkdir()
+    names = [f"f{i:04d}" for i in range(CATCH_UP_SLICE * 2 + 10)]
+    for name in names:
+        (src / name).write_bytes(name.encode() * 3)
+    source = Source(str(src))
+    cache = _cache(tmp_path, capacity=1 << 30)
+    cache.share(source)
+    assert all(_fill_all(cache, source, names))
+    publisher = cache.publisher
+    assert publisher.index is not None and len(publisher.index) == 0
+    assert not publisher.wanted and publisher.status()["published"] == 0
+    (src / names[0]).write_bytes(b"changed since")
+    told: list[int] = []
+    publisher.caught_up.append(lambda: told.append(publisher.backlog))
+    publisher.want()
+    assert publisher.backlog == len(names)
+    trio.run(publisher._catch_up)
+    assert told == [0] and publisher.status()["backlog"] == 0
+    assert len(publisher.index) == len(names) - 1
+    assert _published(tmp_path, names[0]) is None
+    assert _published(tmp_path, names[-1]) == names[-1].encode() * 3
+    publisher.want()  # again: nothing more to do
+    assert publisher.backlog == 0
+    cache.close(keep=False)
