@@ -17,6 +17,7 @@ from conftest import OTHER_UID, digests, force_unmount, run_cli
 from test_control_security import as_user
 from test_freshness import eventually
 
+from coordlfs import CONTROL_NAME
 from coordlfs.client.dataset import Dataset
 from coordlfs.protocol.client import Control
 
@@ -84,6 +85,27 @@ def test_the_index_is_kept_from_the_first_client_on(mount, dataset) -> None:
         eventually(lambda: m.status()["shared"]["published"] == len(names), "all published")
         assert client_digests(ds, names) == expected
         assert ds.stats["hits"] == len(names)
+
+
+def test_a_mount_bound_read_only_serves_the_client_through_the_mount(mount, dataset,
+                                                                      tmp_path: Path) -> None:
+    """Bound read-only (as a container's volume may be), the mount refuses the control file's
+    read-write open, so the client cannot ask for the index (``share``): it still opens, with
+    the status a read gives, and every byte it returns equals the source."""
+    source, _sizes = dataset
+    names, expected, _ = every_file(source)
+    m = mount(source)
+    bound = tmp_path / "bound"
+    bound.mkdir()
+    subprocess.run(["mount", "--bind", str(m.mountpoint), str(bound)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(bound)], check=True)
+        with pytest.raises(OSError):
+            os.open(bound / CONTROL_NAME, os.O_RDWR)
+        with Dataset(bound) as ds:
+            assert client_digests(ds, names) == expected
+    finally:
+        subprocess.run(["umount", "-l", str(bound)], check=False)
 
 
 def digests_of(mountpoint: Path, name: str) -> str:
