@@ -10,6 +10,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +27,8 @@ from coordlfs.testbed.cgroup import Cgroup
 
 #: Seconds a process group gets to go after SIGTERM before SIGKILL.
 STOP_WAIT_S = 10
+#: where processes leave shared memory by name (``remove_left_in_shm``)
+SHM = "/dev/shm"
 #: Batches each reader works ahead of the trainer (DataLoader's prefetch_factor).
 PREFETCH = 2
 
@@ -79,15 +82,52 @@ def _start_worker(cgroup: Cgroup | None) -> None:
 
 def stop_group(process: subprocess.Popen[Any]) -> None:
     """Stop a child started in a session of its own and every process it forked (fio's job
-    processes, a training job's loader workers), by the group's id."""
+    processes, a training job's loader workers), by the group's id; then remove the shared
+    memory its processes named by their pids and left (``left_in_shm``)."""
+    members = group_of(process.pid)
     for sig, wait in ((signal.SIGTERM, STOP_WAIT_S), (signal.SIGKILL, None)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, sig)
         try:
             process.wait(wait)
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    with contextlib.suppress(ProcessLookupError):  # a worker may outlive its leader
+        os.killpg(process.pid, signal.SIGKILL)
+    remove_left_in_shm(members)
+
+
+def group_of(pgid: int) -> set[int]:
+    """The processes of group ``pgid`` now."""
+    members = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as stat_file:
+                    fields = stat_file.read().rsplit(b")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[2]) == pgid:
+                members.add(int(entry))
+    return members
+
+
+def remove_left_in_shm(pids: set[int]) -> None:
+    """Remove what processes ``pids`` (gone now) left in ``SHM``: torch names a tensor's
+    shared memory ``torch_<pid>_...`` and unlinks it once handed over, so a loader worker
+    killed meanwhile leaves it (19 MB seen after a stopped job). Only this user's regular
+    files: the names are in a directory every user writes."""
+    uid = os.geteuid()
+    for name in os.listdir(SHM):
+        parts = name.split("_")
+        if len(parts) < 3 or parts[0] != "torch" or not parts[1].isdigit() \
+                or int(parts[1]) not in pids:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(os.path.join(SHM, name))
+            if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+                os.unlink(os.path.join(SHM, name))
 
 
 @dataclass(slots=True)
