@@ -23,6 +23,7 @@ from coordlfs.bench.reading import copy_files, read_files
 from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.errors import UserError
 from coordlfs.protocol.order import batches_of
+from coordlfs.system.processes import group_members
 from coordlfs.testbed.cgroup import Cgroup
 
 #: Seconds a process group gets to go after SIGTERM before SIGKILL.
@@ -83,8 +84,8 @@ def _start_worker(cgroup: Cgroup | None) -> None:
 def stop_group(process: subprocess.Popen[Any]) -> None:
     """Stop a child started in a session of its own and every process it forked (fio's job
     processes, a training job's loader workers), by the group's id; then remove the shared
-    memory its processes named by their pids and left (``left_in_shm``)."""
-    members = group_of(process.pid)
+    memory its processes named by their pids and left (``remove_left_in_shm``)."""
+    members = group_members(process.pid)
     for sig, wait in ((signal.SIGTERM, STOP_WAIT_S), (signal.SIGKILL, None)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, sig)
@@ -96,21 +97,6 @@ def stop_group(process: subprocess.Popen[Any]) -> None:
     with contextlib.suppress(ProcessLookupError):  # a worker may outlive its leader
         os.killpg(process.pid, signal.SIGKILL)
     remove_left_in_shm(members)
-
-
-def group_of(pgid: int) -> set[int]:
-    """The processes of group ``pgid`` now."""
-    members = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as stat_file:
-                    fields = stat_file.read().rsplit(b")", 1)[1].split()
-            except OSError:  # gone meanwhile
-                continue
-            if int(fields[2]) == pgid:
-                members.add(int(entry))
-    return members
 
 
 def remove_left_in_shm(pids: set[int]) -> None:

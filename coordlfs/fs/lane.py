@@ -112,10 +112,10 @@ def _load() -> ctypes.CDLL:
     lib.lane_note.argtypes = [ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int),
                               ctypes.POINTER(ctypes.c_int), ctypes.POINTER(_i64 * 2),
                               ctypes.POINTER(_i64 * 5), ctypes.c_char_p, ctypes.c_size_t]
-    lib.lane_numbers.argtypes = [_i64, _i64, ctypes.c_int]
+    lib.lane_note.restype = ctypes.c_ssize_t
+    lib.lane_numbers.argtypes = [_i64, _i64]
     lib.lane_numbers.restype = None
     lib.lane_numbers_left.restype = _i64
-    lib.lane_note.restype = ctypes.c_ssize_t
     lib.lane_gauges.argtypes = [ctypes.POINTER(_i64 * 6)]
     lib.lane_source_fd.argtypes = [_u64]
     lib.lane_bufsize.restype = ctypes.c_size_t
@@ -243,11 +243,11 @@ class Lane:
         if rc < 0:
             raise OSError(-rc, os.strerror(-rc))
 
-    def numbers(self, first: int, count: int, register: bool) -> None:
+    def numbers(self, first: int, count: int) -> None:
         """Hand the copier entry numbers ``first`` .. ``first + count - 1``
-        (``WholeFileCache.numbers``) to name its copies as, each registered as a backing file
-        if ``register``: the loop then only adopts them (``Note.number``, ``Note.backing``)."""
-        self._lib.lane_numbers(first, count, int(register))
+        (``WholeFileCache.numbers``) to name its copies as, each registered as a backing file:
+        the loop then only adopts them (``Note.number``, ``Note.backing``)."""
+        self._lib.lane_numbers(first, count)
 
     def numbers_left(self) -> int:
         """The entry numbers the copier has left to name copies as."""

@@ -132,8 +132,7 @@ class LaneRows:
         as backing files: that much of adopting a copy (``_noted``) is done in C."""
         lane = self.lane
         if lane is not None and self._copies and lane.numbers_left() < COPY_NUMBERS // 4:
-            lane.numbers(self.cache.numbers(COPY_NUMBERS), COPY_NUMBERS,
-                         self._backings() is not None)
+            lane.numbers(self.cache.numbers(COPY_NUMBERS), COPY_NUMBERS)
 
     def _lookup_policy(self) -> None:
         """The lane answers LOOKUPs of small files by ``_offer_source``'s rule: not while the

@@ -75,7 +75,7 @@ struct note {
     struct note *next;
     uint64_t nodeid;
     int fd;
-    int copy; /* an unnamed file on the cache's filesystem holding its bytes, or -1 */
+    int copy; /* a file on the cache's filesystem holding its bytes, or -1 */
     int64_t number; /* the entry number `copy` is named as (lane_numbers), or -1 */
     int32_t backing; /* `copy` registered as a backing file (lane_numbers), or 0 */
     struct version v;
@@ -105,9 +105,8 @@ static int64_t copies_queued; /* of those, and the one being copied */
 static pthread_cond_t copy_wake = PTHREAD_COND_INITIALIZER;
 static int copy_fd = -1;
 /* Entry numbers the daemon handed the copier (lane_numbers): each copy is named with the
- * next, and registered as a backing file if `register_copies`. */
+ * next. */
 static int64_t number_next, number_end;
-static int register_copies;
 /* Files the cache is to keep and has not been handed yet (note rows with opens, notes), and
  * the room they will take, which the room the daemon told (lane_room) does not count yet. */
 static int64_t noting, noting_bytes;
@@ -638,8 +637,8 @@ EXPORT void lane_counts(uint64_t out[14]) {
 /* The next source file read through a row with `note`: its path's length (copied into
  * `path`, `cap` bytes), its inode, open descriptor and copy (now the caller's), the entry
  * number the copy is named as and its backing id (`named`: -1 and 0 if none; the caller's
- * too), and version (dev, ino, size, mtime_ns, ctime_ns); -1 if there is none. The descriptor given by
- * lane_notes_fd is readable while there may be some. */
+ * too), and version (dev, ino, size, mtime_ns, ctime_ns); -1 if there is none. The
+ * descriptor given by lane_notes_fd is readable while there may be some. */
 EXPORT ssize_t lane_note(uint64_t *nodeid, int *fd, int *copy, int64_t named[2],
                          int64_t version[5], char *path, size_t cap) {
     pthread_mutex_lock(&rows_lock);
@@ -1193,12 +1192,12 @@ static int copy_file(int64_t number, char name[24]) {
 /* Copy the noted file `n` into the entries' directory, from the pages its reads brought in
  * (sendfile: what was not read is read now), those pages dropped after (the cache has the
  * bytes): named as entry `number` (the next the daemon handed: lane_numbers) and registered
- * as a backing file if the daemon asked (`reg`), what the daemon's loop would do per file
+ * as a backing file (id 0 if the kernel refuses it), what the daemon's loop would do per file
  * (coordlfs.cache.cache.WholeFileCache.adopt_copy); without a number, unnamed, for the daemon
  * to name. The note then holds the copy (-1 if the copy failed or the file is not the
  * version the row's opens read any more: the daemon backfills it itself, and meets the
  * failure there, a full cache filesystem noted by the cache), its number and its id. */
-static void copy_note(struct note *n, int64_t number, int reg) {
+static void copy_note(struct note *n, int64_t number) {
     char name[24];
     int out = copy_file(number, name);
     if (out < 0)
@@ -1225,20 +1224,17 @@ static void copy_note(struct note *n, int64_t number, int reg) {
         return;
     n->number = number;
     atomic_fetch_add(&copies_named, 1);
-    if (reg) {
-        struct backing_map map = {out, 0, 0};
-        int id = ioctl(dev_fd, BACKING_OPEN, &map);
-        n->backing = id > 0 ? id : 0;
-    }
+    struct backing_map map = {out, 0, 0};
+    int id = ioctl(dev_fd, BACKING_OPEN, &map);
+    n->backing = id > 0 ? id : 0;
 }
 
 /* Hand the copier entry numbers `first` .. `first + count - 1` for its copies' names (the
- * numbers it had left are not used), and whether to register each copy as a backing file. */
-EXPORT void lane_numbers(int64_t first, int64_t count, int register_) {
+ * numbers it had left are not used). */
+EXPORT void lane_numbers(int64_t first, int64_t count) {
     pthread_mutex_lock(&rows_lock);
     number_next = first;
     number_end = first + count;
-    register_copies = register_;
     pthread_mutex_unlock(&rows_lock);
 }
 
@@ -1264,18 +1260,17 @@ static void *copier(void *unused) {
             copying_tail = NULL;
         /* taken now, under the lock held anyway (a copy that fails leaves a gap) */
         int64_t number = number_next < number_end ? number_next++ : -1;
-        int reg = register_copies;
         pthread_mutex_unlock(&rows_lock);
         n->copy = -1;
-        copy_note(n, number, reg);
+        copy_note(n, number);
         push_note(n);
     }
     return NULL;
 }
 
 /* Copy the files of notes into directory `dir_fd` (the cache's entries' files) before the
- * daemon is handed them, in a thread started now: the daemon then only links each copy
- * under its entry's name (coordlfs.fs.rows.LaneRows._noted). 0, or -errno. */
+ * daemon is handed them, in a thread started now: the daemon then only adopts each copy as
+ * its entry's file (coordlfs.fs.rows.LaneRows._noted). 0, or -errno. */
 EXPORT int lane_copy_into(int dir_fd) {
     int fd = fcntl(dir_fd, F_DUPFD_CLOEXEC, 0);
     if (fd < 0)

@@ -44,6 +44,17 @@ def parent_pid(pid: int) -> int | None:
         return None
 
 
+def group_members(pgid: int) -> set[int]:
+    """The processes of group ``pgid`` now."""
+    members = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):  # gone meanwhile
+                if int(_stat(int(name))[2]) == pgid:
+                    members.add(int(name))
+    return members
+
+
 def process_uids(pid: int) -> tuple[int, int] | None:
     """The real and effective uid of a process, or None if it is gone.
 
