@@ -23,7 +23,7 @@ from coordlfs.bench.reading import copy_files, read_files
 from coordlfs.client.dataset import Dataset as ClientDataset
 from coordlfs.errors import UserError
 from coordlfs.protocol.order import batches_of
-from coordlfs.system.processes import group_members
+from coordlfs.system.processes import group_members, process_alive
 from coordlfs.testbed.cgroup import Cgroup
 
 #: Seconds a process group gets to go after SIGTERM before SIGKILL.
@@ -83,9 +83,8 @@ def _start_worker(cgroup: Cgroup | None) -> None:
 
 def stop_group(process: subprocess.Popen[Any]) -> None:
     """Stop a child started in a session of its own and every process it forked (fio's job
-    processes, a training job's loader workers), by the group's id; then remove the shared
-    memory its processes named by their pids and left (``remove_left_in_shm``)."""
-    members = group_members(process.pid)
+    processes, a training job's loader workers), by the group's id; what the group left
+    running once its leader is gone (or ended) is killed too, and waited for."""
     for sig, wait in ((signal.SIGTERM, STOP_WAIT_S), (signal.SIGKILL, None)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, sig)
@@ -96,24 +95,29 @@ def stop_group(process: subprocess.Popen[Any]) -> None:
             continue
     with contextlib.suppress(ProcessLookupError):  # a worker may outlive its leader
         os.killpg(process.pid, signal.SIGKILL)
-    remove_left_in_shm(members)
+    deadline = time.monotonic() + STOP_WAIT_S  # gone, so that what they left can go
+    while time.monotonic() < deadline and any(map(process_alive, group_members(process.pid))):
+        time.sleep(0.01)
 
 
-def remove_left_in_shm(pids: set[int]) -> None:
-    """Remove what processes ``pids`` (gone now) left in ``SHM``: torch names a tensor's
-    shared memory ``torch_<pid>_...`` and unlinks it once handed over, so a loader worker
-    killed meanwhile leaves it (19 MB seen after a stopped job). Only this user's regular
-    files: the names are in a directory every user writes."""
+def remove_left_in_shm(since: float) -> None:
+    """Remove the shared memory processes now gone named by their pids in ``SHM`` since
+    ``since`` (``time.time()``) and left there: torch names a tensor's ``torch_<pid>_...``
+    and unlinks it only once handed over (tens of ms later), so a loader worker that ends
+    meanwhile (stopped with its job, or terminated by its loader's shutdown) leaves it (19 MB
+    seen after suites whose jobs all ended). Only this user's regular files (the directory is
+    every user's), only of processes gone (a live one may yet hand its file over)."""
     uid = os.geteuid()
     for name in os.listdir(SHM):
         parts = name.split("_")
         if len(parts) < 3 or parts[0] != "torch" or not parts[1].isdigit() \
-                or int(parts[1]) not in pids:
+                or process_alive(int(parts[1])):
             continue
+        path = os.path.join(SHM, name)
         with contextlib.suppress(FileNotFoundError):
-            st = os.lstat(os.path.join(SHM, name))
-            if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
-                os.unlink(os.path.join(SHM, name))
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == uid and st.st_ctime >= since:
+                os.unlink(path)
 
 
 @dataclass(slots=True)

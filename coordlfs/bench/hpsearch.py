@@ -46,7 +46,6 @@ import importlib.util
 import json
 import os
 import queue
-import signal
 import statistics
 import subprocess
 import sys
@@ -58,7 +57,7 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from coordlfs.bench import harness
-from coordlfs.bench.children import EpochMarks, running, stop_group
+from coordlfs.bench.children import EpochMarks, remove_left_in_shm, running, stop_group
 from coordlfs.bench.hits import evict
 from coordlfs.bench.ratios import median, ratio
 from coordlfs.bench.reading import read_files
@@ -258,8 +257,12 @@ class Jobs:
     logs: list[Path]
     processes: list[subprocess.Popen[str]] = field(default_factory=list)
     events: queue.Queue = field(default_factory=queue.Queue)
+    #: when they started (``time.time()``), a second early: file times are the kernel's
+    #: coarse clock (``remove_left_in_shm``)
+    since: float = 0.0
 
     def start(self) -> None:
+        self.since = time.time() - 1
         for index, (argv, log) in enumerate(zip(self.argvs, self.logs, strict=True)):
             with open(log, "w") as stderr:
                 process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -324,18 +327,15 @@ class Jobs:
         return [r for r in results if r is not None], marks.per_epoch()
 
     def stop(self) -> None:
-        """Stop every job still running with its group; a job that did not end well may
-        have left workers in its group, which go too."""
+        """Stop every job with its group (what a job that ended left running in it goes too),
+        then remove the shared memory its workers left (``remove_left_in_shm``)."""
         for process in self.processes:
-            if process.poll() is None:
-                stop_group(process)
-            if process.returncode != 0:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
+            stop_group(process)
             for stream in (process.stdin, process.stdout):
                 with contextlib.suppress(OSError):
                     if stream is not None:
                         stream.close()
+        remove_left_in_shm(self.since)
 
 
 # -- one configuration -----------------------------------------------------------------------
