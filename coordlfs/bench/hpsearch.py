@@ -335,7 +335,8 @@ class Jobs:
                 with contextlib.suppress(OSError):
                     if stream is not None:
                         stream.close()
-        remove_left_in_shm(self.since)
+        if self.processes:
+            remove_left_in_shm(self.since)
 
 
 # -- one configuration -----------------------------------------------------------------------
