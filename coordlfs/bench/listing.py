@@ -32,6 +32,7 @@ from coordlfs.bench import harness
 from coordlfs.bench.overhead import _rss as rss_anon
 from coordlfs.errors import UserError
 from coordlfs.testbed.mounts import mounted
+from coordlfs.testbed.storage import drop_caches
 
 #: name -> argv before the directory
 COMMANDS = {"ls": ["ls"], "ls -f": ["ls", "-f"], "find": ["find"]}
@@ -75,11 +76,6 @@ def make_directory(work: Path, entries: int) -> Path:
         os.close(fd)
     done.touch()
     return directory
-
-
-def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def key_of(command: str) -> str:
