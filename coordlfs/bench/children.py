@@ -96,7 +96,7 @@ def stop_group(process: subprocess.Popen[Any]) -> None:
     with contextlib.suppress(ProcessLookupError):  # a worker may outlive its leader
         os.killpg(process.pid, signal.SIGKILL)
     deadline = time.monotonic() + STOP_WAIT_S  # gone, so that what they left can go
-    while time.monotonic() < deadline and any(map(process_alive, group_members(process.pid))):
+    while time.monotonic() < deadline and group_members(process.pid):
         time.sleep(0.01)
 
 

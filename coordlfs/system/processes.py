@@ -45,12 +45,13 @@ def parent_pid(pid: int) -> int | None:
 
 
 def group_members(pgid: int) -> set[int]:
-    """The processes of group ``pgid`` now."""
+    """The live processes of group ``pgid`` now (zombies, already gone, left out)."""
     members = set()
     for name in os.listdir("/proc"):
         if name.isdigit():
             with contextlib.suppress(OSError, ValueError, IndexError):  # gone meanwhile
-                if int(_stat(int(name))[2]) == pgid:
+                fields = _stat(int(name))
+                if int(fields[2]) == pgid and fields[0] != "Z":
                     members.add(int(name))
     return members
 
