@@ -63,6 +63,17 @@ def _last_pid() -> int:
     return process.pid
 
 
+def _workers(jobs: Jobs) -> list[int]:
+    """Each job's worker pid, in job order: the "end" job's output may end (an event of
+    None) before the other job's worker speaks."""
+    workers: dict[int, int] = {}
+    while len(workers) < 2:
+        index, event = jobs.next_event()
+        if event is not None:
+            workers[index] = event["worker"]
+    return [workers[0], workers[1]]
+
+
 def test_jobs_leave_no_shared_memory_of_their_workers(tmp_path: Path) -> None:
     before = Path(SHM, f"torch_{_last_pid()}_1_1")  # a dead process's, from before the jobs
     before.write_bytes(b"b")
@@ -74,7 +85,7 @@ def test_jobs_leave_no_shared_memory_of_their_workers(tmp_path: Path) -> None:
     left: list[Path] = []
     try:
         jobs.start()
-        workers = [jobs.next_event()[1]["worker"] for _ in range(2)]
+        workers = _workers(jobs)
         left = [Path(SHM, f"torch_{w}_4174248260_2") for w in workers]
         theirs = Path(SHM, f"torch_{workers[1]}_2_2")  # another user's
         theirs.write_bytes(b"t")
@@ -87,5 +98,6 @@ def test_jobs_leave_no_shared_memory_of_their_workers(tmp_path: Path) -> None:
         assert not left[0].exists() and not left[1].exists()
         assert theirs.exists() and live.exists() and before.exists()
     finally:
+        jobs.stop()  # again, harmless: a failed assertion above leaves no job running
         for path in (before, live, *left):
             path.unlink(missing_ok=True)
