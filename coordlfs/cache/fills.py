@@ -246,6 +246,9 @@ class FillQueue:
     tallies: OrderedDict[Requester, dict[str, int]] = field(default_factory=OrderedDict)
     #: told when a warm has no file left (``warm.status`` waits for it)
     drained: Callable[[], None] = lambda: None
+    #: told of each file handed over with room promised to it (True), and of each file
+    #: whose fill ended or was dropped (False): the request lane's notes (``LaneNodes.handed``)
+    handed: Callable[[bytes, bool], None] = lambda _path, _on: None
     _more: trio.Event = field(default_factory=trio.Event)
 
     def add(self, requester: Requester, paths: list[bytes], size: int = 0) -> int:
@@ -259,7 +262,10 @@ class FillQueue:
             self.cache.room.promise(size)
             # marked until their fills end (``end``); a peer's are not filled here
             peers = set(elsewhere)
-            self.cache.publisher.hand_over([p for n, p in enumerate(paths) if n not in peers])
+            here = [p for n, p in enumerate(paths) if n not in peers]
+            self.cache.publisher.hand_over(here)
+            for path in here:
+                self.handed(path, True)
         return taken
 
     def warm(self, requester: Requester, paths: list[bytes]) -> tuple[int, list[int]]:
@@ -319,6 +325,7 @@ class FillQueue:
         queue = self.queues.pop(requester, None)
         for path in queue or ():
             self.cache.publisher.take_back(path)
+            self.handed(path, False)
         dropped = len(queue) if queue is not None else 0
         self.queued -= dropped
         if (tally := self.tallies.get(requester)) is not None:
@@ -361,6 +368,7 @@ class FillQueue:
         self.in_flight -= 1
         try:
             outcome = self._end(fill)
+            self.handed(fill.path, False)
             if outcome != "files":  # handed over and never filled (publishing took a filled one's)
                 self.cache.publisher.take_back(fill.path)
             if (tally := self.tallies.get(fill.requester)) is not None:

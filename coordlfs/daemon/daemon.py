@@ -351,6 +351,7 @@ class Daemon:
             else:
                 rows, freshness = self.ops.opens.rows, self.ops.freshness
                 rows.serve_by_lane(started, lookups=freshness.watching)
+                self.fills.handed = started.nodes.handed
                 started.attr_timeout(freshness.timeout)
                 freshness.gave_up.append(lambda: started.attr_timeout(freshness.timeout))
                 freshness.gave_up.append(rows.no_lookups)

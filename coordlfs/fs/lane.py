@@ -373,7 +373,7 @@ class Lane:
         return {"opens": opens, "source_opens": source_opens, "peer_opens": peer_opens,
                 "releases": releases, "getattrs": getattrs, "ioctls": ioctls,
                 "lookups": lookups, "forgets": forgets, "copies": copies,
-                "copies_named": named,
+                "copies_named": named, "noting": self.noting(),
                 "rows": self.gauges()[1],
                 "nodes": nodes, "keys_held": keys, "directories": directories}
 

@@ -57,6 +57,7 @@ class LaneNodes:
                                            ctypes.c_int, ctypes.c_char_p]
         lib.lane_room.argtypes = [_i64]
         lib.lane_hold.argtypes = [_u64, _u64, ctypes.c_int]
+        lib.lane_handed.argtypes = [ctypes.c_char_p, ctypes.c_int]
         lib.lane_adopt.argtypes = [ctypes.c_int, _u64, _u64, ctypes.c_int,
                                    ctypes.POINTER(_u64), ctypes.POINTER(_u64 * 2),
                                    ctypes.POINTER(_i64 * 4), ctypes.c_char_p, ctypes.c_size_t]
@@ -89,6 +90,14 @@ class LaneNodes:
         files are handed to it while this, less the files handed and not yet reserved,
         takes them."""
         self._lib.lane_room(size)
+
+    def handed(self, path: bytes, on: bool) -> None:
+        """The file at ``path`` was handed to the fills with room promised to it (``on``), or
+        its fill ended: a source row of it hands its file to the cache at its last release
+        whatever the room (lane.c's ``promise``), so that a reader ahead of its fill fills
+        it from the pages it read, while they are still there. Without memory for it, the
+        row is kept by the room alone, as any other."""
+        self._lib.lane_handed(path, on)
 
     def hold(self, key: Key) -> None:
         """A table of the daemon's holds ``key`` now: the lane numbers no node for it."""

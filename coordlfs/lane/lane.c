@@ -409,6 +409,7 @@ int offer_locked(uint64_t nodeid, int32_t backing, const char *path,
     r->peer = source ? peer : -1;
     r->noted = 0;
     r->adopted = 0;
+    r->handed = 0;
     r->fd = -1;
 out:
     return rc;
@@ -424,7 +425,8 @@ static void held_landed(const struct row *r, int64_t change) {
 
 /* Row `r`'s file is to be handed to the cache (`keep`, if the room takes it beside the
  * files already promised: with the headroom to spare, or, `again` (a file promised at its
- * open), at all), or no longer is. Under the mutex. */
+ * open), at all; or whatever the room if the fills were handed it: its room is promised to
+ * it, lane_handed), or no longer is. Under the mutex. */
 static void promise(struct row *r, int keep, int again) {
     int64_t pages = pages_of(r->v.size);
     if (r->note) {
@@ -432,7 +434,7 @@ static void promise(struct row *r, int keep, int again) {
         noting_bytes -= pages;
     }
     int room = keep ? room_for(noting_bytes, pages) : 0;
-    r->note = room > 0 || (again && room < 0);
+    r->note = room > 0 || (again && room < 0) || (keep && r->handed);
     if (r->note) {
         noting++;
         noting_bytes += pages;
@@ -759,6 +761,7 @@ static int register_source(struct row *r, int fd) {
     }
     r->v.backing = id;
     r->fd = fd;
+    r->handed = r->keep && handed_locked(r->path);
     promise(r, r->keep, 0);
     sources_held++;
     held_landed(r, 1);
@@ -826,7 +829,8 @@ static int answer_open(const char *mem, size_t len, int fetching) {
     if (ok && source && !r->opens) {
         /* a peer row's opens all went since it looked: it has no file; a file the room
          * takes only within the headroom: the daemon's open reserves it */
-        ok = (first || peer < 0) && !(r->keep && room_for(noting_bytes, pages_of(v.size)) < 0)
+        ok = (first || peer < 0) && !(r->keep && room_for(noting_bytes, pages_of(v.size)) < 0
+                                      && !handed_locked(r->path))
              && register_source(r, fd);
         if (ok) {
             fetched = 1;

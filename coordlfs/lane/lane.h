@@ -113,7 +113,8 @@ enum { KIND_NONE, KIND_ENTRY, KIND_SOURCE, KIND_PEER };
 struct row {
     struct row *next;
     uint64_t nodeid;
-    int active, source, keep, note, noted, adopted, fd, peer;
+    /* handed: its file was handed to the fills at its first open (handed_locked) */
+    int active, source, keep, note, noted, adopted, fd, peer, handed;
     int64_t opens;
     struct version v;
     struct shown shown;
@@ -157,6 +158,9 @@ int keep_for(int64_t size);
  * daemon reserves it at its open, so that the room clients read stays exact near full).
  * Under the mutex. */
 int room_for(int64_t promised, int64_t pages);
+/* Whether the file at `path` is handed to the fills and not filled yet (lane_handed).
+ * Under the mutex. */
+int handed_locked(const char *path);
 /* What a file of `size` bytes takes of the room: whole pages, as the cache charges it
  * (coordlfs.sizes.pages). */
 #define PAGE 4096

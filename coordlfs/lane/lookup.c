@@ -134,7 +134,7 @@ struct dir {
     char path[];
 };
 
-static struct table keys, nodes, dirs;
+static struct table keys, nodes, dirs, handed;
 static uint64_t numbered;
 /* The nodes' allocations, kept as they come and go (the status reads it: no walk). */
 static int64_t node_bytes;
@@ -330,6 +330,52 @@ EXPORT uint64_t lane_node_of(uint64_t dev, uint64_t ino) {
     uint64_t node = k ? k->node : 0;
     pthread_mutex_unlock(&rows_lock);
     return node;
+}
+
+/* The two words a path is kept under in `handed`: two 64-bit hashes of it (a collision
+ * notes a file the room may not take, and the daemon's adoption checks the room again). */
+static void path_words(const char *path, uint64_t *a, uint64_t *b) {
+    uint64_t h1 = 0xcbf29ce484222325ULL, h2 = 0x9E3779B97F4A7C15ULL;
+    for (const unsigned char *p = (const unsigned char *)path; *p; p++) {
+        h1 = (h1 ^ *p) * 0x100000001b3ULL;
+        h2 = (h2 ^ *p) * 0xC2B2AE3D27D4EB4FULL;
+        h2 ^= h2 >> 31;
+    }
+    *a = h1, *b = h2;
+}
+
+/* The file at `path` (beneath the root) is handed to the fills (`on`: a prefetch that
+ * promised it room, coordlfs.cache.fills.FillQueue.add) or no longer (its fill ended): a
+ * source row of it is kept by the cache at its last release whatever the room, its room
+ * being promised to it already (promise). So a reader that gets to a file before its fill
+ * does hands the cache its own read at once; the fill, coming later, would find its pages
+ * reclaimed and read storage again (pages go within seconds on a machine that pages cold
+ * memory out). 0, or -ENOMEM (then the row is noted by the room alone, as before). */
+EXPORT int lane_handed(const char *path, int on) {
+    uint64_t a, b;
+    path_words(path, &a, &b);
+    pthread_mutex_lock(&rows_lock);
+    struct link *l = get(&handed, a, b);
+    int rc = 0;
+    if (on && !l) {
+        if (!(l = malloc(sizeof *l)) || (l->a = a, l->b = b, put(&handed, l) < 0)) {
+            free(l);
+            rc = -ENOMEM;
+        }
+    } else if (!on && l) {
+        take_out(&handed, l);
+        free(l);
+    }
+    pthread_mutex_unlock(&rows_lock);
+    return rc;
+}
+
+int handed_locked(const char *path) {
+    uint64_t a, b;
+    if (!handed.count)
+        return 0;
+    path_words(path, &a, &b);
+    return get(&handed, a, b) != NULL;
 }
 
 /* Nodes numbered here and not adopted; keys held or numbered; directories; the bytes a key
