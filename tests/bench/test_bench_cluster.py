@@ -29,6 +29,18 @@ def test_summary_is_the_cache_alone_over_peers_after_the_first_epoch() -> None:
     assert summarize(zero)["storage_bytes_ratio"] is None  # no storage reads: no finite ratio
 
 
+#: the size of small_run's files
+FILE = 64 << 10
+
+
+def no_file_from_storage(nodes: list[dict]) -> bool:
+    """Whether an epoch's nodes read no file's bytes from storage (the mounts' own count),
+    and less than a file in all: the source's metadata this machine's reclaim took since the
+    last epoch is read again (docs/design/testing.md: 4,096 bytes in one CI run)."""
+    return (sum(n["data_bytes"] for n in nodes) == 0
+            and sum(n["storage_bytes"] for n in nodes) < FILE)
+
+
 def small_run(tmp_path: Path, daemon_logs: list[Path], *options: str) -> dict:
     """Two nodes, 300 files of 64 KB, each node caching 60%, two epochs: the JSON report."""
     daemon_logs.append(tmp_path / "work")
@@ -44,7 +56,7 @@ def small_run(tmp_path: Path, daemon_logs: list[Path], *options: str) -> dict:
 
 
 def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
-    """Two nodes each caching 60%: with peers the second epoch reads nothing from storage."""
+    """Two nodes each caching 60%: with peers the second epoch reads no file from storage."""
     report = small_run(tmp_path, daemon_logs)
     total = report["dataset"]["bytes"]
     systems = report["runs"][0]
@@ -52,11 +64,11 @@ def test_small_run_end_to_end(tmp_path: Path, daemon_logs: list[Path]) -> None:
     peers = systems["cache+peers"]["epochs"]
     # one machine's page cache under both nodes: what one read, the other may copy from it
     assert sum(n["storage_bytes"] + n["memory_bytes"] for n in peers[0]) >= total * 0.99
-    assert sum(n["storage_bytes"] for n in peers[1]) == 0
+    assert no_file_from_storage(peers[1])
     assert sum(n["peer_bytes"] for n in peers[1]) > 0
     alone = systems["cache"]["epochs"]
     assert sum(n["storage_bytes"] for n in alone[1]) > 0  # each node misses the other's half
-    assert report["summary"]["peers_storage_bytes_after_first_epoch"] == [0]
+    assert report["summary"]["peers_storage_bytes_after_first_epoch"][0] < FILE
     assert all(n["cpu_seconds"] > 0 for n in peers[1])
     assert report["summary"]["peers_cpu_seconds_after_first_epoch"][0] > 0
 
@@ -76,7 +88,7 @@ def test_small_run_with_the_order_handed_over(tmp_path: Path, daemon_logs: list[
     report = small_run(tmp_path, daemon_logs, "--order-handed-over")
     assert report["settings"]["order_handed_over"] is True
     peers = report["runs"][0]["cache+peers"]
-    assert sum(n["storage_bytes"] for n in peers["epochs"][1]) == 0
+    assert no_file_from_storage(peers["epochs"][1])
     nodes = peers["peer_counters"]
     assert len(nodes) == 2 and all(n["served_batches"] > 0 for n in nodes)
     assert sum(n["held"]["hits"] for n in nodes) > 0
@@ -93,7 +105,7 @@ def test_small_run_through_the_client(tmp_path: Path, daemon_logs: list[Path]) -
     assert report["settings"]["client"] is True
     assert report["settings"]["order_handed_over"] is False  # implied, not set
     peers = report["runs"][0]["cache+peers"]
-    assert sum(n["storage_bytes"] for n in peers["epochs"][1]) == 0
+    assert no_file_from_storage(peers["epochs"][1])
     assert sum(n["peer_bytes"] for n in peers["epochs"][1]) > 0
     assert sum(n["held"]["hits"] for n in peers["peer_counters"]) > 0
     assert "epoch_time_ratio" in report["summary"]
