@@ -324,13 +324,20 @@ class FillQueue:
         many files were dropped."""
         queue = self.queues.pop(requester, None)
         for path in queue or ():
-            self.cache.publisher.take_back(path)
-            self.handed(path, False)
+            self._taken_back(path)
         dropped = len(queue) if queue is not None else 0
         self.queued -= dropped
         if (tally := self.tallies.get(requester)) is not None:
             tally["left"] -= dropped
         return dropped
+
+    def _taken_back(self, path: bytes, published: bool = False) -> None:
+        """A file handed over is no longer to be filled: its mark in the index goes (a
+        filled one's went when publishing took it), and the lane no longer keeps a reader's
+        copy of it regardless of the room."""
+        if not published:
+            self.cache.publisher.take_back(path)
+        self.handed(path, False)
 
     def reserve_all(self, fills: list[_Fill]) -> None:
         """On the event loop, for a worker: reserve the entries to fill; the rest are
@@ -368,9 +375,7 @@ class FillQueue:
         self.in_flight -= 1
         try:
             outcome = self._end(fill)
-            self.handed(fill.path, False)
-            if outcome != "files":  # handed over and never filled (publishing took a filled one's)
-                self.cache.publisher.take_back(fill.path)
+            self._taken_back(fill.path, published=outcome == "files")
             if (tally := self.tallies.get(fill.requester)) is not None:
                 tally["left"] -= 1
                 if not tally["left"]:

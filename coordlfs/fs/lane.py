@@ -370,11 +370,11 @@ class Lane:
         (opens, _, releases, source_opens, _, _, peer_opens, _, getattrs, ioctls, lookups,
          forgets, copies, named) = self.counts()
         nodes, keys, directories, _, _ = self.nodes.gauges()
+        noting, rows = self.gauges()[:2]
         return {"opens": opens, "source_opens": source_opens, "peer_opens": peer_opens,
                 "releases": releases, "getattrs": getattrs, "ioctls": ioctls,
                 "lookups": lookups, "forgets": forgets, "copies": copies,
-                "copies_named": named, "noting": self.noting(),
-                "rows": self.gauges()[1],
+                "copies_named": named, "noting": noting, "rows": rows,
                 "nodes": nodes, "keys_held": keys, "directories": directories}
 
     def fold(self, reads: ReadCounters) -> None:

@@ -750,9 +750,10 @@ static int same_row(const struct row *r, const struct version *v) {
 }
 
 /* A source row's first open: the file opened as `fd` registered as its backing (the row
- * keeps `fd`); 0 if the kernel refused it (the row then answers no more opens). Under the
- * mutex, so that an inode's opens share one backing. */
-static int register_source(struct row *r, int fd) {
+ * keeps `fd`), `handed` saying whether the fills were handed it (handed_locked); 0 if the
+ * kernel refused it (the row then answers no more opens). Under the mutex, so that an
+ * inode's opens share one backing. */
+static int register_source(struct row *r, int fd, int handed) {
     struct backing_map map = {fd, 0, 0};
     int id = ioctl(dev_fd, BACKING_OPEN, &map);
     if (id <= 0) {
@@ -761,7 +762,7 @@ static int register_source(struct row *r, int fd) {
     }
     r->v.backing = id;
     r->fd = fd;
-    r->handed = r->keep && handed_locked(r->path);
+    r->handed = handed;
     promise(r, r->keep, 0);
     sources_held++;
     held_landed(r, 1);
@@ -828,10 +829,12 @@ static int answer_open(const char *mem, size_t len, int fetching) {
     int fetched = 0; /* this open registered the file: its bytes were read for it */
     if (ok && source && !r->opens) {
         /* a peer row's opens all went since it looked: it has no file; a file the room
-         * takes only within the headroom: the daemon's open reserves it */
-        ok = (first || peer < 0) && !(r->keep && room_for(noting_bytes, pages_of(v.size)) < 0
-                                      && !handed_locked(r->path))
-             && register_source(r, fd);
+         * takes only within the headroom: the daemon's open reserves it, unless the fills
+         * were handed it (its room is promised to it) */
+        int handed = r->keep && handed_locked(r->path);
+        ok = (first || peer < 0) &&
+             !(r->keep && !handed && room_for(noting_bytes, pages_of(v.size)) < 0) &&
+             register_source(r, fd, handed);
         if (ok) {
             fetched = 1;
             fd = -1;
